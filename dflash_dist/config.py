@@ -1,0 +1,391 @@
+"""Typed configuration for dflash_dist.
+
+Hydra composes the YAML tree in ``conf/``; ``JobConfig.from_omegaconf`` turns it into these dataclasses,
+which validate themselves in ``__post_init__``. Checks that need the world size or the target's HF config
+live in ``validate_job`` and run before any model is loaded, so a wrong run fails in seconds with a
+message that says what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work. The message says which key to change and to what."""
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass
+class TargetConfig:
+    name_or_path: Optional[str] = None
+    """Local directory or hub id of a HF causal LM to load. None: build a random-init model from ``hf_config``."""
+
+    hf_config: dict = field(default_factory=dict)
+    """HF config fields (with ``model_type``) for a random-init target; ignored when ``name_or_path`` is set.
+    The special value ``{builtin: tiny}`` selects the packaged tiny target (config, weights, tokenizer)."""
+
+    init_seed: int = 0
+    """Seed of a random-init target. Drafter ranks rebuild the same embedding and lm_head from it."""
+
+    tokenizer: Optional[str] = None
+    """Tokenizer path or hub id; None: the model's own (``name_or_path`` or the packaged tiny tokenizer)."""
+
+    layer_ids: Optional[list] = None
+    """Target layers whose outputs feed the drafter (id i = output of decoder layer i = HF hidden_states[i+1]).
+    None: ``round(1 + k*(L-4)/(n-1))`` for k < num_feature_layers (Qwen3-8B: [1, 9, 17, 25, 33])."""
+
+    num_feature_layers: int = 5
+    """How many target layers feed the drafter when ``layer_ids`` is None (DFlash uses 5)."""
+
+    dtype: str = "auto"
+    """Target weights/activations: auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16 or float32."""
+
+    attn_implementation: str = "sdpa"
+    """HF attention implementation of the target's attention layers (sdpa, flash_attention_2, eager)."""
+
+    fast_path: str = "auto"
+    """Hybrid-model kernels (fla, causal-conv1d): require | warn | allow. auto = require on CUDA, allow on CPU."""
+
+    max_batch_tokens: int = 8192
+    """Token budget of one target forward (= one message). Samples of similar length are grouped up to it."""
+
+    max_batch_samples: int = 64
+    """Upper bound on samples per message, whatever their length."""
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in ("auto", "bfloat16", "float16", "float32"),
+                 f"target.dtype={self.dtype!r}: use auto, bfloat16, float16 or float32")
+        _require(self.fast_path in ("auto", "require", "warn", "allow"),
+                 f"target.fast_path={self.fast_path!r}: use auto, require, warn or allow")
+        _require(self.num_feature_layers >= 1, "target.num_feature_layers must be >= 1")
+        _require(self.max_batch_tokens >= 16, "target.max_batch_tokens must be >= 16")
+        _require(self.max_batch_samples >= 1, "target.max_batch_samples must be >= 1")
+        if self.layer_ids is not None:
+            self.layer_ids = [int(i) for i in self.layer_ids]
+            _require(len(self.layer_ids) >= 1, "target.layer_ids is empty: give at least one layer id or null")
+            _require(len(set(self.layer_ids)) == len(self.layer_ids),
+                     f"target.layer_ids={self.layer_ids} has duplicates")
+            _require(self.layer_ids == sorted(self.layer_ids),
+                     f"target.layer_ids={self.layer_ids} must be increasing")
+        _require(self.name_or_path is not None or bool(self.hf_config),
+                 "target: set target.name_or_path (a local dir or hub id) or target.hf_config (random init)")
+
+
+@dataclass
+class DrafterConfig:
+    num_layers: int = 5
+    """Number of DFlash draft layers (Qwen3 decoder layers with target features as extra keys/values)."""
+
+    block_size: int = 16
+    """Tokens drafted per block: slot 0 is the anchor (known) token, slots 1..B-1 are MASK tokens to predict."""
+
+    num_anchors: int = 512
+    """Blocks per sample per step: anchors sampled from supervised positions; fewer are padded (static shapes)."""
+
+    loss_gamma: Optional[float] = None
+    """Slot weight exp(-(k-1)/gamma); None: 7 for block 16, scaled as 7*B/16 otherwise."""
+
+    mask_token_id: Optional[int] = None
+    """Token id of MASK. None: the tokenizer's mask token (``<|MASK|>``/``mask_token``) or the packaged tiny one."""
+
+    attention_backend: str = "auto"
+    """flex (compiled flex_attention + BlockMask; CUDA default), sdpa (dense bool mask; needed on CPU:
+    flex_attention has no CPU backward) or auto (flex on CUDA, sdpa on CPU). The choice is printed at startup."""
+
+    compile: bool = True
+    """torch.compile the flex attention kernel and the mask builder (fullgraph). Required for flex."""
+
+    intermediate_size: Optional[int] = None
+    """MLP width; None: the target's."""
+
+    loss_chunk_rows: int = 2048
+    """Rows of the vocab projection computed at once (the [rows, V] logits never exist whole)."""
+
+    ctx_bucket: int = 256
+    """Context lengths are padded up to a multiple of this, so the number of compiled shapes stays small."""
+
+    def __post_init__(self) -> None:
+        _require(self.num_layers >= 1, f"drafter.num_layers={self.num_layers}: must be >= 1")
+        _require(self.block_size >= 2, f"drafter.block_size={self.block_size}: must be >= 2 (slot 0 is the anchor)")
+        _require(self.num_anchors > 0, f"drafter.num_anchors={self.num_anchors}: must be > 0")
+        _require(self.attention_backend in ("auto", "flex", "sdpa"),
+                 f"drafter.attention_backend={self.attention_backend!r}: use flex, sdpa or auto")
+        _require(self.loss_gamma is None or self.loss_gamma > 0, "drafter.loss_gamma must be > 0")
+        _require(self.loss_chunk_rows >= 16, "drafter.loss_chunk_rows must be >= 16")
+        _require(self.ctx_bucket >= 16 and self.ctx_bucket % 16 == 0,
+                 f"drafter.ctx_bucket={self.ctx_bucket}: must be a multiple of 16")
+        if self.attention_backend == "flex" and not self.compile:
+            raise ConfigError("drafter.attention_backend=flex needs drafter.compile=true: uncompiled flex_attention "
+                              "runs the dense fallback (43x slower, 200x the memory). Use sdpa to run without compile.")
+
+    @property
+    def gamma(self) -> float:
+        return float(self.loss_gamma) if self.loss_gamma is not None else 7.0 * self.block_size / 16.0
+
+
+@dataclass
+class DataConfig:
+    source: str = "builtin"
+    """builtin (the packaged corpus, regenerated by the tiny target) or a path to a JSONL file of
+    ``{"messages": [{"role": ..., "content": ...}]}`` conversations (loss on assistant tokens only)."""
+
+    max_length: int = 3072
+    """Longest sample in tokens (the paper's 3072)."""
+
+    overlong: str = "truncate"
+    """What to do with a sample longer than max_length: truncate or skip (counted either way)."""
+
+    max_bad_fraction: float = 0.05
+    """Fail the run with a summary if more than this fraction of rows is malformed or unusable."""
+
+    num_workers: int = 2
+    """Worker processes for tokenization (processes, never threads: the step must not fight for the GIL)."""
+
+    shuffle_seed: int = 1234
+    """Seed of the per-epoch shuffle. The batching plan depends only on it, the data and the target batching."""
+
+    holdout: int = 16
+    """Conversations kept out of training for acceptance evaluation (prompts only)."""
+
+    cache_dir: Optional[str] = None
+    """Where the pre-tokenized dataset is cached; None: <output_dir>/data_cache."""
+
+    def __post_init__(self) -> None:
+        _require(self.max_length >= 8, f"data.max_length={self.max_length}: must be >= 8")
+        _require(self.overlong in ("truncate", "skip"), f"data.overlong={self.overlong!r}: use truncate or skip")
+        _require(0.0 <= self.max_bad_fraction <= 1.0, "data.max_bad_fraction must be in [0, 1]")
+        _require(self.num_workers >= 0, "data.num_workers must be >= 0")
+        _require(self.holdout >= 0, "data.holdout must be >= 0")
+
+
+@dataclass
+class TopologyConfig:
+    target_ranks: Any = 1
+    """How many ranks run the target (global ranks 0..T-1); the rest train the drafter. ``auto``: measured split."""
+
+    max_in_flight: int = 4
+    """Messages a target may have sent but not yet seen received, per drafter link (backpressure)."""
+
+    timeout_s: float = 60.0
+    """A rank that waits this long on a peer after warm-up declares the job dead and exits non-zero."""
+
+    warmup_timeout_s: float = 900.0
+    """The same limit during model load and compilation."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target_ranks, str):
+            if self.target_ranks != "auto":
+                _require(self.target_ranks.isdigit(),
+                         f"topology.target_ranks={self.target_ranks!r}: give an integer or auto")
+                self.target_ranks = int(self.target_ranks)
+        if self.target_ranks != "auto":
+            _require(int(self.target_ranks) >= 1, f"topology.target_ranks={self.target_ranks}: need >= 1 target rank")
+        _require(self.max_in_flight >= 1, "topology.max_in_flight must be >= 1")
+        _require(self.timeout_s > 0 and self.warmup_timeout_s > 0, "topology timeouts must be > 0")
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = "outputs/default"
+    """Run directory: resolved config, metrics.jsonl, checkpoints, wandb files. One per job."""
+
+    max_steps: int = -1
+    """Stop after this many optimizer steps; -1: run ``epochs`` over the data."""
+
+    epochs: int = 6
+    """Passes over the training data (the paper's 6)."""
+
+    lr: float = 6e-4
+    """Peak AdamW learning rate."""
+
+    warmup_ratio: float = 0.04
+    """Fraction of steps of linear warmup before the cosine decay."""
+
+    min_lr_ratio: float = 0.0
+    """Cosine floor as a fraction of lr."""
+
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+
+    betas: list = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW betas."""
+
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+
+    seed: int = 0
+    """Seed for drafter init and anchor sampling (per rank: seed + rank)."""
+
+    device: str = "auto"
+    """auto (cuda if available), cuda or cpu."""
+
+    checkpoint_every: int = 0
+    """Save resumable state every N steps (0: only at the end and on SIGTERM/SIGINT)."""
+
+    keep_checkpoints: int = 2
+    """How many step checkpoints to keep."""
+
+    resume: str = "none"
+    """none, auto (newest valid checkpoint in output_dir), or a checkpoint directory."""
+
+    eval_every: int = 0
+    """Acceptance-length evaluation every N steps on the target ranks (0: only at the end if eval_prompts > 0)."""
+
+    eval_prompts: int = 0
+    """Held-out prompts per evaluation (0 disables in-training evaluation)."""
+
+    eval_max_new_tokens: int = 64
+    """Tokens generated per evaluation prompt."""
+
+    def __post_init__(self) -> None:
+        _require(self.max_steps == -1 or self.max_steps > 0, f"train.max_steps={self.max_steps}: -1 or > 0")
+        _require(self.epochs >= 1, f"train.epochs={self.epochs}: must be >= 1")
+        _require(self.lr > 0, "train.lr must be > 0")
+        _require(0 <= self.warmup_ratio < 1, "train.warmup_ratio must be in [0, 1)")
+        _require(self.grad_clip > 0, "train.grad_clip must be > 0")
+        _require(self.device in ("auto", "cuda", "cpu"), f"train.device={self.device!r}: use auto, cuda or cpu")
+        _require(self.checkpoint_every >= 0 and self.eval_every >= 0, "checkpoint_every/eval_every must be >= 0")
+        _require(self.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1")
+        _require(len(self.betas) == 2, "train.betas needs two values")
+
+
+@dataclass
+class WandbConfig:
+    mode: Optional[str] = None
+    """online, offline or disabled. None: online only if credentials are configured, else offline
+    (never wait ~90 s on a network that is not there)."""
+
+    project: str = "dflash_dist"
+    """wandb project."""
+
+    entity: Optional[str] = None
+    """wandb entity (team)."""
+
+    name: Optional[str] = None
+    """Run name; None: the output directory's name."""
+
+    def __post_init__(self) -> None:
+        _require(self.mode in (None, "online", "offline", "disabled"),
+                 f"logging.wandb.mode={self.mode!r}: use online, offline or disabled")
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 10
+    """Log metrics every N steps (console, metrics.jsonl, wandb)."""
+
+    progress_bar: bool = True
+    """Rank 0 shows a progress bar with samples/s and ETA."""
+
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases settings."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.wandb, dict):
+            self.wandb = WandbConfig(**self.wandb)
+        _require(self.log_every >= 1, "logging.log_every must be >= 1")
+
+
+@dataclass
+class JobConfig:
+    target: TargetConfig
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @staticmethod
+    def from_dict(d: dict) -> "JobConfig":
+        known = {f.name for f in dataclasses.fields(JobConfig)}
+        unknown = set(d) - known - {"hydra"}
+        _require(not unknown, f"unknown config groups {sorted(unknown)}; known: {sorted(known)}")
+        classes = {"target": TargetConfig, "drafter": DrafterConfig, "data": DataConfig,
+                   "topology": TopologyConfig, "train": TrainConfig, "logging": LoggingConfig}
+        parts = {}
+        for name, cls in classes.items():
+            section = dict(d.get(name) or {})
+            names = {f.name for f in dataclasses.fields(cls)}
+            bad = set(section) - names
+            _require(not bad, f"unknown keys {sorted(bad)} in '{name}'; known: {sorted(names)}")
+            parts[name] = cls(**section)
+        return JobConfig(**parts)
+
+    @staticmethod
+    def from_omegaconf(cfg) -> "JobConfig":
+        from omegaconf import OmegaConf
+        return JobConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def default_layer_ids(num_target_layers: int, n: int = 5) -> list[int]:
+    """DFlash's default feature layers: round(1 + k*(L-4)/(n-1)), k=0..n-1 (Qwen3-8B, L=36: [1,9,17,25,33])."""
+    if n == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [int(round(start + k * (end - start) / (n - 1))) for k in range(n)]
+
+
+def validate_job(cfg: JobConfig, world_size: int, num_target_layers: int, vocab_size: int,
+                 mask_token_id: int) -> list[int]:
+    """Checks that need the world size and the target's config. Returns the resolved layer ids."""
+    if cfg.topology.target_ranks != "auto":
+        t = int(cfg.topology.target_ranks)
+        _require(t < world_size,
+                 f"topology.target_ranks={t} leaves no drafter rank in a world of {world_size}: "
+                 f"set topology.target_ranks to at most {world_size - 1} or start more processes")
+    else:
+        _require(world_size >= 2, "topology.target_ranks=auto needs at least 2 processes")
+    layer_ids = cfg.target.layer_ids or default_layer_ids(num_target_layers, cfg.target.num_feature_layers)
+    _require(len(set(layer_ids)) == len(layer_ids),
+             f"the default layer ids {layer_ids} of a {num_target_layers}-layer target repeat: set target.layer_ids "
+             f"or lower target.num_feature_layers")
+    bad = [i for i in layer_ids if not 0 <= i < num_target_layers]
+    _require(not bad, f"target.layer_ids {bad} out of range for a target with {num_target_layers} decoder layers "
+                      f"(valid: 0..{num_target_layers - 1}; id i = output of decoder layer i)")
+    _require(0 <= mask_token_id < vocab_size,
+             f"drafter.mask_token_id={mask_token_id} is outside the target vocabulary (size {vocab_size})")
+    _require(cfg.drafter.num_anchors * cfg.drafter.block_size <= 1 << 20,
+             "drafter.num_anchors * drafter.block_size is unreasonably large (> 1M query rows)")
+    if cfg.drafter.attention_backend == "flex" and cfg.train.device == "cpu":
+        raise ConfigError("drafter.attention_backend=flex cannot train on CPU: torch's flex_attention has no CPU "
+                          "backward. Use drafter.attention_backend=sdpa (or auto) on CPU.")
+    return layer_ids
+
+
+def resolve_device(cfg: JobConfig) -> str:
+    import torch
+    if cfg.train.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA device is visible: use train.device=cpu or auto")
+    return cfg.train.device
+
+
+def resolve_backend(cfg: JobConfig, device: str) -> str:
+    b = cfg.drafter.attention_backend
+    if b == "auto":
+        return "flex" if device == "cuda" else "sdpa"
+    if b == "flex" and device == "cpu":
+        raise ConfigError("drafter.attention_backend=flex cannot train on CPU (no flex_attention backward on CPU): "
+                          "use drafter.attention_backend=sdpa")
+    return b
+
+
+def cosine_lr(step: int, total: int, warmup_ratio: float, min_ratio: float = 0.0) -> float:
+    """Multiplier of the peak lr: linear warmup over warmup_ratio*total steps, then cosine to min_ratio."""
+    warm = max(1, int(round(warmup_ratio * total)))
+    if step < warm:
+        return (step + 1) / warm
+    progress = min(1.0, (step - warm) / max(1, total - warm))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))

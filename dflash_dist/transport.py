@@ -1,0 +1,293 @@
+"""Rank-to-rank streaming of target hidden states.
+
+A message is a micro-batch of whole samples, packed: sample ids, cu_seqlens, token ids, loss mask and the
+selected features [tokens, n_layers*H]. On the wire it is three point-to-point sends:
+
+1. a fixed-size int64 header over a gloo *control* group (CPU). The receiver learns shape, dtype and kind
+   on the host without touching a CUDA stream, and gloo aborts on a too-small buffer or silently accepts a
+   wrong one, so every payload buffer is allocated from the header, never guessed;
+2. an int64 *meta* tensor (ids, cu_seqlens, tokens, mask) and
+3. the features, both over the *data* group (NCCL on GPU, gloo on CPU).
+
+Backpressure: a sender keeps at most ``max_in_flight`` unfinished messages per destination and waits on
+the oldest before sending more. Receivers post the next header ahead of the current step and post the
+payload as soon as that header lands, so transfer overlaps compute. No Python threads: gloo and NCCL
+progress on their own C++ threads; we only poll ``Work.is_completed``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from datetime import timedelta
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+MAGIC = 0x44464C53  # "DFLS"
+HEADER_LEN = 16
+KIND_DATA, KIND_END, KIND_ERROR = 1, 2, 3
+
+# header slots
+H_MAGIC, H_KIND, H_INDEX, H_NSAMPLES, H_NTOKENS, H_WIDTH, H_DTYPE, H_METALEN, H_SRC, H_ERRLEN = range(10)
+H_STATS = 10  # 10..15: sender statistics (cumulative busy us, wait us, tokens, samples, spare)
+
+DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+
+
+class TransportError(RuntimeError):
+    """The stream broke: wrong header, a peer that stopped answering, or a peer that reported an error."""
+
+
+class RemoteError(TransportError):
+    """A peer rank failed and said why (an ERROR message)."""
+
+    def __init__(self, src: int, text: str):
+        super().__init__(f"rank {src} failed: {text}")
+        self.src, self.text = src, text
+
+
+@dataclass
+class Message:
+    index: int                  # plan index k of this micro-batch
+    sample_ids: torch.Tensor    # [n] int64
+    cu_seqlens: torch.Tensor    # [n+1] int64
+    input_ids: torch.Tensor     # [T] int64
+    loss_mask: torch.Tensor     # [T] bool
+    features: torch.Tensor      # [T, F]
+    src: int = -1
+    sender_stats: list = field(default_factory=list)
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.sample_ids.numel())
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    def validate(self) -> None:
+        n, t = self.sample_ids.numel(), self.input_ids.numel()
+        if self.cu_seqlens.numel() != n + 1 or self.loss_mask.numel() != t or self.features.shape[0] != t:
+            raise TransportError(f"message {self.index}: inconsistent shapes")
+
+
+@dataclass
+class EndOfStream:
+    src: int
+    sender_stats: list = field(default_factory=list)
+
+
+def _wait(work, what: str, timeout_s: float, check: Optional[Callable[[], None]], pollable: bool = True) -> None:
+    """Block on a Work so that a dead or silent peer becomes an error that names it, not a hang.
+
+    NCCL works can be polled (``is_completed`` queries a CUDA event), so we poll and run ``check`` (the
+    liveness probe) every half second. gloo send/recv works never report completion before ``wait`` and
+    a timed-out gloo ``wait`` tears the pair down, so there we block once with the full timeout; a peer
+    that dies closes its TCP connection and gloo raises at once.
+    """
+    if not pollable:
+        try:
+            work.wait(timedelta(seconds=timeout_s))
+        except RuntimeError as e:
+            raise TransportError(f"while waiting for {what}: {str(e).splitlines()[0][:300]}") from e
+        return
+    start = last_check = time.monotonic()
+    sleep = 1e-5
+    while not work.is_completed():
+        now = time.monotonic()
+        if check is not None and now - last_check > 0.5:
+            check()
+            last_check = now
+        if now - start > timeout_s:
+            raise TransportError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(sleep)
+        sleep = min(sleep * 2, 2e-3)
+    work.wait()
+
+
+def pack_meta(sample_ids, cu_seqlens, input_ids, loss_mask) -> torch.Tensor:
+    return torch.cat([sample_ids.long(), cu_seqlens.long(), input_ids.long(), loss_mask.long()])
+
+
+def unpack_meta(meta: torch.Tensor, n: int, t: int):
+    sample_ids = meta[:n]
+    cu = meta[n:2 * n + 1]
+    ids = meta[2 * n + 1:2 * n + 1 + t]
+    mask = meta[2 * n + 1 + t:].bool()
+    return sample_ids, cu, ids, mask
+
+
+class Channel:
+    """The two groups one link uses and how long to wait on a peer."""
+
+    def __init__(self, ctrl_group, data_group, device: torch.device, timeout_s: float = 60.0,
+                 check: Optional[Callable[[], None]] = None):
+        self.ctrl_group, self.data_group = ctrl_group, data_group
+        self.device = torch.device(device)
+        self.timeout_s = timeout_s
+        self.check = check
+
+    def _pollable(self, group) -> bool:
+        return dist.get_backend(group) != "gloo"
+
+    def wait(self, work, what: str, host: bool = True, group=None) -> None:
+        """host=False on CUDA: only make the current stream wait (no host block) for payload receives."""
+        if not host and self.device.type == "cuda":
+            work.wait()
+        else:
+            _wait(work, what, self.timeout_s, self.check, self._pollable(group))
+
+    def done(self, work, group) -> bool:
+        """Non-blocking completion test; gloo point-to-point works cannot answer it, so they say False."""
+        return self._pollable(group) and work.is_completed()
+
+
+class Sender:
+    """Target side: bounded in-flight isends to any number of destinations."""
+
+    def __init__(self, channel: Channel, rank: int, max_in_flight: int = 4):
+        self.ch, self.rank, self.max_in_flight = channel, rank, max_in_flight
+        self._inflight: dict[int, deque] = {}
+        self.wait_s = 0.0  # time spent blocked on backpressure
+        self.bytes_sent = 0
+
+    def _header(self, kind: int, index: int = -1, stats=()) -> torch.Tensor:
+        h = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        h[H_MAGIC], h[H_KIND], h[H_INDEX], h[H_SRC] = MAGIC, kind, index, self.rank
+        for i, v in enumerate(list(stats)[: HEADER_LEN - H_STATS]):
+            h[H_STATS + i] = int(v)
+        return h
+
+    def _throttle(self, dst: int, limit: int) -> None:
+        q = self._inflight.setdefault(dst, deque())
+        while q and all(self.ch.done(w, g) for w, g in q[0][0]):
+            q.popleft()
+        t0 = time.monotonic()
+        while len(q) >= limit:
+            works, _ = q.popleft()
+            for w, g in works:
+                self.ch.wait(w, f"drafter rank {dst} to take a message from target rank {self.rank}", group=g)
+        self.wait_s += time.monotonic() - t0
+
+    def send(self, dst: int, msg: Message, stats=()) -> None:
+        msg.validate()
+        self._throttle(dst, self.max_in_flight)
+        feats = msg.features.contiguous()
+        if feats.dtype not in DTYPE_CODES:
+            raise TransportError(f"cannot send features of dtype {feats.dtype}")
+        h = self._header(KIND_DATA, msg.index, stats)
+        n, t = msg.num_samples, msg.num_tokens
+        h[H_NSAMPLES], h[H_NTOKENS], h[H_WIDTH] = n, t, feats.shape[1]
+        h[H_DTYPE], h[H_METALEN] = DTYPE_CODES[feats.dtype], 2 * n + 1 + 2 * t
+        meta = pack_meta(msg.sample_ids, msg.cu_seqlens, msg.input_ids, msg.loss_mask).to(self.ch.device)
+        feats = feats.to(self.ch.device)
+        ctrl, data = self.ch.ctrl_group, self.ch.data_group
+        works = [(dist.isend(h, dst, group=ctrl), ctrl), (dist.isend(meta, dst, group=data), data),
+                 (dist.isend(feats, dst, group=data), data)]
+        self._inflight[dst].append((works, (h, meta, feats)))  # keep buffers alive until sent
+        self.bytes_sent += meta.numel() * 8 + feats.numel() * feats.element_size()
+
+    def send_end(self, dst: int, stats=()) -> None:
+        self._throttle(dst, self.max_in_flight)
+        h = self._header(KIND_END, -1, stats)
+        ctrl = self.ch.ctrl_group
+        self._inflight[dst].append(([(dist.isend(h, dst, group=ctrl), ctrl)], (h,)))
+
+    def send_error(self, dst: int, text: str, timeout_s: float = 5.0) -> bool:
+        """Best effort: tell a peer why this rank is failing. Returns False if it could not be delivered."""
+        data = torch.tensor(list(text.encode("utf-8", "replace")[:4000]), dtype=torch.uint8)
+        h = self._header(KIND_ERROR)
+        h[H_ERRLEN] = data.numel()
+        try:
+            works = [dist.isend(h, dst, group=self.ch.ctrl_group), dist.isend(data, dst, group=self.ch.ctrl_group)]
+            for w in works:
+                _wait(w, f"error delivery to rank {dst}", timeout_s, None, self.ch._pollable(self.ch.ctrl_group))
+            return True
+        except Exception:
+            return False
+
+    def flush(self) -> None:
+        for dst in list(self._inflight):
+            self._throttle(dst, 1)  # waits until nothing is in flight to dst
+
+
+class PendingMessage:
+    """A receive in progress: header posted, then payload posted once the header has landed."""
+
+    def __init__(self, receiver: "Receiver", src: int, expect_index: int):
+        self.rx, self.src, self.expect_index = receiver, src, expect_index
+        self.header = torch.empty(HEADER_LEN, dtype=torch.int64)
+        self.header_work = dist.irecv(self.header, src, group=receiver.ch.ctrl_group)
+        self.payload = None  # (meta, feats, works) once posted
+        self.result = None
+
+    def advance(self) -> bool:
+        """Post the payload receive if the header is already here. Never blocks. True once payload is posted."""
+        if self.payload is None and self.result is None and self.rx.ch.done(self.header_work, self.rx.ch.ctrl_group):
+            self._on_header()
+        return self.payload is not None or self.result is not None
+
+    def _on_header(self) -> None:
+        # the header work has completed here; never wait() a gloo p2p work twice: the second wait blocks forever
+        h = self.header.tolist()
+        if h[H_MAGIC] != MAGIC:
+            raise TransportError(f"bad header from rank {self.src}: {h}")
+        kind, stats = h[H_KIND], h[H_STATS:]
+        ch = self.rx.ch
+        if kind == KIND_END:
+            self.result = EndOfStream(self.src, stats)
+            return
+        if kind == KIND_ERROR:
+            data = torch.empty(h[H_ERRLEN], dtype=torch.uint8)
+            _wait(dist.irecv(data, self.src, group=ch.ctrl_group), f"error text from rank {self.src}", 10.0, None,
+                  ch._pollable(ch.ctrl_group))
+            raise RemoteError(self.src, bytes(data.tolist()).decode("utf-8", "replace"))
+        if kind != KIND_DATA:
+            raise TransportError(f"unknown message kind {kind} from rank {self.src}")
+        if self.expect_index >= 0 and h[H_INDEX] != self.expect_index:
+            raise TransportError(f"rank {self.src} sent message {h[H_INDEX]}, expected {self.expect_index}: "
+                                 f"the routing schedules of target and drafter disagree")
+        if h[H_DTYPE] not in CODE_DTYPES:
+            raise TransportError(f"rank {self.src}: unknown dtype code {h[H_DTYPE]}")
+        n, t, width = h[H_NSAMPLES], h[H_NTOKENS], h[H_WIDTH]
+        if h[H_METALEN] != 2 * n + 1 + 2 * t:
+            raise TransportError(f"rank {self.src}: header meta length {h[H_METALEN]} != {2 * n + 1 + 2 * t}")
+        meta = torch.empty(h[H_METALEN], dtype=torch.int64, device=ch.device)
+        feats = torch.empty((t, width), dtype=CODE_DTYPES[h[H_DTYPE]], device=ch.device)
+        works = [dist.irecv(meta, self.src, group=ch.data_group), dist.irecv(feats, self.src, group=ch.data_group)]
+        self.payload = (h, meta, feats, works)
+
+    def complete(self):
+        """Block until the whole message is here; returns Message or EndOfStream, raises RemoteError."""
+        if self.result is not None:
+            return self.result
+        if self.payload is None:
+            self.rx.ch.wait(self.header_work, f"a header from target rank {self.src} "
+                                              f"(message {self.expect_index})", group=self.rx.ch.ctrl_group)
+            self._on_header()
+            if self.result is not None:
+                return self.result
+        h, meta, feats, works = self.payload
+        for w in works:
+            self.rx.ch.wait(w, f"payload of message {h[H_INDEX]} from rank {self.src}", host=False,
+                            group=self.rx.ch.data_group)
+        n, t = h[H_NSAMPLES], h[H_NTOKENS]
+        sample_ids, cu, ids, mask = unpack_meta(meta, n, t)
+        self.result = Message(h[H_INDEX], sample_ids, cu, ids, mask, feats, self.src, h[H_STATS:])
+        self.rx.bytes_received += meta.numel() * 8 + feats.numel() * feats.element_size()
+        return self.result
+
+
+class Receiver:
+    """Drafter side: post receives ahead, complete them in order."""
+
+    def __init__(self, channel: Channel, rank: int):
+        self.ch, self.rank = channel, rank
+        self.bytes_received = 0
+
+    def post(self, src: int, expect_index: int = -1) -> PendingMessage:
+        return PendingMessage(self, src, expect_index)

@@ -1,0 +1,85 @@
+"""Worker for tests/test_transport.py, run under torchrun (gloo).
+
+Targets send `--messages` random messages (random sample counts, lengths, widths and dtypes, derived from
+the message index so the receiver can recompute and check every byte) along the topology's schedule, then
+END to every drafter. Drafters receive their messages in order with receives posted ahead and check them.
+Each rank writes a JSON report with what it saw.
+"""
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from dflash_dist.topology import Topology
+from dflash_dist.transport import Channel, EndOfStream, Message, Receiver, Sender
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def make_message(k: int) -> Message:
+    g = torch.Generator().manual_seed(k)
+    n = int(torch.randint(1, 5, (1,), generator=g))
+    lens = torch.randint(1, 40, (n,), generator=g)
+    t = int(lens.sum())
+    width = int(torch.randint(1, 48, (1,), generator=g))
+    dtype = DTYPES[int(torch.randint(0, 3, (1,), generator=g))]
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+    return Message(index=k, sample_ids=torch.arange(n) + 10 * k, cu_seqlens=cu,
+                   input_ids=torch.randint(0, 50000, (t,), generator=g),
+                   loss_mask=torch.rand(t, generator=g) > 0.5,
+                   features=torch.randn(t, width, generator=g).to(dtype))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--targets", type=int, required=True)
+    ap.add_argument("--messages", type=int, default=1000)
+    ap.add_argument("--max-in-flight", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    topo = Topology(dist.get_world_size(), dist.get_rank(), args.targets)
+    ctrl = dist.new_group(backend="gloo")
+    ch = Channel(ctrl, None, torch.device("cpu"), timeout_s=60)
+    report = {"rank": topo.rank, "role": topo.role, "received": [], "ends": 0, "errors": []}
+    t0 = time.time()
+    if topo.role == "target":
+        tx = Sender(ch, topo.rank, args.max_in_flight)
+        for j in topo.target_messages(args.messages):
+            tx.send(topo.drafter_for(j), make_message(j), stats=(j,))
+        for d in topo.drafter_ranks:
+            tx.send_end(d)
+        tx.flush()
+    else:
+        rx = Receiver(ch, topo.rank)
+        mine = list(topo.drafter_messages(args.messages))
+        pending = rx.post(topo.target_for(mine[0]), mine[0]) if mine else None
+        for i, j in enumerate(mine):
+            msg = pending.complete()
+            if i + 1 < len(mine):
+                pending = rx.post(topo.target_for(mine[i + 1]), mine[i + 1])
+                pending.advance()
+            ref = make_message(j)
+            ok = (msg.index == j and msg.features.dtype == ref.features.dtype
+                  and torch.equal(msg.features, ref.features) and torch.equal(msg.input_ids, ref.input_ids)
+                  and torch.equal(msg.loss_mask, ref.loss_mask) and torch.equal(msg.cu_seqlens, ref.cu_seqlens)
+                  and torch.equal(msg.sample_ids, ref.sample_ids) and msg.src == topo.target_for(j))
+            if not ok:
+                report["errors"].append(j)
+            report["received"].append(j)
+        for t in topo.target_ranks:
+            if isinstance(rx.post(t).complete(), EndOfStream):
+                report["ends"] += 1
+    report["seconds"] = time.time() - t0
+    with open(os.path.join(args.out, f"rank{topo.rank}.json"), "w") as f:
+        json.dump(report, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
