@@ -1,0 +1,127 @@
+"""Atomic, resumable checkpoints.
+
+``<output_dir>/checkpoints/step_00000100/`` holds ``model.safetensors`` (drafter weights under the z-lab
+names), ``optimizer.pt`` and ``meta.json`` (step, global data cursor, sample accounting, sizes of the
+other files). Everything is written into a temporary directory, fsynced, then renamed: a crash mid-save
+leaves the previous checkpoint untouched, and a directory without a consistent ``meta.json`` is skipped
+with a warning on resume.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from typing import Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+STEP_RE = re.compile(r"^step_(\d{8})$")
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def checkpoint_root(output_dir: str) -> str:
+    return os.path.join(output_dir, "checkpoints")
+
+
+def save_checkpoint(output_dir: str, step: int, model_state: dict, optimizer_state: Optional[dict],
+                    meta: dict, keep: int = 2) -> str:
+    """Write one checkpoint atomically; returns its directory. Only one rank (the leader) calls this."""
+    from safetensors.torch import save_file
+    root = checkpoint_root(output_dir)
+    os.makedirs(root, exist_ok=True)
+    final = os.path.join(root, f"step_{step:08d}")
+    tmp = os.path.join(root, f".tmp_step_{step:08d}_{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    weights = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
+    save_file(weights, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    files = ["model.safetensors"]
+    if optimizer_state is not None:
+        torch.save(optimizer_state, os.path.join(tmp, "optimizer.pt"))
+        files.append("optimizer.pt")
+    meta = dict(meta, step=step, files={f: os.path.getsize(os.path.join(tmp, f)) for f in files})
+    with open(os.path.join(tmp, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    for name in files + ["meta.json"]:
+        _fsync_file(os.path.join(tmp, name))
+    _fsync_dir(tmp)
+    if os.path.exists(final):  # same step saved twice (e.g. signal right after a periodic save)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    _prune(root, keep)
+    return final
+
+
+def _prune(root: str, keep: int) -> None:
+    steps = sorted(d for d in os.listdir(root) if STEP_RE.match(d))
+    for d in steps[:-keep]:
+        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+
+
+def checkpoint_problem(path: str) -> Optional[str]:
+    """Why a checkpoint directory is unusable, or None if it is complete."""
+    meta_path = os.path.join(path, "meta.json")
+    if not os.path.exists(meta_path):
+        return "no meta.json (partial write?)"
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"unreadable meta.json ({e})"
+    for name, size in meta.get("files", {}).items():
+        p = os.path.join(path, name)
+        if not os.path.exists(p):
+            return f"missing {name}"
+        if os.path.getsize(p) != size:
+            return f"{name} has {os.path.getsize(p)} bytes, expected {size} (truncated?)"
+    if "model.safetensors" not in meta.get("files", {}):
+        return "meta.json lists no model.safetensors"
+    return None
+
+
+def find_latest(output_dir: str) -> Optional[str]:
+    """Newest complete checkpoint; partial or corrupt ones are skipped with a warning naming them."""
+    root = checkpoint_root(output_dir)
+    if not os.path.isdir(root):
+        return None
+    for d in sorted((d for d in os.listdir(root) if STEP_RE.match(d)), reverse=True):
+        path = os.path.join(root, d)
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        log.warning("skipping checkpoint %s: %s", path, problem)
+    return None
+
+
+def load_checkpoint(path: str, map_location="cpu") -> tuple[dict, Optional[dict], dict]:
+    from safetensors.torch import load_file
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise ValueError(f"checkpoint {path} is unusable: {problem}")
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    opt = None
+    if os.path.exists(os.path.join(path, "optimizer.pt")):
+        opt = torch.load(os.path.join(path, "optimizer.pt"), map_location=map_location, weights_only=False)
+    return weights, opt, meta

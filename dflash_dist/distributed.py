@@ -1,0 +1,67 @@
+"""Process-group setup shared by every role.
+
+Groups are created on every rank in the same order, members or not (torch requires it):
+1. the default group: NCCL on GPU (eagerly initialised with ``device_id``), gloo on CPU;
+2. ``ctrl``: a gloo group over all ranks for transport headers (host-side, never touches a CUDA stream);
+3. ``drafters``: the drafter data-parallel group (DDP, metric all-reduces).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .topology import Topology
+
+log = logging.getLogger("dflash_dist")
+
+
+@dataclass
+class Dist:
+    topo: Topology
+    device: torch.device
+    ctrl: object
+    data: object
+    drafters: object
+    store: object
+
+    @property
+    def rank(self) -> int:
+        return self.topo.rank
+
+
+def init_distributed(device_type: str, timeout_s: float) -> tuple[int, int, torch.device]:
+    """init_process_group from torchrun's environment; returns (rank, world, device)."""
+    if "RANK" not in os.environ:
+        raise RuntimeError("dflash_dist.train runs under torchrun: torchrun --standalone --nproc-per-node N "
+                           "-m dflash_dist.train [overrides]")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    timeout = timedelta(seconds=timeout_s)
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timeout)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def make_groups(topo: Topology, device: torch.device, timeout_s: float) -> Dist:
+    timeout = timedelta(seconds=timeout_s)
+    ctrl = dist.new_group(backend="gloo", timeout=timeout)
+    drafters = dist.new_group(ranks=topo.drafter_ranks, timeout=timeout)
+    store = dist.distributed_c10d._get_default_store()
+    return Dist(topo=topo, device=device, ctrl=ctrl, data=dist.group.WORLD, drafters=drafters, store=store)
+
+
+def setup_logging(rank: int, role: str) -> None:
+    fmt = f"%(asctime)s [rank {rank} {role}] %(levelname)s %(message)s"
+    logging.basicConfig(level=logging.INFO, format=fmt, datefmt="%H:%M:%S", force=True)
+    for noisy in ("httpx", "urllib3", "filelock", "torch._inductor", "torch._dynamo"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)

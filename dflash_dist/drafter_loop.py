@@ -1,0 +1,262 @@
+"""Drafter rank: receive features, build blocks and masks, train the DFlash drafter data-parallel.
+
+Every drafter takes the same number of optimizer steps (a drafter with no message in the last step joins
+with an empty batch). The loss is normalised by the *global* weight sum (one all-reduce, no host sync),
+so every supervised slot counts the same whichever drafter trained it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .blocks import make_batch
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import cosine_lr, resolve_backend
+from .drafter import DFlashDrafter, DrafterModelConfig
+from .loss import decayed_ce
+from .masks import dense_mask, flex_block_mask
+from .metrics import MetricsWriter, RateMeter
+from .target import load_head_from_checkpoint, resolve_dtype, resolve_source, text_config
+from .transport import Channel, EndOfStream, Receiver
+
+log = logging.getLogger("dflash_dist")
+
+
+def receive_head_weights(job, device):
+    """Frozen target embedding and lm_head on the drafter: read by key from the target checkpoint, or
+    (random-init target) received once from the first target rank."""
+    cfg = job.cfg
+    tc = text_config(job.hf_config)
+    dtype = resolve_dtype(cfg.target.dtype, device.type)
+    path, _ = resolve_source(cfg.target)
+    if path is not None and os.path.isdir(path):
+        embed, head = load_head_from_checkpoint(path, bool(getattr(job.hf_config, "tie_word_embeddings", False)))
+    elif path is not None:  # hub id: let HF resolve the files
+        from huggingface_hub import snapshot_download
+        local = snapshot_download(path, allow_patterns=["*.safetensors", "*.json"])
+        embed, head = load_head_from_checkpoint(local, bool(getattr(job.hf_config, "tie_word_embeddings", False)))
+    else:
+        shape = (tc.vocab_size, tc.hidden_size)
+        embed = torch.empty(shape, dtype=dtype, device=device)
+        head = torch.empty(shape, dtype=dtype, device=device)
+        src = job.dist.topo.target_ranks[0]
+        dist.recv(embed, src, group=job.dist.data)
+        dist.recv(head, src, group=job.dist.data)
+    return embed.to(device=device, dtype=dtype), head.to(device=device, dtype=dtype)
+
+
+def empty_batch_inputs(feature_width: int, device, dtype):
+    """A one-sample message with nothing supervised: every block is padding, the loss is exactly 0."""
+    ids = torch.zeros(2, dtype=torch.long, device=device)
+    mask = torch.zeros(2, dtype=torch.bool, device=device)
+    cu = torch.tensor([0, 2], dtype=torch.long)
+    feats = torch.zeros(2, feature_width, dtype=dtype, device=device)
+    return ids, mask, cu, feats
+
+
+class DrafterTrainer:
+    def __init__(self, job):
+        self.job = job
+        cfg, d = job.cfg, job.dist
+        self.cfg, self.d, self.topo = cfg, d, d.topo
+        self.device = d.device
+        self.backend = resolve_backend(cfg, self.device.type)
+        tc = text_config(job.hf_config)
+        self.mcfg = DrafterModelConfig.from_target(tc, num_layers=cfg.drafter.num_layers,
+                                                   num_feature_layers=len(job.layer_ids),
+                                                   block_size=cfg.drafter.block_size,
+                                                   intermediate_size=cfg.drafter.intermediate_size)
+        torch.manual_seed(cfg.train.seed)
+        self.model = DFlashDrafter(self.mcfg, self.backend).to(self.device)
+        self.embed, self.lm_head = receive_head_weights(job, self.device)
+        self.feature_width = len(job.layer_ids) * tc.hidden_size
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas),
+                                     weight_decay=cfg.train.weight_decay, fused=self.device.type == "cuda")
+        self.step = job.start_step
+        self.cursor = job.start_cursor
+        if job.resume_from:
+            weights, opt_state, meta = load_checkpoint(job.resume_from)
+            self.model.load_state_dict(weights)
+            if opt_state is not None:
+                self.opt.load_state_dict(opt_state)
+        kwargs = {"device_ids": [self.device.index]} if self.device.type == "cuda" else {}
+        self.ddp = DDP(self.model, process_group=d.drafters, **kwargs)
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
+                         else torch.autocast("cpu", enabled=False))
+        self.counts = {"received": 0, "trained": 0, "samples_trained": 0, "empty_steps": 0}
+        B = cfg.drafter.block_size
+        # per-step statistics accumulated on device, read once per logging window
+        self.acc = torch.zeros(2 + 2 * B + 2, dtype=torch.float64, device=self.device)
+
+    # ------------------------------------------------------------------ one step
+    def build(self, msg, k: int):
+        cfg = self.cfg.drafter
+        gen = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + k)  # topology-independent
+        if msg is None:
+            ids, mask, cu, feats = empty_batch_inputs(self.feature_width, self.device, self.lm_head.dtype)
+        else:
+            ids, mask, cu, feats = msg.input_ids, msg.loss_mask, msg.cu_seqlens, msg.features
+        return make_batch(ids, mask, cu, feats, num_anchors=cfg.num_anchors, block_size=cfg.block_size,
+                          mask_token_id=self.job.mask_token_id, ctx_bucket=cfg.ctx_bucket, generator=gen)
+
+    def attention_mask(self, batch):
+        B = self.cfg.drafter.block_size
+        if self.backend == "flex":
+            return flex_block_mask(batch.anchors, batch.valid, batch.ctx_len, B, compile=self.cfg.drafter.compile)
+        return dense_mask(batch.anchors, batch.valid, batch.ctx_len, B)
+
+    def train_step(self, batch) -> None:
+        cfg = self.cfg
+        B = cfg.drafter.block_size
+        mult = cosine_lr(self.cursor, self.job.total_messages, cfg.train.warmup_ratio, cfg.train.min_lr_ratio)
+        for g in self.opt.param_groups:
+            g["lr"] = cfg.train.lr * mult
+        mask = self.attention_mask(batch)
+        block_embeds = F.embedding(batch.block_ids, self.embed)
+        with self.autocast:
+            hidden = self.ddp(block_embeds, batch.features, batch.ctx_positions, batch.block_positions, mask)
+            parts = decayed_ce(hidden, self.lm_head, batch.labels, B, cfg.drafter.gamma, cfg.drafter.loss_chunk_rows)
+        wsum = parts.weight_sum.detach().float().clone()
+        dist.all_reduce(wsum, group=self.d.drafters)
+        loss = parts.loss_sum * (self.topo.num_drafters / wsum.clamp_min(1e-6))
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.train.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            self.acc += torch.cat([parts.loss_sum.detach().double().view(1), parts.weight_sum.double().view(1),
+                                   parts.slot_correct.double(), parts.slot_count.double(),
+                                   gnorm.detach().double().view(1), torch.ones(1, dtype=torch.float64,
+                                                                               device=self.device)])
+        self.lr = cfg.train.lr * mult
+
+    # ------------------------------------------------------------------ bookkeeping
+    def read_window(self) -> dict:
+        B = self.cfg.drafter.block_size
+        acc = self.acc.clone()
+        dist.all_reduce(acc, group=self.d.drafters)
+        v = acc.tolist()
+        self.acc.zero_()
+        loss_sum, wsum = v[0], v[1]
+        correct, count = v[2:2 + B], v[2 + B:2 + 2 * B]
+        gnorm, nsteps = v[2 + 2 * B], v[3 + 2 * B]
+        out = {"loss": loss_sum / max(wsum, 1e-9), "lr": self.lr,
+               "grad_norm": gnorm / max(nsteps, 1) / self.topo.num_drafters}
+        tot_c, tot_n = sum(correct[1:]), sum(count[1:])
+        out["acc"] = tot_c / max(tot_n, 1)
+        for k in range(1, B):
+            out[f"acc_slot_{k}"] = correct[k] / max(count[k], 1)
+        # expected accepted length if slots were independent given a correct prefix (a training-side proxy)
+        tau, run = 1.0, 1.0
+        for k in range(1, B):
+            run *= correct[k] / max(count[k], 1)
+            tau += run
+        out["tau_from_acc"] = tau
+        return out
+
+    def save(self, final: bool = False) -> None:
+        if not self.topo.is_leader:
+            return
+        meta = {"cursor": self.cursor, "total_messages": self.job.total_messages,
+                "num_targets": self.topo.num_targets, "num_drafters": self.topo.num_drafters,
+                "layer_ids": self.job.layer_ids, "mask_token_id": self.job.mask_token_id,
+                "block_size": self.cfg.drafter.block_size, "drafter_config": self.mcfg.__dict__,
+                "target_config": self.job.hf_config.to_dict(), "tokenizer": self.job.tokenizer_path,
+                "job_config": self.cfg.to_dict(), "final": final, "counts": dict(self.counts)}
+        path = save_checkpoint(self.job.run_dir, self.step, self.model.state_dict(), self.opt.state_dict(), meta,
+                               keep=self.cfg.train.keep_checkpoints)
+        log.info("checkpoint %s", path)
+
+
+def run_drafter(job) -> None:
+    cfg, d = job.cfg, job.dist
+    topo = d.topo
+    trainer = DrafterTrainer(job)
+    n_params = sum(p.numel() for p in trainer.model.parameters())
+    log.info("drafter: %d layers, %.2fM trainable params, attention backend=%s%s, anchors=%d, block=%d",
+             cfg.drafter.num_layers, n_params / 1e6, trainer.backend,
+             " (compiled flex_attention)" if trainer.backend == "flex" else " (dense bool mask, SDPA)",
+             cfg.drafter.num_anchors, cfg.drafter.block_size)
+    run_messages = job.total_messages - job.start_cursor
+    steps = topo.num_steps(run_messages)
+    total_steps = job.start_step + steps
+    writer = MetricsWriter(job.run_dir, cfg.to_dict(), cfg.logging.wandb, total_steps, topo.is_leader,
+                           cfg.logging.progress_bar)
+    channel = Channel(d.ctrl, d.data, d.device, timeout_s=cfg.topology.warmup_timeout_s)
+    rx = Receiver(channel, d.rank)
+    mine = list(topo.drafter_messages(run_messages))
+    pending = rx.post(topo.target_for(mine[0]), job.start_cursor + mine[0]) if mine else None
+    rate = RateMeter()
+    target_stats = {}
+    wait_s = busy_s = 0.0
+    t_start = time.monotonic()
+    for s in range(steps):
+        j = s * topo.num_drafters + topo.index
+        t0 = time.monotonic()
+        msg = None
+        if j < run_messages:
+            msg = pending.complete()
+            if isinstance(msg, EndOfStream):
+                raise RuntimeError(f"target rank {msg.src} ended its stream before message {job.start_cursor + j}")
+            target_stats[msg.src] = msg.sender_stats
+            trainer.counts["received"] += 1
+            nxt = j + topo.num_drafters
+            if nxt < run_messages:
+                pending = rx.post(topo.target_for(nxt), job.start_cursor + nxt)
+        t1 = time.monotonic()
+        batch = trainer.build(msg, job.start_cursor + j)
+        trainer.train_step(batch)
+        if msg is not None:
+            trainer.counts["trained"] += 1
+            trainer.counts["samples_trained"] += msg.num_samples
+            rate.add(msg.num_samples, msg.num_tokens)
+        else:
+            trainer.counts["empty_steps"] += 1
+        trainer.step += 1
+        trainer.cursor = min(job.start_cursor + (s + 1) * topo.num_drafters, job.total_messages)
+        wait_s += t1 - t0
+        busy_s += time.monotonic() - t1
+        if s == 1:
+            channel.timeout_s = cfg.topology.timeout_s * 4
+        last = s == steps - 1
+        if trainer.step % cfg.logging.log_every == 0 or last:
+            window = trainer.read_window()  # all drafters: one all-reduce per window
+            r = rate.take()
+            rates = torch.tensor([r["samples_per_s"], r["tokens_per_s"]], dtype=torch.float64, device=d.device)
+            dist.all_reduce(rates, group=d.drafters)  # job throughput = sum over drafters
+            sps, tps = rates.tolist()
+            wall = time.monotonic() - t_start
+            window.update({"samples_per_s": sps, "tokens_per_s": tps,
+                           "drafter_wait_frac": wait_s / max(wall, 1e-9), "drafter_busy_frac": busy_s / max(wall, 1e-9),
+                           "epoch_progress": trainer.cursor / max(job.total_messages, 1)})
+            for src, st in target_stats.items():
+                if st and st[4] > 0:
+                    window[f"target{src}_busy_frac"] = st[0] / st[4]
+                    window[f"target{src}_wait_frac"] = st[1] / st[4]
+            if topo.is_leader:
+                writer.log(trainer.step, window)
+                writer.progress(trainer.step, {"loss": f"{window['loss']:.3f}", "acc": f"{window['acc']:.3f}",
+                                               "samples/s": f"{window['samples_per_s']:.1f}"})
+                if not cfg.logging.progress_bar:
+                    log.info("step %d/%d loss %.4f acc %.3f lr %.2e %.1f samples/s", trainer.step, total_steps,
+                             window["loss"], window["acc"], window["lr"], window["samples_per_s"])
+        if cfg.train.checkpoint_every and trainer.step % cfg.train.checkpoint_every == 0 and not last:
+            trainer.save()
+    # drain: every target says END once its share is sent
+    for t in topo.target_ranks:
+        end = rx.post(t).complete()
+        if not isinstance(end, EndOfStream):
+            raise RuntimeError(f"expected END from target rank {t}, got message {end.index}")
+    trainer.save(final=True)
+    if topo.is_leader:
+        log.info("done: %d steps, %d messages trained in %.1f s", trainer.step, trainer.cursor,
+                 time.monotonic() - t_start)
+    writer.close()

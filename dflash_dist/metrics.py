@@ -1,0 +1,99 @@
+"""Metrics: console, metrics.jsonl (always), wandb (online, offline or disabled) and a progress bar.
+
+Only the leader (global rank 0, the first drafter) writes. wandb defaults to offline unless credentials
+are configured: an online wandb with a key but no network hangs ~90 s at init.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from typing import Optional
+
+log = logging.getLogger("dflash_dist")
+
+
+def wandb_mode(requested: Optional[str]) -> str:
+    if requested:
+        return requested
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    has_key = bool(os.environ.get("WANDB_API_KEY"))
+    netrc = os.path.expanduser("~/.netrc")
+    if not has_key and os.path.exists(netrc):
+        with open(netrc) as f:
+            has_key = "api.wandb.ai" in f.read()
+    return "online" if has_key else "offline"
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: str, config: dict, wandb_cfg, total_steps: int, enabled: bool,
+                 progress_bar: bool = True):
+        self.enabled = enabled
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.wandb = None
+        self.bar = None
+        self.total_steps = total_steps
+        if not enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        self._file = open(self.path, "a", buffering=1)
+        mode = wandb_mode(wandb_cfg.mode)
+        self.wandb_mode = mode
+        if mode != "disabled":
+            import wandb
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self.wandb = wandb.init(project=wandb_cfg.project, entity=wandb_cfg.entity,
+                                    name=wandb_cfg.name or os.path.basename(os.path.abspath(run_dir)),
+                                    dir=run_dir, mode=mode, config=config, resume="allow",
+                                    settings=wandb.Settings(init_timeout=30, console="off"))
+            log.info("wandb: mode=%s dir=%s", mode, self.wandb.dir if self.wandb else None)
+        if progress_bar:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0)
+
+    def log(self, step: int, values: dict, kind: str = "train") -> None:
+        if not self.enabled:
+            return
+        rec = {"step": step, "kind": kind, "time": time.time()}
+        rec.update({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in values.items()})
+        self._file.write(json.dumps(rec) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({f"{kind}/{k}" if "/" not in k else k: v for k, v in values.items()
+                            if isinstance(v, (int, float))}, step=step)
+
+    def progress(self, step: int, postfix: dict) -> None:
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.set_postfix(postfix, refresh=False)
+            self.bar.refresh()
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.close()
+        self._file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+class RateMeter:
+    """Samples/s and tokens/s over the last logging window."""
+
+    def __init__(self):
+        self.t0 = time.monotonic()
+        self.samples = self.tokens = 0
+
+    def add(self, samples: int, tokens: int) -> None:
+        self.samples += samples
+        self.tokens += tokens
+
+    def take(self) -> dict:
+        dt = max(time.monotonic() - self.t0, 1e-9)
+        out = {"samples_per_s": self.samples / dt, "tokens_per_s": self.tokens / dt, "window_s": dt}
+        self.t0, self.samples, self.tokens = time.monotonic(), 0, 0
+        return out

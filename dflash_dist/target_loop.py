@@ -1,0 +1,87 @@
+"""Target rank: run the frozen model over this rank's share of the plan and stream features to drafters."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+
+from .data import TokenizedDataset
+from .target import FeatureCapture, build_target_model, head_weights, resolve_source
+from .transport import Channel, Message, Sender
+
+log = logging.getLogger("dflash_dist")
+
+
+def pad_batch(samples, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ids [b, S], lengths [b], packed ids [T] and packed loss mask [T]."""
+    lengths = torch.tensor([len(s.input_ids) for s in samples], dtype=torch.long)
+    ids = torch.zeros(len(samples), int(lengths.max()), dtype=torch.long)
+    packed_ids, packed_mask = [], []
+    for i, s in enumerate(samples):
+        t = torch.as_tensor(s.input_ids, dtype=torch.long)
+        ids[i, :len(t)] = t
+        packed_ids.append(t)
+        packed_mask.append(torch.as_tensor(s.loss_mask, dtype=torch.bool))
+    return ids.to(device), lengths, torch.cat(packed_ids), torch.cat(packed_mask)
+
+
+def send_head_weights(job, model) -> None:
+    """Random-init targets: the first target hands its embedding and lm_head to every drafter, once."""
+    path, _ = resolve_source(job.cfg.target)
+    topo = job.dist.topo
+    if path is not None or topo.index != 0:
+        return
+    embed, head = head_weights(model)
+    for d in topo.drafter_ranks:
+        dist.send(embed.detach().contiguous(), d, group=job.dist.data)
+        dist.send(head.detach().contiguous(), d, group=job.dist.data)
+
+
+def run_target(job) -> None:
+    cfg, d = job.cfg, job.dist
+    topo = d.topo
+    t0 = time.time()
+    model = build_target_model(cfg.target, d.device.type)
+    log.info("target loaded in %.1f s (%s, %s)", time.time() - t0, type(model).__name__,
+             next(model.parameters()).dtype)
+    send_head_weights(job, model)
+    capture = FeatureCapture(model, job.layer_ids)
+    dataset = TokenizedDataset.load(job.dataset_path)
+    channel = Channel(d.ctrl, d.data, d.device, timeout_s=cfg.topology.warmup_timeout_s)
+    tx = Sender(channel, d.rank, cfg.topology.max_in_flight)
+
+    run_messages = job.total_messages - job.start_cursor
+    busy_s, tokens, samples, sent = 0.0, 0, 0, 0
+    start = time.monotonic()
+    for j in topo.target_messages(run_messages):
+        k = job.start_cursor + j
+        batch = [dataset[i] for i in job.plan[k]]
+        t_busy = time.monotonic()
+        ids, lengths, packed_ids, packed_mask = pad_batch(batch, d.device)
+        feats = capture(ids, lengths)
+        if d.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # busy time = real forward time
+        busy_s += time.monotonic() - t_busy
+        cu = torch.zeros(len(batch) + 1, dtype=torch.long)
+        cu[1:] = lengths.cumsum(0)
+        msg = Message(k, torch.tensor(job.plan[k], dtype=torch.long), cu, packed_ids, packed_mask, feats)
+        tokens += int(lengths.sum())
+        samples += len(batch)
+        wall = time.monotonic() - start
+        tx.send(topo.drafter_for(j), msg,
+                stats=(int(busy_s * 1e6), int(tx.wait_s * 1e6), tokens, samples, int(wall * 1e6)))
+        sent += 1
+        if sent == 2:  # model warm, drafters compiled their first shapes: steady-state timeout from here
+            channel.timeout_s = cfg.topology.timeout_s * 4
+    for dr in topo.drafter_ranks:
+        wall = time.monotonic() - start
+        tx.send_end(dr, stats=(int(busy_s * 1e6), int(tx.wait_s * 1e6), tokens, samples, int(wall * 1e6)))
+    tx.flush()
+    wall = time.monotonic() - start
+    capture.close()
+    log.info("target done: %d messages, %d samples, %d tokens in %.1f s (%.0f tok/s, busy %.0f%%, "
+             "backpressure wait %.0f%%)", sent, samples, tokens, wall, tokens / max(wall, 1e-9),
+             100 * busy_s / max(wall, 1e-9), 100 * tx.wait_s / max(wall, 1e-9))

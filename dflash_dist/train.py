@@ -1,0 +1,201 @@
+"""Entry point: ``torchrun --nproc-per-node N -m dflash_dist.train [hydra overrides]``.
+
+setup (config, process groups, validation, data plan) -> one role loop (target or drafter) -> teardown.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .config import ConfigError, JobConfig, resolve_device, validate_job
+from .distributed import Dist, init_distributed, make_groups, setup_logging
+from .topology import Topology
+
+log = logging.getLogger("dflash_dist")
+
+
+@dataclass
+class Job:
+    """Everything a role loop needs, identical on every rank except ``dist``."""
+    cfg: JobConfig
+    dist: Dist
+    run_dir: str
+    hf_config: object
+    layer_ids: list
+    mask_token_id: int
+    tokenizer_path: str
+    dataset_path: str
+    holdout_path: str
+    plan: list            # list of lists of sample ids (global, independent of the split)
+    total_messages: int   # messages this training run covers in total (fixed at the first launch)
+    start_cursor: int     # messages already trained (resume)
+    start_step: int
+    resume_from: Optional[str]
+
+
+def _dataset_key(cfg: JobConfig, tok_path: str, vocab: int) -> str:
+    src = cfg.data.source
+    if src != "builtin" and os.path.exists(src):
+        st = os.stat(src)
+        src = f"{os.path.abspath(src)}:{st.st_size}:{st.st_mtime_ns}"
+    from . import data as data_mod
+    builtin_stamp = ""
+    if cfg.data.source == "builtin":
+        builtin_stamp = str(len(data_mod.builtin_conversations()))
+    blob = json.dumps([src, builtin_stamp, os.path.abspath(tok_path), cfg.data.max_length, cfg.data.overlong,
+                       cfg.data.holdout, cfg.data.shuffle_seed, vocab])
+    return hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+
+def prepare_data(cfg: JobConfig, d: Dist, run_dir: str, tok_path: str, vocab: int) -> tuple[str, str]:
+    """Rank 0 tokenizes once (worker processes) into a cache; everyone else waits and reads it."""
+    from . import data as data_mod
+    cache = cfg.data.cache_dir or os.path.join(run_dir, "data_cache")
+    key = _dataset_key(cfg, tok_path, vocab)
+    ds_path = os.path.join(cache, f"train-{key}.pt")
+    ho_path = os.path.join(cache, f"holdout-{key}.jsonl")
+    if d.rank == 0 and not (os.path.exists(ds_path) and os.path.exists(ho_path)):
+        os.makedirs(cache, exist_ok=True)
+        stats = data_mod.BadDataStats()
+        if cfg.data.source == "builtin":
+            convs = data_mod.builtin_conversations()
+        else:
+            if not os.path.exists(cfg.data.source):
+                raise ConfigError(f"data.source={cfg.data.source!r}: no such file (use builtin or a JSONL path)")
+            convs = data_mod.read_jsonl_conversations(cfg.data.source, stats)
+        train_ids, holdout_ids = data_mod.split_holdout(len(convs), cfg.data.holdout, cfg.data.shuffle_seed)
+        t0 = time.time()
+        ds = data_mod.build_tokenized_dataset([convs[i] for i in train_ids], tok_path, cfg.data.max_length,
+                                              cfg.data.overlong, cfg.data.num_workers, stats, vocab_size=vocab)
+        stats.check(cfg.data.max_bad_fraction)
+        if stats.bad_rows or stats.notes:
+            log.warning("data: %s", stats.summary())
+        log.info("data: %d training samples, %d tokens, %d held-out prompts (tokenized in %.1f s)",
+                 len(ds), int(ds.lengths.sum()), len(holdout_ids), time.time() - t0)
+        ds.save(ds_path)
+        tmp = ho_path + ".tmp"
+        with open(tmp, "w") as f:
+            for i in holdout_ids:
+                f.write(json.dumps(convs[i]) + "\n")
+        os.replace(tmp, ho_path)
+    dist.barrier(group=d.ctrl)
+    return ds_path, ho_path
+
+
+def setup(cfg: JobConfig) -> Job:
+    device_type = resolve_device(cfg)
+    rank, world, device = init_distributed(device_type, cfg.topology.warmup_timeout_s)
+    if cfg.topology.target_ranks == "auto":
+        raise ConfigError("topology.target_ranks=auto needs calibration (dflash-plan), which this build does not "
+                          "have yet: give an integer")
+    t = int(cfg.topology.target_ranks)
+    if t >= world:
+        raise ConfigError(f"topology.target_ranks={t} leaves no drafter rank in a world of {world}: set "
+                          f"topology.target_ranks to at most {world - 1} or start more processes")
+    topo = Topology(world, rank, t)
+    setup_logging(rank, topo.role)
+    d = make_groups(topo, device, cfg.topology.warmup_timeout_s)
+
+    from .target import load_hf_config, text_config, tokenizer_path
+    from transformers import AutoTokenizer
+    hf_config = load_hf_config(cfg.target)
+    tc = text_config(hf_config)
+    tok_path = tokenizer_path(cfg.target)
+    tok = AutoTokenizer.from_pretrained(tok_path)
+    mask_id = resolve_mask_token_id(cfg, tok, tc.vocab_size)
+    layer_ids = validate_job(cfg, world, tc.num_hidden_layers, tc.vocab_size, mask_id)
+
+    run_dir = cfg.train.output_dir
+    if rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(cfg.to_dict(), f, indent=1)
+        log.info("topology: %s", topo.describe())
+        log.info("target layers %s of %d, mask token %d, device %s", layer_ids, tc.num_hidden_layers, mask_id,
+                 device)
+    ds_path, ho_path = prepare_data(cfg, d, run_dir, tok_path, tc.vocab_size)
+
+    from . import data as data_mod
+    ds = data_mod.TokenizedDataset.load(ds_path)
+    plan = data_mod.build_plan(ds.lengths.tolist(), list(range(len(ds))), epochs=cfg.train.epochs,
+                               seed=cfg.data.shuffle_seed, max_batch_tokens=cfg.target.max_batch_tokens,
+                               max_batch_samples=cfg.target.max_batch_samples)
+    total = len(plan)
+    if cfg.train.max_steps > 0:
+        total = min(total, cfg.train.max_steps * topo.num_drafters)
+    cursor, step, resume_from = 0, 0, None
+    from .checkpoint import find_latest, checkpoint_problem
+    if cfg.train.resume not in ("none", "", None):
+        resume_from = find_latest(run_dir) if cfg.train.resume == "auto" else cfg.train.resume
+        if resume_from is not None:
+            problem = checkpoint_problem(resume_from)
+            if problem:
+                raise ConfigError(f"train.resume={resume_from}: {problem}")
+            with open(os.path.join(resume_from, "meta.json")) as f:
+                meta = json.load(f)
+            cursor, step, total = meta["cursor"], meta["step"], meta["total_messages"]
+            if rank == 0:
+                log.info("resuming from %s: step %d, %d of %d messages trained", resume_from, step, cursor, total)
+    return Job(cfg, d, run_dir, hf_config, layer_ids, mask_id, tok_path, ds_path, ho_path, plan, total, cursor,
+               step, resume_from)
+
+
+def resolve_mask_token_id(cfg: JobConfig, tok, vocab_size: int) -> int:
+    if cfg.drafter.mask_token_id is not None:
+        return int(cfg.drafter.mask_token_id)
+    if getattr(tok, "mask_token_id", None) is not None:
+        return int(tok.mask_token_id)
+    mid = tok.convert_tokens_to_ids("<|MASK|>")
+    if isinstance(mid, int) and mid != tok.unk_token_id and mid is not None and mid >= 0:
+        return int(mid)
+    if len(tok) < vocab_size:  # first embedding row no token uses (Qwen3: 151669)
+        return len(tok)
+    raise ConfigError("no mask token: set drafter.mask_token_id to an id in the target vocabulary")
+
+
+def run(cfg: JobConfig) -> int:
+    job = setup(cfg)
+    try:
+        if job.dist.topo.role == "target":
+            from .target_loop import run_target
+            run_target(job)
+        else:
+            from .drafter_loop import run_drafter
+            run_drafter(job)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def _hydra_main():
+    import hydra
+    from omegaconf import DictConfig
+
+    @hydra.main(config_path="conf", config_name="config", version_base=None)
+    def entry(dcfg: DictConfig) -> None:
+        try:
+            run(JobConfig.from_omegaconf(dcfg))
+        except ConfigError as e:  # before any model loads: say what to change, exit 2
+            print(f"dflash_dist: configuration error: {e}", file=sys.stderr)
+            sys.exit(2)
+
+    entry()
+
+
+def main() -> None:
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()
