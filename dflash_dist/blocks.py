@@ -1,0 +1,131 @@
+"""Anchor sampling and block construction for one drafter step.
+
+A block is ``[input_ids[a], MASK, ..., MASK]`` (B tokens) at positions ``a, a+1, ..., a+B-1``. Slot k >= 1
+predicts ``input_ids[a+k]`` at its own position (no shift: the block is denoised in place, as at inference
+where the drafter proposes tokens a+1..a+B-1 after the verified token a). Slot 0 is the known anchor token
+and never carries a loss.
+
+Shapes are static (N blocks per sample, context padded to a multiple of ``ctx_bucket``) so compiled kernels
+see few distinct shapes; samples with fewer candidate anchors get padding blocks (valid=False, anchor 0).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["DrafterBatch", "sample_anchors", "make_batch", "IGNORE_INDEX"]
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class DrafterBatch:
+    """One drafter step; all tensors on the features' device. b samples, N blocks of B slots, Q = N*B."""
+
+    features: Tensor         # [b, S_pad, n*H] target features, zero past each sample's length
+    ctx_positions: Tensor    # [b, S_pad] long, 0..S_pad-1 (RoPE positions of the context keys)
+    block_ids: Tensor        # [b, Q] long: anchor token then MASK ids (all MASK for padding blocks)
+    block_positions: Tensor  # [b, Q] long: a, a+1, ..., a+B-1 per block (0..B-1 for padding blocks)
+    labels: Tensor           # [b, Q] long, IGNORE_INDEX (-100) where there is no loss
+    anchors: Tensor          # [b, N] long, sorted ascending among valid blocks; 0 for padding blocks
+    valid: Tensor            # [b, N] bool
+    num_samples: int         # b
+    num_tokens: int          # real (unpadded) context tokens in the step, sum of sample lengths
+
+    @property
+    def ctx_len(self) -> int:
+        return self.features.shape[1]
+
+
+def sample_anchors(loss_mask: Tensor, num_anchors: int, generator: Optional[torch.Generator]
+                   ) -> tuple[Tensor, Tensor]:
+    """Pick up to ``num_anchors`` anchors a with loss_mask[a] and loss_mask[a+1], uniformly without replacement.
+
+    Uses top-k of i.i.d. uniform keys over the candidates (a uniform random subset), which keeps every shape
+    static and needs no host sync. Returns anchors [N] long (ascending, padded with 0) and valid [N] bool;
+    the number of valid anchors is min(#candidates, N). Random keys are drawn on the generator's device so a
+    CPU generator stays reproducible whatever device the mask lives on.
+    """
+    dev = loss_mask.device
+    n = int(num_anchors)
+    s = loss_mask.numel()
+    anchors = torch.zeros(n, dtype=torch.long, device=dev)
+    valid = torch.zeros(n, dtype=torch.bool, device=dev)
+    if s < 2:
+        return anchors, valid
+    lm = loss_mask.bool()
+    cand = lm[:-1] & lm[1:]                                                      # [S-1]
+    gen_dev = generator.device if generator is not None else dev
+    keys = torch.rand(s - 1, generator=generator, device=gen_dev).to(dev)
+    keys = keys.masked_fill(~cand, -1.0)                                         # non-candidates rank last
+    k = min(n, s - 1)
+    top, idx = keys.topk(k)
+    pos = torch.where(top >= 0, idx, torch.full_like(idx, s)).sort().values     # invalid (= s) sort last
+    ok = pos < s
+    anchors[:k] = torch.where(ok, pos, torch.zeros_like(pos))
+    valid[:k] = ok
+    return anchors, valid
+
+
+def make_batch(input_ids: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, features: Tensor, *, num_anchors: int,
+               block_size: int, mask_token_id: int, ctx_bucket: int, generator: Optional[torch.Generator]
+               ) -> DrafterBatch:
+    """Build one step from packed samples.
+
+    input_ids [T] long, loss_mask [T] bool (True on supervised tokens), cu_seqlens [b+1] long (sample i is
+    rows cu[i]:cu[i+1]), features [T, n*H]. Context is padded to S_pad = ceil(max_len / ctx_bucket) * ctx_bucket.
+    One host read of cu_seqlens; the per-sample loop only copies slices, everything else is batched.
+    """
+    dev = features.device
+    bsz = block_size
+    cu = [int(c) for c in cu_seqlens.tolist()]
+    b = len(cu) - 1
+    if b < 1:
+        raise ValueError("make_batch needs at least one sample (cu_seqlens has fewer than 2 entries)")
+    lens = [cu[i + 1] - cu[i] for i in range(b)]
+    if min(lens) < 0 or cu[-1] > features.shape[0]:
+        raise ValueError(f"cu_seqlens {cu} inconsistent with {features.shape[0]} feature rows")
+    s_pad = max(1, math.ceil(max(lens) / ctx_bucket)) * ctx_bucket
+    input_ids = input_ids.to(dev)
+    loss_mask = loss_mask.to(dev).bool()
+
+    feats = features.new_zeros(b, s_pad, features.shape[-1])
+    ids = torch.zeros(b, s_pad, dtype=torch.long, device=dev)
+    sup = torch.zeros(b, s_pad, dtype=torch.bool, device=dev)
+    anchors = torch.empty(b, num_anchors, dtype=torch.long, device=dev)
+    valid = torch.empty(b, num_anchors, dtype=torch.bool, device=dev)
+    for i, (lo, hi) in enumerate(zip(cu[:-1], cu[1:])):
+        n_i = hi - lo
+        feats[i, :n_i] = features[lo:hi]
+        ids[i, :n_i] = input_ids[lo:hi]
+        sup[i, :n_i] = loss_mask[lo:hi]
+        anchors[i], valid[i] = sample_anchors(loss_mask[lo:hi], num_anchors, generator)
+
+    offs = torch.arange(bsz, device=dev)
+    pos = anchors[:, :, None] + offs                                             # [b, N, B]
+    flat = pos.clamp(max=s_pad - 1).reshape(b, -1)
+    tok = ids.gather(1, flat).view_as(pos)
+    tok_sup = sup.gather(1, flat).view_as(pos)
+    in_sample = pos < torch.tensor(lens, device=dev)[:, None, None]
+    has_label = in_sample & tok_sup & valid[:, :, None] & (offs >= 1)
+    labels = torch.where(has_label, tok, torch.full_like(tok, IGNORE_INDEX))
+
+    block_ids = torch.full_like(tok, int(mask_token_id))
+    block_ids[:, :, 0] = torch.where(valid, tok[:, :, 0], block_ids[:, :, 0])
+
+    return DrafterBatch(
+        features=feats,
+        ctx_positions=torch.arange(s_pad, device=dev).expand(b, s_pad).contiguous(),
+        block_ids=block_ids.reshape(b, -1),
+        block_positions=pos.reshape(b, -1),
+        labels=labels.reshape(b, -1),
+        anchors=anchors,
+        valid=valid,
+        num_samples=b,
+        num_tokens=cu[-1] - cu[0],
+    )

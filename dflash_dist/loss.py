@@ -1,0 +1,102 @@
+"""Slot weights and the chunked, decayed cross-entropy of the DFlash drafter.
+
+Slot k of a block predicts the token k positions after the anchor. Later slots matter less for acceptance
+length (a draft is accepted only up to its first miss), so slot k >= 1 gets weight exp(-(k-1)/gamma) and slot
+0 (the known anchor) gets 0. The loss is sum(w * CE) / sum(w); this module returns the two sums separately
+so the caller can normalise by a global (all-reduced) weight sum.
+
+The vocab projection is the memory peak ([rows, V] fp32 logits with V ~ 150k), so rows are processed in
+chunks, each under torch.utils.checkpoint: a chunk's logits are freed after its forward and recomputed in
+its backward, so at most one chunk of logits (and its gradient) is alive at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["slot_weights", "LossParts", "decayed_ce"]
+
+IGNORE_INDEX = -100
+
+
+def slot_weights(block_size: int, gamma: float, device=None) -> Tensor:
+    """[B] fp32: 0 for slot 0, exp(-(k-1)/gamma) for slot k >= 1."""
+    k = torch.arange(block_size, dtype=torch.float32, device=device)
+    w = torch.exp(-(k - 1.0) / float(gamma))
+    w[0] = 0.0
+    return w
+
+
+@dataclass
+class LossParts:
+    """Weighted CE sum (carries grad), weight sum, per-slot correct / label counts [B] (int64, no grad)."""
+
+    loss_sum: Tensor
+    weight_sum: Tensor
+    slot_correct: Tensor
+    slot_count: Tensor
+
+    def loss(self) -> Tensor:
+        """Local normalisation, sum(w*CE)/sum(w) (0 when nothing is supervised)."""
+        return self.loss_sum / self.weight_sum.clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def _chunk_ce(h: Tensor, weight: Tensor, labels: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+    """Weighted CE sum and argmax of one row chunk. Matmul in the input dtype, softmax/CE in fp32."""
+    logits = (h @ weight.t()).float()
+    ce = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
+    with torch.no_grad():
+        pred = logits.argmax(-1)
+    return (ce * w).sum(), pred
+
+
+def decayed_ce(hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, block_size: int, gamma: float,
+               chunk_rows: int) -> LossParts:
+    """Decayed cross-entropy of drafter outputs through the (frozen) target lm_head.
+
+    hidden [b, N*B, H], lm_head_weight [V, H], labels [b, N*B] (-100 = no loss). Slot-0 rows never carry a
+    loss, so they are dropped before the projection (static slicing, no sync). No .item(): every output is a
+    tensor on hidden's device.
+    """
+    b, q, h_dim = hidden.shape
+    bsz = block_size
+    if q % bsz:
+        raise ValueError(f"hidden has {q} rows per sample, not a multiple of block_size={bsz}")
+    if labels.shape != (b, q):
+        raise ValueError(f"labels {tuple(labels.shape)} must be [b, N*B] = {(b, q)}")
+    dev = hidden.device
+    rows_h = hidden.reshape(b, q // bsz, bsz, h_dim)[:, :, 1:].reshape(-1, h_dim)   # slots 1..B-1
+    rows_y = labels.reshape(b, q // bsz, bsz)[:, :, 1:].reshape(-1)
+    has = rows_y != IGNORE_INDEX
+    w_slot = slot_weights(bsz, gamma, device=dev)[1:]
+    rows_w = w_slot.repeat(b * (q // bsz)) * has
+
+    use_ckpt = torch.is_grad_enabled() and (hidden.requires_grad or lm_head_weight.requires_grad)
+    sums, preds = [], []
+    step = max(1, int(chunk_rows))
+    for lo in range(0, rows_y.numel(), step):
+        args = (rows_h[lo:lo + step], lm_head_weight, rows_y[lo:lo + step], rows_w[lo:lo + step])
+        s, p = checkpoint(_chunk_ce, *args, use_reentrant=False) if use_ckpt else _chunk_ce(*args)
+        sums.append(s)
+        preds.append(p)
+    if sums:
+        loss_sum = torch.stack(sums).sum()
+        pred = torch.cat(preds)
+    else:  # no rows at all (N == 0): keep the graph connected so backward still works
+        loss_sum = hidden.sum().float() * 0.0
+        pred = rows_y.clone()
+
+    nblk = b * (q // bsz)
+    with torch.no_grad():
+        correct = ((pred == rows_y) & has).view(nblk, bsz - 1).sum(0)
+        count = has.view(nblk, bsz - 1).sum(0)
+        zero = torch.zeros(1, dtype=torch.long, device=dev)
+        slot_correct = torch.cat([zero, correct.long()])
+        slot_count = torch.cat([zero, count.long()])
+        weight_sum = rows_w.sum()
+    return LossParts(loss_sum=loss_sum, weight_sum=weight_sum, slot_correct=slot_correct, slot_count=slot_count)
