@@ -45,6 +45,9 @@ class Job:
 
 def _dataset_key(cfg: JobConfig, tok_path: str, vocab: int) -> str:
     src = cfg.data.source
+    if src.startswith("synthetic:"):
+        return hashlib.sha1(json.dumps([src, cfg.data.max_length, cfg.data.shuffle_seed, vocab]).encode()
+                            ).hexdigest()[:12]
     if src != "builtin" and os.path.exists(src):
         st = os.stat(src)
         src = f"{os.path.abspath(src)}:{st.st_size}:{st.st_mtime_ns}"
@@ -64,7 +67,13 @@ def prepare_data(cfg: JobConfig, d: Dist, run_dir: str, tok_path: str, vocab: in
     key = _dataset_key(cfg, tok_path, vocab)
     ds_path = os.path.join(cache, f"train-{key}.pt")
     ho_path = os.path.join(cache, f"holdout-{key}.jsonl")
-    if d.rank == 0 and not (os.path.exists(ds_path) and os.path.exists(ho_path)):
+    if d.rank == 0 and cfg.data.source.startswith("synthetic:") and not os.path.exists(ds_path):
+        from .synthetic import synthetic_dataset
+        os.makedirs(cache, exist_ok=True)
+        synthetic_dataset(cfg.data.source, vocab, cfg.data.max_length, cfg.data.shuffle_seed).save(ds_path)
+        with open(ho_path, "w"):
+            pass
+    elif d.rank == 0 and not (os.path.exists(ds_path) and os.path.exists(ho_path)):
         os.makedirs(cache, exist_ok=True)
         stats = data_mod.BadDataStats()
         if cfg.data.source == "builtin":

@@ -109,6 +109,13 @@ def _wait(work, what: str, timeout_s: float, check: Optional[Callable[[], None]]
     work.wait()
 
 
+def _batched(op, tensors, peer: int, group) -> list:
+    """Payload sends/receives as one batched P2P call: NCCL treats unbatched P2P ops on an eagerly
+    initialised group as collectives serialised with everything else on it (the compute stream then
+    stalls behind a send the peer has not taken yet)."""
+    return dist.batch_isend_irecv([dist.P2POp(op, t, peer, group) for t in tensors])
+
+
 def pack_meta(sample_ids, cu_seqlens, input_ids, loss_mask) -> torch.Tensor:
     return torch.cat([sample_ids.long(), cu_seqlens.long(), input_ids.long(), loss_mask.long()])
 
@@ -186,8 +193,8 @@ class Sender:
         meta = pack_meta(msg.sample_ids, msg.cu_seqlens, msg.input_ids, msg.loss_mask).to(self.ch.device)
         feats = feats.to(self.ch.device)
         ctrl, data = self.ch.ctrl_group, self.ch.data_group
-        works = [(dist.isend(h, dst, group=ctrl), ctrl), (dist.isend(meta, dst, group=data), data),
-                 (dist.isend(feats, dst, group=data), data)]
+        works = [(dist.isend(h, dst, group=ctrl), ctrl)] + [(w, data) for w in _batched(dist.isend, (meta, feats),
+                                                                                             dst, data)]
         self._inflight[dst].append((works, (h, meta, feats)))  # keep buffers alive until sent
         self.bytes_sent += meta.numel() * 8 + feats.numel() * feats.element_size()
 
@@ -258,7 +265,7 @@ class PendingMessage:
             raise TransportError(f"rank {self.src}: header meta length {h[H_METALEN]} != {2 * n + 1 + 2 * t}")
         meta = torch.empty(h[H_METALEN], dtype=torch.int64, device=ch.device)
         feats = torch.empty((t, width), dtype=CODE_DTYPES[h[H_DTYPE]], device=ch.device)
-        works = [dist.irecv(meta, self.src, group=ch.data_group), dist.irecv(feats, self.src, group=ch.data_group)]
+        works = _batched(dist.irecv, (meta, feats), self.src, ch.data_group)
         self.payload = (h, meta, feats, works)
 
     def complete(self):
