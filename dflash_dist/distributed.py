@@ -28,6 +28,7 @@ class Dist:
     ctrl: object
     data: object
     drafters: object
+    drafters_cpu: object
     store: object
 
     @property
@@ -56,8 +57,24 @@ def make_groups(topo: Topology, device: torch.device, timeout_s: float) -> Dist:
     timeout = timedelta(seconds=timeout_s)
     ctrl = dist.new_group(backend="gloo", timeout=timeout)
     drafters = dist.new_group(ranks=topo.drafter_ranks, timeout=timeout)
+    # host-side votes among drafters (stop requests) without a CUDA sync
+    drafters_cpu = dist.new_group(ranks=topo.drafter_ranks, backend="gloo", timeout=timeout)
     store = dist.distributed_c10d._get_default_store()
-    return Dist(topo=topo, device=device, ctrl=ctrl, data=dist.group.WORLD, drafters=drafters, store=store)
+    return Dist(topo=topo, device=device, ctrl=ctrl, data=dist.group.WORLD, drafters=drafters,
+                drafters_cpu=drafters_cpu, store=store)
+
+
+def shorten_timeouts(d: Dist, timeout_s: float) -> None:
+    """After warm-up (model load, first compiles) a silent peer means a dead job: let the collectives give up
+    after ``timeout_s`` instead of the long warm-up limit (torchtitan does the same)."""
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is None:
+        return
+    for g in (None, d.drafters):
+        try:
+            set_timeout(timedelta(seconds=timeout_s), g)
+        except Exception as e:  # non-member groups or backends without the hook
+            log.debug("could not shorten timeout: %s", e)
 
 
 def setup_logging(rank: int, role: str) -> None:

@@ -25,6 +25,7 @@ from .loss import decayed_ce
 from .masks import dense_mask, flex_block_mask
 from .metrics import MetricsWriter, RateMeter
 from .target import load_head_from_checkpoint, resolve_dtype, resolve_source, text_config
+from .distributed import shorten_timeouts
 from .transport import Channel, EndOfStream, Receiver
 
 log = logging.getLogger("dflash_dist")
@@ -91,21 +92,38 @@ class DrafterTrainer:
         self.ddp = DDP(self.model, process_group=d.drafters, **kwargs)
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
                          else torch.autocast("cpu", enabled=False))
-        self.counts = {"received": 0, "trained": 0, "samples_trained": 0, "empty_steps": 0}
+        self.counts = {"messages_received": 0, "samples_received": 0, "samples_trained": 0,
+                       "samples_skipped_nonfinite": 0, "samples_skipped_shape": 0, "empty_steps": 0}
         B = cfg.drafter.block_size
-        # per-step statistics accumulated on device, read once per logging window
-        self.acc = torch.zeros(2 + 2 * B + 2, dtype=torch.float64, device=self.device)
+        # per-step statistics accumulated on device, read once per logging window:
+        # [loss_sum, weight_sum, correct[B], count[B], grad_norm, steps, nonfinite samples per target[T]]
+        self.acc = torch.zeros(2 + 2 * B + 2 + self.topo.num_targets, dtype=torch.float64, device=self.device)
+        self.nonfinite_by_target = [0] * self.topo.num_targets
 
     # ------------------------------------------------------------------ one step
     def build(self, msg, k: int):
+        """DrafterBatch for message k (None: an empty batch). Samples with non-finite features get no loss
+        and zeroed features (device ops, no sync); they are counted per source target."""
         cfg = self.cfg.drafter
         gen = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + k)  # topology-independent
+        if msg is not None and msg.features.shape[1] != self.feature_width:
+            log.warning("message %d from rank %d has features of width %d, expected %d: skipped (%d samples)",
+                        k, msg.src, msg.features.shape[1], self.feature_width, msg.num_samples)
+            self.counts["samples_skipped_shape"] += msg.num_samples
+            msg = None
         if msg is None:
             ids, mask, cu, feats = empty_batch_inputs(self.feature_width, self.device, self.lm_head.dtype)
         else:
             ids, mask, cu, feats = msg.input_ids, msg.loss_mask, msg.cu_seqlens, msg.features
-        return make_batch(ids, mask, cu, feats, num_anchors=cfg.num_anchors, block_size=cfg.block_size,
-                          mask_token_id=self.job.mask_token_id, ctx_bucket=cfg.ctx_bucket, generator=gen)
+        batch = make_batch(ids, mask, cu, feats, num_anchors=cfg.num_anchors, block_size=cfg.block_size,
+                           mask_token_id=self.job.mask_token_id, ctx_bucket=cfg.ctx_bucket, generator=gen)
+        bad = ~torch.isfinite(batch.features).flatten(1).all(1)                        # [b]
+        batch.features = torch.nan_to_num(batch.features, nan=0.0, posinf=0.0, neginf=0.0)
+        batch.labels = batch.labels.masked_fill(bad[:, None], -100)
+        if msg is not None:
+            slot = 2 + 2 * cfg.block_size + 2 + (msg.src - self.topo.num_drafters)
+            self.acc[slot] += bad.sum()
+        return batch
 
     def attention_mask(self, batch):
         B = self.cfg.drafter.block_size
@@ -132,7 +150,7 @@ class DrafterTrainer:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         with torch.no_grad():
-            self.acc += torch.cat([parts.loss_sum.detach().double().view(1), parts.weight_sum.double().view(1),
+            self.acc[:4 + 2 * B] += torch.cat([parts.loss_sum.detach().double().view(1), parts.weight_sum.double().view(1),
                                    parts.slot_correct.double(), parts.slot_count.double(),
                                    gnorm.detach().double().view(1), torch.ones(1, dtype=torch.float64,
                                                                                device=self.device)])
@@ -145,6 +163,15 @@ class DrafterTrainer:
         dist.all_reduce(acc, group=self.d.drafters)
         v = acc.tolist()
         self.acc.zero_()
+        T = self.topo.num_targets
+        bad = [int(x) for x in v[len(v) - T:]]
+        for t, n in enumerate(bad):
+            self.nonfinite_by_target[t] += n
+        out_bad = {"skipped_nonfinite": sum(bad)}
+        for t, n in enumerate(bad):
+            if n:
+                log.warning("target rank %d sent %d samples with non-finite hidden states in this window "
+                            "(skipped; %d so far)", self.topo.num_drafters + t, n, self.nonfinite_by_target[t])
         loss_sum, wsum = v[0], v[1]
         correct, count = v[2:2 + B], v[2 + B:2 + 2 * B]
         gnorm, nsteps = v[2 + 2 * B], v[3 + 2 * B]
@@ -160,12 +187,13 @@ class DrafterTrainer:
             run *= correct[k] / max(count[k], 1)
             tau += run
         out["tau_from_acc"] = tau
+        out.update(out_bad)
         return out
 
-    def save(self, final: bool = False) -> None:
+    def save(self, final: bool = False, reason: str = "periodic") -> None:
         if not self.topo.is_leader:
             return
-        meta = {"cursor": self.cursor, "total_messages": self.job.total_messages,
+        meta = {"reason": "final" if final else reason, "cursor": self.cursor, "total_messages": self.job.total_messages,
                 "num_targets": self.topo.num_targets, "num_drafters": self.topo.num_drafters,
                 "layer_ids": self.job.layer_ids, "mask_token_id": self.job.mask_token_id,
                 "block_size": self.cfg.drafter.block_size, "drafter_config": self.mcfg.__dict__,
@@ -176,9 +204,28 @@ class DrafterTrainer:
         log.info("checkpoint %s", path)
 
 
+def drain(rx, topo, pending, ends_seen: set, target_stats: dict) -> int:
+    """Receive (and drop) whatever the targets still send until each has said END; returns samples dropped.
+    Used after a graceful stop: those samples were not trained and stay in the untrained part of the plan."""
+    dropped = 0
+    got = pending.complete() if pending is not None else None
+    for t in topo.target_ranks:
+        while t not in ends_seen:
+            if got is None:
+                got = rx.post(t).complete()
+            if isinstance(got, EndOfStream):
+                ends_seen.add(got.src)
+                target_stats[got.src] = got.sender_stats
+            else:
+                dropped += got.num_samples
+            got = None
+    return dropped
+
+
 def run_drafter(job) -> None:
     cfg, d = job.cfg, job.dist
     topo = d.topo
+    life = job.life
     trainer = DrafterTrainer(job)
     n_params = sum(p.numel() for p in trainer.model.parameters())
     log.info("drafter: %d layers, %.2fM trainable params, attention backend=%s%s, anchors=%d, block=%d",
@@ -190,13 +237,15 @@ def run_drafter(job) -> None:
     total_steps = job.start_step + steps
     writer = MetricsWriter(job.run_dir, cfg.to_dict(), cfg.logging.wandb, total_steps, topo.is_leader,
                            cfg.logging.progress_bar)
-    channel = Channel(d.ctrl, d.data, d.device, timeout_s=cfg.topology.warmup_timeout_s)
+    channel = Channel(d.ctrl, d.data, d.device, timeout_s=cfg.topology.warmup_timeout_s, check=life.check)
     rx = Receiver(channel, d.rank)
     mine = list(topo.drafter_messages(run_messages))
     pending = rx.post(topo.target_for(mine[0]), job.start_cursor + mine[0]) if mine else None
     rate = RateMeter()
     target_stats = {}
+    ends_seen: set = set()
     wait_s = busy_s = 0.0
+    stopped = False
     t_start = time.monotonic()
     for s in range(steps):
         j = s * topo.num_drafters + topo.index
@@ -204,10 +253,12 @@ def run_drafter(job) -> None:
         msg = None
         if j < run_messages:
             msg = pending.complete()
+            pending = None
             if isinstance(msg, EndOfStream):
                 raise RuntimeError(f"target rank {msg.src} ended its stream before message {job.start_cursor + j}")
             target_stats[msg.src] = msg.sender_stats
-            trainer.counts["received"] += 1
+            trainer.counts["messages_received"] += 1
+            trainer.counts["samples_received"] += msg.num_samples
             nxt = j + topo.num_drafters
             if nxt < run_messages:
                 pending = rx.post(topo.target_for(nxt), job.start_cursor + nxt)
@@ -215,8 +266,6 @@ def run_drafter(job) -> None:
         batch = trainer.build(msg, job.start_cursor + j)
         trainer.train_step(batch)
         if msg is not None:
-            trainer.counts["trained"] += 1
-            trainer.counts["samples_trained"] += msg.num_samples
             rate.add(msg.num_samples, msg.num_tokens)
         else:
             trainer.counts["empty_steps"] += 1
@@ -225,9 +274,14 @@ def run_drafter(job) -> None:
         wait_s += t1 - t0
         busy_s += time.monotonic() - t1
         if s == 1:
-            channel.timeout_s = cfg.topology.timeout_s * 4
+            channel.timeout_s = cfg.topology.timeout_s
+            shorten_timeouts(d, cfg.topology.timeout_s)
         last = s == steps - 1
-        if trainer.step % cfg.logging.log_every == 0 or last:
+        # graceful stop: every drafter votes each step (gloo, host-side); all stop after the same step
+        vote = torch.tensor([1.0 if life.stop_requested() else 0.0])
+        dist.all_reduce(vote, group=d.drafters_cpu)
+        stop_now = vote.item() > 0 and not last
+        if trainer.step % cfg.logging.log_every == 0 or last or stop_now:
             window = trainer.read_window()  # all drafters: one all-reduce per window
             r = rate.take()
             rates = torch.tensor([r["samples_per_s"], r["tokens_per_s"]], dtype=torch.float64, device=d.device)
@@ -248,15 +302,46 @@ def run_drafter(job) -> None:
                 if not cfg.logging.progress_bar:
                     log.info("step %d/%d loss %.4f acc %.3f lr %.2e %.1f samples/s", trainer.step, total_steps,
                              window["loss"], window["acc"], window["lr"], window["samples_per_s"])
+        if stop_now:
+            stopped = True
+            break
         if cfg.train.checkpoint_every and trainer.step % cfg.train.checkpoint_every == 0 and not last:
             trainer.save()
-    # drain: every target says END once its share is sent
-    for t in topo.target_ranks:
-        end = rx.post(t).complete()
-        if not isinstance(end, EndOfStream):
-            raise RuntimeError(f"expected END from target rank {t}, got message {end.index}")
-    trainer.save(final=True)
+    if stopped:
+        # samples of messages after the cursor were not trained: the checkpoint's cursor excludes them
+        trainer.save(final=False, reason="signal")
+        if topo.is_leader:
+            life.announce_stop(trainer.step)
+            log.warning("stopped on request after step %d; resume with train.resume=auto", trainer.step)
+        dropped = drain(rx, topo, pending, ends_seen, target_stats)
+        trainer.counts["samples_dropped_after_stop"] = dropped
+    else:
+        for t in topo.target_ranks:  # every target says END once its share is sent
+            end = rx.post(t).complete()
+            if not isinstance(end, EndOfStream):
+                raise RuntimeError(f"expected END from target rank {t}, got message {end.index}")
+            ends_seen.add(t)
+            target_stats[t] = end.sender_stats
+        trainer.save(final=True)
+    accounting = account(trainer, d, target_stats, stopped)
     if topo.is_leader:
-        log.info("done: %d steps, %d messages trained in %.1f s", trainer.step, trainer.cursor,
-                 time.monotonic() - t_start)
+        writer.log(trainer.step, accounting, kind="accounting")
+        log.info("%s: %d steps, %d of %d messages trained in %.1f s; samples %s", "stopped" if stopped else "done",
+                 trainer.step, trainer.cursor, job.total_messages, time.monotonic() - t_start,
+                 {k: int(v) for k, v in accounting.items()})
     writer.close()
+
+
+def account(trainer, d, target_stats: dict, stopped: bool) -> dict:
+    """Job-wide sample accounting (all drafters): received = trained + skipped (+ dropped after a stop)."""
+    c = trainer.counts
+    keys = ["samples_received", "samples_skipped_shape", "samples_dropped_after_stop", "messages_received"]
+    v = torch.tensor([float(c.get(k, 0)) for k in keys], dtype=torch.float64)
+    dist.all_reduce(v, group=d.drafters_cpu)
+    out = dict(zip(keys, v.tolist()))
+    out["samples_skipped_nonfinite"] = float(sum(trainer.nonfinite_by_target))
+    out["samples_trained"] = (out["samples_received"] - out["samples_skipped_shape"]
+                              - out["samples_skipped_nonfinite"])
+    # what the targets sent = what drafters took for training + what they dropped after a graceful stop
+    out["samples_sent"] = float(sum(st[3] for st in target_stats.values() if st))
+    return out

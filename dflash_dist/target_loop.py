@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .data import TokenizedDataset
+from .distributed import shorten_timeouts
 from .target import FeatureCapture, build_target_model, head_weights, resolve_source
 from .transport import Channel, Message, Sender
 
@@ -50,13 +51,17 @@ def run_target(job) -> None:
     send_head_weights(job, model)
     capture = FeatureCapture(model, job.layer_ids)
     dataset = TokenizedDataset.load(job.dataset_path)
-    channel = Channel(d.ctrl, d.data, d.device, timeout_s=cfg.topology.warmup_timeout_s)
+    channel = Channel(d.ctrl, d.data, d.device, timeout_s=cfg.topology.warmup_timeout_s, check=job.life.check)
     tx = Sender(channel, d.rank, cfg.topology.max_in_flight)
 
     run_messages = job.total_messages - job.start_cursor
     busy_s, tokens, samples, sent = 0.0, 0, 0, 0
     start = time.monotonic()
+    stopped = False
     for j in topo.target_messages(run_messages):
+        if job.life.stop_announced():  # drafters agreed on a graceful stop and checkpointed
+            stopped = True
+            break
         k = job.start_cursor + j
         batch = [dataset[i] for i in job.plan[k]]
         t_busy = time.monotonic()
@@ -75,13 +80,14 @@ def run_target(job) -> None:
                 stats=(int(busy_s * 1e6), int(tx.wait_s * 1e6), tokens, samples, int(wall * 1e6)))
         sent += 1
         if sent == 2:  # model warm, drafters compiled their first shapes: steady-state timeout from here
-            channel.timeout_s = cfg.topology.timeout_s * 4
+            channel.timeout_s = cfg.topology.timeout_s
+            shorten_timeouts(d, cfg.topology.timeout_s)
     for dr in topo.drafter_ranks:
         wall = time.monotonic() - start
         tx.send_end(dr, stats=(int(busy_s * 1e6), int(tx.wait_s * 1e6), tokens, samples, int(wall * 1e6)))
     tx.flush()
     wall = time.monotonic() - start
     capture.close()
-    log.info("target done: %d messages, %d samples, %d tokens in %.1f s (%.0f tok/s, busy %.0f%%, "
-             "backpressure wait %.0f%%)", sent, samples, tokens, wall, tokens / max(wall, 1e-9),
+    log.info("target %s: %d messages, %d samples, %d tokens in %.1f s (%.0f tok/s, busy %.0f%%, "
+             "backpressure wait %.0f%%)", "stopped" if stopped else "done", sent, samples, tokens, wall, tokens / max(wall, 1e-9),
              100 * busy_s / max(wall, 1e-9), 100 * tx.wait_s / max(wall, 1e-9))

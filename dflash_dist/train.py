@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from .config import ConfigError, JobConfig, resolve_device, validate_job
 from .distributed import Dist, init_distributed, make_groups, setup_logging
+from .lifecycle import Lifecycle
 from .topology import Topology
 
 log = logging.getLogger("dflash_dist")
@@ -41,6 +42,7 @@ class Job:
     start_cursor: int     # messages already trained (resume)
     start_step: int
     resume_from: Optional[str]
+    life: object = None   # lifecycle.Lifecycle: signals, stop agreement, failure reports
 
 
 def _dataset_key(cfg: JobConfig, tok_path: str, vocab: int) -> str:
@@ -174,16 +176,25 @@ def resolve_mask_token_id(cfg: JobConfig, tok, vocab_size: int) -> int:
 
 def run(cfg: JobConfig) -> int:
     job = setup(cfg)
+    topo = job.dist.topo
+    job.life = Lifecycle(job.dist.store, topo.rank, topo.role)
     try:
-        if job.dist.topo.role == "target":
+        if topo.role == "target":
             from .target_loop import run_target
             run_target(job)
         else:
             from .drafter_loop import run_drafter
             run_drafter(job)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    except BaseException as e:
+        root = job.life.failure()
+        if root is not None and not root.startswith(f"rank {topo.rank} "):
+            # a secondary error (a broken wait on a dead or failed peer): report the root cause once
+            log.error("stopping because %s", root)
+            os._exit(1)
+        job.life.report_failure(f"rank {topo.rank} ({topo.role}) failed: {type(e).__name__}: {e}")
+        raise
+    dist.barrier(group=job.dist.ctrl)
+    dist.destroy_process_group()
     return 0
 
 

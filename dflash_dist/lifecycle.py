@@ -1,0 +1,81 @@
+"""Stopping on purpose and failing loudly, coordinated through torchrun's rendezvous store.
+
+* Graceful stop (SIGTERM/SIGINT, e.g. SLURM preemption): the handler only sets a flag. The rank that got it
+  posts ``stop_request`` in the store; drafters fold "stop?" into the per-step all-reduce, so all of them
+  agree on the same last step; the leader checkpoints and posts ``stop_at``; targets stop producing at
+  that key, send END, and every rank exits 0. Only this path writes a checkpoint.
+* Failure: the failing rank writes its exception to ``failed`` (first writer wins) and exits non-zero;
+  every other rank, when its wait on that peer breaks, reports that root cause instead of its own
+  secondary error, so the real message is surfaced once.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from typing import Optional
+
+log = logging.getLogger("dflash_dist")
+
+KEY_STOP_REQUEST = "dflash/stop_request"
+KEY_STOP_AT = "dflash/stop_at"
+KEY_FAILED = "dflash/failed"
+
+
+class PeerFailure(RuntimeError):
+    """Another rank failed; the message is that rank's own error."""
+
+
+class Lifecycle:
+    def __init__(self, store, rank: int, role: str, install_handlers: bool = True):
+        self.store, self.rank, self.role = store, rank, role
+        self.signal_name: Optional[str] = None
+        self._posted = False
+        if install_handlers:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.signal_name is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # second Ctrl-C: stop now
+        self.signal_name = signal.Signals(signum).name
+        log.warning("received %s: finishing the current step, then checkpoint and exit", self.signal_name)
+
+    def _has(self, key: str) -> bool:
+        try:
+            return self.store.check([key])
+        except Exception:  # the store host is gone: treat as failure elsewhere, not as a stop
+            return False
+
+    def stop_requested(self) -> bool:
+        """This rank got a signal, or another rank posted a stop request."""
+        if self.signal_name is not None and not self._posted:
+            self.store.set(KEY_STOP_REQUEST, f"rank {self.rank} ({self.role}): {self.signal_name}")
+            self._posted = True
+        return self.signal_name is not None or self._has(KEY_STOP_REQUEST)
+
+    def announce_stop(self, step: int) -> None:
+        self.store.set(KEY_STOP_AT, str(step))
+
+    def stop_announced(self) -> bool:
+        return self._has(KEY_STOP_AT)
+
+    def report_failure(self, text: str) -> None:
+        try:
+            self.store.compare_set(KEY_FAILED, "", text)
+        except Exception:
+            pass
+
+    def failure(self) -> Optional[str]:
+        if not self._has(KEY_FAILED):
+            return None
+        try:
+            return self.store.get(KEY_FAILED).decode("utf-8", "replace")
+        except Exception:
+            return None
+
+    def check(self) -> None:
+        """Raise PeerFailure if another rank has failed (called while waiting on peers)."""
+        f = self.failure()
+        if f is not None and not f.startswith(f"rank {self.rank} "):
+            raise PeerFailure(f)
