@@ -288,6 +288,10 @@ class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Weights & Biases settings."""
 
+    record_sample_ids: bool = False
+    """Append the sample ids of every trained message to <output_dir>/sample_log/rank<r>.jsonl (audits and
+    tests of the no-loss/no-repeat guarantee; costs a host sync per step on GPU)."""
+
     def __post_init__(self) -> None:
         if isinstance(self.wandb, dict):
             self.wandb = WandbConfig(**self.wandb)

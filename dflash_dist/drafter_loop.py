@@ -7,6 +7,7 @@ so every supervised slot counts the same whichever drafter trained it.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -246,6 +247,10 @@ def run_drafter(job) -> None:
     ends_seen: set = set()
     wait_s = busy_s = 0.0
     stopped = False
+    sample_log = None
+    if cfg.logging.record_sample_ids:
+        os.makedirs(os.path.join(job.run_dir, "sample_log"), exist_ok=True)
+        sample_log = open(os.path.join(job.run_dir, "sample_log", f"rank{d.rank}.jsonl"), "a", buffering=1)
     t_start = time.monotonic()
     for s in range(steps):
         j = s * topo.num_drafters + topo.index
@@ -267,6 +272,9 @@ def run_drafter(job) -> None:
         trainer.train_step(batch)
         if msg is not None:
             rate.add(msg.num_samples, msg.num_tokens)
+            if sample_log is not None:
+                sample_log.write(json.dumps({"k": msg.index, "step": trainer.step, "ids": msg.sample_ids.tolist()})
+                                 + "\n")
         else:
             trainer.counts["empty_steps"] += 1
         trainer.step += 1
