@@ -20,6 +20,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .blocks import make_batch
 from .checkpoint import load_checkpoint, save_checkpoint
+from .compile_guard import (batch_shape, dynamo_counters, expected_shapes, install_guard, plan_step_lengths,
+                            report_graph_breaks)
+from .startup_report import startup_report
 from .config import cosine_lr, resolve_backend
 from .drafter import DFlashDrafter, DrafterModelConfig
 from .loss import decayed_ce
@@ -100,6 +103,20 @@ class DrafterTrainer:
         # [loss_sum, weight_sum, correct[B], count[B], grad_norm, steps, nonfinite samples per target[T]]
         self.acc = torch.zeros(2 + 2 * B + 2 + self.topo.num_targets, dtype=torch.float64, device=self.device)
         self.nonfinite_by_target = [0] * self.topo.num_targets
+        self.guard = self.make_guard() if self.backend == "flex" else None
+
+    def make_guard(self):
+        """Compile guard (flex backend): eager flex -> error, recompiles bounded, none after warm-up unless the
+        step's shape is one the plan says this drafter will see (see compile_guard)."""
+        job, dc = self.job, self.cfg.drafter
+        run_messages = job.total_messages - job.start_cursor
+        lens = job.sample_lengths
+        steps = plan_step_lengths(job.plan, lens, job.start_cursor, run_messages, self.topo.num_drafters,
+                                  self.topo.index) if lens is not None else []
+        shapes = expected_shapes(list(steps) + [[2]], dc.ctx_bucket, dc.num_anchors * dc.block_size)  # + empty
+        # dynamo: static, then dynamic b, dynamic S_pad, b == 1 specialised -> at most ~4 variants per function
+        return install_guard(num_shape_buckets=min(len(shapes), 4), margin=2, warmup_steps=2,
+                             expected_shapes=shapes if lens is not None else None)
 
     # ------------------------------------------------------------------ one step
     def build(self, msg, k: int):
@@ -133,6 +150,12 @@ class DrafterTrainer:
         return dense_mask(batch.anchors, batch.valid, batch.ctx_len, B)
 
     def train_step(self, batch) -> None:
+        if self.guard is None:
+            return self._train_step(batch)
+        with self.guard.step(batch_shape(batch)):
+            self._train_step(batch)
+
+    def _train_step(self, batch) -> None:
         cfg = self.cfg
         B = cfg.drafter.block_size
         mult = cosine_lr(self.cursor, self.job.total_messages, cfg.train.warmup_ratio, cfg.train.min_lr_ratio)
@@ -252,6 +275,7 @@ def run_drafter(job) -> None:
         os.makedirs(os.path.join(job.run_dir, "sample_log"), exist_ok=True)
         sample_log = open(os.path.join(job.run_dir, "sample_log", f"rank{d.rank}.jsonl"), "a", buffering=1)
     t_start = time.monotonic()
+    first_step_s = None
     for s in range(steps):
         j = s * topo.num_drafters + topo.index
         t0 = time.monotonic()
@@ -269,7 +293,22 @@ def run_drafter(job) -> None:
                 pending = rx.post(topo.target_for(nxt), job.start_cursor + nxt)
         t1 = time.monotonic()
         batch = trainer.build(msg, job.start_cursor + j)
-        trainer.train_step(batch)
+        if s == 1:  # one profiled step after the warm-up step: what really ran, memory, compile/cache
+            b_, s_pad, q_len = batch_shape(batch)
+            rep = startup_report(lambda: trainer.train_step(batch), trainer.model,
+                                 {"b": b_, "S_pad": s_pad, "Q": q_len, "first_step_s": first_step_s,
+                                  "guard": trainer.guard}, d.device,
+                                 print_fn=log.info if topo.is_leader else log.debug)
+            if topo.is_leader:
+                with open(os.path.join(job.run_dir, "startup_report.json"), "w") as f:
+                    json.dump(rep, f, indent=1, default=str)
+            breaks = report_graph_breaks(raise_on_break=False)
+            if breaks:
+                log.warning("graph breaks in compiled regions: %s", list(breaks)[:5])
+        else:
+            trainer.train_step(batch)
+        if s == 0:
+            first_step_s = time.monotonic() - t1
         if msg is not None:
             rate.add(msg.num_samples, msg.num_tokens)
             if sample_log is not None:
@@ -291,6 +330,9 @@ def run_drafter(job) -> None:
         stop_now = vote.item() > 0 and not last
         if trainer.step % cfg.logging.log_every == 0 or last or stop_now:
             window = trainer.read_window()  # all drafters: one all-reduce per window
+            if trainer.guard is not None:
+                dc = dynamo_counters()
+                window.update({f"compile/{k}": dc[k] for k in ("unique_graphs", "graph_breaks", "recompiles")})
             r = rate.take()
             rates = torch.tensor([r["samples_per_s"], r["tokens_per_s"]], dtype=torch.float64, device=d.device)
             dist.all_reduce(rates, group=d.drafters)  # job throughput = sum over drafters

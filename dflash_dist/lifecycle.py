@@ -12,7 +12,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
 from typing import Optional
 
 log = logging.getLogger("dflash_dist")
@@ -20,6 +22,7 @@ log = logging.getLogger("dflash_dist")
 KEY_STOP_REQUEST = "dflash/stop_request"
 KEY_STOP_AT = "dflash/stop_at"
 KEY_FAILED = "dflash/failed"
+KEY_WHO = "dflash/who/"  # + rank: "host pid role"
 
 
 class PeerFailure(RuntimeError):
@@ -27,17 +30,46 @@ class PeerFailure(RuntimeError):
 
 
 class Lifecycle:
-    def __init__(self, store, rank: int, role: str, install_handlers: bool = True):
-        self.store, self.rank, self.role = store, rank, role
+    def __init__(self, store, rank: int, role: str, world_size: int, role_of=None, install_handlers: bool = True):
+        self.store, self.rank, self.role, self.world_size = store, rank, role, world_size
+        self.role_of = role_of or (lambda r: "?")
         self.signal_name: Optional[str] = None
         self._posted = False
+        self.host = socket.gethostname()
+        store.set(f"{KEY_WHO}{rank}", f"{self.host} {os.getpid()} {role}")
         if install_handlers:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, self._on_signal)
 
+    def dead_peers(self) -> list[str]:
+        """Ranks on this host whose process no longer exists (a kill -9, an OOM kill), e.g. 'rank 2 (target)'."""
+        dead = []
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            try:
+                host, pid, role = self.store.get(f"{KEY_WHO}{r}").decode().split()
+            except Exception:
+                continue
+            if host != self.host:
+                continue
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                dead.append(f"rank {r} ({role}, pid {pid})")
+            except PermissionError:
+                pass
+        return dead
+
     def _on_signal(self, signum, frame) -> None:
         if self.signal_name is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # second Ctrl-C: stop now
+        # torchrun also sends SIGTERM to the survivors when a rank dies: that is a failure, not a preemption.
+        dead = self.dead_peers()
+        failure = self.failure()
+        if dead or failure:
+            log.error("stopping without a checkpoint: %s", failure or (", ".join(dead) + " died"))
+            os._exit(1)
         self.signal_name = signal.Signals(signum).name
         log.warning("received %s: finishing the current step, then checkpoint and exit", self.signal_name)
 

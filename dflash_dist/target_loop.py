@@ -48,6 +48,8 @@ def run_target(job) -> None:
     model = build_target_model(cfg.target, d.device.type)
     log.info("target loaded in %.1f s (%s, %s)", time.time() - t0, type(model).__name__,
              next(model.parameters()).dtype)
+    from .fast_path import check_target_fast_path
+    check_target_fast_path(model, cfg.target.fast_path, d.device.type)  # logs the binding; require raises
     send_head_weights(job, model)
     capture = FeatureCapture(model, job.layer_ids)
     dataset = TokenizedDataset.load(job.dataset_path)

@@ -43,6 +43,7 @@ class Job:
     start_step: int
     resume_from: Optional[str]
     life: object = None   # lifecycle.Lifecycle: signals, stop agreement, failure reports
+    sample_lengths: Optional[list] = None  # token length of every sample (plan shapes for the compile guard)
 
 
 def _dataset_key(cfg: JobConfig, tok_path: str, vocab: int) -> str:
@@ -125,6 +126,8 @@ def setup(cfg: JobConfig) -> Job:
     tok = AutoTokenizer.from_pretrained(tok_path)
     mask_id = resolve_mask_token_id(cfg, tok, tc.vocab_size)
     layer_ids = validate_job(cfg, world, tc.num_hidden_layers, tc.vocab_size, mask_id)
+    from .fast_path import check_fast_path_for_config  # every rank, before any weights load: fail in seconds
+    check_fast_path_for_config(hf_config, cfg.target.fast_path, device_type, cfg.target.attn_implementation)
 
     run_dir = cfg.train.output_dir
     if rank == 0:
@@ -158,7 +161,7 @@ def setup(cfg: JobConfig) -> Job:
             if rank == 0:
                 log.info("resuming from %s: step %d, %d of %d messages trained", resume_from, step, cursor, total)
     return Job(cfg, d, run_dir, hf_config, layer_ids, mask_id, tok_path, ds_path, ho_path, plan, total, cursor,
-               step, resume_from)
+               step, resume_from, sample_lengths=ds.lengths.tolist())
 
 
 def resolve_mask_token_id(cfg: JobConfig, tok, vocab_size: int) -> int:
@@ -177,7 +180,7 @@ def resolve_mask_token_id(cfg: JobConfig, tok, vocab_size: int) -> int:
 def run(cfg: JobConfig) -> int:
     job = setup(cfg)
     topo = job.dist.topo
-    job.life = Lifecycle(job.dist.store, topo.rank, topo.role)
+    job.life = Lifecycle(job.dist.store, topo.rank, topo.role, topo.world_size, topo.role_of)
     try:
         if topo.role == "target":
             from .target_loop import run_target
@@ -187,9 +190,13 @@ def run(cfg: JobConfig) -> int:
             run_drafter(job)
     except BaseException as e:
         root = job.life.failure()
+        if root is None:
+            dead = job.life.dead_peers()
+            if dead:
+                root = ", ".join(dead) + " died"
         if root is not None and not root.startswith(f"rank {topo.rank} "):
             # a secondary error (a broken wait on a dead or failed peer): report the root cause once
-            log.error("stopping because %s", root)
+            log.error("stopping because %s (here: %s: %s)", root, type(e).__name__, str(e).splitlines()[0][:200])
             os._exit(1)
         job.life.report_failure(f"rank {topo.rank} ({topo.role}) failed: {type(e).__name__}: {e}")
         raise
