@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from .data import TokenizedDataset
 from .distributed import shorten_timeouts
+from .faults import apply_target_fault, fault_for
 from .target import FeatureCapture, build_target_model, head_weights, resolve_source
 from .transport import Channel, Message, Sender
 
@@ -60,6 +61,7 @@ def run_target(job) -> None:
     busy_s, tokens, samples, sent = 0.0, 0, 0, 0
     start = time.monotonic()
     stopped = False
+    fault = fault_for(d.rank)
     for j in topo.target_messages(run_messages):
         if job.life.stop_announced():  # drafters agreed on a graceful stop and checkpointed
             stopped = True
@@ -68,7 +70,7 @@ def run_target(job) -> None:
         batch = [dataset[i] for i in job.plan[k]]
         t_busy = time.monotonic()
         ids, lengths, packed_ids, packed_mask = pad_batch(batch, d.device)
-        feats = capture(ids, lengths)
+        feats = apply_target_fault(fault, sent, capture(ids, lengths))
         if d.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # busy time = real forward time
         busy_s += time.monotonic() - t_busy

@@ -1,0 +1,38 @@
+"""Fault injection for the failure tests (never active unless the variable is set).
+
+``DFLASH_INJECT_FAULT=<rank>:<message>:<kind>`` makes global rank <rank> misbehave at its <message>-th
+message (counting from 0): ``raise`` (an exception, as a bad sample or an OOM would), ``nan`` (non-finite
+hidden states in that message), ``nan_all`` (from that message on), ``exit`` (os._exit(3), a hard crash).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+
+def fault_for(rank: int) -> Optional[tuple[int, str]]:
+    spec = os.environ.get("DFLASH_INJECT_FAULT")
+    if not spec:
+        return None
+    r, at, kind = spec.split(":")
+    if int(r) != rank:
+        return None
+    if kind not in ("raise", "nan", "nan_all", "exit"):
+        raise ValueError(f"DFLASH_INJECT_FAULT kind {kind!r}: use raise, nan, nan_all or exit")
+    return int(at), kind
+
+
+def apply_target_fault(fault, count: int, features):
+    """Called by a target before sending its count-th message."""
+    if fault is None:
+        return features
+    at, kind = fault
+    if kind == "raise" and count == at:
+        raise RuntimeError(f"injected fault at message {count} (DFLASH_INJECT_FAULT)")
+    if kind == "exit" and count == at:
+        os._exit(3)
+    if (kind == "nan" and count == at) or (kind == "nan_all" and count >= at):
+        features = features.clone()
+        features[0, 0] = float("nan")
+    return features

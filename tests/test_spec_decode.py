@@ -1,0 +1,218 @@
+"""Greedy speculative decoding: lossless against the target's greedy decoding, exact acceptance accounting,
+train/eval feature and mask parity, τ arithmetic, and the dflash-eval CLI end to end."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from dflash_dist.drafter import DFlashDrafter, DrafterModelConfig, RMSNorm
+from dflash_dist.masks import dense_mask
+from dflash_dist.spec_decode import (TargetRunner, evaluate_prompts, make_dflash_draft_fn, pack_state,
+                                     speculative_generate, summarize_acceptance, target_greedy, unpack_state_)
+from dflash_dist.target import FeatureCapture, head_weights
+
+V, H, L, B, MASK = 96, 32, 5, 4, 95
+LAYER_IDS = [1, 2, 4]          # 4 = last layer: taken after the final norm, as in training
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matmuls: one intra-op thread is 10-50x faster than two fighting over a busy CPU."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_target(seed=0, dtype=torch.float64):
+    from transformers import AutoModelForCausalLM, Qwen3Config
+    cfg = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=L, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=512, rope_theta=10000.0)
+    torch.manual_seed(seed)
+    m = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    return m.eval().requires_grad_(False)
+
+
+def tiny_drafter(target, seed=0, dtype=torch.float64):
+    dcfg = DrafterModelConfig.from_target(target.config, num_layers=2, num_feature_layers=len(LAYER_IDS), block_size=B)
+    torch.manual_seed(seed)
+    d = DFlashDrafter(dcfg, "sdpa")
+    with torch.no_grad():
+        for mod in d.modules():
+            if isinstance(mod, RMSNorm):
+                mod.weight.uniform_(0.5, 1.5)
+    return d.to(dtype).eval()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+def prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, V - 1, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def oracle(prompt, greedy, wrong_slot=None):
+    """A perfect drafter (the target's own continuation), optionally wrong at one block slot."""
+    full = list(prompt) + list(greedy) + [0] * (2 * B)
+
+    def draft(ctx, block, p):
+        assert ctx.shape[1] == p and int(block[0, 0]) == full[p]  # context = features of positions < p
+        d = torch.tensor(full[p + 1:p + B])
+        if wrong_slot is not None:
+            d[wrong_slot - 1] = (d[wrong_slot - 1] + 1) % V
+        return d
+    return draft
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_random_drafter_is_lossless(target, use_cache):
+    drafter = tiny_drafter(target)
+    for prompt in prompts(3):
+        toks, st = speculative_generate(target, drafter, None, None, prompt, LAYER_IDS, MASK, B, 20, [],
+                                        use_cache=use_cache)
+        assert toks == target_greedy(target, prompt, 20, [], use_cache=use_cache)
+        assert len(toks) == 20 and st["stop"] == "max_new_tokens"
+        assert all(1 <= a <= B for a in st["acceptance_lengths"]) and st["tau"] >= 1
+        assert 1 + sum(st["acceptance_lengths"][:-1]) < 20 <= 1 + sum(st["acceptance_lengths"])
+        assert st["accepted_per_position"] == [sum(a > k for a in st["acceptance_lengths"]) for k in range(1, B)]
+
+
+def test_greedy_reference_matches_hf_generate(target):
+    prompt = prompts(1, seed=3)[0]
+    ids = torch.tensor([prompt])
+    hf = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                         temperature=None, top_p=None, top_k=None, pad_token_id=0, eos_token_id=None)
+    assert hf[0, len(prompt):].tolist() == target_greedy(target, prompt, 16) == target_greedy(target, prompt, 16,
+                                                                                                use_cache=False)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_oracle_drafters_give_exact_acceptance(target, use_cache):
+    prompt = prompts(1, seed=1)[0]
+    n = 1 + 5 * B                                   # bonus + 5 full blocks
+    greedy = target_greedy(target, prompt, n + B)
+    toks, st = speculative_generate(target, oracle(prompt, greedy), None, None, prompt, LAYER_IDS, MASK, B, n, [],
+                                    use_cache=use_cache)
+    assert toks == greedy[:n] and st["acceptance_lengths"] == [B] * 5 and st["tau"] == B
+    for slot in range(1, B):                         # wrong at `slot`: slots < slot accepted, then the target's token
+        toks, st = speculative_generate(target, oracle(prompt, greedy, slot), None, None, prompt, LAYER_IDS, MASK,
+                                        B, 13, [], use_cache=use_cache)
+        assert toks == greedy[:13]
+        assert set(st["acceptance_lengths"]) == {slot}
+        assert st["accepted_per_position"] == [st["steps"] if k < slot else 0 for k in range(1, B)]
+
+
+def test_eos_stops_both_paths_at_the_same_token(target):
+    drafter = tiny_drafter(target, seed=2)
+    prompt = prompts(1, seed=5)[0]
+    free = target_greedy(target, prompt, 30)
+    eos = free[7]
+    ref = target_greedy(target, prompt, 30, [eos])
+    toks, st = speculative_generate(target, drafter, None, None, prompt, LAYER_IDS, MASK, B, 30, [eos])
+    assert toks == ref and toks[-1] == eos and len(toks) <= 8 and st["stop"] == "eos"
+    wrong = lambda ctx, block, p: torch.full((B - 1,), MASK)  # noqa: E731  never accepted: tau exactly 1
+    toks, st = speculative_generate(target, wrong, None, None, prompt, LAYER_IDS, MASK, B, 30, [eos])
+    assert toks == ref and st["tau"] == 1.0 and st["steps"] == len(toks) - 1
+
+
+def test_features_and_draft_match_training(target):
+    """TargetRunner features == FeatureCapture's (what the drafter trained on), and the eval draft equals the
+    training forward of one block at anchor p over a zero-padded context (masks.dense_mask rule)."""
+    ids = torch.tensor([prompts(1, seed=7)[0] + [5, 6, 7, 8, 9, 10]])
+    s = ids.shape[1]
+    cap = FeatureCapture(target, LAYER_IDS)
+    train_feats = cap(ids, torch.tensor([s]))
+    runner = TargetRunner(target, LAYER_IDS)
+    with runner.attached():                          # FeatureCapture's hooks are set aside meanwhile
+        logits, feats = runner(ids, 0)
+    assert torch.equal(feats[0], train_feats)
+    assert torch.equal(cap(ids, torch.tensor([s])), train_feats)  # ...and back afterwards
+    cap.close()
+    assert torch.allclose(logits, target(ids).logits)  # a plain forward would trip the capture's hooks before
+
+    drafter = tiny_drafter(target, seed=3)
+    embed, head = head_weights(target)
+    p = s - 3
+    blk = torch.full((1, B), MASK)
+    blk[0, 0] = ids[0, p]
+    got = make_dflash_draft_fn(drafter, embed, head)(feats[:, :p], blk, p)
+    pad = 16                                          # training: context padded to a bucket, anchor p masks the rest
+    ctx = torch.zeros(1, pad, feats.shape[-1], dtype=feats.dtype)
+    ctx[:, :s] = feats
+    mask = dense_mask(torch.tensor([[p]]), torch.tensor([[True]]), pad, B)
+    with torch.no_grad():
+        hid = drafter(torch.nn.functional.embedding(blk, embed), ctx, torch.arange(pad)[None],
+                      torch.arange(p, p + B)[None], mask)
+    assert torch.equal(got, (hid[0, 1:] @ head.T).argmax(-1))
+    flex = DFlashDrafter(drafter.config, "flex").to(torch.float64)   # a training (flex) drafter drafts via SDPA
+    flex.load_state_dict(drafter.state_dict())
+    assert torch.equal(make_dflash_draft_fn(flex, embed, head)(feats[:, :p], blk, p), got) and flex.backend == "flex"
+
+
+def test_summarize_acceptance_by_hand():
+    r = summarize_acceptance([[4, 1, 2], [3], []], 4)
+    assert r["tau"] == pytest.approx((7 / 3 + 3) / 2) and r["tau_pooled"] == pytest.approx(10 / 4)
+    assert r["per_position_acceptance"] == pytest.approx([3 / 4, 2 / 4, 1 / 4])
+    assert r["per_position_conditional"] == pytest.approx([3 / 4, 2 / 3, 1 / 2])
+    assert r["acceptance_histogram"] == pytest.approx([0, 0.25, 0.25, 0.25, 0.25])
+    assert r["total_steps"] == 4
+    empty = summarize_acceptance([[]], 4)
+    assert empty["tau"] is None and empty["per_position_acceptance"] == [None] * 3
+    with pytest.raises(ValueError):
+        summarize_acceptance([[5]], 4)
+
+
+def test_evaluate_prompts_with_capture_attached(target):
+    """On a target rank the training FeatureCapture stays registered: evaluation must not trip its hooks.
+    The drafter arrives as one flat tensor (what the leader would dist.send)."""
+    cap = FeatureCapture(target, LAYER_IDS)
+    sent = tiny_drafter(target, seed=4)
+    drafter = unpack_state_(tiny_drafter(target, seed=99), pack_state(sent, torch.float64)).train()
+    assert all(torch.equal(a, b) for a, b in zip(drafter.state_dict().values(), sent.state_dict().values()))
+    with pytest.raises(ValueError):
+        unpack_state_(drafter, torch.zeros(3))
+    res = evaluate_prompts(target, drafter, None, None, prompts(3, seed=9), LAYER_IDS, MASK, B, 12, [0])
+    assert res["n_prompts"] == 3 and res["lossless_fraction"] == 1.0 and res["tau"] >= 1
+    assert len(res["per_position_acceptance"]) == B - 1 and drafter.training  # mode restored
+    assert sum(r["new_tokens"] for r in res["per_prompt"]) == pytest.approx(3 * res["mean_new_tokens"])
+    ids = torch.tensor([[1, 2, 3]])
+    assert cap(ids, torch.tensor([3])).shape == (3, len(LAYER_IDS) * H)
+    cap.close()
+
+
+def test_dflash_eval_cli(tmp_path):
+    """checkpoint -> dflash-eval --checkpoint and export -> dflash-eval --export on a random-init target."""
+    from dflash_dist.checkpoint import save_checkpoint
+    from dflash_dist.config import JobConfig, TargetConfig
+    from dflash_dist.evaluate import main as eval_main
+    from dflash_dist.export import export_checkpoint
+    from dflash_dist.target import TINY_DIR, build_target_model
+    hf = dict(model_type="qwen3", vocab_size=2048, hidden_size=H, intermediate_size=64, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512, rope_theta=1e4)
+    tcfg = TargetConfig(hf_config=hf, tokenizer=TINY_DIR, layer_ids=[1, 2], init_seed=1, dtype="float32")
+    tgt = build_target_model(tcfg, "cpu")
+    dcfg = DrafterModelConfig.from_target(tgt.config, num_layers=1, num_feature_layers=2, block_size=B)
+    drafter = DFlashDrafter(dcfg, "sdpa")
+    meta = {"layer_ids": [1, 2], "mask_token_id": 3, "block_size": B, "drafter_config": dcfg.__dict__,
+            "target_config": tgt.config.to_dict(), "tokenizer": TINY_DIR,
+            "job_config": JobConfig(target=tcfg).to_dict()}
+    ckpt = save_checkpoint(str(tmp_path / "run"), 1, drafter.state_dict(), None, meta)
+    rows = tmp_path / "p.jsonl"
+    rows.write_text("\n".join(json.dumps(r) for r in [
+        {"messages": [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"}]},
+        {"prompt": "How are you?"}, {"messages": []}]) + "\n")
+    out = tmp_path / "eval.json"
+    assert eval_main(["--checkpoint", ckpt, "--prompts", str(rows), "--max-new-tokens", "6", "--out", str(out)]) == 0
+    res = json.load(open(out))
+    assert res["n_prompts"] == 2 and res["lossless_fraction"] == 1.0 and res["eos_ids"] == [0, 2]
+    exp = export_checkpoint(ckpt, str(tmp_path / "export"), dtype="float32")
+    out2 = tmp_path / "eval2.json"
+    assert eval_main(["--export", exp, "--prompts", str(rows), "--max-new-tokens", "6", "--out", str(out2)]) == 0
+    res2 = json.load(open(out2))
+    assert [r["acceptance_lengths"] for r in res2["per_prompt"]] == [r["acceptance_lengths"] for r in res["per_prompt"]]
