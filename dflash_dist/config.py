@@ -152,6 +152,10 @@ class DataConfig:
     shuffle_seed: int = 1234
     """Seed of the per-epoch shuffle. The batching plan depends only on it, the data and the target batching."""
 
+    sort_window_batches: int = 32
+    """Length bucketing: samples are sorted by length within windows of this many batches before packing
+    (less padding on the target). 1 = no bucketing: every batch mixes lengths (smoother loss on tiny data)."""
+
     holdout: int = 16
     """Conversations kept out of training for acceptance evaluation (prompts only)."""
 

@@ -640,7 +640,7 @@ def _pack_window(window: list, lengths: Sequence[int], max_batch_tokens: int, ma
 
 
 def build_plan(lengths: Union[Tensor, Sequence[int]], sample_ids: Iterable[int], *, epochs: int, seed: int,
-               max_batch_tokens: int, max_batch_samples: int) -> list[list[int]]:
+               max_batch_tokens: int, max_batch_samples: int, sort_window_batches: int = 32) -> list[list[int]]:
     """Batches (lists of sample ids) of all epochs, in order. ``lengths[s]`` is the length of sample ``s``.
 
     Per epoch: shuffle ``sample_ids`` with seed+epoch, cut into windows of ``32 * max_batch_samples``, sort each
@@ -656,7 +656,7 @@ def build_plan(lengths: Union[Tensor, Sequence[int]], sample_ids: Iterable[int],
         raise ValueError("build_plan: duplicate sample ids")
     if ids and (ids[0] < 0 or ids[-1] >= len(lens)):
         raise ValueError(f"build_plan: sample ids must be in [0, {len(lens)})")
-    window = 32 * max_batch_samples
+    window = max(1, sort_window_batches) * max_batch_samples
     plan: list[list[int]] = []
     for epoch in range(epochs):
         rng = random.Random(f"plan:{seed}:{epoch}")

@@ -30,6 +30,7 @@ from .masks import dense_mask, flex_block_mask
 from .metrics import MetricsWriter, RateMeter
 from .target import load_head_from_checkpoint, resolve_dtype, resolve_source, text_config
 from .distributed import shorten_timeouts
+from .eval_loop import LeaderEval, eval_enabled, eval_record, eval_steps
 from .transport import Channel, EndOfStream, Receiver
 
 log = logging.getLogger("dflash_dist")
@@ -274,6 +275,9 @@ def run_drafter(job) -> None:
     if cfg.logging.record_sample_ids:
         os.makedirs(os.path.join(job.run_dir, "sample_log"), exist_ok=True)
         sample_log = open(os.path.join(job.run_dir, "sample_log", f"rank{d.rank}.jsonl"), "a", buffering=1)
+    leader_eval = LeaderEval(job, trainer.model) if eval_enabled(job) and topo.is_leader else None
+    eval_at = set(eval_steps(job)) if leader_eval is not None else set()
+    last_window = None
     t_start = time.monotonic()
     first_step_s = None
     for s in range(steps):
@@ -328,7 +332,8 @@ def run_drafter(job) -> None:
         vote = torch.tensor([1.0 if life.stop_requested() else 0.0])
         dist.all_reduce(vote, group=d.drafters_cpu)
         stop_now = vote.item() > 0 and not last
-        if trainer.step % cfg.logging.log_every == 0 or last or stop_now:
+        first = s == 0  # the first step is always logged: the start of the loss curve
+        if trainer.step % cfg.logging.log_every == 0 or last or stop_now or first:
             window = trainer.read_window()  # all drafters: one all-reduce per window
             if trainer.guard is not None:
                 dc = dynamo_counters()
@@ -345,6 +350,10 @@ def run_drafter(job) -> None:
                 if st and st[4] > 0:
                     window[f"target{src}_busy_frac"] = st[0] / st[4]
                     window[f"target{src}_wait_frac"] = st[1] / st[4]
+            last_window = window
+            if leader_eval is not None:
+                for at, res in leader_eval.ready():
+                    writer.log(at, eval_record(res, last_window), kind="eval")
             if topo.is_leader:
                 writer.log(trainer.step, window)
                 writer.progress(trainer.step, {"loss": f"{window['loss']:.3f}", "acc": f"{window['acc']:.3f}",
@@ -352,6 +361,8 @@ def run_drafter(job) -> None:
                 if not cfg.logging.progress_bar:
                     log.info("step %d/%d loss %.4f acc %.3f lr %.2e %.1f samples/s", trainer.step, total_steps,
                              window["loss"], window["acc"], window["lr"], window["samples_per_s"])
+        if leader_eval is not None and trainer.step in eval_at:
+            leader_eval.request(trainer.step)
         if stop_now:
             stopped = True
             break
@@ -373,6 +384,12 @@ def run_drafter(job) -> None:
             ends_seen.add(t)
             target_stats[t] = end.sender_stats
         trainer.save(final=True)
+    if leader_eval is not None and not stopped:
+        for at, res in leader_eval.ready(block_s=cfg.topology.warmup_timeout_s):
+            rec = eval_record(res, last_window)
+            writer.log(at, rec, kind="eval")
+            log.info("acceptance at step %d: tau %.3f (training accuracy predicts %.3f) on %d held-out prompts", at,
+                     rec["tau"] or float("nan"), rec.get("tau_from_train_acc") or float("nan"), rec["n_prompts"])
     accounting = account(trainer, d, target_stats, stopped)
     if topo.is_leader:
         writer.log(trainer.step, accounting, kind="accounting")

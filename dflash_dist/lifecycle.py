@@ -25,6 +25,22 @@ KEY_FAILED = "dflash/failed"
 KEY_WHO = "dflash/who/"  # + rank: "host pid role"
 
 
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (a killed worker stays a zombie until torchrun reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
+
 class PeerFailure(RuntimeError):
     """Another rank failed; the message is that rank's own error."""
 
@@ -53,13 +69,26 @@ class Lifecycle:
                 continue
             if host != self.host:
                 continue
-            try:
-                os.kill(int(pid), 0)
-            except ProcessLookupError:
+            if not _alive(int(pid)):
                 dead.append(f"rank {r} ({role}, pid {pid})")
-            except PermissionError:
-                pass
         return dead
+
+    def root_cause(self, settle_s: float = 1.0) -> Optional[str]:
+        """Why the job is failing, if another rank is the cause: its reported error, or the ranks on this host
+        that died. A broken connection can reach us a moment before the dead process is reaped, so look
+        again for up to settle_s."""
+        import time
+        deadline = time.monotonic() + settle_s
+        while True:
+            f = self.failure()
+            if f is not None:
+                return f
+            dead = self.dead_peers()
+            if dead:
+                return ", ".join(dead) + " died"
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.1)
 
     def _on_signal(self, signum, frame) -> None:
         if self.signal_name is not None and signum == signal.SIGINT:

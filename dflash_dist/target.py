@@ -83,8 +83,11 @@ def build_target_model(tcfg: TargetConfig, device: str):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=tcfg.attn_implementation)
     else:
         hf_config = load_hf_config(tcfg)
-        with torch.random.fork_rng(devices=[]):
+        # initialise on the device itself: a CPU init of a multi-billion-parameter model takes minutes
+        with torch.random.fork_rng(devices=[]), torch.device(device):
             torch.manual_seed(tcfg.init_seed)
+            if device == "cuda":
+                torch.cuda.manual_seed(tcfg.init_seed)
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype,
                                                      attn_implementation=tcfg.attn_implementation)
     model.to(device).eval().requires_grad_(False)

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from .data import TokenizedDataset
 from .distributed import shorten_timeouts
+from .eval_loop import TargetEval, eval_enabled, expected_evals
 from .faults import apply_target_fault, fault_for
 from .target import FeatureCapture, build_target_model, head_weights, resolve_source
 from .transport import Channel, Message, Sender
@@ -62,10 +63,13 @@ def run_target(job) -> None:
     start = time.monotonic()
     stopped = False
     fault = fault_for(d.rank)
+    evaluator = TargetEval(job, model) if eval_enabled(job) and topo.index == 0 else None
     for j in topo.target_messages(run_messages):
         if job.life.stop_announced():  # drafters agreed on a graceful stop and checkpointed
             stopped = True
             break
+        if evaluator is not None:
+            evaluator.poll()
         k = job.start_cursor + j
         batch = [dataset[i] for i in job.plan[k]]
         t_busy = time.monotonic()
@@ -91,6 +95,11 @@ def run_target(job) -> None:
         tx.send_end(dr, stats=(int(busy_s * 1e6), int(tx.wait_s * 1e6), tokens, samples, int(wall * 1e6)))
     tx.flush()
     wall = time.monotonic() - start
+    if evaluator is not None and not stopped:
+        # serve what the leader still asks for (its last request comes after the final step)
+        while evaluator.poll(wait_s=cfg.topology.warmup_timeout_s if evaluator.n == 0 else 120.0):
+            if evaluator.n >= expected_evals(job):
+                break
     capture.close()
     log.info("target %s: %d messages, %d samples, %d tokens in %.1f s (%.0f tok/s, busy %.0f%%, "
              "backpressure wait %.0f%%)", "stopped" if stopped else "done", sent, samples, tokens, wall, tokens / max(wall, 1e-9),

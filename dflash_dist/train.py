@@ -143,7 +143,8 @@ def setup(cfg: JobConfig) -> Job:
     ds = data_mod.TokenizedDataset.load(ds_path)
     plan = data_mod.build_plan(ds.lengths.tolist(), list(range(len(ds))), epochs=cfg.train.epochs,
                                seed=cfg.data.shuffle_seed, max_batch_tokens=cfg.target.max_batch_tokens,
-                               max_batch_samples=cfg.target.max_batch_samples)
+                               max_batch_samples=cfg.target.max_batch_samples,
+                               sort_window_batches=cfg.data.sort_window_batches)
     total = len(plan)
     if cfg.train.max_steps > 0:
         total = min(total, cfg.train.max_steps * topo.num_drafters)
@@ -189,11 +190,7 @@ def run(cfg: JobConfig) -> int:
             from .drafter_loop import run_drafter
             run_drafter(job)
     except BaseException as e:
-        root = job.life.failure()
-        if root is None:
-            dead = job.life.dead_peers()
-            if dead:
-                root = ", ".join(dead) + " died"
+        root = job.life.root_cause(settle_s=0.0 if isinstance(e, (ConfigError, KeyboardInterrupt)) else 1.0)
         if root is not None and not root.startswith(f"rank {topo.rank} "):
             # a secondary error (a broken wait on a dead or failed peer): report the root cause once
             log.error("stopping because %s (here: %s: %s)", root, type(e).__name__, str(e).splitlines()[0][:200])

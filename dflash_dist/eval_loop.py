@@ -1,0 +1,159 @@
+"""Acceptance-length evaluation during training, on the target rank that is already loaded.
+
+The leader (drafter rank 0) posts ``dflash/eval_req/<n>`` in the store and sends the drafter weights (one flat
+tensor) to the first target rank. That target checks for requests between messages, receives the weights,
+runs real greedy speculative decoding on held-out prompts (spec_decode.evaluate_prompts) and posts the result
+as JSON under ``dflash/eval_res/<n>``; the leader logs it when it appears, next to the training accuracy and
+the tau that accuracy predicts, so the train/serve gap is on the dashboard. No extra engine, no extra GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .drafter import DFlashDrafter, DrafterModelConfig
+from .target import text_config
+
+log = logging.getLogger("dflash_dist")
+REQ, RES = "dflash/eval_req/", "dflash/eval_res/"
+
+
+def _model_config(job) -> DrafterModelConfig:
+    c = job.cfg
+    return DrafterModelConfig.from_target(text_config(job.hf_config), num_layers=c.drafter.num_layers,
+                                          num_feature_layers=len(job.layer_ids), block_size=c.drafter.block_size,
+                                          intermediate_size=c.drafter.intermediate_size)
+
+
+def eval_enabled(job) -> bool:
+    return job.cfg.train.eval_prompts > 0
+
+
+def eval_steps(job) -> list[int]:
+    """Steps (after the step counter is incremented) at which the leader requests an evaluation: every
+    train.eval_every steps and after the last one. Known on every rank from the plan alone."""
+    D = job.dist.topo.num_drafters
+    steps = -(-(job.total_messages - job.start_cursor) // D)
+    last = job.start_step + steps
+    every = job.cfg.train.eval_every
+    out = [s for s in range(job.start_step + 1, last) if every and s % every == 0]
+    return out + [last]
+
+
+def expected_evals(job) -> int:
+    return len(eval_steps(job))
+
+
+class LeaderEval:
+    """Drafter rank 0: request evaluations and collect their results without blocking training."""
+
+    def __init__(self, job, model):
+        self.job, self.model = job, model
+        self.store = job.dist.store
+        self.dst = job.dist.topo.target_ranks[0]
+        self.sent: list[int] = []      # request numbers sent, results not yet logged
+        self.steps: dict[int, int] = {}
+        self.n = 0
+        self._inflight = None
+
+    def request(self, step: int) -> None:
+        from .spec_decode import pack_state
+        if self._inflight is not None:  # previous weights must be out before the buffer is replaced
+            self._inflight[0].wait()
+        flat = pack_state(self.model).to(self.job.dist.device)
+        self.store.set(f"{REQ}{self.n}", str(step))
+        self._inflight = (dist.isend(flat, self.dst, group=self.job.dist.data), flat)
+        self.sent.append(self.n)
+        self.steps[self.n] = step
+        self.n += 1
+
+    def ready(self, block_s: float = 0.0) -> list[tuple[int, dict]]:
+        """Results that have arrived (optionally waiting up to block_s for all outstanding ones)."""
+        out = []
+        deadline = time.monotonic() + block_s
+        for n in list(self.sent):
+            key = f"{RES}{n}"
+            if block_s > 0:
+                try:
+                    self.store.wait([key], timedelta(seconds=max(1.0, deadline - time.monotonic())))
+                except Exception:
+                    log.warning("evaluation %d (step %d) did not finish in time", n, self.steps[n])
+                    continue
+            elif not self.store.check([key]):
+                continue
+            self.sent.remove(n)
+            out.append((self.steps[n], json.loads(self.store.get(key).decode())))
+        return out
+
+
+class TargetEval:
+    """First target rank: serve evaluation requests between messages and after its stream ends."""
+
+    def __init__(self, job, model):
+        from transformers import AutoTokenizer
+        from .data import DataError
+        from .evaluate import encode_prompts, eos_token_ids, prompts_from_jsonl
+        self.job, self.model = job, model
+        self.store = job.dist.store
+        self.n = 0
+        c = job.cfg
+        self.drafter = DFlashDrafter(_model_config(job), "sdpa").to(job.dist.device).eval()
+        self.numel = sum(v.numel() for v in self.drafter.state_dict().values())
+        tok = AutoTokenizer.from_pretrained(job.tokenizer_path)
+        try:
+            convs = prompts_from_jsonl(job.holdout_path)[: c.train.eval_prompts]
+        except (DataError, OSError, ValueError):
+            convs = []
+        self.prompts = encode_prompts(tok, convs) if convs else []
+        self.eos = eos_token_ids(tok, job.hf_config)
+        if not self.prompts:
+            log.warning("evaluation requested but there are no held-out prompts (data.holdout=0?)")
+
+    def poll(self, wait_s: float = 0.0) -> bool:
+        """Serve the next request if it is there (or arrives within wait_s). True if one was served."""
+        key = f"{REQ}{self.n}"
+        if wait_s > 0:
+            try:
+                self.store.wait([key], timedelta(seconds=wait_s))
+            except Exception:
+                return False
+        elif not self.store.check([key]):
+            return False
+        from .spec_decode import evaluate_prompts, unpack_state_
+        step = int(self.store.get(key).decode())
+        flat = torch.empty(self.numel, dtype=torch.float32, device=self.job.dist.device)
+        dist.recv(flat, self.job.dist.topo.drafter_ranks[0], group=self.job.dist.data)
+        unpack_state_(self.drafter, flat)
+        t0 = time.monotonic()
+        c = self.job.cfg
+        res = {"step": step, "n_prompts": 0}
+        if self.prompts:
+            r = evaluate_prompts(self.model, self.drafter, None, None, self.prompts, self.job.layer_ids,
+                                 self.job.mask_token_id, c.drafter.block_size, c.train.eval_max_new_tokens,
+                                 self.eos, check_lossless=False)
+            res.update({"tau": r["tau"], "n_prompts": r["n_prompts"],
+                        "per_position_acceptance": r["per_position_acceptance"]})
+        res["seconds"] = time.monotonic() - t0
+        self.store.set(f"{RES}{self.n}", json.dumps(res))
+        log.info("evaluation at step %d: tau %.3f on %d held-out prompts (%.1f s)", step, res.get("tau", float("nan")),
+                 res["n_prompts"], res["seconds"])
+        self.n += 1
+        return True
+
+
+def eval_record(result: dict, train_window: dict | None) -> dict:
+    rec = {"tau": result.get("tau"), "n_prompts": result.get("n_prompts"), "eval_seconds": result.get("seconds")}
+    for k, v in enumerate(result.get("per_position_acceptance") or [], start=1):
+        rec[f"accept_pos_{k}"] = v
+    if train_window:
+        rec["train_acc"] = train_window.get("acc")
+        rec["tau_from_train_acc"] = train_window.get("tau_from_acc")
+        if rec["tau"] is not None and rec["tau_from_train_acc"]:
+            rec["train_serve_gap"] = rec["tau_from_train_acc"] - rec["tau"]
+    return rec

@@ -1,0 +1,124 @@
+"""Fails loudly, loses nothing: dead ranks, exceptions, bad hidden states, crashes during a save."""
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dflash_dist.checkpoint import find_latest, save_checkpoint
+from launch_util import REPO, torchrun
+
+
+def _rank_pids(torchrun_pid):
+    """{global rank: pid} of a torchrun agent's workers (read from their environment)."""
+    out = {}
+    for pid in subprocess.run(["pgrep", "-P", str(torchrun_pid)], capture_output=True, text=True).stdout.split():
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        for kv in env:
+            if kv.startswith(b"RANK="):
+                out[int(kv[5:])] = int(pid)
+    return out
+
+
+def _wait_for_step(run_dir, step, p, timeout=240):
+    deadline = time.time() + timeout
+    path = os.path.join(run_dir, "metrics.jsonl")
+    while time.time() < deadline:
+        if p.poll() is not None:
+            pytest.fail("job ended early:\n" + p.communicate()[0][-3000:])
+        if os.path.exists(path):
+            with open(path) as f:
+                if any(json.loads(line).get("step", 0) >= step for line in f if line.strip()):
+                    return
+        time.sleep(0.3)
+    p.kill()
+    pytest.fail("job never reached step %d" % step)
+
+
+ARGS = ["-m", "dflash_dist.train", "train.max_steps=400", "logging.log_every=1", "logging.progress_bar=false",
+        "logging.wandb.mode=disabled", "train.eval_prompts=0"]
+
+
+@pytest.mark.parametrize("victim,role", [(2, "target"), (1, "drafter")])
+def test_kill9_any_rank_ends_the_job_fast_and_names_it(tmp_path, victim, role):
+    p = torchrun(3, ARGS + [f"train.output_dir={tmp_path}"], popen=True)
+    _wait_for_step(tmp_path, 3, p)
+    pids = _rank_pids(p.pid)
+    t0 = time.time()
+    os.kill(pids[victim], signal.SIGKILL)
+    try:
+        out, _ = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail("survivors still running 60 s after the kill")
+    assert p.returncode != 0
+    assert time.time() - t0 < 60
+    assert f"rank {victim} ({role}" in out and "died" in out, out[-3000:]
+    assert not os.path.exists(tmp_path / "checkpoints"), "a failure must not write a checkpoint"
+
+
+def test_exception_on_one_rank_surfaces_once(tmp_path):
+    p = torchrun(3, ARGS + [f"train.output_dir={tmp_path}"], env={"DFLASH_INJECT_FAULT": "2:4:raise"}, timeout=240)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0
+    assert out.count("RuntimeError: injected fault at message 4") >= 1
+    assert "Traceback" in out
+    # the drafters report the root cause, not their own broken waits
+    assert "stopping because rank 2 (target) failed: RuntimeError: injected fault" in out, out[-3000:]
+    assert not os.path.exists(tmp_path / "checkpoints")
+
+
+def test_nonfinite_hidden_states_are_skipped_counted_and_reported(tmp_path):
+    p = torchrun(3, ["-m", "dflash_dist.train", "train.max_steps=6", "logging.log_every=2", "logging.progress_bar=false",
+                     "logging.wandb.mode=disabled", "train.eval_prompts=0", f"train.output_dir={tmp_path}"],
+                 env={"DFLASH_INJECT_FAULT": "2:1:nan"}, timeout=240)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    assert "target rank 2 sent 1 samples with non-finite hidden states" in out
+    recs = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    acc = [r for r in recs if r["kind"] == "accounting"][-1]
+    assert acc["samples_skipped_nonfinite"] == 1
+    assert acc["samples_sent"] == acc["samples_received"]
+    assert acc["samples_received"] == acc["samples_trained"] + acc["samples_skipped_nonfinite"]
+    assert all(r["loss"] == r["loss"] for r in recs if r["kind"] == "train"), "no NaN reached the loss"
+
+
+_SAVER = r"""
+import sys, torch
+from dflash_dist.checkpoint import save_checkpoint
+big = {"w": torch.randn(64 * 1024 * 1024 // 4 * 6)}  # ~400 MB: slow enough to be killed mid-write
+print("saving", flush=True)
+save_checkpoint(sys.argv[1], 2, big, None, {"cursor": 2, "total_messages": 10})
+print("saved", flush=True)
+"""
+
+
+def test_crash_during_save_keeps_previous_checkpoint(tmp_path, caplog):
+    good = save_checkpoint(str(tmp_path), 1, {"w": torch.ones(4)}, None, {"cursor": 1, "total_messages": 10})
+    p = subprocess.Popen([sys.executable, "-c", _SAVER, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "saving"
+    time.sleep(0.4)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    assert find_latest(str(tmp_path)) == good
+    # a step directory that lost its meta or got truncated is skipped with a warning that names it
+    bad = tmp_path / "checkpoints" / "step_00000003"
+    os.makedirs(bad)
+    (bad / "model.safetensors").write_bytes(b"partial")
+    trunc = save_checkpoint(str(tmp_path), 4, {"w": torch.ones(1000)}, None, {"cursor": 4, "total_messages": 10},
+                            keep=10)
+    with open(os.path.join(trunc, "model.safetensors"), "r+b") as f:
+        f.truncate(100)
+    with caplog.at_level(logging.WARNING):
+        assert find_latest(str(tmp_path)) == good
+    assert "step_00000004" in caplog.text and "truncated" in caplog.text
+    assert "step_00000003" in caplog.text and "meta.json" in caplog.text
