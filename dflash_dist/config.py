@@ -112,6 +112,10 @@ class DrafterConfig:
     ctx_bucket: int = 256
     """Context lengths are padded up to a multiple of this, so the number of compiled shapes stays small."""
 
+    leaky_mask_demo: bool = False
+    """DEMONSTRATION ONLY, a bug on purpose: let blocks see the target state at their own anchor (kv <= a), the
+    classic leak of other trainers. Training accuracy soars, served acceptance does not (scripts/leak_demo.sh)."""
+
     def __post_init__(self) -> None:
         _require(self.num_layers >= 1, f"drafter.num_layers={self.num_layers}: must be >= 1")
         _require(self.block_size >= 2, f"drafter.block_size={self.block_size}: must be >= 2 (slot 0 is the anchor)")

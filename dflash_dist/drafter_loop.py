@@ -146,9 +146,11 @@ class DrafterTrainer:
 
     def attention_mask(self, batch):
         B = self.cfg.drafter.block_size
+        leak = self.cfg.drafter.leaky_mask_demo  # False except in the leak demonstration
         if self.backend == "flex":
-            return flex_block_mask(batch.anchors, batch.valid, batch.ctx_len, B, compile=self.cfg.drafter.compile)
-        return dense_mask(batch.anchors, batch.valid, batch.ctx_len, B)
+            return flex_block_mask(batch.anchors, batch.valid, batch.ctx_len, B, compile=self.cfg.drafter.compile,
+                                   context_inclusive=leak)
+        return dense_mask(batch.anchors, batch.valid, batch.ctx_len, B, context_inclusive=leak)
 
     def train_step(self, batch) -> None:
         if self.guard is None:
@@ -253,6 +255,8 @@ def run_drafter(job) -> None:
     life = job.life
     trainer = DrafterTrainer(job)
     n_params = sum(p.numel() for p in trainer.model.parameters())
+    if cfg.drafter.leaky_mask_demo:
+        log.warning("drafter.leaky_mask_demo=true: training with the LEAKY mask (kv <= anchor) on purpose")
     log.info("drafter: %d layers, %.2fM trainable params, attention backend=%s%s, anchors=%d, block=%d",
              cfg.drafter.num_layers, n_params / 1e6, trainer.backend,
              " (compiled flex_attention)" if trainer.backend == "flex" else " (dense bool mask, SDPA)",

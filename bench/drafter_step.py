@@ -1,0 +1,316 @@
+#!/usr/bin/env python3
+"""One full DFlash drafter training step: ms/step, samples/s, peak memory, MFU, first-step (compile) time.
+
+The drafter is the project's (``DFlashDrafter`` with the shape ``DrafterModelConfig.from_target`` gives for the
+Qwen3-8B-shaped target of ``conf/target/qwen3_8b_random.yaml``: 5 layers, hidden 4096, 32 heads, 8 kv heads, head
+dim 128, intermediate 12288, fc 5*4096 -> 4096), block 16, frozen bf16 embedding and lm_head [151936, 4096].
+A step is what ``DrafterTrainer`` does per message: ``make_batch`` (anchors, blocks, labels) -> mask
+(``flex_block_mask`` compiled, or ``dense_mask`` for sdpa) -> embedding -> drafter forward -> ``decayed_ce`` (row
+chunks under checkpoint) -> backward -> grad clip -> fused AdamW step, in bf16 autocast over fp32 master weights.
+Inputs are random (features ~ N(0,1) bf16, random token ids), 30% of each sample a prompt (no loss), as in
+``dflash_dist.synthetic``.
+
+FLOPs (model FLOPs, what MFU divides; the formula is in docs/benchmarks.md and ``step_flops`` below):
+trainable matmuls x3 (forward + grad input + grad weight) except fc x2 (its input, the target features, needs no
+grad); attention over VISIBLE (query, key) pairs only, 4*d per pair and head forward, x3.5 with backward; frozen
+lm_head x2 (forward + grad wrt its input). The checkpointed loss recomputes the lm_head forward in backward:
+that extra 1x is reported as hardware FLOPs (HFU), not in MFU.
+
+    python bench/drafter_step.py --out drafter_step.json                 # GPU: both backends, 4 configs
+    python bench/drafter_step.py --tiny --out /tmp/ds.json               # CPU smoke: sdpa train, flex forward-only
+
+On CPU, flex_attention has no backward (torch 2.13): the flex rows there are forward-only (+ loss), and say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402  (puts the repo root on sys.path)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from dflash_dist.blocks import make_batch  # noqa: E402
+from dflash_dist.drafter import DFlashDrafter, DrafterModelConfig  # noqa: E402
+from dflash_dist.loss import decayed_ce  # noqa: E402
+from dflash_dist.masks import dense_mask, flex_block_mask  # noqa: E402
+from dflash_dist.target import load_hf_config, resolve_dtype, text_config  # noqa: E402
+
+GPU_CONFIGS = "3072x512,550x256,3072x256,550x512"
+TINY_CONFIGS = "96x16,40x8,96x8,40x16"
+
+
+# ---------------------------------------------------------------------------------------------- FLOPs
+
+def step_flops(mc: DrafterModelConfig, b: int, s_pad: int, n_blocks: int, vocab: int, visible_pairs: float,
+               train: bool = True) -> dict:
+    """Model FLOPs of one drafter step (see the module docstring and docs/benchmarks.md).
+
+    b samples, context padded to s_pad, n_blocks blocks of B slots per sample (Q = n_blocks*B query rows per
+    sample, padding blocks included: their rows run through every matmul), ``visible_pairs`` = sum over valid
+    blocks of B * (anchor + B) (a query sees the anchor's context keys j < a and its own block's B keys)."""
+    H, nh, nkv, d = mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
+    I, L, nf, B = mc.intermediate_size, mc.num_layers, mc.num_feature_layers, mc.block_size
+    rows_q = b * n_blocks * B
+    rows_c = b * s_pad
+    fc = 2 * rows_c * (nf * H) * H
+    q = 2 * rows_q * H * (nh * d)
+    kv = 2 * 2 * (rows_c + rows_q) * H * (nkv * d)     # k_proj and v_proj over [ctx | block] rows
+    o = 2 * rows_q * (nh * d) * H
+    mlp = 3 * 2 * rows_q * H * I
+    layer = q + kv + o + mlp
+    attn_fwd = 4 * d * nh * visible_pairs               # QK^T (2d) + PV (2d) per visible pair and query head
+    lm_rows = b * n_blocks * (B - 1)                    # slot 0 never carries a loss: dropped before the head
+    lm_fwd = 2 * lm_rows * H * vocab
+    dense_attn_fwd = 4 * d * nh * rows_q * (s_pad + n_blocks * B)  # if every (query, key) pair were computed
+    if train:
+        mm = 2 * fc + 3 * L * layer
+        attn = 3.5 * attn_fwd
+        lm = 2 * lm_fwd
+        lm_hw = 3 * lm_fwd
+        dense_attn = 3.5 * dense_attn_fwd
+    else:
+        mm, attn, lm, lm_hw, dense_attn = fc + L * layer, attn_fwd, lm_fwd, lm_fwd, dense_attn_fwd
+    model = mm + attn + lm
+    return {"matmul": float(mm), "attention": float(attn), "lm_head": float(lm), "model": float(model),
+            "hardware": float(mm + attn + lm_hw), "attention_if_dense": float(dense_attn),
+            "rows_q": rows_q, "rows_ctx": rows_c, "lm_rows": lm_rows, "visible_pairs": float(visible_pairs)}
+
+
+def visible_pairs(batch, block_size: int) -> float:
+    a = batch.anchors.double()
+    v = batch.valid.double()
+    return float((block_size * (a + block_size) * v).sum())
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+def model_config(tiny: bool, num_layers: int, block_size: int) -> DrafterModelConfig:
+    """The drafter shape train.py would build: DrafterModelConfig.from_target(target HF config)."""
+    tcfg = C.target_config("tiny" if tiny else "qwen3_8b_random")
+    tc = text_config(load_hf_config(tcfg))
+    return DrafterModelConfig.from_target(tc, num_layers=num_layers, num_feature_layers=tcfg.num_feature_layers,
+                                          block_size=block_size)
+
+
+def make_inputs(ctx: int, b: int, mc: DrafterModelConfig, device, feat_dtype, prompt_frac: float, seed: int):
+    """A packed message of b samples of ctx tokens, tensors placed as the transport receiver places them."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, mc.vocab_size, (b * ctx,), generator=g).to(device)
+    pos = torch.arange(ctx).repeat(b)
+    loss_mask = (pos >= int(prompt_frac * ctx)).to(device)
+    cu = (torch.arange(b + 1) * ctx).to(device)
+    gd = torch.Generator(device=device).manual_seed(seed)
+    feats = torch.randn(b * ctx, mc.num_feature_layers * mc.hidden_size, generator=gd, device=device,
+                        dtype=feat_dtype)
+    return ids, loss_mask, cu, feats
+
+
+class Runner:
+    def __init__(self, mc: DrafterModelConfig, dc, device, lr: float):
+        self.mc, self.dc, self.device = mc, dc, device
+        torch.manual_seed(0)
+        with torch.device(device):  # fp32 master weights, initialised on the device
+            self.model = DFlashDrafter(mc, "sdpa")
+        hdt = resolve_dtype("auto", device.type)       # the target's dtype: bf16 on CUDA
+        g = torch.Generator(device=device).manual_seed(1)
+        self.embed = (torch.randn(mc.vocab_size, mc.hidden_size, generator=g, device=device) * 0.02).to(hdt)
+        self.lm_head = (torch.randn(mc.vocab_size, mc.hidden_size, generator=g, device=device) * 0.02).to(hdt)
+        self.feat_dtype = hdt
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0,
+                                     fused=device.type == "cuda")
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                         else torch.autocast("cpu", enabled=False))
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+
+    def step(self, inputs, k: int, backend: str, train: bool, num_anchors: int):
+        """One step (DrafterTrainer.build + _train_step without DDP); returns the batch for FLOP counting."""
+        dc = self.dc
+        B = dc.block_size
+        ids, loss_mask, cu, feats = inputs
+        batch = make_batch(ids, loss_mask, cu, feats, num_anchors=num_anchors, block_size=B,
+                           mask_token_id=self.mc.vocab_size - 1, ctx_bucket=dc.ctx_bucket,
+                           generator=torch.Generator().manual_seed(1_000_003 + k))
+        self.model.backend = backend  # the only backend-dependent state of DFlashDrafter
+        with torch.set_grad_enabled(train):
+            if backend == "flex":
+                mask = flex_block_mask(batch.anchors, batch.valid, batch.ctx_len, B, compile=dc.compile)
+            else:
+                mask = dense_mask(batch.anchors, batch.valid, batch.ctx_len, B)
+            block_embeds = F.embedding(batch.block_ids, self.embed)
+            with self.autocast:
+                hidden = self.model(block_embeds, batch.features, batch.ctx_positions, batch.block_positions, mask)
+                parts = decayed_ce(hidden, self.lm_head, batch.labels, B, dc.gamma, dc.loss_chunk_rows)
+            if train:
+                loss = parts.loss_sum / parts.weight_sum.clamp_min(1e-6)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+                self.opt.step()
+                self.opt.zero_grad(set_to_none=True)
+        return batch
+
+
+def run_one(runner: Runner, ctx: int, anchors: int, b: int, backend: str, train: bool, args, peak: dict,
+            nominal) -> dict:
+    dev = runner.device
+    row = {"ctx": ctx, "anchors": anchors, "batch": b, "backend": backend,
+           "mode": "train" if train else "forward-only"}
+    inputs = make_inputs(ctx, b, runner.mc, dev, runner.feat_dtype, args.prompt_frac, seed=ctx * 7919 + anchors + b)
+    timer = C.StepTimer(dev)
+    C.free_memory(dev)
+    C.reset_peak(dev)
+    before = C.mem_gb(dev)["allocated_gb"]
+    k = 0
+    try:
+        t0 = time.perf_counter()
+        timer.start()
+        runner.step(inputs, k, backend, train, anchors)
+        first = timer.stop()
+        row["first_step_s"] = first
+        row["first_step_wall_s"] = time.perf_counter() - t0
+        k += 1
+        for _ in range(max(0, args.warmup - 1)):
+            runner.step(inputs, k, backend, train, anchors)
+            k += 1
+        C.sync(dev)
+        times, flops, valid = [], [], []
+        for _ in range(args.repeats):
+            timer.start()
+            batch = runner.step(inputs, k, backend, train, anchors)
+            times.append(timer.stop())
+            k += 1
+            flops.append(step_flops(runner.mc, b, batch.ctx_len, anchors, runner.mc.vocab_size,
+                                    visible_pairs(batch, runner.dc.block_size), train))
+            valid.append(float(batch.valid.float().mean()))
+        s_pad = batch.ctx_len
+        # back-to-back steps, one sync at the end (the launch of step k+1 may overlap the tail of step k)
+        C.sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(args.repeats):
+            runner.step(inputs, k, backend, train, anchors)
+            k += 1
+        C.sync(dev)
+        row["ms_per_step_back_to_back"] = (time.perf_counter() - t0) / args.repeats * 1e3
+    except Exception as e:
+        row["error"] = C.short_error(e)
+        row["oom"] = C.is_oom(e)
+        C.log(f"{backend} ctx={ctx} anchors={anchors} b={b}: {row['error']}")
+        runner.opt.zero_grad(set_to_none=True)
+        del e
+        C.free_memory(dev)
+        return row
+    med = C.median(times)
+    fl = {key: sum(f[key] for f in flops) / len(flops) for key in flops[0]}
+    m = C.mem_gb(dev)
+    row.update({
+        "ms_per_step": med * 1e3, "ms_min": min(times) * 1e3, "ms_max": max(times) * 1e3, "repeats": len(times),
+        "samples_per_s": b / med, "tokens_per_s": b * ctx / med,
+        "compile_s": max(0.0, first - med),
+        "peak_mem_gb": m["peak_gb"], "mem_before_gb": before, "reserved_gb": m["reserved_gb"],
+        "s_pad": s_pad, "q_rows": int(fl["rows_q"]), "valid_blocks_frac": sum(valid) / len(valid),
+        "flops": fl, "tflops_model": fl["model"] / med / 1e12, "tflops_hw": fl["hardware"] / med / 1e12,
+    })
+    row["mfu_measured_peak"] = row["tflops_model"] / peak["tflops"] if peak.get("tflops") else None
+    row["hfu_measured_peak"] = row["tflops_hw"] / peak["tflops"] if peak.get("tflops") else None
+    row["mfu_nominal_peak"] = row["tflops_model"] / nominal if nominal else None
+    for key in ("mfu_measured_peak", "hfu_measured_peak", "mfu_nominal_peak"):
+        row[key.replace("peak", "pct")] = None if row[key] is None else 100 * row[key]
+    row["attention_flop_share"] = fl["attention"] / fl["model"]
+    C.free_memory(dev)
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tiny", action="store_true", help="CPU-sized smoke run (tiny target shape, 2-layer drafter)")
+    p.add_argument("--out", default=None, help="JSON output path (rewritten after every configuration)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--configs", default=None, help=f"CTXxANCHORS list (default {GPU_CONFIGS}; tiny {TINY_CONFIGS})")
+    p.add_argument("--batch", default="1", help="samples per step, comma list (e.g. 1,4)")
+    p.add_argument("--backends", default="flex,sdpa")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps incl. the first (default 2; tiny 1)")
+    p.add_argument("--repeats", type=int, default=None, help="timed steps (default 10; tiny 3)")
+    p.add_argument("--prompt-frac", type=float, default=0.3, help="leading share of each sample without loss")
+    p.add_argument("--dynamic", choices=["off", "auto"], default="off",
+                   help="off: every shape compiles static (clean per-config compile time); auto: torch default")
+    p.add_argument("--peak-n", type=int, default=None, help="matmul size of the peak measurement (8192; tiny 256)")
+    p.add_argument("--time-budget-s", type=float, default=0,
+                   help="start no new configuration after this many seconds (0: no limit); skipped ones are listed")
+    p.add_argument("--lr", type=float, default=1e-4)
+    args = p.parse_args(argv)
+    tiny = args.tiny
+    args.warmup = args.warmup if args.warmup is not None else (1 if tiny else 2)
+    args.repeats = args.repeats if args.repeats is not None else (3 if tiny else 10)
+    configs = [tuple(int(x) for x in c.split("x")) for c in (args.configs or (TINY_CONFIGS if tiny else GPU_CONFIGS)).split(",")]
+    batches = [int(x) for x in args.batch.split(",")]
+    backends = [x.strip() for x in args.backends.split(",") if x.strip()]
+    dev = C.pick_device(args.device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    t_start = time.time()
+
+    import torch._dynamo
+    dyn = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # the name differs between torch versions
+        if hasattr(dyn, name):
+            setattr(dyn, name, 64)
+            break
+    if args.dynamic == "off":
+        dyn.automatic_dynamic_shapes = False
+
+    dc = C.drafter_config("tiny" if tiny else "dflash")
+    mc = model_config(tiny, dc.num_layers, dc.block_size)
+    peak = C.peak_matmul_tflops(dev, n=args.peak_n or (256 if tiny else 8192))
+    nominal = C.nominal_peak_tflops(dev)
+    C.log(f"measured matmul peak {peak['tflops']:.1f} TFLOP/s ({peak['dtype']} {peak['n']}^3); nominal {nominal}")
+    runner = Runner(mc, dc, dev, args.lr)
+    result = {"bench": "drafter_step", "env": C.env_info(dev), "tiny": tiny, "peak_matmul": peak,
+              "nominal_peak_tflops": nominal, "drafter_config": mc.__dict__, "trainable_params": runner.n_params,
+              "drafter_yaml": "tiny" if tiny else "dflash", "loss_chunk_rows": dc.loss_chunk_rows,
+              "ctx_bucket": dc.ctx_bucket, "gamma": dc.gamma, "prompt_frac": args.prompt_frac,
+              "dynamic": args.dynamic, "warmup": args.warmup, "repeats": args.repeats,
+              "flop_formula": "docs/benchmarks.md#drafter-step-flops", "rows": [], "skipped": []}
+    C.log(f"drafter: {mc.num_layers} layers, hidden {mc.hidden_size}, {runner.n_params / 1e6:.1f}M trainable params, "
+          f"vocab {mc.vocab_size}, device {dev}")
+    for ctx, anchors in configs:
+        for b in batches:
+            for backend in backends:
+                if args.time_budget_s and time.time() - t_start > args.time_budget_s:
+                    result["skipped"].append({"ctx": ctx, "anchors": anchors, "batch": b, "backend": backend,
+                                              "reason": "time budget"})
+                    continue
+                train = not (backend == "flex" and dev.type == "cpu")
+                C.log(f"run {backend} ctx={ctx} anchors={anchors} b={b} ({'train' if train else 'forward-only'})")
+                row = run_one(runner, ctx, anchors, b, backend, train, args, peak, nominal)
+                result["rows"].append(row)
+                if "error" not in row:
+                    C.log(f"  {row['ms_per_step']:.1f} ms/step, {row['samples_per_s']:.2f} samples/s, "
+                          f"MFU {100 * (row['mfu_measured_peak'] or 0):.1f}% of measured peak, "
+                          f"peak mem {row['peak_mem_gb']} GB, first step {row['first_step_s']:.1f} s")
+                result["wall_s"] = time.time() - t_start
+                C.write_json(args.out, result)
+    cols = [("backend", "backend"), ("mode", "mode"), ("ctx", "ctx"), ("anchors", "anchors"), ("batch", "b"),
+            ("ms_per_step", "ms/step"), ("ms_per_step_back_to_back", "ms/step b2b"), ("samples_per_s", "samples/s"),
+            ("tflops_model", "TFLOP/s"), ("mfu_measured_pct", "MFU % (meas.)"), ("mfu_nominal_pct", "MFU % (nom.)"),
+            ("attention_flop_share", "attn share"), ("peak_mem_gb", "peak GB"), ("first_step_s", "1st step s"),
+            ("error", "error")]
+    print()
+    print(C.table(result["rows"], cols, title=f"drafter step ({'tiny' if tiny else 'Qwen3-8B-shaped'}, {dev.type}; "
+                                               f"matmul peak {C.fmt(peak['tflops'])} TFLOP/s measured)"))
+    if any(r.get("mode") == "forward-only" for r in result["rows"]):
+        print("\nforward-only: flex_attention has no CPU backward in torch; those rows time forward + loss only.")
+    if result["skipped"]:
+        print(f"\nskipped (time budget): {len(result['skipped'])} runs")
+    result["wall_s"] = time.time() - t_start
+    C.write_json(args.out, result)
+    ok = [r for r in result["rows"] if "error" not in r]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+#!/usr/bin/env python3
+"""Target supply: tokens/s of the feature capture (``FeatureCapture``: hooks copy the 5 layers, the forward stops
+after the last one, no lm_head) vs the full HF forward (all layers, lm_head, ``output_hidden_states=True``).
+
+Dense mode (default): the Qwen3-8B-shaped random-init bf16 target of ``conf/target/qwen3_8b_random.yaml`` (36
+layers, hidden 4096), built by ``dflash_dist.target.build_target_model`` (random init on the device), capture
+layers ``[1, 9, 17, 25, 33]``. Samples come from ``dflash_dist.synthetic`` (random ids; length mixes "550" =
+uniform 275..825 and "256-3072" = uniform 256..3072) and are batched by ``dflash_dist.data.build_plan`` under a
+token budget (``n * max_len <= budget``), padded by ``target_loop.pad_batch``: exactly what a target rank runs.
+The timed region per batch is what the target rank counts as busy: pad_batch + forward + synchronize.
+
+Hybrid mode (``--hybrid``): a reduced Qwen3-Next-shaped target (12 layers [linear, linear, linear, full] x 3,
+hidden 2048, GatedDeltaNet layers with 16 key / 32 value heads of dim 128, dense MLPs unless --hybrid-experts),
+with the kernels transformers bound reported by ``fast_path.check_target_fast_path(model, 'allow', ...)``. Run it
+once with and once without causal-conv1d importable to get the fast-path ratio (bench/run_all_gpu.sh does).
+
+    python bench/target_capture.py --out target_capture.json
+    python bench/target_capture.py --hybrid --out hybrid.json
+    python bench/target_capture.py --tiny --out /tmp/tc.json          # CPU smoke (packaged tiny target)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
+import torch  # noqa: E402
+
+from dflash_dist.config import TargetConfig, default_layer_ids  # noqa: E402
+from dflash_dist.data import build_plan  # noqa: E402
+from dflash_dist.synthetic import synthetic_dataset  # noqa: E402
+from dflash_dist.target import FeatureCapture, text_config  # noqa: E402
+from dflash_dist.target_loop import pad_batch  # noqa: E402
+
+
+def mix_source(mix: str, tokens: int) -> tuple[str, float]:
+    """'550' -> synthetic:550:N (uniform 275..825); '256-3072' -> synthetic:<mean>:N:256-3072."""
+    if "-" in mix:
+        lo, hi = (int(x) for x in mix.split("-"))
+        mean = (lo + hi) / 2
+        n = max(4, int(round(tokens / mean)))
+        return f"synthetic:{int(mean)}:{n}:{lo}-{hi}", mean
+    mean = int(mix)
+    n = max(4, int(round(tokens / mean)))
+    return f"synthetic:{mean}:{n}", float(mean)
+
+
+def hybrid_hf_config(tiny: bool, layers: int, hidden: int, experts: int) -> tuple[dict, list]:
+    """A reduced Qwen3-Next config (fields of transformers' Qwen3NextConfig); keys the installed version does not
+    accept are dropped and returned."""
+    if tiny:
+        layers = 8  # capture layers [1, 2, 3, 4, 5]
+        d = dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4,
+                 linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
+    else:
+        d = dict(vocab_size=151936, hidden_size=hidden, intermediate_size=5632, num_hidden_layers=layers,
+                 num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4,
+                 linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+                 linear_num_value_heads=32)
+    d.update(max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu",
+             layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)])
+    if experts > 0:
+        d.update(num_experts=experts, num_experts_per_tok=min(10, experts), moe_intermediate_size=512,
+                 shared_expert_intermediate_size=512, decoder_sparse_step=1, mlp_only_layers=[])
+    else:
+        d.update(mlp_only_layers=list(range(layers)))  # every layer a dense Qwen3NextMLP(intermediate_size)
+    dropped = []
+    try:
+        from transformers import Qwen3NextConfig
+        params = inspect.signature(Qwen3NextConfig.__init__).parameters
+        if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            dropped = [k for k in d if k not in params]
+            for k in dropped:
+                d.pop(k)
+    except Exception as e:  # pragma: no cover
+        dropped = [f"(could not inspect Qwen3NextConfig: {C.short_error(e)})"]
+    d["model_type"] = "qwen3_next"
+    return d, dropped
+
+
+def kernel_packages() -> dict:
+    out = {}
+    for name in ("fla", "causal_conv1d", "triton"):
+        spec = importlib.util.find_spec(name)
+        if spec is None:
+            out[name] = None
+            continue
+        try:
+            mod = importlib.import_module(name)
+            out[name] = {"version": getattr(mod, "__version__", "?"), "path": os.path.dirname(mod.__file__ or "")}
+        except Exception as e:
+            out[name] = {"import_error": C.short_error(e)}
+    return out
+
+
+def layer_matmul_params(model) -> int:
+    from dflash_dist.target import decoder_layers
+    _, layers = decoder_layers(model)
+    return sum(p.numel() for p in layers[0].parameters() if p.dim() >= 2)
+
+
+def approx_flops(tc, per_layer_params: int, layers_run: int, batches: list, lm_head: bool) -> float:
+    """Dense Qwen3 forward FLOPs over the padded batches: 2*params per token per layer + causal attention
+    (QK^T and PV, 4*d per pair and head, S*(S+1)/2 pairs per sequence) + lm_head (full forward only)."""
+    d = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    total = 0.0
+    for b, s in batches:
+        total += layers_run * (2 * per_layer_params * b * s + 4 * d * tc.num_attention_heads * b * s * (s + 1) / 2)
+        if lm_head:
+            total += 2 * b * s * tc.hidden_size * tc.vocab_size
+    return total
+
+
+def measure(fn_batch, inputs, dev, warmup: int, repeats: int) -> list[float]:
+    """Seconds per pass over all batches (each batch: fn + synchronize, as target_loop times busy work)."""
+    def one_pass():
+        for samples in inputs:
+            fn_batch(samples)
+            C.sync(dev)
+    for _ in range(warmup):
+        one_pass()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        one_pass()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tiny", action="store_true", help="CPU-sized smoke run")
+    p.add_argument("--out", default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--hybrid", action="store_true", help="reduced Qwen3-Next-shaped hybrid target")
+    p.add_argument("--hybrid-layers", type=int, default=12)
+    p.add_argument("--hybrid-hidden", type=int, default=2048)
+    p.add_argument("--hybrid-experts", type=int, default=0, help="0: dense MLPs; N: N experts (top-10) per layer")
+    p.add_argument("--target", default=None, help="conf/target/<name>.yaml for dense mode (default qwen3_8b_random)")
+    p.add_argument("--mixes", default=None, help="length mixes, comma list: 550 (275..825) or LO-HI (uniform)")
+    p.add_argument("--budgets", default=None, help="token budgets per forward, comma list")
+    p.add_argument("--max-batch-samples", type=int, default=64)
+    p.add_argument("--tokens-per-pass", type=int, default=None, help="real tokens per timed pass (default 65536)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed passes")
+    p.add_argument("--repeats", type=int, default=3, help="timed passes (median reported)")
+    p.add_argument("--full", dest="full", action="store_true", default=None, help="also time the full forward")
+    p.add_argument("--no-full", dest="full", action="store_false")
+    p.add_argument("--time-budget-s", type=float, default=0, help="start no new (mix, budget) after this")
+    args = p.parse_args(argv)
+    tiny = args.tiny
+    dev = C.pick_device(args.device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    t_start = time.time()
+    full = args.full if args.full is not None else not args.hybrid
+    mixes = (args.mixes or ("64,32-160" if tiny else ("550" if args.hybrid else "550,256-3072"))).split(",")
+    budgets = [int(x) for x in (args.budgets or ("256,512" if tiny else ("16384" if args.hybrid else "16384,32768"))
+                                ).split(",")]
+    tokens_per_pass = args.tokens_per_pass or (1024 if tiny else 65536)
+
+    if args.hybrid:
+        hf, dropped = hybrid_hf_config(tiny, args.hybrid_layers, args.hybrid_hidden, args.hybrid_experts)
+        tcfg = TargetConfig(hf_config=hf, fast_path="allow", max_batch_tokens=max(budgets))
+        name = "qwen3_next (reduced)"
+    else:
+        name = args.target or ("tiny" if tiny else "qwen3_8b_random")
+        tcfg = C.target_config(name)
+        dropped = []
+    packages = kernel_packages() if args.hybrid else None
+    model, how, build_s = C.build_target_on_device(tcfg, dev)
+    tc = text_config(model.config)
+    n_layers = tc.num_hidden_layers
+    layer_ids = tcfg.layer_ids or default_layer_ids(n_layers, tcfg.num_feature_layers)
+    n_params = sum(p.numel() for p in model.parameters())
+    C.log(f"target {name}: {type(model).__name__}, {n_params / 1e9:.2f}B params, {n_layers} layers, "
+          f"{next(model.parameters()).dtype}, built in {build_s:.1f} s ({how}); capture layers {layer_ids}")
+    result = {"bench": "target_capture", "mode": "hybrid" if args.hybrid else "dense", "env": C.env_info(dev),
+              "tiny": tiny, "target": name, "model_class": type(model).__name__, "params": n_params,
+              "num_layers": n_layers, "layer_ids": layer_ids, "build_s": build_s, "build": how,
+              "max_batch_samples": args.max_batch_samples, "tokens_per_pass": tokens_per_pass,
+              "warmup_passes": args.warmup, "repeats": args.repeats, "rows": [], "skipped": []}
+    if args.hybrid:
+        from dflash_dist.fast_path import check_target_fast_path
+        fp = check_target_fast_path(model, "allow", dev.type)
+        result.update({"hf_config": hf, "hf_config_dropped_keys": dropped, "fast_path": fp,
+                       "kernel_packages": packages,
+                       "fast_path_summary": fp["summary"]})
+        C.log(f"fast path: {fp['summary']}")
+        for kind in fp.get("kinds", {}).values():
+            for role, bnd in kind.get("bindings", {}).items():
+                C.log(f"  {role}: {bnd['impl']} ({'bound' if bnd['bound'] else 'FALLBACK'})")
+        C.log(f"kernel packages: {packages}")
+        C.write_json(args.out, result)  # the bindings survive a time-out during the measurement
+    per_layer = layer_matmul_params(model)
+
+    for mix in mixes:
+        source, _ = mix_source(mix, tokens_per_pass)
+        ds = synthetic_dataset(source, tc.vocab_size, 3072, seed=0)
+        lengths = ds.lengths.tolist()
+        for budget in budgets:
+            if args.time_budget_s and time.time() - t_start > args.time_budget_s:
+                result["skipped"].append({"mix": mix, "budget": budget, "reason": "time budget"})
+                continue
+            plan = build_plan(lengths, range(len(ds)), epochs=1, seed=1234, max_batch_tokens=budget,
+                              max_batch_samples=args.max_batch_samples)
+            inputs = [[ds[i] for i in batch] for batch in plan]
+            real = sum(lengths)
+            shapes = [(len(b), max(lengths[i] for i in b)) for b in plan]
+            padded = sum(b * s for b, s in shapes)
+            row = {"mix": mix, "source": source, "budget": budget, "samples": len(ds), "batches": len(plan),
+                   "real_tokens": real, "padded_tokens": padded, "pad_frac": 1 - real / padded,
+                   "mean_sample_len": real / len(ds), "mean_samples_per_batch": len(ds) / len(plan)}
+            C.log(f"mix {mix} budget {budget}: {len(ds)} samples in {len(plan)} batches, {real} tokens "
+                  f"({100 * row['pad_frac']:.1f}% padding)")
+            try:
+                C.reset_peak(dev)
+                capture = FeatureCapture(model, layer_ids)
+
+                def cap(samples):
+                    ids, lens, _, _ = pad_batch(samples, dev)
+                    return capture(ids, lens)
+                try:
+                    t = measure(cap, inputs, dev, args.warmup, args.repeats)
+                finally:
+                    capture.close()
+                med = C.median(t)
+                row.update({"capture_s": med, "capture_tokens_per_s": real / med,
+                            "capture_samples_per_s": len(ds) / med, "capture_pass_s_all": t,
+                            "capture_peak_mem_gb": C.mem_gb(dev)["peak_gb"],
+                            "layers_run": capture.layers_run})
+                if not args.hybrid:
+                    row["capture_tflops"] = approx_flops(tc, per_layer, max(layer_ids) + 1, shapes, False) / med / 1e12
+                C.log(f"  capture: {row['capture_tokens_per_s']:,.0f} tok/s, {row['capture_samples_per_s']:.1f} samples/s")
+                if full:
+                    C.reset_peak(dev)
+
+                    @torch.inference_mode()
+                    def full_fwd(samples):
+                        ids, _, _, _ = pad_batch(samples, dev)
+                        return model(input_ids=ids, use_cache=False, output_hidden_states=True)
+                    t = measure(full_fwd, inputs, dev, args.warmup, args.repeats)
+                    medf = C.median(t)
+                    row.update({"full_s": medf, "full_tokens_per_s": real / medf, "full_pass_s_all": t,
+                                "full_peak_mem_gb": C.mem_gb(dev)["peak_gb"],
+                                "capture_speedup_vs_full": medf / med})
+                    if not args.hybrid:
+                        row["full_tflops"] = approx_flops(tc, per_layer, n_layers, shapes, True) / medf / 1e12
+                    C.log(f"  full:    {row['full_tokens_per_s']:,.0f} tok/s -> capture is "
+                          f"{row['capture_speedup_vs_full']:.2f}x faster")
+            except Exception as e:
+                row["error"] = C.short_error(e)
+                row["oom"] = C.is_oom(e)
+                C.log(f"  error: {row['error']}")
+                del e
+                C.free_memory(dev)
+            result["rows"].append(row)
+            result["wall_s"] = time.time() - t_start
+            C.write_json(args.out, result)
+
+    cols = [("mix", "mix"), ("budget", "budget"), ("batches", "batches"), ("mean_samples_per_batch", "samples/batch"),
+            ("pad_frac", "pad frac"), ("capture_tokens_per_s", "capture tok/s"),
+            ("capture_samples_per_s", "capture samples/s"), ("capture_tflops", "capture TFLOP/s"),
+            ("full_tokens_per_s", "full tok/s"), ("capture_speedup_vs_full", "capture/full speed"),
+            ("capture_peak_mem_gb", "peak GB"), ("error", "error")]
+    title = f"target capture ({name}, {dev.type}" + (f"; {result.get('fast_path_summary')}" if args.hybrid else "") + ")"
+    print()
+    print(C.table(result["rows"], cols, title=title))
+    result["wall_s"] = time.time() - t_start
+    C.write_json(args.out, result)
+    return 0 if any("error" not in r for r in result["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

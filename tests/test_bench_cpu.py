@@ -1,0 +1,179 @@
+"""The bench/ scripts run end to end at toy sizes on CPU (--tiny) and write the JSON they promise.
+
+They are GPU benchmarks; here they only prove the harness: the real modules are built, a step runs, the tables
+print and the numbers are positive. On CPU the drafter's flex rows are forward-only (no flex backward on CPU).
+The scripts run as two concurrent chains (one process each at a time) to keep the module under a minute.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(REPO, "bench")
+
+
+def _cmd(script, *args):
+    return [sys.executable, os.path.join(BENCH, script), *[str(a) for a in args]]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    p = {name: str(out / f"{name}.json") for name in
+         ("drafter_step", "target_capture", "hybrid", "pipeline", "threaded", "plan_split")}
+    chains = [
+        [("pipeline", _cmd("pipeline.py", "--tiny", "--steps", 4, "--out", p["pipeline"], "--workdir", out / "pw")),
+         ("threaded", _cmd("threaded_baseline.py", "--tiny", "--steps", 4, "--out", p["threaded"], "--workdir",
+                           out / "tw", "--compare", p["pipeline"]))],
+        [("drafter_step", _cmd("drafter_step.py", "--tiny", "--configs", "40x8", "--repeats", 2, "--peak-n", 128,
+                               "--out", p["drafter_step"])),
+         ("target_capture", _cmd("target_capture.py", "--tiny", "--mixes", 64, "--budgets", 256, "--repeats", 1,
+                                 "--warmup", 0, "--out", p["target_capture"])),
+         ("hybrid", _cmd("target_capture.py", "--tiny", "--hybrid", "--mixes", 64, "--budgets", 256, "--repeats", 1,
+                         "--warmup", 0, "--out", p["hybrid"])),
+         ("plan_split", _cmd("plan_split.py", "--target-json", p["target_capture"], "--drafter-json",
+                             p["drafter_step"], "--target-mix", 64, "--target-budget", 256, "--drafter-config", "40x8",
+                             "--drafter-backend", "sdpa", "--gpus", 8, "--out", p["plan_split"], "--png",
+                             out / "plan.png"))],
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="disabled",
+               TOKENIZERS_PARALLELISM="false")
+    logs, rcs = {}, {}
+    pending = [list(c) for c in chains]
+    active = {}  # chain index -> (name, Popen, log file, start)
+    deadline = time.time() + 300
+    while any(pending) or active:
+        for i, chain in enumerate(pending):
+            if i not in active and chain:
+                name, cmd = chain.pop(0)
+                f = open(out / f"{name}.log", "w+")
+                active[i] = (name, subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT), f)
+        for i, (name, proc, f) in list(active.items()):
+            if proc.poll() is not None or time.time() > deadline:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                f.seek(0)
+                logs[name], rcs[name] = f.read(), proc.returncode
+                f.close()
+                del active[i]
+        time.sleep(0.2)
+    return {"paths": p, "logs": logs, "rcs": rcs, "out": out}
+
+
+def _load(runs, name):
+    assert runs["rcs"][name] == 0, runs["logs"][name][-3000:]
+    with open(runs["paths"][name]) as f:
+        return json.load(f)
+
+
+def test_drafter_step(runs):
+    d = _load(runs, "drafter_step")
+    rows = {r["backend"]: r for r in d["rows"]}
+    assert set(rows) == {"flex", "sdpa"}
+    assert rows["sdpa"]["mode"] == "train" and rows["flex"]["mode"] == "forward-only"  # no flex backward on CPU
+    for r in rows.values():
+        assert "error" not in r, r
+        assert r["ms_per_step"] > 0 and r["samples_per_s"] > 0 and r["first_step_s"] > 0
+        f = r["flops"]
+        assert f["model"] == pytest.approx(f["matmul"] + f["attention"] + f["lm_head"])
+        assert 0 < f["attention"] < f["attention_if_dense"]     # visible pairs only
+    assert rows["sdpa"]["flops"]["hardware"] > rows["sdpa"]["flops"]["model"]  # checkpoint recompute of lm_head
+    assert d["peak_matmul"]["tflops"] > 0
+    assert "| backend |" in runs["logs"]["drafter_step"]
+
+
+def test_step_flops_formula():
+    sys.path.insert(0, BENCH)
+    from drafter_step import step_flops
+    from dflash_dist.drafter import DrafterModelConfig
+    mc = DrafterModelConfig(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                            intermediate_size=16, num_layers=1, num_feature_layers=2, rms_norm_eps=1e-6,
+                            rope_theta=1e4, block_size=4, vocab_size=10, max_position_embeddings=64)
+    f = step_flops(mc, b=1, s_pad=16, n_blocks=2, vocab=10, visible_pairs=4 * (3 + 4), train=True)
+    rows_q, rows_c = 8, 16
+    fc = 2 * rows_c * 16 * 8
+    layer = 2 * rows_q * 8 * 8 + 4 * (rows_c + rows_q) * 8 * 4 + 2 * rows_q * 8 * 8 + 6 * rows_q * 8 * 16
+    assert f["matmul"] == 2 * fc + 3 * layer                    # fc x2 (its input needs no grad), layers x3
+    assert f["attention"] == 3.5 * 4 * 4 * 2 * 28               # 4*d per pair and head, x3.5 fwd+bwd
+    assert f["lm_head"] == 2 * 2 * (2 * 3) * 8 * 10             # slots 1..B-1 only, x2 (fwd + grad input)
+    assert f["hardware"] - f["model"] == 2 * 6 * 8 * 10         # + the checkpoint's recomputed forward
+
+
+def test_target_capture(runs):
+    d = _load(runs, "target_capture")
+    (r,) = d["rows"]
+    assert "error" not in r, r
+    assert r["capture_tokens_per_s"] > 0 and r["full_tokens_per_s"] > 0 and r["capture_speedup_vs_full"] > 0
+    assert r["layers_run"] == max(d["layer_ids"]) + 1 <= d["num_layers"]  # stopped after the last capture layer
+
+
+def test_hybrid_reports_bindings(runs):
+    d = _load(runs, "hybrid")
+    assert d["mode"] == "hybrid" and d["model_class"].startswith("Qwen3Next")
+    assert d["fast_path"]["hybrid"] is True
+    kinds = d["fast_path"]["kinds"]
+    assert kinds and all("fla" in k and "causal_conv1d" in k for k in kinds.values())
+    assert d["rows"][0]["capture_tokens_per_s"] > 0
+    assert d["layer_ids"] == [1, 2, 3, 4, 5] and d["rows"][0]["layers_run"] == 6
+    assert "fast path" in runs["logs"]["hybrid"]
+
+
+def test_pipeline(runs):
+    d = _load(runs, "pipeline")
+    assert d["alone"]["backend"] == "sdpa"                       # CPU: auto -> sdpa
+    assert d["alone_samples_per_s"] > 0 and d["e2e_samples_per_s"] > 0 and d["ratio"] > 0
+    assert d["e2e"]["to_step"] == 4 and d["e2e"]["from_step"] == 2
+    assert d["alone"]["rate"]["from_step"] == 2 and d["alone"]["rate"]["to_step"] == 4
+    assert "error" not in d["e2e"], d["e2e"].get("log_tail")
+    # same job: (a) saw the messages the real job trained
+    assert d["alone"]["total_messages"] == 4
+
+
+def test_threaded(runs):
+    d = _load(runs, "threaded")
+    assert d["errors"] == [] and d["hung_threads"] == []
+    assert d["samples_per_s"] > 0 and d["steps_done"] == 4
+    assert d["compare"]["threaded_over_pipeline"] > 0
+    assert d["hit_compile_error"] is False
+
+
+def test_plan_split(runs):
+    d = _load(runs, "plan_split")
+    assert len(d["rows"]) == 7 and d["gpus"] == 8
+    best = d["best"]
+    assert best["samples_per_s"] == max(r["samples_per_s"] for r in d["rows"])
+    for r in d["rows"]:
+        assert r["samples_per_s"] == pytest.approx(min(r["targets"] * d["supply_per_target_gpu"],
+                                                       r["drafters"] * d["demand_per_drafter_gpu"]))
+
+
+def test_summarize(runs, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    for name, dst in [("drafter_step", "drafter_step"), ("target_capture", "target_capture"),
+                      ("hybrid", "hybrid_without_cc1d"), ("hybrid", "hybrid_with_cc1d"), ("pipeline", "pipeline"),
+                      ("threaded", "threaded"), ("plan_split", "plan_split")]:
+        with open(runs["paths"][name]) as src, open(work / f"{dst}.json", "w") as f:
+            f.write(src.read())
+    (work / "rcs").write_text("drafter_step 0\npipeline 124\n")
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "summarize.py"), str(work), "--json",
+                        str(tmp_path / "results.json"), "--md", str(tmp_path / "summary.md")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    md = (tmp_path / "summary.md").read_text()
+    for title in ("1. Drafter step", "2. Target capture", "2b. Hybrid", "3. Pipeline", "4. Threaded", "5. Split"):
+        assert title in md
+    assert "causal-conv1d speed-up: 1.000x" in md
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["exit_codes"] == {"drafter_step": "0", "pipeline": "124"}
+
+
+def test_run_all_script_parses():
+    r = subprocess.run(["bash", "-n", os.path.join(BENCH, "run_all_gpu.sh")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
