@@ -254,7 +254,7 @@ def main(argv=None) -> int:
         torch.cuda.set_device(dev)
     t_start = time.time()
 
-    import torch._dynamo
+    import torch._dynamo as _dynamo  # noqa: F401  (a bare `import torch._dynamo` here would make `torch` local)
     dyn = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):  # the name differs between torch versions
         if hasattr(dyn, name):

@@ -28,7 +28,6 @@ class Dist:
     ctrl: object
     data: object
     drafters: object
-    drafters_cpu: object
     store: object
 
     @property
@@ -57,11 +56,9 @@ def make_groups(topo: Topology, device: torch.device, timeout_s: float) -> Dist:
     timeout = timedelta(seconds=timeout_s)
     ctrl = dist.new_group(backend="gloo", timeout=timeout)
     drafters = dist.new_group(ranks=topo.drafter_ranks, timeout=timeout)
-    # host-side votes among drafters (stop requests) without a CUDA sync
-    drafters_cpu = dist.new_group(ranks=topo.drafter_ranks, backend="gloo", timeout=timeout)
     store = dist.distributed_c10d._get_default_store()
-    return Dist(topo=topo, device=device, ctrl=ctrl, data=dist.group.WORLD, drafters=drafters,
-                drafters_cpu=drafters_cpu, store=store)
+    log.info("process groups ready (rank %d, %s)", topo.rank, topo.role)
+    return Dist(topo=topo, device=device, ctrl=ctrl, data=dist.group.WORLD, drafters=drafters, store=store)
 
 
 def shorten_timeouts(d: Dist, timeout_s: float) -> None:

@@ -275,6 +275,7 @@ def run_drafter(job) -> None:
     ends_seen: set = set()
     wait_s = busy_s = 0.0
     stopped = False
+    stop_at = None
     sample_log = None
     if cfg.logging.record_sample_ids:
         os.makedirs(os.path.join(job.run_dir, "sample_log"), exist_ok=True)
@@ -332,10 +333,14 @@ def run_drafter(job) -> None:
             channel.timeout_s = cfg.topology.timeout_s
             shorten_timeouts(d, cfg.topology.timeout_s)
         last = s == steps - 1
-        # graceful stop: every drafter votes each step (gloo, host-side); all stop after the same step
-        vote = torch.tensor([1.0 if life.stop_requested() else 0.0])
-        dist.all_reduce(vote, group=d.drafters_cpu)
-        stop_now = vote.item() > 0 and not last
+        # graceful stop: the leader fixes a step two ahead; drafters are in lockstep (DDP), so all see it in time
+        requested = life.stop_requested()  # posts this rank's own signal, if it got one
+        if topo.is_leader and stop_at is None and requested:
+            stop_at = trainer.step + 2
+            life.announce_stop(stop_at)
+        if stop_at is None:
+            stop_at = life.stop_step()
+        stop_now = stop_at is not None and trainer.step >= stop_at and not last
         first = s == 0  # the first step is always logged: the start of the loss curve
         if trainer.step % cfg.logging.log_every == 0 or last or stop_now or first:
             window = trainer.read_window()  # all drafters: one all-reduce per window
@@ -376,7 +381,6 @@ def run_drafter(job) -> None:
         # samples of messages after the cursor were not trained: the checkpoint's cursor excludes them
         trainer.save(final=False, reason="signal")
         if topo.is_leader:
-            life.announce_stop(trainer.step)
             log.warning("stopped on request after step %d; resume with train.resume=auto", trainer.step)
         dropped = drain(rx, topo, pending, ends_seen, target_stats)
         trainer.counts["samples_dropped_after_stop"] = dropped
@@ -407,8 +411,8 @@ def account(trainer, d, target_stats: dict, stopped: bool) -> dict:
     """Job-wide sample accounting (all drafters): received = trained + skipped (+ dropped after a stop)."""
     c = trainer.counts
     keys = ["samples_received", "samples_skipped_shape", "samples_dropped_after_stop", "messages_received"]
-    v = torch.tensor([float(c.get(k, 0)) for k in keys], dtype=torch.float64)
-    dist.all_reduce(v, group=d.drafters_cpu)
+    v = torch.tensor([float(c.get(k, 0)) for k in keys], dtype=torch.float64, device=d.device)
+    dist.all_reduce(v, group=d.drafters)
     out = dict(zip(keys, v.tolist()))
     out["samples_skipped_nonfinite"] = float(sum(trainer.nonfinite_by_target))
     out["samples_trained"] = (out["samples_received"] - out["samples_skipped_shape"]

@@ -1,9 +1,11 @@
 """Stopping on purpose and failing loudly, coordinated through torchrun's rendezvous store.
 
 * Graceful stop (SIGTERM/SIGINT, e.g. SLURM preemption): the handler only sets a flag. The rank that got it
-  posts ``stop_request`` in the store; drafters fold "stop?" into the per-step all-reduce, so all of them
-  agree on the same last step; the leader checkpoints and posts ``stop_at``; targets stop producing at
-  that key, send END, and every rank exits 0. Only this path writes a checkpoint.
+  posts ``stop_request`` in the store. The leader, at the end of step s, fixes ``stop_at = s + 2`` in the
+  store; every drafter checks that key after each step, and since the data-parallel all-reduce of step s+1
+  cannot finish before the leader has written it, all of them see it in time and stop after the same step.
+  The leader checkpoints, targets stop producing at that key, send END, and every rank exits 0. Only this
+  path writes a checkpoint.
 * Failure: the failing rank writes its exception to ``failed`` (first writer wins) and exits non-zero;
   every other rank, when its wait on that peer breaks, reports that root cause instead of its own
   secondary error, so the real message is surfaced once.
@@ -120,6 +122,12 @@ class Lifecycle:
 
     def stop_announced(self) -> bool:
         return self._has(KEY_STOP_AT)
+
+    def stop_step(self) -> Optional[int]:
+        """The step after which every drafter stops, once the leader has fixed it."""
+        if not self._has(KEY_STOP_AT):
+            return None
+        return int(self.store.get(KEY_STOP_AT).decode())
 
     def report_failure(self, text: str) -> None:
         try:

@@ -65,8 +65,10 @@ def run_target(job) -> None:
     fault = fault_for(d.rank)
     evaluator = TargetEval(job, model) if eval_enabled(job) and topo.index == 0 else None
     for j in topo.target_messages(run_messages):
-        if job.life.stop_announced():  # drafters agreed on a graceful stop and checkpointed
-            stopped = True
+        job.life.stop_requested()  # posts this rank's own signal, if it got one
+        stop_at = job.life.stop_step()
+        if stop_at is not None and j >= (stop_at - job.start_step) * topo.num_drafters:
+            stopped = True  # the drafters stop after step stop_at: nothing later will be trained
             break
         if evaluator is not None:
             evaluator.poll()

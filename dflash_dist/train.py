@@ -212,6 +212,8 @@ def _hydra_main():
             run(JobConfig.from_omegaconf(dcfg))
         except ConfigError as e:  # before any model loads: say what to change, exit 2
             print(f"dflash_dist: configuration error: {e}", file=sys.stderr)
+            if dist.is_initialized():  # NCCL tears down badly without it (a peer segfaulted at exit)
+                dist.destroy_process_group()
             sys.exit(2)
 
     entry()
