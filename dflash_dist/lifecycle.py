@@ -99,7 +99,7 @@ class Lifecycle:
         dead = self.dead_peers()
         failure = self.failure()
         if dead or failure:
-            log.error("stopping without a checkpoint: %s", failure or (", ".join(dead) + " died"))
+            log.error("stopping without a checkpoint because %s", failure or (", ".join(dead) + " died"))
             os._exit(1)
         self.signal_name = signal.Signals(signum).name
         log.warning("received %s: finishing the current step, then checkpoint and exit", self.signal_name)

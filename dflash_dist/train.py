@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 from .config import ConfigError, JobConfig, resolve_device, validate_job
@@ -193,7 +192,7 @@ def run(cfg: JobConfig) -> int:
         root = job.life.root_cause(settle_s=0.0 if isinstance(e, (ConfigError, KeyboardInterrupt)) else 1.0)
         if root is not None and not root.startswith(f"rank {topo.rank} "):
             # a secondary error (a broken wait on a dead or failed peer): report the root cause once
-            log.error("stopping because %s (here: %s: %s)", root, type(e).__name__, str(e).splitlines()[0][:200])
+            log.error("stopping without a checkpoint because %s (here: %s: %s)", root, type(e).__name__, str(e).splitlines()[0][:200])
             os._exit(1)
         job.life.report_failure(f"rank {topo.rank} ({topo.role}) failed: {type(e).__name__}: {e}")
         raise

@@ -1,5 +1,17 @@
 import os
 import sys
 
+import pytest
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("WANDB_MODE", "offline")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matmuls: one intra-op thread is 10-50x faster than two fighting over a busy 2-core CPU."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -2,8 +2,7 @@
 
 import pytest
 
-from dflash_dist.config import (ConfigError, DataConfig, DrafterConfig, JobConfig, TargetConfig, TopologyConfig,
-                                TrainConfig, WandbConfig, cosine_lr, default_layer_ids, validate_job)
+from dflash_dist.config import ConfigError, JobConfig, cosine_lr, default_layer_ids, validate_job
 from launch_util import torchrun
 
 

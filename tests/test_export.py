@@ -23,15 +23,6 @@ TARGET_HF = dict(model_type="qwen3", vocab_size=2048, hidden_size=H, intermediat
                  pad_token_id=0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls: one intra-op thread is 10-50x faster than two fighting over a busy CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def target_config_dict():
     from transformers import Qwen3Config
     cfg = {k: v for k, v in TARGET_HF.items() if k != "model_type"}

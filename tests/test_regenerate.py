@@ -18,15 +18,6 @@ WORDS = ["hello", "how are you", "tell me a joke about cats and dogs", "what is 
          "do you like music or books or long walks in the park", "ok", "what is AI?"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls: one intra-op thread is 10-50x faster than two fighting over a busy CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def write_inputs(path):
     rows = []
     for i, w in enumerate(WORDS):

@@ -2,7 +2,7 @@
 train/eval feature and mask parity, τ arithmetic, and the dflash-eval CLI end to end."""
 
 import json
-import os
+
 
 import pytest
 import torch
@@ -15,15 +15,6 @@ from dflash_dist.target import FeatureCapture, head_weights
 
 V, H, L, B, MASK = 96, 32, 5, 4, 95
 LAYER_IDS = [1, 2, 4]          # 4 = last layer: taken after the final norm, as in training
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls: one intra-op thread is 10-50x faster than two fighting over a busy CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def tiny_target(seed=0, dtype=torch.float64):

@@ -1,7 +1,7 @@
 """Transport under torchrun (gloo): random shapes and dtypes, 1,000 messages, every split, end-of-stream."""
 
 import json
-import os
+
 
 import pytest
 import torch
