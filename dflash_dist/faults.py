@@ -2,7 +2,8 @@
 
 ``DFLASH_INJECT_FAULT=<rank>:<message>:<kind>`` makes global rank <rank> misbehave at its <message>-th
 message (counting from 0): ``raise`` (an exception, as a bad sample or an OOM would), ``nan`` (non-finite
-hidden states in that message), ``nan_all`` (from that message on), ``exit`` (os._exit(3), a hard crash).
+hidden states in that message), ``nan_all`` (from that message on), ``narrow`` (features one column short
+in that message: a wrongly shaped hidden state), ``exit`` (os._exit(3), a hard crash).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ def fault_for(rank: int) -> Optional[tuple[int, str]]:
     r, at, kind = spec.split(":")
     if int(r) != rank:
         return None
-    if kind not in ("raise", "nan", "nan_all", "exit"):
-        raise ValueError(f"DFLASH_INJECT_FAULT kind {kind!r}: use raise, nan, nan_all or exit")
+    if kind not in ("raise", "nan", "nan_all", "narrow", "exit"):
+        raise ValueError(f"DFLASH_INJECT_FAULT kind {kind!r}: use raise, nan, nan_all, narrow or exit")
     return int(at), kind
 
 
@@ -32,6 +33,8 @@ def apply_target_fault(fault, count: int, features):
         raise RuntimeError(f"injected fault at message {count} (DFLASH_INJECT_FAULT)")
     if kind == "exit" and count == at:
         os._exit(3)
+    if kind == "narrow" and count == at:
+        return features[:, :-1].contiguous()
     if (kind == "nan" and count == at) or (kind == "nan_all" and count >= at):
         features = features.clone()
         features[0, 0] = float("nan")

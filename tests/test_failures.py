@@ -94,6 +94,19 @@ def test_nonfinite_hidden_states_are_skipped_counted_and_reported(tmp_path):
     assert all(r["loss"] == r["loss"] for r in recs if r["kind"] == "train"), "no NaN reached the loss"
 
 
+def test_wrongly_shaped_hidden_states_are_skipped_and_counted(tmp_path):
+    p = torchrun(2, ["-m", "dflash_dist.train", "train.max_steps=4", "logging.log_every=2", "logging.progress_bar=false",
+                     "logging.wandb.mode=disabled", "train.eval_prompts=0", f"train.output_dir={tmp_path}"],
+                 env={"DFLASH_INJECT_FAULT": "1:1:narrow"}, timeout=240)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    assert "from rank 1 has features of width 639, expected 640: skipped" in out
+    recs = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    acc = [r for r in recs if r["kind"] == "accounting"][-1]
+    assert acc["samples_skipped_shape"] > 0
+    assert acc["samples_received"] == acc["samples_trained"] + acc["samples_skipped_shape"]
+
+
 _SAVER = r"""
 import sys, torch
 from dflash_dist.checkpoint import save_checkpoint
