@@ -3,9 +3,10 @@
 A message is a micro-batch of whole samples, packed: sample ids, cu_seqlens, token ids, loss mask and the
 selected features [tokens, n_layers*H]. On the wire it is three point-to-point sends:
 
-1. a fixed-size int64 header over a gloo *control* group (CPU). The receiver learns shape, dtype and kind
-   on the host without touching a CUDA stream, and gloo aborts on a too-small buffer or silently accepts a
-   wrong one, so every payload buffer is allocated from the header, never guessed;
+1. a fixed-size int64 header over a gloo *control* group (CPU), followed there by the cu_seqlens. The
+   receiver learns shape, dtype and kind (and the sample boundaries it needs to build a step) on the host
+   without touching a CUDA stream, and gloo aborts on a too-small buffer or silently accepts a wrong one,
+   so every payload buffer is allocated from the header, never guessed;
 2. an int64 *meta* tensor (ids, cu_seqlens, tokens, mask) and
 3. the features, both over the *data* group (NCCL on GPU, gloo on CPU).
 
@@ -192,10 +193,13 @@ class Sender:
         h[H_DTYPE], h[H_METALEN] = DTYPE_CODES[feats.dtype], 2 * n + 1 + 2 * t
         meta = pack_meta(msg.sample_ids, msg.cu_seqlens, msg.input_ids, msg.loss_mask).to(self.ch.device)
         feats = feats.to(self.ch.device)
+        # cu_seqlens also travel on the host channel right behind the header: the drafter needs them on the host
+        # to build the step, and reading them from a device tensor would sync its compute stream every step
+        cu_host = msg.cu_seqlens.to("cpu", torch.int64).contiguous()
         ctrl, data = self.ch.ctrl_group, self.ch.data_group
-        works = [(dist.isend(h, dst, group=ctrl), ctrl)] + [(w, data) for w in _batched(dist.isend, (meta, feats),
-                                                                                             dst, data)]
-        self._inflight[dst].append((works, (h, meta, feats)))  # keep buffers alive until sent
+        works = ([(dist.isend(h, dst, group=ctrl), ctrl), (dist.isend(cu_host, dst, group=ctrl), ctrl)]
+                 + [(w, data) for w in _batched(dist.isend, (meta, feats), dst, data)])
+        self._inflight[dst].append((works, (h, cu_host, meta, feats)))  # keep buffers alive until sent
         self.bytes_sent += meta.numel() * 8 + feats.numel() * feats.element_size()
 
     def send_end(self, dst: int, stats=()) -> None:
@@ -263,6 +267,8 @@ class PendingMessage:
         n, t, width = h[H_NSAMPLES], h[H_NTOKENS], h[H_WIDTH]
         if h[H_METALEN] != 2 * n + 1 + 2 * t:
             raise TransportError(f"rank {self.src}: header meta length {h[H_METALEN]} != {2 * n + 1 + 2 * t}")
+        self.cu_host = torch.empty(n + 1, dtype=torch.int64)
+        self.cu_work = dist.irecv(self.cu_host, self.src, group=ch.ctrl_group)  # right behind the header
         meta = torch.empty(h[H_METALEN], dtype=torch.int64, device=ch.device)
         feats = torch.empty((t, width), dtype=CODE_DTYPES[h[H_DTYPE]], device=ch.device)
         works = _batched(dist.irecv, (meta, feats), self.src, ch.data_group)
@@ -279,12 +285,14 @@ class PendingMessage:
             if self.result is not None:
                 return self.result
         h, meta, feats, works = self.payload
+        self.rx.ch.wait(self.cu_work, f"cu_seqlens of message {h[H_INDEX]} from rank {self.src}",
+                        group=self.rx.ch.ctrl_group)
         for w in works:
             self.rx.ch.wait(w, f"payload of message {h[H_INDEX]} from rank {self.src}", host=False,
                             group=self.rx.ch.data_group)
         n, t = h[H_NSAMPLES], h[H_NTOKENS]
-        sample_ids, cu, ids, mask = unpack_meta(meta, n, t)
-        self.result = Message(h[H_INDEX], sample_ids, cu, ids, mask, feats, self.src, h[H_STATS:])
+        sample_ids, _, ids, mask = unpack_meta(meta, n, t)
+        self.result = Message(h[H_INDEX], sample_ids, self.cu_host, ids, mask, feats, self.src, h[H_STATS:])
         self.rx.bytes_received += meta.numel() * 8 + feats.numel() * feats.element_size()
         return self.result
 
