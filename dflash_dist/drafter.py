@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from .config import ConfigError
 
 __all__ = ["DrafterModelConfig", "DFlashDrafter", "RMSNorm", "rotary_cos_sin", "apply_rotary"]
 
@@ -64,7 +65,7 @@ class DrafterModelConfig:
 
     def __post_init__(self) -> None:
         if self.hidden_act != "silu":
-            raise NotImplementedError(f"hidden_act={self.hidden_act!r}: the drafter implements silu only")
+            raise ConfigError(f"hidden_act={self.hidden_act!r}: the drafter implements silu only")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
@@ -94,7 +95,7 @@ class DrafterModelConfig:
             if isinstance(d, dict):
                 rope_type = rope_type or d.get("rope_type") or d.get("type")
         if rope_type not in (None, "default"):
-            raise NotImplementedError(f"target rope type {rope_type!r}: the drafter implements default RoPE only; "
+            raise ConfigError(f"target rope type {rope_type!r}: the drafter implements default RoPE only; "
                                       "add the scaling to drafter.rotary_cos_sin or train with default RoPE")
         theta = _cfg_get(hf_config, "rope_theta")
         if theta is None and isinstance(rope_params, dict):

@@ -125,6 +125,9 @@ def setup(cfg: JobConfig) -> Job:
     tok = AutoTokenizer.from_pretrained(tok_path)
     mask_id = resolve_mask_token_id(cfg, tok, tc.vocab_size)
     layer_ids = validate_job(cfg, world, tc.num_hidden_layers, tc.vocab_size, mask_id)
+    from .drafter import DrafterModelConfig  # refuses targets the drafter cannot mirror (RoPE type, activation)
+    DrafterModelConfig.from_target(tc, num_layers=cfg.drafter.num_layers, num_feature_layers=len(layer_ids),
+                                   block_size=cfg.drafter.block_size, intermediate_size=cfg.drafter.intermediate_size)
     from .fast_path import check_fast_path_for_config  # every rank, before any weights load: fail in seconds
     check_fast_path_for_config(hf_config, cfg.target.fast_path, device_type, cfg.target.attn_implementation)
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dflash_dist.config import ConfigError
 from dflash_dist.drafter import DFlashDrafter, DrafterModelConfig, RMSNorm, apply_rotary, rotary_cos_sin
 from dflash_dist.masks import dense_mask, flex_block_mask
 
@@ -231,7 +232,7 @@ def test_from_target_qwen3_config():
          "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "max_position_embeddings": 64},
         num_layers=1, num_feature_layers=2, block_size=8, intermediate_size=200)
     assert (c2.head_dim, c2.num_key_value_heads, c2.rope_theta, c2.intermediate_size) == (8, 8, 1e6, 200)
-    with pytest.raises(NotImplementedError, match="yarn"):
+    with pytest.raises(ConfigError, match="yarn"):
         DrafterModelConfig.from_target(
             {"hidden_size": 64, "num_attention_heads": 8, "intermediate_size": 96, "vocab_size": 10,
              "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
