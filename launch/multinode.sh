@@ -38,17 +38,8 @@ if ! [[ $NODE_RANK =~ ^[0-9]+$ ]] || (( NODE_RANK >= NNODES )); then
   echo "multinode.sh: NODE_RANK must be in 0..$((NNODES - 1)), got '$NODE_RANK'" >&2; usage
 fi
 
-cores=$(nproc 2>/dev/null || echo 1)
-threads=$(( cores / NPROC )); (( threads >= 1 )) || threads=1
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$threads}
-export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
-export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  if [[ -z ${PYTORCH_CUDA_ALLOC_CONF:-} && -z ${PYTORCH_ALLOC_CONF:-} ]]; then
-    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-  fi
-fi
-export PYTHONUNBUFFERED=1
+# shellcheck source=launch/env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 
 # is_host: node 0 hosts the rendezvous store explicitly (torchrun's guess compares HEAD_ADDR with this host's
 # names and addresses, which fails e.g. behind NAT or with a load-balancer address)

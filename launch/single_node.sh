@@ -25,17 +25,8 @@ usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 NPROC=$1; shift
 [[ $NPROC =~ ^[1-9][0-9]*$ ]] || { echo "single_node.sh: NPROC must be a positive integer, got '$NPROC'" >&2; usage; }
 
-cores=$(nproc 2>/dev/null || echo 1)
-threads=$(( cores / NPROC )); (( threads >= 1 )) || threads=1
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$threads}
-export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
-export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  if [[ -z ${PYTORCH_CUDA_ALLOC_CONF:-} && -z ${PYTORCH_ALLOC_CONF:-} ]]; then
-    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-  fi
-fi
-export PYTHONUNBUFFERED=1
+# shellcheck source=launch/env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 
 # `python -m torch.distributed.run` is torchrun, bound to the same interpreter as the installed project.
 # Relative paths in overrides (train.output_dir=outputs/x, data.source=...) are relative to the current directory.
