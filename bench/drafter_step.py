@@ -112,8 +112,9 @@ def make_inputs(ctx: int, b: int, mc: DrafterModelConfig, device, feat_dtype, pr
 
 
 class Runner:
-    def __init__(self, mc: DrafterModelConfig, dc, device, lr: float):
+    def __init__(self, mc: DrafterModelConfig, dc, device, lr: float, dynamic: bool = False):
         self.mc, self.dc, self.device = mc, dc, device
+        self.dynamic = dynamic  # drafter.compile_dynamic: dynamic-shape flex kernel and mask builder
         torch.manual_seed(0)
         with torch.device(device):  # fp32 master weights, initialised on the device
             self.model = DFlashDrafter(mc, "sdpa")
@@ -136,10 +137,16 @@ class Runner:
         batch = make_batch(ids, loss_mask, cu, feats, num_anchors=num_anchors, block_size=B,
                            mask_token_id=self.mc.vocab_size - 1, ctx_bucket=dc.ctx_bucket,
                            generator=torch.Generator().manual_seed(1_000_003 + k))
-        self.model.backend = backend  # the only backend-dependent state of DFlashDrafter
+        # flex_layers = flex + drafter.compile_layers (each decoder layer through torch.compile)
+        flex = backend in ("flex", "flex_layers")
+        if (self.model.backend, self.model.compiled_layers) != ("flex" if flex else "sdpa", backend == "flex_layers"):
+            self.model.backend = "flex" if flex else "sdpa"
+            self.model.configure_compile(flex_dynamic=self.dynamic and flex,
+                                         compile_layers=backend == "flex_layers")
         with torch.set_grad_enabled(train):
-            if backend == "flex":
-                mask = flex_block_mask(batch.anchors, batch.valid, batch.ctx_len, B, compile=dc.compile)
+            if flex:
+                mask = flex_block_mask(batch.anchors, batch.valid, batch.ctx_len, B, compile=dc.compile,
+                                       dynamic=self.dynamic)
             else:
                 mask = dense_mask(batch.anchors, batch.valid, batch.ctx_len, B)
             block_embeds = F.embedding(batch.block_ids, self.embed)
@@ -232,12 +239,15 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--configs", default=None, help=f"CTXxANCHORS list (default {GPU_CONFIGS}; tiny {TINY_CONFIGS})")
     p.add_argument("--batch", default="1", help="samples per step, comma list (e.g. 1,4)")
-    p.add_argument("--backends", default="flex,sdpa")
+    p.add_argument("--backends", default="flex,sdpa",
+                   help="comma list of flex, flex_layers (flex + drafter.compile_layers), sdpa")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps incl. the first (default 2; tiny 1)")
     p.add_argument("--repeats", type=int, default=None, help="timed steps (default 10; tiny 3)")
     p.add_argument("--prompt-frac", type=float, default=0.3, help="leading share of each sample without loss")
-    p.add_argument("--dynamic", choices=["off", "auto"], default="off",
-                   help="off: every shape compiles static (clean per-config compile time); auto: torch default")
+    p.add_argument("--dynamic", choices=["off", "auto", "on"], default="off",
+                   help="off: every shape compiles static (clean per-config compile time); auto: torch default; "
+                        "on: the trainer's CUDA default (drafter.compile_dynamic: dynamic-shape flex kernel and "
+                        "mask builder, compiled once for all shapes)")
     p.add_argument("--peak-n", type=int, default=None, help="matmul size of the peak measurement (8192; tiny 256)")
     p.add_argument("--time-budget-s", type=float, default=0,
                    help="start no new configuration after this many seconds (0: no limit); skipped ones are listed")
@@ -268,7 +278,7 @@ def main(argv=None) -> int:
     peak = C.peak_matmul_tflops(dev, n=args.peak_n or (256 if tiny else 8192))
     nominal = C.nominal_peak_tflops(dev)
     C.log(f"measured matmul peak {peak['tflops']:.1f} TFLOP/s ({peak['dtype']} {peak['n']}^3); nominal {nominal}")
-    runner = Runner(mc, dc, dev, args.lr)
+    runner = Runner(mc, dc, dev, args.lr, dynamic=args.dynamic == "on" and dev.type == "cuda")
     result = {"bench": "drafter_step", "env": C.env_info(dev), "tiny": tiny, "peak_matmul": peak,
               "nominal_peak_tflops": nominal, "drafter_config": mc.__dict__, "trainable_params": runner.n_params,
               "drafter_yaml": "tiny" if tiny else "dflash", "loss_chunk_rows": dc.loss_chunk_rows,
@@ -284,7 +294,7 @@ def main(argv=None) -> int:
                     result["skipped"].append({"ctx": ctx, "anchors": anchors, "batch": b, "backend": backend,
                                               "reason": "time budget"})
                     continue
-                train = not (backend == "flex" and dev.type == "cpu")
+                train = not (backend.startswith("flex") and dev.type == "cpu")
                 C.log(f"run {backend} ctx={ctx} anchors={anchors} b={b} ({'train' if train else 'forward-only'})")
                 row = run_one(runner, ctx, anchors, b, backend, train, args, peak, nominal)
                 result["rows"].append(row)

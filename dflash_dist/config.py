@@ -103,6 +103,15 @@ class DrafterConfig:
     compile: bool = True
     """torch.compile the flex attention kernel and the mask builder (fullgraph). Required for flex."""
 
+    compile_dynamic: bool = True
+    """On CUDA, compile flex_attention and the mask builder with dynamic shapes: one kernel serves every (b, S_pad),
+    instead of a static compile (tens of seconds each) per new shape. Ignored on CPU, where inductor's C++ flex
+    template does not build with dynamic shapes (torch 2.13)."""
+
+    compile_layers: bool = False
+    """torch.compile each drafter layer (fullgraph; norms, RoPE, SiLU-gate and residuals fuse around the flex
+    kernel). flex backend only. Costs one more compile at startup; bench/drafter_step.py measures the gain."""
+
     intermediate_size: Optional[int] = None
     """MLP width; None: the target's."""
 

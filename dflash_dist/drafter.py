@@ -37,7 +37,11 @@ __all__ = ["DrafterModelConfig", "DFlashDrafter", "RMSNorm", "rotary_cos_sin", "
 
 # Compiled once per process; flex_attention must never run uncompiled (the eager path materialises the
 # full score matrix). fullgraph: a graph break here would silently fall back to that path.
+# Static shapes (CPU, or drafter.compile_dynamic=false) and dynamic shapes (CUDA default: one Triton kernel for
+# every (b, S_pad); a static compile per new shape costs tens of seconds, the dynamic kernel reads the sizes
+# at run time). CPU cannot use the dynamic one: inductor's C++ flex template fails to build (torch 2.13).
 _flex_attention_compiled = torch.compile(flex_attention, fullgraph=True)
+_flex_attention_compiled_dynamic = torch.compile(flex_attention, fullgraph=True, dynamic=True)
 
 
 def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -164,9 +168,10 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.flex_dynamic = False  # set by DFlashDrafter.configure_compile
 
     def forward(self, x: Tensor, ctx: Tensor, rope_q: tuple[Tensor, Tensor], rope_k: tuple[Tensor, Tensor],
-                mask: Any, backend: str, calls: dict) -> Tensor:
+                mask: Any, backend: str) -> Tensor:
         b, q_len, _ = x.shape
         d = self.head_dim
         q = self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, d)).transpose(1, 2)
@@ -176,14 +181,13 @@ class DFlashAttention(nn.Module):
         q = apply_rotary(q, *rope_q)
         k = apply_rotary(k, *rope_k)
         if backend == "flex":
-            out = _flex_attention_compiled(q, k, v, block_mask=mask, scale=self.scaling, enable_gqa=True)
-            calls["flex_compiled"] += 1
+            flex = _flex_attention_compiled_dynamic if self.flex_dynamic else _flex_attention_compiled
+            out = flex(q, k, v, block_mask=mask, scale=self.scaling, enable_gqa=True)
         else:
             attn_mask, row_ok = mask
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scaling,
                                                  enable_gqa=self.num_heads != self.num_kv_heads)
             out = out * row_ok
-            calls["sdpa"] += 1
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * d))
 
 
@@ -206,8 +210,8 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: Tensor, ctx: Tensor, rope_q, rope_k, mask, backend: str, calls: dict) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), ctx, rope_q, rope_k, mask, backend, calls)
+    def forward(self, h: Tensor, ctx: Tensor, rope_q, rope_k, mask, backend: str) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), ctx, rope_q, rope_k, mask, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -225,8 +229,26 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(cfg.num_feature_layers * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.attention_calls: dict = {"flex_compiled": 0, "sdpa": 0}
+        self.attention_calls: dict = {"flex_compiled": 0, "sdpa": 0, "flex_dynamic": 0, "compiled_layers": 0}
+        self.flex_dynamic = False
+        self.compiled_layers = False
+        self._layer_fns = list(self.layers)
         self.reset_parameters()
+
+    def configure_compile(self, flex_dynamic: bool = False, compile_layers: bool = False) -> "DFlashDrafter":
+        """flex_dynamic: use the dynamic-shape compiled flex kernel (CUDA). compile_layers: run each decoder layer
+        through torch.compile (fullgraph; the flex call is traced into the layer's graph), so the norms, RoPE and
+        the SiLU gate fuse. All layers share one code object, so they share the compiled graph."""
+        if compile_layers and self.backend != "flex":
+            raise ConfigError("drafter.compile_layers=true needs the flex backend (the sdpa backend is the "
+                              "uncompiled reference path)")
+        self.flex_dynamic = bool(flex_dynamic)
+        for layer in self.layers:
+            layer.self_attn.flex_dynamic = self.flex_dynamic
+        self.compiled_layers = bool(compile_layers)
+        self._layer_fns = ([torch.compile(layer, fullgraph=True, dynamic=True if self.flex_dynamic else None)
+                            for layer in self.layers] if compile_layers else list(self.layers))
+        return self
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -271,6 +293,11 @@ class DFlashDrafter(nn.Module):
         rope_q = rotary_cos_sin(block_positions, inv_freq, h.dtype)
         rope_c = rotary_cos_sin(ctx_positions, inv_freq, h.dtype)
         rope_k = (torch.cat([rope_c[0], rope_q[0]], dim=1), torch.cat([rope_c[1], rope_q[1]], dim=1))
-        for layer in self.layers:
-            h = layer(h, ctx, rope_q, rope_k, mask, self.backend, self.attention_calls)
+        for layer in self._layer_fns:
+            h = layer(h, ctx, rope_q, rope_k, mask, self.backend)
+        # counted here, outside any compiled region (a counter mutated inside one would become a guard)
+        n = len(self.layers)
+        self.attention_calls["flex_compiled" if self.backend == "flex" else "sdpa"] += n
+        self.attention_calls["flex_dynamic"] += n if self.backend == "flex" and self.flex_dynamic else 0
+        self.attention_calls["compiled_layers"] += n if self.compiled_layers else 0
         return self.norm(h)

@@ -80,7 +80,9 @@ class DrafterTrainer:
                                                    block_size=cfg.drafter.block_size,
                                                    intermediate_size=cfg.drafter.intermediate_size)
         torch.manual_seed(cfg.train.seed)
-        self.model = DFlashDrafter(self.mcfg, self.backend).to(self.device)
+        self.flex_dynamic = self.backend == "flex" and cfg.drafter.compile_dynamic and self.device.type == "cuda"
+        self.model = DFlashDrafter(self.mcfg, self.backend).to(self.device).configure_compile(
+            flex_dynamic=self.flex_dynamic, compile_layers=cfg.drafter.compile_layers)
         self.embed, self.lm_head = receive_head_weights(job, self.device)
         self.feature_width = len(job.layer_ids) * tc.hidden_size
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas),
@@ -148,7 +150,7 @@ class DrafterTrainer:
         leak = self.cfg.drafter.leaky_mask_demo  # False except in the leak demonstration
         if self.backend == "flex":
             return flex_block_mask(batch.anchors, batch.valid, batch.ctx_len, B, compile=self.cfg.drafter.compile,
-                                   context_inclusive=leak)
+                                   context_inclusive=leak, dynamic=self.flex_dynamic)
         return dense_mask(batch.anchors, batch.valid, batch.ctx_len, B, context_inclusive=leak)
 
     def train_step(self, batch) -> None:
@@ -256,9 +258,11 @@ def run_drafter(job) -> None:
     n_params = sum(p.numel() for p in trainer.model.parameters())
     if cfg.drafter.leaky_mask_demo:
         log.warning("drafter.leaky_mask_demo=true: training with the LEAKY mask (kv <= anchor) on purpose")
+    flex_desc = (f" (compiled flex_attention, {'dynamic' if trainer.flex_dynamic else 'static'} shapes"
+                 f"{', compiled layers' if cfg.drafter.compile_layers else ''})")
     log.info("drafter: %d layers, %.2fM trainable params, attention backend=%s%s, anchors=%d, block=%d",
              cfg.drafter.num_layers, n_params / 1e6, trainer.backend,
-             " (compiled flex_attention)" if trainer.backend == "flex" else " (dense bool mask, SDPA)",
+             flex_desc if trainer.backend == "flex" else " (dense bool mask, SDPA)",
              cfg.drafter.num_anchors, cfg.drafter.block_size)
     run_messages = job.total_messages - job.start_cursor
     steps = topo.num_steps(run_messages)

@@ -35,6 +35,7 @@ __all__ = ["dense_mask", "make_mask_mod", "flex_block_mask", "mask_build_calls"]
 # Module-level compiled builder: compiled once per process, new mask_mods (fresh closures over new anchor
 # tensors) reuse the graph because dynamo guards on the closure tensors' metadata, not their identity.
 _create_block_mask_compiled = torch.compile(create_block_mask)
+_create_block_mask_compiled_dynamic = torch.compile(create_block_mask, dynamic=True)  # CUDA: one graph for all shapes
 
 mask_build_calls: dict = {"compiled": 0, "eager": 0}
 """How often flex_block_mask took each path (tests and the startup banner read it)."""
@@ -78,20 +79,21 @@ def make_mask_mod(anchors: Tensor, valid: Tensor, ctx_len: int, block_size: int,
 
 
 def flex_block_mask(anchors: Tensor, valid: Tensor, ctx_len: int, block_size: int, compile: bool = True,
-                    context_inclusive: bool = False) -> BlockMask:
+                    context_inclusive: bool = False, dynamic: bool = False) -> BlockMask:
     """BlockMask for one step (H=None: shared by all heads), built once and reused by every layer.
 
     ``compile=True`` uses the module-level ``torch.compile(create_block_mask)`` on accelerators, so the
     [b, Q, K] mask is never materialised. On CPU the eager builder is used even with compile=True: inductor's
     CPU backend miscompiles this reduction in torch 2.13 (C++ VecMask type error), and the eager (vmap) path
-    is cheap at CPU sizes. ``mask_build_calls`` records which path ran.
+    is cheap at CPU sizes. ``dynamic=True`` (CUDA) uses the dynamic-shape compiled builder, so new (b, S_pad)
+    shapes do not recompile. ``mask_build_calls`` records which path ran.
     """
     b, n = anchors.shape
     q_len = n * block_size
     mask_mod = make_mask_mod(anchors, valid, ctx_len, block_size, context_inclusive)
     if compile and anchors.device.type != "cpu":
         mask_build_calls["compiled"] += 1
-        builder = _create_block_mask_compiled
+        builder = _create_block_mask_compiled_dynamic if dynamic else _create_block_mask_compiled
     else:
         mask_build_calls["eager"] += 1
         builder = create_block_mask

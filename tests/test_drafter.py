@@ -151,7 +151,7 @@ def test_sdpa_matches_reference_and_shape():
         ref = reference_forward(m, **x, mask=mask)
     assert out.shape == (3, Q, H)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
-    assert m.attention_calls == {"flex_compiled": 0, "sdpa": LAYERS}
+    assert m.attention_calls == {"flex_compiled": 0, "sdpa": LAYERS, "flex_dynamic": 0, "compiled_layers": 0}
 
 
 def test_flex_compiled_forward_matches_sdpa():
@@ -162,8 +162,28 @@ def test_flex_compiled_forward_matches_sdpa():
         out_s = sdpa(**x, mask=dense_mask(anchors, valid, CTX, BS))
         out_f = flex(**x, mask=flex_block_mask(anchors, valid, CTX, BS))
     torch.testing.assert_close(out_f, out_s, atol=1e-5, rtol=1e-5)
-    assert flex.attention_calls == {"flex_compiled": LAYERS, "sdpa": 0}
-    assert sdpa.attention_calls == {"flex_compiled": 0, "sdpa": LAYERS}
+    assert flex.attention_calls == {"flex_compiled": LAYERS, "sdpa": 0, "flex_dynamic": 0, "compiled_layers": 0}
+    assert sdpa.attention_calls == {"flex_compiled": 0, "sdpa": LAYERS, "flex_dynamic": 0, "compiled_layers": 0}
+
+
+def test_compiled_layers_forward_matches_sdpa_and_is_reported():
+    """drafter.compile_layers: each layer through torch.compile(fullgraph) with the flex call traced inside."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    sdpa = make_model("sdpa")
+    flex = DFlashDrafter(cfg(), "flex").configure_compile(compile_layers=True)
+    flex.load_state_dict(sdpa.state_dict())
+    x, anchors, valid = inputs(1)
+    graphs0 = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        out_s = sdpa(**x, mask=dense_mask(anchors, valid, CTX, BS))
+        out_f = flex(**x, mask=flex_block_mask(anchors, valid, CTX, BS))
+    torch.testing.assert_close(out_f, out_s, atol=1e-5, rtol=1e-5)
+    assert flex.attention_calls["compiled_layers"] == LAYERS and flex.attention_calls["flex_compiled"] == LAYERS
+    # the layers share one compiled graph: every layer after the first reuses it
+    assert 1 <= counters["stats"]["unique_graphs"] - graphs0 <= 2
+    with pytest.raises(ConfigError, match="compile_layers=true needs the flex backend"):
+        make_model("sdpa").configure_compile(compile_layers=True)
 
 
 def test_sdpa_backward_finite_and_padding_rows_zero():
