@@ -186,7 +186,9 @@ class DataConfig:
 @dataclass
 class TopologyConfig:
     target_ranks: Any = 1
-    """How many ranks run the target (global ranks 0..T-1); the rest train the drafter. ``auto``: measured split."""
+    """How many ranks run the target (the last T global ranks, W-T..W-1); the rest train the drafter. ``auto``:
+    measure on this job's ranks (rank 0 times drafter steps, rank W-1 target batches) and take the split with
+    the highest predicted samples/s (``dflash_dist.plan``; W = 2 is always 1 + 1, without measuring)."""
 
     max_in_flight: int = 4
     """Messages a target may have sent but not yet seen received, per drafter link (backpressure)."""
@@ -195,18 +197,29 @@ class TopologyConfig:
     """A rank that waits this long on a peer after warm-up declares the job dead and exits non-zero."""
 
     warmup_timeout_s: float = 900.0
-    """The same limit during model load and compilation."""
+    """The same limit during model load and compilation (and for the calibration of ``target_ranks=auto``)."""
+
+    plan_target_batches: int = 8
+    """``target_ranks=auto`` and dflash-plan: target batches (the first messages of the plan) timed to measure
+    target supply, after one untimed warm-up batch."""
+
+    plan_drafter_steps: int = 8
+    """``target_ranks=auto`` and dflash-plan: drafter training steps (on the same first messages, random
+    features) timed to measure drafter demand, after warm-up (one step; with flex, one per new batch shape)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.target_ranks, str):
-            if self.target_ranks != "auto":
-                _require(self.target_ranks.isdigit(),
-                         f"topology.target_ranks={self.target_ranks!r}: give an integer or auto")
-                self.target_ranks = int(self.target_ranks)
-        if self.target_ranks != "auto":
-            _require(int(self.target_ranks) >= 1, f"topology.target_ranks={self.target_ranks}: need >= 1 target rank")
+        t = self.target_ranks
+        if isinstance(t, str) and t.strip().isdigit():
+            t = int(t)
+        if isinstance(t, float) and t.is_integer():
+            t = int(t)
+        _require(t == "auto" or (isinstance(t, int) and not isinstance(t, bool) and t >= 1),
+                 f"topology.target_ranks={self.target_ranks!r}: give a positive integer (>= 1 target rank) or auto")
+        self.target_ranks = t
         _require(self.max_in_flight >= 1, "topology.max_in_flight must be >= 1")
         _require(self.timeout_s > 0 and self.warmup_timeout_s > 0, "topology timeouts must be > 0")
+        _require(self.plan_target_batches >= 1, "topology.plan_target_batches must be >= 1")
+        _require(self.plan_drafter_steps >= 1, "topology.plan_drafter_steps must be >= 1")
 
 
 @dataclass
@@ -357,16 +370,20 @@ def default_layer_ids(num_target_layers: int, n: int = 5) -> list[int]:
     return [int(round(start + k * (end - start) / (n - 1))) for k in range(n)]
 
 
-def validate_job(cfg: JobConfig, world_size: int, num_target_layers: int, vocab_size: int,
+def validate_job(cfg: JobConfig, world_size: Optional[int], num_target_layers: int, vocab_size: int,
                  mask_token_id: int) -> list[int]:
-    """Checks that need the world size and the target's config. Returns the resolved layer ids."""
-    if cfg.topology.target_ranks != "auto":
+    """Checks that need the world size and the target's config. Returns the resolved layer ids.
+    ``world_size`` None (dflash-plan: no job yet) skips the checks of the split."""
+    if world_size is None:
+        pass
+    elif cfg.topology.target_ranks != "auto":
         t = int(cfg.topology.target_ranks)
         _require(t < world_size,
                  f"topology.target_ranks={t} leaves no drafter rank in a world of {world_size}: "
                  f"set topology.target_ranks to at most {world_size - 1} or start more processes")
     else:
-        _require(world_size >= 2, "topology.target_ranks=auto needs at least 2 processes")
+        _require(world_size >= 2, f"topology.target_ranks=auto needs at least 2 processes (one target, one "
+                                  f"drafter), got a world of {world_size}: start more processes")
     layer_ids = cfg.target.layer_ids or default_layer_ids(num_target_layers, cfg.target.num_feature_layers)
     _require(len(set(layer_ids)) == len(layer_ids),
              f"the default layer ids {layer_ids} of a {num_target_layers}-layer target repeat: set target.layer_ids "
