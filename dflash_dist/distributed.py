@@ -3,7 +3,9 @@
 Groups are created on every rank in the same order, members or not (torch requires it):
 1. the default group: NCCL on GPU (eagerly initialised with ``device_id``), gloo on CPU;
 2. ``ctrl``: a gloo group over all ranks for transport headers (host-side, never touches a CUDA stream);
-3. ``drafters``: the drafter data-parallel group (DDP, metric all-reduces).
+   created before the split is known (data preparation waits on its barrier; ``target_ranks=auto``
+   measures the split after that);
+3. ``drafters``: the drafter data-parallel group (DDP, metric all-reduces), once the split is known.
 """
 
 from __future__ import annotations
@@ -52,9 +54,16 @@ def init_distributed(device_type: str, timeout_s: float) -> tuple[int, int, torc
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def make_groups(topo: Topology, device: torch.device, timeout_s: float) -> Dist:
+def make_ctrl_group(timeout_s: float):
+    """Group 2 (see the module docstring): needs no split, so it exists before the data and the split do."""
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def make_groups(topo: Topology, device: torch.device, timeout_s: float, ctrl=None) -> Dist:
+    """The groups of a split. ``ctrl``: the group from ``make_ctrl_group`` (made here first if None)."""
     timeout = timedelta(seconds=timeout_s)
-    ctrl = dist.new_group(backend="gloo", timeout=timeout)
+    if ctrl is None:
+        ctrl = make_ctrl_group(timeout_s)
     drafters = dist.new_group(ranks=topo.drafter_ranks, timeout=timeout)
     store = dist.distributed_c10d._get_default_store()
     log.info("process groups ready (rank %d, %s)", topo.rank, topo.role)

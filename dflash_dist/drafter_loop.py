@@ -68,7 +68,10 @@ def empty_batch_inputs(feature_width: int, device, dtype):
 
 
 class DrafterTrainer:
-    def __init__(self, job):
+    def __init__(self, job, head_weights=None):
+        """``head_weights``: (embedding, lm_head) given instead of read/received. With ``job.dist.drafters`` None
+        the trainer runs alone (the calibration of topology.target_ranks=auto, plan.py): the same step, without
+        DDP and without the all-reduce of the loss weight."""
         self.job = job
         cfg, d = job.cfg, job.dist
         self.cfg, self.d, self.topo = cfg, d, d.topo
@@ -83,7 +86,7 @@ class DrafterTrainer:
         self.flex_dynamic = self.backend == "flex" and cfg.drafter.compile_dynamic and self.device.type == "cuda"
         self.model = DFlashDrafter(self.mcfg, self.backend).to(self.device).configure_compile(
             flex_dynamic=self.flex_dynamic, compile_layers=cfg.drafter.compile_layers)
-        self.embed, self.lm_head = receive_head_weights(job, self.device)
+        self.embed, self.lm_head = head_weights if head_weights is not None else receive_head_weights(job, self.device)
         self.feature_width = len(job.layer_ids) * tc.hidden_size
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas),
                                      weight_decay=cfg.train.weight_decay, fused=self.device.type == "cuda")
@@ -95,7 +98,7 @@ class DrafterTrainer:
             if opt_state is not None:
                 self.opt.load_state_dict(opt_state)
         kwargs = {"device_ids": [self.device.index]} if self.device.type == "cuda" else {}
-        self.ddp = DDP(self.model, process_group=d.drafters, **kwargs)
+        self.ddp = self.model if d.drafters is None else DDP(self.model, process_group=d.drafters, **kwargs)
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
                          else torch.autocast("cpu", enabled=False))
         self.counts = {"messages_received": 0, "samples_received": 0, "samples_trained": 0,
@@ -171,7 +174,8 @@ class DrafterTrainer:
             hidden = self.ddp(block_embeds, batch.features, batch.ctx_positions, batch.block_positions, mask)
             parts = decayed_ce(hidden, self.lm_head, batch.labels, B, cfg.drafter.gamma, cfg.drafter.loss_chunk_rows)
         wsum = parts.weight_sum.detach().float().clone()
-        dist.all_reduce(wsum, group=self.d.drafters)
+        if self.d.drafters is not None:
+            dist.all_reduce(wsum, group=self.d.drafters)
         loss = parts.loss_sum * (self.topo.num_drafters / wsum.clamp_min(1e-6))
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.train.grad_clip)
@@ -269,6 +273,9 @@ def run_drafter(job) -> None:
     total_steps = job.start_step + steps
     writer = MetricsWriter(job.run_dir, cfg.to_dict(), cfg.logging.wandb, total_steps, topo.is_leader,
                            cfg.logging.progress_bar)
+    if job.auto_split is not None:  # topology.target_ranks=auto: the measured rates and the split, once
+        from .plan import plan_record
+        writer.log(job.start_step, plan_record(job.auto_split), kind="plan")
     channel = Channel(d.ctrl, d.data, d.device, timeout_s=cfg.topology.warmup_timeout_s, check=life.check)
     rx = Receiver(channel, d.rank)
     mine = list(topo.drafter_messages(run_messages))

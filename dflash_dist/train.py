@@ -1,6 +1,7 @@
 """Entry point: ``torchrun --nproc-per-node N -m dflash_dist.train [hydra overrides]``.
 
-setup (config, process groups, validation, data plan) -> one role loop (target or drafter) -> teardown.
+setup (config, ctrl group, validation, data plan, split -- measured with ``topology.target_ranks=auto`` --,
+role groups) -> one role loop (target or drafter) -> teardown.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from .config import ConfigError, JobConfig, resolve_device, validate_job
-from .distributed import Dist, init_distributed, make_groups, setup_logging
+from .distributed import Dist, init_distributed, make_ctrl_group, make_groups, setup_logging
 from .lifecycle import Lifecycle
 from .topology import Topology
 
@@ -28,7 +29,7 @@ log = logging.getLogger("dflash_dist")
 class Job:
     """Everything a role loop needs, identical on every rank except ``dist``."""
     cfg: JobConfig
-    dist: Dist
+    dist: Optional[Dist]  # None until the split is known (and in single-process tools: dflash-plan)
     run_dir: str
     hf_config: object
     layer_ids: list
@@ -43,6 +44,7 @@ class Job:
     resume_from: Optional[str]
     life: object = None   # lifecycle.Lifecycle: signals, stop agreement, failure reports
     sample_lengths: Optional[list] = None  # token length of every sample (plan shapes for the compile guard)
+    auto_split: Optional[dict] = None  # topology.target_ranks=auto: measured rates and the chosen split (plan.json)
 
 
 def _dataset_key(cfg: JobConfig, tok_path: str, vocab: int) -> str:
@@ -62,20 +64,21 @@ def _dataset_key(cfg: JobConfig, tok_path: str, vocab: int) -> str:
     return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
 
-def prepare_data(cfg: JobConfig, d: Dist, run_dir: str, tok_path: str, vocab: int) -> tuple[str, str]:
-    """Rank 0 tokenizes once (worker processes) into a cache; everyone else waits and reads it."""
+def prepare_data(cfg: JobConfig, rank: int, ctrl, run_dir: str, tok_path: str, vocab: int) -> tuple[str, str]:
+    """Rank 0 tokenizes once (worker processes) into a cache; everyone else waits (``ctrl`` barrier) and reads
+    it. ``ctrl`` None: a single process (dflash-plan)."""
     from . import data as data_mod
     cache = cfg.data.cache_dir or os.path.join(run_dir, "data_cache")
     key = _dataset_key(cfg, tok_path, vocab)
     ds_path = os.path.join(cache, f"train-{key}.pt")
     ho_path = os.path.join(cache, f"holdout-{key}.jsonl")
-    if d.rank == 0 and cfg.data.source.startswith("synthetic:") and not os.path.exists(ds_path):
+    if rank == 0 and cfg.data.source.startswith("synthetic:") and not os.path.exists(ds_path):
         from .synthetic import synthetic_dataset
         os.makedirs(cache, exist_ok=True)
         synthetic_dataset(cfg.data.source, vocab, cfg.data.max_length, cfg.data.shuffle_seed).save(ds_path)
         with open(ho_path, "w"):
             pass
-    elif d.rank == 0 and not (os.path.exists(ds_path) and os.path.exists(ho_path)):
+    elif rank == 0 and not (os.path.exists(ds_path) and os.path.exists(ho_path)):
         os.makedirs(cache, exist_ok=True)
         stats = data_mod.BadDataStats()
         if cfg.data.source == "builtin":
@@ -99,24 +102,16 @@ def prepare_data(cfg: JobConfig, d: Dist, run_dir: str, tok_path: str, vocab: in
             for i in holdout_ids:
                 f.write(json.dumps(convs[i]) + "\n")
         os.replace(tmp, ho_path)
-    dist.barrier(group=d.ctrl)
+    if ctrl is not None:
+        dist.barrier(group=ctrl)
     return ds_path, ho_path
 
 
-def setup(cfg: JobConfig) -> Job:
-    device_type = resolve_device(cfg)
-    rank, world, device = init_distributed(device_type, cfg.topology.warmup_timeout_s)
-    if cfg.topology.target_ranks == "auto":
-        raise ConfigError("topology.target_ranks=auto needs calibration (dflash-plan), which this build does not "
-                          "have yet: give an integer")
-    t = int(cfg.topology.target_ranks)
-    if t >= world:
-        raise ConfigError(f"topology.target_ranks={t} leaves no drafter rank in a world of {world}: set "
-                          f"topology.target_ranks to at most {world - 1} or start more processes")
-    topo = Topology(world, rank, t)
-    setup_logging(rank, topo.role)
-    d = make_groups(topo, device, cfg.topology.warmup_timeout_s)
-
+def build_job(cfg: JobConfig, rank: int, world_size: Optional[int], ctrl, device_type: str) -> Job:
+    """Everything but the split: target config, tokenizer, validation (before any model loads), the tokenized
+    data and the batching plan, the resume point. Shared by ``setup`` (every rank; ``ctrl`` barrier around the
+    data) and dflash-plan (one process: world_size and ctrl None). ``dist`` is left None; ``total_messages`` is
+    the whole plan until ``setup`` caps it at train.max_steps * drafters (a resumed run keeps its own)."""
     from .target import load_hf_config, text_config, tokenizer_path
     from transformers import AutoTokenizer
     hf_config = load_hf_config(cfg.target)
@@ -124,7 +119,7 @@ def setup(cfg: JobConfig) -> Job:
     tok_path = tokenizer_path(cfg.target)
     tok = AutoTokenizer.from_pretrained(tok_path)
     mask_id = resolve_mask_token_id(cfg, tok, tc.vocab_size)
-    layer_ids = validate_job(cfg, world, tc.num_hidden_layers, tc.vocab_size, mask_id)
+    layer_ids = validate_job(cfg, world_size, tc.num_hidden_layers, tc.vocab_size, mask_id)
     from .drafter import DrafterModelConfig  # refuses targets the drafter cannot mirror (RoPE type, activation)
     DrafterModelConfig.from_target(tc, num_layers=cfg.drafter.num_layers, num_feature_layers=len(layer_ids),
                                    block_size=cfg.drafter.block_size, intermediate_size=cfg.drafter.intermediate_size)
@@ -133,13 +128,9 @@ def setup(cfg: JobConfig) -> Job:
 
     run_dir = cfg.train.output_dir
     if rank == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump(cfg.to_dict(), f, indent=1)
-        log.info("topology: %s", topo.describe())
         log.info("target layers %s of %d, mask token %d, device %s", layer_ids, tc.num_hidden_layers, mask_id,
-                 device)
-    ds_path, ho_path = prepare_data(cfg, d, run_dir, tok_path, tc.vocab_size)
+                 device_type)
+    ds_path, ho_path = prepare_data(cfg, rank, ctrl, run_dir, tok_path, tc.vocab_size)
 
     from . import data as data_mod
     ds = data_mod.TokenizedDataset.load(ds_path)
@@ -148,8 +139,6 @@ def setup(cfg: JobConfig) -> Job:
                                max_batch_samples=cfg.target.max_batch_samples,
                                sort_window_batches=cfg.data.sort_window_batches)
     total = len(plan)
-    if cfg.train.max_steps > 0:
-        total = min(total, cfg.train.max_steps * topo.num_drafters)
     cursor, step, resume_from = 0, 0, None
     from .checkpoint import find_latest, checkpoint_problem
     if cfg.train.resume not in ("none", "", None):
@@ -163,8 +152,46 @@ def setup(cfg: JobConfig) -> Job:
             cursor, step, total = meta["cursor"], meta["step"], meta["total_messages"]
             if rank == 0:
                 log.info("resuming from %s: step %d, %d of %d messages trained", resume_from, step, cursor, total)
-    return Job(cfg, d, run_dir, hf_config, layer_ids, mask_id, tok_path, ds_path, ho_path, plan, total, cursor,
-               step, resume_from, sample_lengths=ds.lengths.tolist())
+    return Job(cfg=cfg, dist=None, run_dir=run_dir, hf_config=hf_config, layer_ids=layer_ids, mask_token_id=mask_id,
+               tokenizer_path=tok_path, dataset_path=ds_path, holdout_path=ho_path, plan=plan, total_messages=total,
+               start_cursor=cursor, start_step=step, resume_from=resume_from, sample_lengths=ds.lengths.tolist())
+
+
+def setup(cfg: JobConfig) -> Job:
+    device_type = resolve_device(cfg)
+    timeout_s = cfg.topology.warmup_timeout_s
+    rank, world, device = init_distributed(device_type, timeout_s)
+    auto = cfg.topology.target_ranks == "auto"
+    if auto:
+        if world < 2:
+            raise ConfigError(f"topology.target_ranks=auto needs at least 2 processes (one target, one drafter), "
+                              f"got a world of {world}: start more processes")
+    else:
+        t = int(cfg.topology.target_ranks)
+        if t >= world:
+            raise ConfigError(f"topology.target_ranks={t} leaves no drafter rank in a world of {world}: set "
+                              f"topology.target_ranks to at most {world - 1} or start more processes")
+    setup_logging(rank, "auto" if auto else Topology(world, rank, t).role)
+    # Same group order on every rank and on both paths: ctrl now (the data preparation below waits on its
+    # barrier), the drafters group once the split is known (with auto: measured after the data is ready).
+    ctrl = make_ctrl_group(timeout_s)
+    if rank == 0:
+        os.makedirs(cfg.train.output_dir, exist_ok=True)
+        with open(os.path.join(cfg.train.output_dir, "config.json"), "w") as f:
+            json.dump(cfg.to_dict(), f, indent=1)
+    job = build_job(cfg, rank, world, ctrl, device_type)
+    if auto:
+        from .plan import auto_split
+        job.auto_split = auto_split(job, rank, world, device)
+        t = int(job.auto_split["target_ranks"])
+    topo = Topology(world, rank, t)
+    setup_logging(rank, topo.role)
+    job.dist = make_groups(topo, device, timeout_s, ctrl)
+    if job.resume_from is None and cfg.train.max_steps > 0:
+        job.total_messages = min(job.total_messages, cfg.train.max_steps * topo.num_drafters)
+    if rank == 0:
+        log.info("topology: %s", topo.describe())
+    return job
 
 
 def resolve_mask_token_id(cfg: JobConfig, tok, vocab_size: int) -> int:
