@@ -5,8 +5,10 @@ supply = samples/s one target GPU produces (bench/target_capture.py, capture mod
 mix; samples/s = capture tokens/s / mean sample length), demand = samples/s one drafter GPU trains
 (bench/drafter_step.py at ctx 550 / 256 anchors, flex backend). For every split T + D = W the job runs at
 min(T * supply, D * demand) samples/s (the slower side sets the pace; transport assumed hidden, which
-bench/pipeline.py checks). Prints the table, the best split and samples/s per GPU, writes JSON and, when
-matplotlib is importable, a PNG of supply vs demand per split.
+bench/pipeline.py checks; the arithmetic is ``dflash_dist.plan.choose_split``, shared with
+``topology.target_ranks=auto`` and ``dflash-plan``, which measure both rates on the job's own data). Prints the
+table, the best split and samples/s per GPU, writes JSON and, when matplotlib is importable, a PNG of supply vs
+demand per split.
 
     python bench/plan_split.py --target-json target_capture.json --drafter-json drafter_step.json --out plan.json --png plan.png
     python bench/plan_split.py --supply 40 --demand 6 --gpus 8
@@ -20,7 +22,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
+import _common as C  # noqa: E402  (puts the repo root on sys.path)
+
+from dflash_dist.plan import choose_split  # noqa: E402  (torch-free)
 
 
 def supply_from(path: str, mix: str, budget) -> tuple[float, dict]:
@@ -56,18 +60,9 @@ def demand_from(path: str, config: str, backend: str, batch: int) -> tuple[float
 
 
 def project(supply: float, demand: float, gpus: int) -> dict:
-    rows = []
-    for t in range(1, gpus):
-        dd = gpus - t
-        s, dm = t * supply, dd * demand
-        e2e = min(s, dm)
-        rows.append({"targets": t, "drafters": dd, "supply": s, "demand": dm, "samples_per_s": e2e,
-                     "per_gpu": e2e / gpus, "bottleneck": "target" if s < dm else ("drafter" if dm < s else "both"),
-                     "target_util": e2e / s, "drafter_util": e2e / dm})
-    best = max(rows, key=lambda r: (r["samples_per_s"], -r["targets"]))
-    t_star = gpus * demand / (supply + demand)
-    return {"rows": rows, "best": best, "continuous_optimum_targets": t_star,
-            "ideal_samples_per_s": gpus * supply * demand / (supply + demand)}
+    """Every split of ``gpus`` and the best one: ``dflash_dist.plan.choose_split`` (the arithmetic that
+    ``topology.target_ranks=auto`` and dflash-plan use)."""
+    return choose_split(gpus, supply, demand)
 
 
 def plot(res: dict, path: str, supply: float, demand: float, gpus: int) -> str:
