@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from datetime import timedelta
 
@@ -22,6 +23,8 @@ from .target import text_config
 
 log = logging.getLogger("dflash_dist")
 REQ, RES = "dflash/eval_req/", "dflash/eval_res/"
+SKIP = "skip"  # request value of an evaluation the leader skipped
+EVAL_TAG = 17  # gloo tag of the weights sent for evaluation (headers and errors use tag 0)
 
 
 def _model_config(job) -> DrafterModelConfig:
@@ -32,7 +35,14 @@ def _model_config(job) -> DrafterModelConfig:
 
 
 def eval_enabled(job) -> bool:
-    return job.cfg.train.eval_prompts > 0
+    """train.eval_prompts > 0 and there are held-out prompts (synthetic data has none). Every rank decides the
+    same from the shared data cache, so leader and target agree without talking."""
+    if job.cfg.train.eval_prompts <= 0:
+        return False
+    try:
+        return os.path.getsize(job.holdout_path) > 0
+    except (OSError, TypeError):
+        return False
 
 
 def eval_steps(job) -> list[int]:
@@ -63,12 +73,23 @@ class LeaderEval:
         self._inflight = None
 
     def request(self, step: int) -> None:
+        """Send the current weights for evaluation, unless the previous evaluation is still running (then skip:
+        never block training on it). The weights go over the host (gloo) channel with their own tag, never over
+        the NCCL data group: an NCCL send there would queue in front of the next feature receives on the same
+        communicator while the target waits for the drafter to take those features (a deadlock on GPU)."""
         from .spec_decode import pack_state
-        if self._inflight is not None:  # previous weights must be out before the buffer is replaced
-            self._inflight[0].wait()
-        flat = pack_state(self.model).to(self.job.dist.device)
+        if self._inflight is not None:
+            prev = self._inflight[2]
+            if not self.store.check([f"{RES}{prev}"]):
+                log.warning("evaluation at step %d skipped: the one of step %d is still running", step,
+                            self.steps[prev])
+                self.store.set(f"{REQ}{self.n}", SKIP)  # the target counts it and expects no weights
+                self.n += 1
+                return
+            self._inflight[0].wait()  # the target took the weights (its result exists): returns at once
+        flat = pack_state(self.model).cpu()
         self.store.set(f"{REQ}{self.n}", str(step))
-        self._inflight = (dist.isend(flat, self.dst, group=self.job.dist.data), flat)
+        self._inflight = (dist.isend(flat, self.dst, group=self.job.dist.ctrl, tag=EVAL_TAG), flat, self.n)
         self.sent.append(self.n)
         self.steps[self.n] = step
         self.n += 1
@@ -126,9 +147,13 @@ class TargetEval:
         elif not self.store.check([key]):
             return False
         from .spec_decode import evaluate_prompts, unpack_state_
-        step = int(self.store.get(key).decode())
-        flat = torch.empty(self.numel, dtype=torch.float32, device=self.job.dist.device)
-        dist.recv(flat, self.job.dist.topo.drafter_ranks[0], group=self.job.dist.data)
+        value = self.store.get(key).decode()
+        if value == SKIP:
+            self.n += 1
+            return True
+        step = int(value)
+        flat = torch.empty(self.numel, dtype=torch.float32)  # host: the weights travel on the gloo channel
+        dist.recv(flat, self.job.dist.topo.drafter_ranks[0], group=self.job.dist.ctrl, tag=EVAL_TAG)
         unpack_state_(self.drafter, flat)
         t0 = time.monotonic()
         c = self.job.cfg

@@ -43,7 +43,7 @@ def check_accounting(acc):
 
 def test_default_job_one_target_two_drafters(tmp_path):
     r = torchrun(3, ["-m", "dflash_dist.train", f"train.output_dir={tmp_path}", "train.max_steps=30",
-                     "logging.log_every=5", "logging.progress_bar=false"], timeout=400)
+                     "train.eval_every=10", "logging.log_every=5", "logging.progress_bar=false"], timeout=400)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     assert "attention backend=sdpa" in out  # reported, chosen by auto on CPU
@@ -57,6 +57,12 @@ def test_default_job_one_target_two_drafters(tmp_path):
     acc = accounting(tmp_path)
     check_accounting(acc)
     assert acc["samples_trained"] > 0 and acc["samples_dropped_after_stop"] == 0
+    # in-training acceptance evaluation on the target rank: requested at 10, 20 (each runs unless the previous
+    # one is still running, then it is skipped and said so) and always at the end
+    evals = [x for x in metrics(tmp_path) if x["kind"] == "eval"]
+    skipped = out.count(" skipped: the one of step")
+    assert evals and evals[-1]["step"] == 30 and evals[-1]["n_prompts"] > 0 and evals[-1]["tau"] >= 1.0, evals
+    assert len(evals) + skipped == 3, (evals, skipped)
 
 
 def test_two_targets_one_drafter(tmp_path):
