@@ -13,8 +13,9 @@ Inputs are random (features ~ N(0,1) bf16, random token ids), 30% of each sample
 FLOPs (model FLOPs, what MFU divides; the formula is in docs/benchmarks.md and ``step_flops`` below):
 trainable matmuls x3 (forward + grad input + grad weight) except fc x2 (its input, the target features, needs no
 grad); attention over VISIBLE (query, key) pairs only, 4*d per pair and head forward, x3.5 with backward; frozen
-lm_head x2 (forward + grad wrt its input). The checkpointed loss recomputes the lm_head forward in backward:
-that extra 1x is reported as hardware FLOPs (HFU), not in MFU.
+lm_head x2 (forward + grad wrt its input). The loss's default (fused) path computes the hidden-state gradient in
+the forward pass; with --loss-mode checkpoint the lm_head forward is recomputed in backward: that extra 1x is
+reported as hardware FLOPs (HFU), not in MFU.
 
     python bench/drafter_step.py --out drafter_step.json                 # GPU: both backends, 4 configs
     python bench/drafter_step.py --tiny --out /tmp/ds.json               # CPU smoke: sdpa train, flex forward-only
@@ -48,7 +49,7 @@ TINY_CONFIGS = "96x16,40x8,96x8,40x16"
 # ---------------------------------------------------------------------------------------------- FLOPs
 
 def step_flops(mc: DrafterModelConfig, b: int, s_pad: int, n_blocks: int, vocab: int, visible_pairs: float,
-               train: bool = True) -> dict:
+               train: bool = True, recompute_head: bool = False) -> dict:
     """Model FLOPs of one drafter step (see the module docstring and docs/benchmarks.md).
 
     b samples, context padded to s_pad, n_blocks blocks of B slots per sample (Q = n_blocks*B query rows per
@@ -72,7 +73,7 @@ def step_flops(mc: DrafterModelConfig, b: int, s_pad: int, n_blocks: int, vocab:
         mm = 2 * fc + 3 * L * layer
         attn = 3.5 * attn_fwd
         lm = 2 * lm_fwd
-        lm_hw = 3 * lm_fwd
+        lm_hw = (3 if recompute_head else 2) * lm_fwd   # checkpointed loss recomputes the head forward
         dense_attn = 3.5 * dense_attn_fwd
     else:
         mm, attn, lm, lm_hw, dense_attn = fc + L * layer, attn_fwd, lm_fwd, lm_fwd, dense_attn_fwd
@@ -115,6 +116,7 @@ class Runner:
     def __init__(self, mc: DrafterModelConfig, dc, device, lr: float, dynamic: bool = False):
         self.mc, self.dc, self.device = mc, dc, device
         self.dynamic = dynamic  # drafter.compile_dynamic: dynamic-shape flex kernel and mask builder
+        self.loss_mode = "auto"  # loss.decayed_ce: auto = fused (frozen head), or checkpoint
         torch.manual_seed(0)
         with torch.device(device):  # fp32 master weights, initialised on the device
             self.model = DFlashDrafter(mc, "sdpa")
@@ -152,7 +154,8 @@ class Runner:
             block_embeds = F.embedding(batch.block_ids, self.embed)
             with self.autocast:
                 hidden = self.model(block_embeds, batch.features, batch.ctx_positions, batch.block_positions, mask)
-                parts = decayed_ce(hidden, self.lm_head, batch.labels, B, dc.gamma, dc.loss_chunk_rows)
+                parts = decayed_ce(hidden, self.lm_head, batch.labels, B, dc.gamma, dc.loss_chunk_rows,
+                                   mode=self.loss_mode)
             if train:
                 loss = parts.loss_sum / parts.weight_sum.clamp_min(1e-6)
                 loss.backward()
@@ -192,7 +195,8 @@ def run_one(runner: Runner, ctx: int, anchors: int, b: int, backend: str, train:
             times.append(timer.stop())
             k += 1
             flops.append(step_flops(runner.mc, b, batch.ctx_len, anchors, runner.mc.vocab_size,
-                                    visible_pairs(batch, runner.dc.block_size), train))
+                                    visible_pairs(batch, runner.dc.block_size), train,
+                                    recompute_head=runner.loss_mode == "checkpoint"))
             valid.append(float(batch.valid.float().mean()))
         s_pad = batch.ctx_len
         # back-to-back steps, one sync at the end (the launch of step k+1 may overlap the tail of step k)
@@ -252,6 +256,9 @@ def main(argv=None) -> int:
     p.add_argument("--time-budget-s", type=float, default=0,
                    help="start no new configuration after this many seconds (0: no limit); skipped ones are listed")
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--loss-mode", choices=["auto", "checkpoint"], default="auto",
+                   help="decayed_ce: auto (fused: hidden-state gradient computed in forward, the trainer's "
+                        "path) or checkpoint (logits recomputed in backward)")
     args = p.parse_args(argv)
     tiny = args.tiny
     args.warmup = args.warmup if args.warmup is not None else (1 if tiny else 2)
@@ -279,11 +286,12 @@ def main(argv=None) -> int:
     nominal = C.nominal_peak_tflops(dev)
     C.log(f"measured matmul peak {peak['tflops']:.1f} TFLOP/s ({peak['dtype']} {peak['n']}^3); nominal {nominal}")
     runner = Runner(mc, dc, dev, args.lr, dynamic=args.dynamic == "on" and dev.type == "cuda")
+    runner.loss_mode = args.loss_mode
     result = {"bench": "drafter_step", "env": C.env_info(dev), "tiny": tiny, "peak_matmul": peak,
               "nominal_peak_tflops": nominal, "drafter_config": mc.__dict__, "trainable_params": runner.n_params,
               "drafter_yaml": "tiny" if tiny else "dflash", "loss_chunk_rows": dc.loss_chunk_rows,
               "ctx_bucket": dc.ctx_bucket, "gamma": dc.gamma, "prompt_frac": args.prompt_frac,
-              "dynamic": args.dynamic, "warmup": args.warmup, "repeats": args.repeats,
+              "dynamic": args.dynamic, "loss_mode": args.loss_mode, "warmup": args.warmup, "repeats": args.repeats,
               "flop_formula": "docs/benchmarks.md#drafter-step-flops", "rows": [], "skipped": []}
     C.log(f"drafter: {mc.num_layers} layers, hidden {mc.hidden_size}, {runner.n_params / 1e6:.1f}M trainable params, "
           f"vocab {mc.vocab_size}, device {dev}")

@@ -108,9 +108,10 @@ class DrafterConfig:
     instead of a static compile (tens of seconds each) per new shape. Ignored on CPU, where inductor's C++ flex
     template does not build with dynamic shapes (torch 2.13)."""
 
-    compile_layers: bool = False
+    compile_layers: Optional[bool] = None
     """torch.compile each drafter layer (fullgraph; norms, RoPE, SiLU-gate and residuals fuse around the flex
-    kernel). flex backend only. Costs one more compile at startup; bench/drafter_step.py measures the gain."""
+    kernel). None: on with the flex backend, off with sdpa (true with sdpa is an error). Costs one more compile
+    at startup (~15 s on an H200); bench/drafter_step.py (backend flex_layers) measures the gain."""
 
     intermediate_size: Optional[int] = None
     """MLP width; None: the target's."""

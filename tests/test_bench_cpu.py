@@ -83,7 +83,7 @@ def test_drafter_step(runs):
         f = r["flops"]
         assert f["model"] == pytest.approx(f["matmul"] + f["attention"] + f["lm_head"])
         assert 0 < f["attention"] < f["attention_if_dense"]     # visible pairs only
-    assert rows["sdpa"]["flops"]["hardware"] > rows["sdpa"]["flops"]["model"]  # checkpoint recompute of lm_head
+    assert rows["sdpa"]["flops"]["hardware"] == rows["sdpa"]["flops"]["model"]  # fused loss: no lm_head recompute
     assert d["peak_matmul"]["tflops"] > 0
     assert "| backend |" in runs["logs"]["drafter_step"]
 
@@ -102,7 +102,10 @@ def test_step_flops_formula():
     assert f["matmul"] == 2 * fc + 3 * layer                    # fc x2 (its input needs no grad), layers x3
     assert f["attention"] == 3.5 * 4 * 4 * 2 * 28               # 4*d per pair and head, x3.5 fwd+bwd
     assert f["lm_head"] == 2 * 2 * (2 * 3) * 8 * 10             # slots 1..B-1 only, x2 (fwd + grad input)
-    assert f["hardware"] - f["model"] == 2 * 6 * 8 * 10         # + the checkpoint's recomputed forward
+    assert f["hardware"] == f["model"]                          # fused loss: the head runs forward once
+    g = step_flops(mc, b=1, s_pad=16, n_blocks=2, vocab=10, visible_pairs=4 * (3 + 4), train=True,
+                   recompute_head=True)
+    assert g["hardware"] - g["model"] == 2 * 6 * 8 * 10         # + the checkpoint's recomputed forward
 
 
 def test_target_capture(runs):

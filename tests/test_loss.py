@@ -118,3 +118,43 @@ def test_no_grad_path_and_all_ignored():
         parts = decayed_ce(hidden, weight, torch.full_like(labels, -100), BS, 7.0, 16)
     assert parts.loss_sum == 0 and parts.weight_sum == 0 and parts.slot_count.sum() == 0
     assert parts.loss() == 0
+
+
+@pytest.mark.parametrize("chunk", [5, 16, 1000])
+def test_fused_frozen_head_matches_reference(chunk):
+    """The training path (frozen lm_head): loss, accuracy and hidden-state gradient equal the unchunked
+    reference; the head gets no gradient."""
+    gamma = 3.0
+    hidden, weight, labels = _data()
+    weight.requires_grad_(False)
+    ref_sum, ref_w, ref_correct, ref_count = _reference(hidden, weight, labels, gamma)
+    (ref_sum / ref_w).backward()
+    ref_gh = hidden.grad.clone()
+    hidden.grad = None
+    parts = decayed_ce(hidden, weight, labels, BS, gamma, chunk)       # auto -> fused
+    torch.testing.assert_close(parts.loss_sum, ref_sum, rtol=1e-5, atol=1e-5)
+    assert torch.equal(parts.slot_correct, ref_correct) and torch.equal(parts.slot_count, ref_count)
+    parts.loss().backward()
+    torch.testing.assert_close(hidden.grad, ref_gh, rtol=1e-5, atol=1e-6)
+    assert weight.grad is None
+
+
+def test_fused_loss_never_recomputes_logits_in_backward():
+    hidden, weight, labels = _data()
+    weight.requires_grad_(False)
+    with _VocabShapes() as fwd:
+        parts = decayed_ce(hidden, weight, labels, BS, 7.0, 5, mode="fused")
+    with _VocabShapes() as bwd:
+        parts.loss_sum.backward()
+    assert fwd.rows and max(fwd.rows) <= 5          # chunked in forward
+    assert bwd.rows == []                           # backward only scales the stored [rows, H] gradient
+    ckpt = decayed_ce(hidden.detach().requires_grad_(), weight, labels, BS, 7.0, 5, mode="checkpoint")
+    with _VocabShapes() as bwd_ckpt:
+        ckpt.loss_sum.backward()
+    assert bwd_ckpt.rows                            # the checkpointed path recomputes them
+
+
+def test_fused_loss_refuses_a_trainable_head():
+    hidden, weight, labels = _data()
+    with pytest.raises(ValueError, match="frozen lm_head"):
+        decayed_ce(hidden, weight, labels, BS, 7.0, 5, mode="fused")
