@@ -165,6 +165,41 @@ class Runner:
         return batch
 
 
+# kernel name -> category of the step-time breakdown (first match wins)
+_CATEGORIES = [
+    ("flex attention bwd", ("flex_attention_backward",)),
+    ("flex attention fwd", ("flex_attention", "flex_decoding")),
+    ("matmul (GEMM)", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "ampere_", "sm80_", "wgmma")),
+    ("optimizer (fused AdamW)", ("adam", "multi_tensor")),
+    ("loss softmax/CE", ("logsumexp", "log_softmax", "softmax", "nll", "argmax", "scatter", "gather", "reduce_kernel")),
+    ("compiled fused (norms, RoPE, SiLU, ...)", ("triton_",)),
+    ("copies and casts", ("copy", "cast", "fill", "memset", "memcpy", "cat")),
+]
+
+
+def kernel_breakdown(step, dev) -> dict:
+    """GPU time of one step by kernel category (ms), from torch.profiler's CUDA activity."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize(dev)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize(dev)
+    out: dict = {}
+    top: list = []
+    for ev in prof.key_averages():
+        t = float(getattr(ev, "self_device_time_total", 0.0) or getattr(ev, "self_cuda_time_total", 0.0) or 0.0)
+        if t <= 0:
+            continue
+        name = ev.key
+        low = name.lower()
+        cat = next((c for c, keys in _CATEGORIES if any(k in low for k in keys)), "other")
+        out[cat] = out.get(cat, 0.0) + t / 1e3
+        top.append((t / 1e3, name[:90]))
+    out["total"] = sum(v for k, v in out.items())
+    out["top_kernels"] = [[round(ms, 3), n] for ms, n in sorted(top, reverse=True)[:12]]
+    return out
+
+
 def run_one(runner: Runner, ctx: int, anchors: int, b: int, backend: str, train: bool, args, peak: dict,
             nominal) -> dict:
     dev = runner.device
@@ -207,6 +242,8 @@ def run_one(runner: Runner, ctx: int, anchors: int, b: int, backend: str, train:
             k += 1
         C.sync(dev)
         row["ms_per_step_back_to_back"] = (time.perf_counter() - t0) / args.repeats * 1e3
+        if args.profile and dev.type == "cuda" and f"{ctx}x{anchors}" in args.profile.split(","):
+            row["breakdown_ms"] = kernel_breakdown(lambda: runner.step(inputs, k + 1, backend, train, anchors), dev)
     except Exception as e:
         row["error"] = C.short_error(e)
         row["oom"] = C.is_oom(e)
@@ -256,6 +293,8 @@ def main(argv=None) -> int:
     p.add_argument("--time-budget-s", type=float, default=0,
                    help="start no new configuration after this many seconds (0: no limit); skipped ones are listed")
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--profile", default="", help="CTXxANCHORS list: also profile one step of these configs (CUDA) "
+                                                 "and print the GPU time by kernel category")
     p.add_argument("--loss-mode", choices=["auto", "checkpoint"], default="auto",
                    help="decayed_ce: auto (fused: hidden-state gradient computed in forward, the trainer's "
                         "path) or checkpoint (logits recomputed in backward)")
@@ -320,6 +359,16 @@ def main(argv=None) -> int:
     print()
     print(C.table(result["rows"], cols, title=f"drafter step ({'tiny' if tiny else 'Qwen3-8B-shaped'}, {dev.type}; "
                                                f"matmul peak {C.fmt(peak['tflops'])} TFLOP/s measured)"))
+    for r in result["rows"]:
+        bd = r.get("breakdown_ms")
+        if bd:
+            print(f"\nstep time breakdown, {r['backend']} ctx={r['ctx']} anchors={r['anchors']} b={r['batch']} "
+                  f"(GPU ms of one profiled step; wall {C.fmt(r['ms_per_step'])} ms):")
+            print("| category | ms | share |\n| --- | --- | --- |")
+            for cat, ms in sorted(((c, v) for c, v in bd.items() if c not in ("total", "top_kernels")),
+                                  key=lambda kv: -kv[1]):
+                print(f"| {cat} | {ms:.1f} | {100 * ms / max(bd['total'], 1e-9):.0f}% |")
+            print("top kernels: " + "; ".join(f"{n} {ms} ms" for ms, n in bd["top_kernels"][:6]))
     if any(r.get("mode") == "forward-only" for r in result["rows"]):
         print("\nforward-only: flex_attention has no CPU backward in torch; those rows time forward + loss only.")
     if result["skipped"]:

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Second device call on 2x H200 (< 10 min):
+#   1. in parallel: the 0.6B-shaped core job (1 target + 1 drafter, compiled layers + dynamic flex, the defaults)
+#      and the embedded default job (tiny target, builtin data, in-training evaluation) on the GPUs;
+#   2. drafter_step at Qwen3-8B shapes: GPU0 flex_layers (the trainer's default) at 4 configs with a profiled
+#      step-time breakdown at 3072x512, then the checkpointed loss at 3072x512; GPU1 flex without compiled layers;
+#   3. pipeline efficiency (8B-shaped target + 1B drafter: drafter alone vs the real 1+1 job);
+#   4. the threaded baseline on the same job with what time is left.
+# Usage: bash bench/gpu_session2.sh OUT_DIR     (carry .whl)
+set -uo pipefail
+OUT=${1:-/tmp/gpu_session2}; mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONUNBUFFERED=1 WANDB_MODE=disabled
+export TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING=false TOKENIZERS_PARALLELISM=false
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+TOTAL=${TOTAL:-575}
+common="logging.wandb.mode=disabled logging.progress_bar=false"
+echo "=== 1. core job + default job at $(el) s"
+rm -rf /tmp/core_run /tmp/default_run
+timeout -k 10 ${CORE_T:-170} torchrun --standalone --nproc-per-node 2 -m dflash_dist.train target=qwen3_0p6b_random \
+  drafter=dflash data.source=synthetic:550:3000 target.max_batch_tokens=4096 train.max_steps=80 logging.log_every=10 \
+  train.output_dir=/tmp/core_run $common 2>&1 | grep -v "^W1" > $OUT/core.log &
+PC=$!
+timeout -k 10 ${CORE_T:-170} torchrun --standalone --nproc-per-node 2 -m dflash_dist.train \
+  train.output_dir=/tmp/default_run $common logging.log_every=20 2>&1 | grep -v "^W1" > $OUT/default.log &
+PD=$!
+wait $PC; echo "core exit $? at $(el) s"; wait $PD; echo "default exit $? at $(el) s"
+grep -E "step 80/|done:|exit|Error|error|samples/s" $OUT/core.log | tail -6
+grep -E "acceptance|done:|Error|error|tau" $OUT/default.log | tail -6
+echo "=== 2. drafter_step at $(el) s"
+DS_T=${DS_T:-160}
+( CUDA_VISIBLE_DEVICES=0 timeout -k 10 $DS_T python3 bench/drafter_step.py --dynamic on --backends flex_layers \
+    --profile 3072x512 --out $OUT/ds_a.json --time-budget-s $((DS_T - 40));
+  CUDA_VISIBLE_DEVICES=0 timeout -k 10 60 python3 bench/drafter_step.py --dynamic on --backends flex_layers \
+    --configs 3072x512 --loss-mode checkpoint --out $OUT/ds_ckpt.json ) > $OUT/ds.log 2>&1 &
+PA=$!
+CUDA_VISIBLE_DEVICES=1 timeout -k 10 $DS_T python3 bench/drafter_step.py --dynamic on --backends flex \
+    --configs 3072x512,550x256 --out $OUT/ds_b.json >> $OUT/ds_b.log 2>&1
+wait $PA; cat $OUT/ds_b.log >> $OUT/ds.log; rm -f $OUT/ds_b.log
+python3 - $OUT/ds_ckpt.json $OUT/ds_a.json <<'PY'
+import json, sys
+try:
+    c = json.load(open(sys.argv[1])); a = json.load(open(sys.argv[2]))
+    a["rows"] += [dict(r, backend=r["backend"] + "+ckpt_loss") for r in c["rows"]]
+    json.dump(a, open(sys.argv[2], "w"), indent=1)
+except Exception as e:
+    print("merge:", e)
+PY
+rm -f $OUT/ds_ckpt.json
+grep -E "^\||ms/step|breakdown|top kernels" $OUT/ds.log | tail -40
+left=$(( TOTAL - $(el) ))
+echo "=== 3. pipeline at $(el) s (${left} s left)"
+PB=$(( left > 300 ? 220 : left * 2 / 3 ))
+timeout -k 10 $PB python3 bench/pipeline.py --out $OUT/pipeline.json --workdir /tmp/pipe --steps 40 --warmup-steps 10 \
+  --alone-timeout $(( PB * 45 / 100 )) --e2e-timeout $(( PB * 50 / 100 )) > $OUT/pipe_threaded.log 2>&1
+echo "pipeline exit $? at $(el) s"; grep -E "^\|" $OUT/pipe_threaded.log | tail -6
+left=$(( TOTAL - $(el) ))
+if [ $left -gt 60 ]; then
+  echo "=== 4. threaded at $(el) s (${left} s)"
+  timeout -k 10 $left python3 bench/threaded_baseline.py --out $OUT/threaded.json --workdir /tmp/thr --steps 40 \
+    --warmup-steps 10 --timeout $(( left - 10 )) --compare $OUT/pipeline.json >> $OUT/pipe_threaded.log 2>&1
+  echo "threaded exit $? at $(el) s"; tail -12 $OUT/pipe_threaded.log
+fi
