@@ -246,6 +246,11 @@ class DFlashDrafter(nn.Module):
         for layer in self.layers:
             layer.self_attn.flex_dynamic = self.flex_dynamic
         self.compiled_layers = bool(compile_layers)
+        if compile_layers:
+            # Each layer is its own small graph, so DDP's graph splitting (dynamo's DDPOptimizer, which cuts a
+            # graph at gradient-bucket boundaries) buys nothing, and it fails on graphs that hold the flex HOP
+            # (an inductor AssertionError in the split submodules, seen on torch 2.11 CUDA and 2.13 CPU).
+            torch._dynamo.config.optimize_ddp = False
         self._layer_fns = ([torch.compile(layer, fullgraph=True, dynamic=True if self.flex_dynamic else None)
                             for layer in self.layers] if compile_layers else list(self.layers))
         return self

@@ -257,3 +257,28 @@ def test_from_target_qwen3_config():
             {"hidden_size": 64, "num_attention_heads": 8, "intermediate_size": 96, "vocab_size": 10,
              "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
             num_layers=1, num_feature_layers=2, block_size=8)
+
+
+def test_compiled_layers_run_under_ddp(tmp_path):
+    """The trainer wraps the drafter in DDP: compiled layers inside it must compile (dynamo's DDP graph
+    splitter is switched off by configure_compile; with it on, compiling these layers fails)."""
+    import socket
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        sdpa = make_model("sdpa")
+        flex = DFlashDrafter(cfg(), "flex").configure_compile(compile_layers=True)
+        flex.load_state_dict(sdpa.state_dict())
+        ddp = DDP(flex, bucket_cap_mb=0.001)  # several buckets: what the splitter would cut at
+        x, anchors, valid = inputs(1)
+        with torch.no_grad():
+            out = ddp(**x, mask=flex_block_mask(anchors, valid, CTX, BS))
+            ref = sdpa(**x, mask=dense_mask(anchors, valid, CTX, BS))
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        assert flex.attention_calls["compiled_layers"] == LAYERS
+    finally:
+        dist.destroy_process_group()

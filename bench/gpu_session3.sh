@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Third device call on 2x H200 (< 10 min):
+#   1. in parallel: the 0.6B-shaped core job (1 target + 1 drafter, defaults) and the embedded default job;
+#   2. in parallel: GPU0 drafter_step flex_layers vs sdpa at 3072x512 and 550x512 (one run: goal 5);
+#      GPU1 dflash-plan at SpecForge's config (Qwen3-8B-shaped target, 5-layer drafter, 256 anchors, ~550-token
+#      samples, 4-sample messages) for 2, 4 and 8 GPUs (goal 6);
+#   3. pipeline efficiency (8B-shaped target + 1B drafter); 4. the threaded baseline on the same job.
+# Usage: bash bench/gpu_session3.sh OUT_DIR     (carry .whl)
+set -uo pipefail
+OUT=${1:-/tmp/gpu_session3}; mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONUNBUFFERED=1 WANDB_MODE=disabled
+export TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING=false TOKENIZERS_PARALLELISM=false
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+TOTAL=${TOTAL:-560}
+common="logging.wandb.mode=disabled logging.progress_bar=false"
+echo "=== 1. core job + default job at $(el) s"
+rm -rf /tmp/core_run /tmp/default_run
+timeout -k 10 ${CORE_T:-150} torchrun --standalone --nproc-per-node 2 -m dflash_dist.train target=qwen3_0p6b_random \
+  drafter=dflash data.source=synthetic:550:3000 target.max_batch_tokens=4096 train.max_steps=80 logging.log_every=10 \
+  train.output_dir=/tmp/core_run $common 2>&1 | grep -v "^W1" > $OUT/core.log &
+PC=$!
+timeout -k 10 ${CORE_T:-150} torchrun --standalone --nproc-per-node 2 -m dflash_dist.train \
+  train.output_dir=/tmp/default_run $common logging.log_every=20 2>&1 | grep -v "^W1" > $OUT/default.log &
+PD=$!
+wait $PC; echo "core exit $? at $(el) s"; wait $PD; echo "default exit $? at $(el) s"
+grep -E "step 80/|done:|Error|samples/s" $OUT/core.log | tail -5
+grep -E "acceptance|done:|Error|tau" $OUT/default.log | tail -4
+echo "=== 2. drafter_step flex_layers vs sdpa (GPU0) + dflash-plan (GPU1) at $(el) s"
+CUDA_VISIBLE_DEVICES=0 timeout -k 10 ${DS_T:-120} python3 bench/drafter_step.py --dynamic on \
+  --backends flex_layers,sdpa --configs 3072x512,550x512 --out $OUT/ds.json > /tmp/ds.log 2>&1 &
+PA=$!
+CUDA_VISIBLE_DEVICES=1 timeout -k 10 ${PLAN_T:-150} python3 -m dflash_dist.plan --gpus 2,4,8 --out $OUT/plan.json \
+  target=qwen3_8b_random drafter=dflash drafter.num_anchors=256 data.source=synthetic:550:400 \
+  target.max_batch_tokens=4096 target.max_batch_samples=4 train.output_dir=/tmp/plan_run $common > $OUT/plan.log 2>&1
+echo "plan exit $? at $(el) s"; wait $PA; echo "drafter_step exit $? at $(el) s"
+grep -E "^\|" /tmp/ds.log | tail -6; grep -vE "^W1|Warning" $OUT/plan.log | tail -16
+left=$(( TOTAL - $(el) ))
+echo "=== 3. pipeline at $(el) s (${left} s left)"
+PB=$(( left > 330 ? 200 : left * 6 / 10 ))
+timeout -k 10 $PB python3 bench/pipeline.py --out $OUT/pipeline.json --workdir /tmp/pipe --steps 40 --warmup-steps 10 \
+  --alone-timeout $(( PB * 45 / 100 )) --e2e-timeout $(( PB * 52 / 100 )) > $OUT/pipe_threaded.log 2>&1
+echo "pipeline exit $? at $(el) s"; grep -E "^\|" $OUT/pipe_threaded.log | tail -5
+left=$(( TOTAL - $(el) ))
+if [ $left -gt 50 ]; then
+  echo "=== 4. threaded at $(el) s (${left} s)"
+  timeout -k 10 $left python3 bench/threaded_baseline.py --out $OUT/threaded.json --workdir /tmp/thr --steps 40 \
+    --warmup-steps 10 --timeout $(( left - 10 )) --compare $OUT/pipeline.json >> $OUT/pipe_threaded.log 2>&1
+  echo "threaded exit $? at $(el) s"; grep -E "^\||compile errors" $OUT/pipe_threaded.log | tail -6
+fi
