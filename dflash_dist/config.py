@@ -108,10 +108,12 @@ class DrafterConfig:
     instead of a static compile (tens of seconds each) per new shape. Ignored on CPU, where inductor's C++ flex
     template does not build with dynamic shapes (torch 2.13)."""
 
-    compile_layers: Optional[bool] = None
+    compile_layers: bool = False
     """torch.compile each drafter layer (fullgraph; norms, RoPE, SiLU-gate and residuals fuse around the flex
-    kernel). None: on with the flex backend, off with sdpa (true with sdpa is an error). Costs one more compile
-    at startup (~15 s on an H200); bench/drafter_step.py (backend flex_layers) measures the gain."""
+    kernel); flex backend only. 17% faster drafter steps at Qwen3-8B shapes (bench/drafter_step.py, backend
+    flex_layers, b=1), but in the trainer (b > 1, dynamic shapes) inductor hit an internal assertion on torch
+    2.11 CUDA; a workaround is applied (see DFlashDrafter.configure_compile) and not yet verified on a GPU,
+    hence off by default."""
 
     intermediate_size: Optional[int] = None
     """MLP width; None: the target's."""

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import torch._inductor.config  # noqa: F401  (configure_compile sets an option)
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -251,6 +252,11 @@ class DFlashDrafter(nn.Module):
             # graph at gradient-bucket boundaries) buys nothing, and it fails on graphs that hold the flex HOP
             # (an inductor AssertionError in the split submodules, seen on torch 2.11 CUDA and 2.13 CPU).
             torch._dynamo.config.optimize_ddp = False
+            # inductor's coalescing analysis asserts on these layers' fused reductions once the batch size is
+            # symbolic (tiling_utils.get_pw_red_splits, torch 2.11 CUDA, b > 1 with dynamic shapes); it only
+            # picks tilings, so turning it off changes speed heuristics, not results
+            if hasattr(torch._inductor.config.triton, "coalesce_tiling_analysis"):
+                torch._inductor.config.triton.coalesce_tiling_analysis = False
         self._layer_fns = ([torch.compile(layer, fullgraph=True, dynamic=True if self.flex_dynamic else None)
                             for layer in self.layers] if compile_layers else list(self.layers))
         return self
