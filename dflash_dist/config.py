@@ -108,12 +108,11 @@ class DrafterConfig:
     instead of a static compile (tens of seconds each) per new shape. Ignored on CPU, where inductor's C++ flex
     template does not build with dynamic shapes (torch 2.13)."""
 
-    compile_layers: bool = False
+    compile_layers: Optional[bool] = None
     """torch.compile each drafter layer (fullgraph; norms, RoPE, SiLU-gate and residuals fuse around the flex
-    kernel); flex backend only. 17% faster drafter steps at Qwen3-8B shapes (bench/drafter_step.py, backend
-    flex_layers, b=1), but in the trainer (b > 1, dynamic shapes) inductor hit an internal assertion on torch
-    2.11 CUDA; a workaround is applied (see DFlashDrafter.configure_compile) and not yet verified on a GPU,
-    hence off by default."""
+    kernel). None: on with the flex backend, off with sdpa (true with sdpa is an error). Measured on an H200 at
+    Qwen3-8B shapes: 17% faster steps (bench/drafter_step.py, backend flex_layers); one more compile at startup
+    (~20 s). Needs two inductor/dynamo settings that DFlashDrafter.configure_compile applies and explains."""
 
     intermediate_size: Optional[int] = None
     """MLP width; None: the target's."""
@@ -138,6 +137,9 @@ class DrafterConfig:
         _require(self.loss_chunk_rows >= 16, "drafter.loss_chunk_rows must be >= 16")
         _require(self.ctx_bucket >= 16 and self.ctx_bucket % 16 == 0,
                  f"drafter.ctx_bucket={self.ctx_bucket}: must be a multiple of 16")
+        if self.compile_layers and self.attention_backend == "sdpa":
+            raise ConfigError("drafter.compile_layers=true needs the flex backend: with attention_backend=sdpa set "
+                              "drafter.compile_layers=false (or null)")
         if self.attention_backend == "flex" and not self.compile:
             raise ConfigError("drafter.attention_backend=flex needs drafter.compile=true: uncompiled flex_attention "
                               "runs the dense fallback (43x slower, 200x the memory). Use sdpa to run without compile.")

@@ -84,7 +84,8 @@ class DrafterTrainer:
                                                    intermediate_size=cfg.drafter.intermediate_size)
         torch.manual_seed(cfg.train.seed)
         self.flex_dynamic = self.backend == "flex" and cfg.drafter.compile_dynamic and self.device.type == "cuda"
-        self.compile_layers = bool(cfg.drafter.compile_layers)
+        cl = cfg.drafter.compile_layers
+        self.compile_layers = self.backend == "flex" if cl is None else bool(cl)
         self.model = DFlashDrafter(self.mcfg, self.backend).to(self.device).configure_compile(
             flex_dynamic=self.flex_dynamic, compile_layers=self.compile_layers)
         self.embed, self.lm_head = head_weights if head_weights is not None else receive_head_weights(job, self.device)
