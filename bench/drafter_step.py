@@ -280,12 +280,12 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--configs", default=None, help=f"CTXxANCHORS list (default {GPU_CONFIGS}; tiny {TINY_CONFIGS})")
     p.add_argument("--batch", default="1", help="samples per step, comma list (e.g. 1,4)")
-    p.add_argument("--backends", default="flex,sdpa",
+    p.add_argument("--backends", default="flex_layers,sdpa",
                    help="comma list of flex, flex_layers (flex + drafter.compile_layers), sdpa")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps incl. the first (default 2; tiny 1)")
     p.add_argument("--repeats", type=int, default=None, help="timed steps (default 10; tiny 3)")
     p.add_argument("--prompt-frac", type=float, default=0.3, help="leading share of each sample without loss")
-    p.add_argument("--dynamic", choices=["off", "auto", "on"], default="off",
+    p.add_argument("--dynamic", choices=["off", "auto", "on"], default="on",
                    help="off: every shape compiles static (clean per-config compile time); auto: torch default; "
                         "on: the trainer's CUDA default (drafter.compile_dynamic: dynamic-shape flex kernel and "
                         "mask builder, compiled once for all shapes)")
