@@ -31,6 +31,7 @@ def runs(tmp_path_factory):
          ("threaded", _cmd("threaded_baseline.py", "--tiny", "--steps", 4, "--out", p["threaded"], "--workdir",
                            out / "tw", "--compare", p["pipeline"]))],
         [("drafter_step", _cmd("drafter_step.py", "--tiny", "--configs", "40x8", "--repeats", 2, "--peak-n", 128,
+                               "--backends", "flex,flex_layers,sdpa",
                                "--out", p["drafter_step"])),
          ("target_capture", _cmd("target_capture.py", "--tiny", "--mixes", 64, "--budgets", 256, "--repeats", 1,
                                  "--warmup", 0, "--out", p["target_capture"])),
@@ -75,8 +76,9 @@ def _load(runs, name):
 def test_drafter_step(runs):
     d = _load(runs, "drafter_step")
     rows = {r["backend"]: r for r in d["rows"]}
-    assert set(rows) == {"flex", "sdpa"}
-    assert rows["sdpa"]["mode"] == "train" and rows["flex"]["mode"] == "forward-only"  # no flex backward on CPU
+    assert set(rows) == {"flex", "flex_layers", "sdpa"}
+    assert rows["sdpa"]["mode"] == "train"
+    assert rows["flex"]["mode"] == rows["flex_layers"]["mode"] == "forward-only"  # no flex backward on CPU
     for r in rows.values():
         assert "error" not in r, r
         assert r["ms_per_step"] > 0 and r["samples_per_s"] > 0 and r["first_step_s"] > 0
