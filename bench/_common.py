@@ -28,8 +28,7 @@ if REPO not in sys.path:
 
 # Vendor dense bf16 tensor-core peaks (no sparsity), TFLOP/s, matched on the device name. Only a reference:
 # every script also measures an 8192^3 bf16 matmul and reports MFU against that.
-NOMINAL_BF16_TFLOPS = (("H200", 989.4), ("H100 SXM", 989.4), ("H100 80GB HBM3", 989.4), ("H100 PCIe", 756.0),
-                       ("H100", 989.4), ("H20", 148.0), ("A100", 312.0), ("L40S", 362.0), ("B200", 2250.0))
+from dflash_dist.flops import NOMINAL_BF16_TFLOPS, nominal_peak_tflops  # noqa: E402,F401  (re-exported)
 
 
 # ---------------------------------------------------------------------------------------------- device
@@ -48,17 +47,6 @@ def sync(device: torch.device) -> None:
     import torch
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def nominal_peak_tflops(device: torch.device) -> Optional[float]:
-    import torch
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, val in NOMINAL_BF16_TFLOPS:
-        if key in name:
-            return val
-    return None
 
 
 def env_info(device: torch.device) -> dict:

@@ -10,7 +10,7 @@ chunks under checkpoint) -> backward -> grad clip -> fused AdamW step, in bf16 a
 Inputs are random (features ~ N(0,1) bf16, random token ids), 30% of each sample a prompt (no loss), as in
 ``dflash_dist.synthetic``.
 
-FLOPs (model FLOPs, what MFU divides; the formula is in docs/benchmarks.md and ``step_flops`` below):
+FLOPs (model FLOPs, what MFU divides; the formula is in docs/benchmarks.md and ``dflash_dist.flops``):
 trainable matmuls x3 (forward + grad input + grad weight) except fc x2 (its input, the target features, needs no
 grad); attention over VISIBLE (query, key) pairs only, 4*d per pair and head forward, x3.5 with backward; frozen
 lm_head x2 (forward + grad wrt its input). The loss's default (fused) path computes the hidden-state gradient in
@@ -38,6 +38,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from dflash_dist.blocks import make_batch  # noqa: E402
 from dflash_dist.drafter import DFlashDrafter, DrafterModelConfig  # noqa: E402
+from dflash_dist.flops import drafter_step_flops as step_flops  # noqa: E402,F401  (the one formula)
 from dflash_dist.loss import decayed_ce  # noqa: E402
 from dflash_dist.masks import dense_mask, flex_block_mask  # noqa: E402
 from dflash_dist.target import load_hf_config, resolve_dtype, text_config  # noqa: E402
@@ -47,41 +48,6 @@ TINY_CONFIGS = "96x16,40x8,96x8,40x16"
 
 
 # ---------------------------------------------------------------------------------------------- FLOPs
-
-def step_flops(mc: DrafterModelConfig, b: int, s_pad: int, n_blocks: int, vocab: int, visible_pairs: float,
-               train: bool = True, recompute_head: bool = False) -> dict:
-    """Model FLOPs of one drafter step (see the module docstring and docs/benchmarks.md).
-
-    b samples, context padded to s_pad, n_blocks blocks of B slots per sample (Q = n_blocks*B query rows per
-    sample, padding blocks included: their rows run through every matmul), ``visible_pairs`` = sum over valid
-    blocks of B * (anchor + B) (a query sees the anchor's context keys j < a and its own block's B keys)."""
-    H, nh, nkv, d = mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
-    I, L, nf, B = mc.intermediate_size, mc.num_layers, mc.num_feature_layers, mc.block_size
-    rows_q = b * n_blocks * B
-    rows_c = b * s_pad
-    fc = 2 * rows_c * (nf * H) * H
-    q = 2 * rows_q * H * (nh * d)
-    kv = 2 * 2 * (rows_c + rows_q) * H * (nkv * d)     # k_proj and v_proj over [ctx | block] rows
-    o = 2 * rows_q * (nh * d) * H
-    mlp = 3 * 2 * rows_q * H * I
-    layer = q + kv + o + mlp
-    attn_fwd = 4 * d * nh * visible_pairs               # QK^T (2d) + PV (2d) per visible pair and query head
-    lm_rows = b * n_blocks * (B - 1)                    # slot 0 never carries a loss: dropped before the head
-    lm_fwd = 2 * lm_rows * H * vocab
-    dense_attn_fwd = 4 * d * nh * rows_q * (s_pad + n_blocks * B)  # if every (query, key) pair were computed
-    if train:
-        mm = 2 * fc + 3 * L * layer
-        attn = 3.5 * attn_fwd
-        lm = 2 * lm_fwd
-        lm_hw = (3 if recompute_head else 2) * lm_fwd   # checkpointed loss recomputes the head forward
-        dense_attn = 3.5 * dense_attn_fwd
-    else:
-        mm, attn, lm, lm_hw, dense_attn = fc + L * layer, attn_fwd, lm_fwd, lm_fwd, dense_attn_fwd
-    model = mm + attn + lm
-    return {"matmul": float(mm), "attention": float(attn), "lm_head": float(lm), "model": float(model),
-            "hardware": float(mm + attn + lm_hw), "attention_if_dense": float(dense_attn),
-            "rows_q": rows_q, "rows_ctx": rows_c, "lm_rows": lm_rows, "visible_pairs": float(visible_pairs)}
-
 
 def visible_pairs(batch, block_size: int) -> float:
     a = batch.anchors.double()

@@ -34,6 +34,7 @@ import _common as C  # noqa: E402
 
 import torch  # noqa: E402
 
+from dflash_dist.flops import target_forward_flops  # noqa: E402
 from dflash_dist.config import TargetConfig, default_layer_ids  # noqa: E402
 from dflash_dist.data import build_plan  # noqa: E402
 from dflash_dist.synthetic import synthetic_dataset  # noqa: E402
@@ -109,16 +110,8 @@ def layer_matmul_params(model) -> int:
 
 
 def approx_flops(tc, per_layer_params: int, layers_run: int, batches: list, lm_head: bool) -> float:
-    """Dense Qwen3 forward FLOPs over the padded batches: 2*params per token per layer + causal attention
-    (QK^T and PV, 4*d per pair and head, S*(S+1)/2 pairs per sequence) + lm_head (full forward only)."""
-    d = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-    total = 0.0
-    for b, s in batches:
-        total += layers_run * (2 * per_layer_params * b * s + 4 * d * tc.num_attention_heads * b * s * (s + 1) / 2)
-        if lm_head:
-            total += 2 * b * s * tc.hidden_size * tc.vocab_size
-    return total
-
+    """Dense Qwen3 forward FLOPs over the padded batches (``dflash_dist.flops.target_forward_flops``)."""
+    return target_forward_flops(tc, per_layer_params * layers_run, layers_run, batches, lm_head)
 
 def measure(fn_batch, inputs, dev, warmup: int, repeats: int) -> list[float]:
     """Seconds per pass over all batches (each batch: fn + synchronize, as target_loop times busy work)."""

@@ -323,6 +323,11 @@ class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Weights & Biases settings."""
 
+    peak_tflops: Optional[float] = None
+    """bf16 peak of one GPU (TFLOP/s) for the MFU metrics (drafter_mfu, target<r>_mfu). None: the vendor figure
+    for known GPUs (H100/H200 989.4, A100 312, ...); no MFU on CPU or unknown devices. Set it to a measured
+    matmul rate to report MFU against that instead."""
+
     record_sample_ids: bool = False
     """Append the sample ids of every trained message to <output_dir>/sample_log/rank<r>.jsonl (audits and
     tests of the no-loss/no-repeat guarantee; costs a host sync per step on GPU)."""
@@ -331,6 +336,7 @@ class LoggingConfig:
         if isinstance(self.wandb, dict):
             self.wandb = WandbConfig(**self.wandb)
         _require(self.log_every >= 1, "logging.log_every must be >= 1")
+        _require(self.peak_tflops is None or self.peak_tflops > 0, "logging.peak_tflops must be > 0 (or null)")
 
 
 @dataclass

@@ -24,9 +24,10 @@ from .compile_guard import (batch_shape, dynamo_counters, expected_shapes, insta
 from .startup_report import startup_report
 from .config import cosine_lr, resolve_backend
 from .drafter import DFlashDrafter, DrafterModelConfig
+from .flops import attention_flops_per_pair, drafter_step_flops, nominal_peak_tflops
 from .loss import decayed_ce
 from .masks import dense_mask, flex_block_mask
-from .metrics import MetricsWriter, RateMeter
+from .metrics import MetricsWriter, RateMeter, target_window_metrics
 from .target import load_head_from_checkpoint, resolve_dtype, resolve_source, text_config
 from .distributed import shorten_timeouts
 from .eval_loop import LeaderEval, eval_enabled, eval_record, eval_steps
@@ -107,8 +108,9 @@ class DrafterTrainer:
                        "samples_skipped_nonfinite": 0, "samples_skipped_shape": 0, "empty_steps": 0}
         B = cfg.drafter.block_size
         # per-step statistics accumulated on device, read once per logging window:
-        # [loss_sum, weight_sum, correct[B], count[B], grad_norm, steps, nonfinite samples per target[T]]
-        self.acc = torch.zeros(2 + 2 * B + 2 + self.topo.num_targets, dtype=torch.float64, device=self.device)
+        # [loss_sum, weight_sum, correct[B], count[B], grad_norm, steps, model FLOPs, nonfinite samples per target[T]]
+        self.i_flops = 2 + 2 * B + 2
+        self.acc = torch.zeros(self.i_flops + 1 + self.topo.num_targets, dtype=torch.float64, device=self.device)
         self.nonfinite_by_target = [0] * self.topo.num_targets
         self.guard = self.make_guard() if self.backend == "flex" else None
 
@@ -146,7 +148,7 @@ class DrafterTrainer:
         batch.features = torch.nan_to_num(batch.features, nan=0.0, posinf=0.0, neginf=0.0)
         batch.labels = batch.labels.masked_fill(bad[:, None], -100)
         if msg is not None:
-            slot = 2 + 2 * cfg.block_size + 2 + (msg.src - self.topo.num_drafters)
+            slot = self.i_flops + 1 + (msg.src - self.topo.num_drafters)
             self.acc[slot] += bad.sum()
         return batch
 
@@ -188,7 +190,17 @@ class DrafterTrainer:
                                    parts.slot_correct.double(), parts.slot_count.double(),
                                    gnorm.detach().double().view(1), torch.ones(1, dtype=torch.float64,
                                                                                device=self.device)])
+            self.acc[self.i_flops] += self.step_flops(batch)
         self.lr = cfg.train.lr * mult
+
+    def step_flops(self, batch) -> torch.Tensor:
+        """Model FLOPs of this step (flops.drafter_step_flops) as a device scalar: the shape terms are host
+        integers, the attention term needs the anchors (visible pairs), summed on the device (no sync)."""
+        B = self.cfg.drafter.block_size
+        b, n = batch.anchors.shape
+        fixed = drafter_step_flops(self.mcfg, b, batch.ctx_len, n, self.lm_head.shape[0], 0.0)["model"]
+        pairs = (B * (batch.anchors + B) * batch.valid).sum(dtype=torch.float64)
+        return pairs * attention_flops_per_pair(self.mcfg) + fixed
 
     # ------------------------------------------------------------------ bookkeeping
     def read_window(self) -> dict:
@@ -199,6 +211,7 @@ class DrafterTrainer:
         self.acc.zero_()
         T = self.topo.num_targets
         bad = [int(x) for x in v[len(v) - T:]]
+        flops = v[self.i_flops]
         for t, n in enumerate(bad):
             self.nonfinite_by_target[t] += n
         out_bad = {"skipped_nonfinite": sum(bad)}
@@ -209,7 +222,7 @@ class DrafterTrainer:
         loss_sum, wsum = v[0], v[1]
         correct, count = v[2:2 + B], v[2 + B:2 + 2 * B]
         gnorm, nsteps = v[2 + 2 * B], v[3 + 2 * B]
-        out = {"loss": loss_sum / max(wsum, 1e-9), "lr": self.lr,
+        out = {"loss": loss_sum / max(wsum, 1e-9), "lr": self.lr, "model_flops": flops,
                "grad_norm": gnorm / max(nsteps, 1) / self.topo.num_drafters}
         tot_c, tot_n = sum(correct[1:]), sum(count[1:])
         out["acc"] = tot_c / max(tot_n, 1)
@@ -283,7 +296,9 @@ def run_drafter(job) -> None:
     mine = list(topo.drafter_messages(run_messages))
     pending = rx.post(topo.target_for(mine[0]), job.start_cursor + mine[0]) if mine else None
     rate = RateMeter()
-    target_stats = {}
+    bytes_seen = 0
+    peak = cfg.logging.peak_tflops or nominal_peak_tflops(d.device)  # None on CPU: no MFU metrics
+    target_stats, prev_target_stats = {}, {}
     ends_seen: set = set()
     wait_s = busy_s = 0.0
     stopped = False
@@ -360,17 +375,21 @@ def run_drafter(job) -> None:
                 dc = dynamo_counters()
                 window.update({f"compile/{k}": dc[k] for k in ("unique_graphs", "graph_breaks", "recompiles")})
             r = rate.take()
-            rates = torch.tensor([r["samples_per_s"], r["tokens_per_s"]], dtype=torch.float64, device=d.device)
+            link_bps = (rx.bytes_received - bytes_seen) / r["window_s"]
+            bytes_seen = rx.bytes_received
+            rates = torch.tensor([r["samples_per_s"], r["tokens_per_s"], link_bps], dtype=torch.float64,
+                                 device=d.device)
             dist.all_reduce(rates, group=d.drafters)  # job throughput = sum over drafters
-            sps, tps = rates.tolist()
+            sps, tps, link = rates.tolist()
             wall = time.monotonic() - t_start
-            window.update({"samples_per_s": sps, "tokens_per_s": tps,
+            window.update({"samples_per_s": sps, "tokens_per_s": tps, "link_gb_per_s": link / 1e9,
+                           "drafter_samples_per_s": sps / topo.num_drafters,
                            "drafter_wait_frac": wait_s / max(wall, 1e-9), "drafter_busy_frac": busy_s / max(wall, 1e-9),
                            "epoch_progress": trainer.cursor / max(job.total_messages, 1)})
-            for src, st in target_stats.items():
-                if st and st[4] > 0:
-                    window[f"target{src}_busy_frac"] = st[0] / st[4]
-                    window[f"target{src}_wait_frac"] = st[1] / st[4]
+            if peak:  # model FLOPs of all drafters over the window / (drafters x window x peak)
+                window["drafter_mfu"] = window["model_flops"] / (topo.num_drafters * r["window_s"] * peak * 1e12)
+            window.update(target_window_metrics(target_stats, prev_target_stats, peak))
+            prev_target_stats = dict(target_stats)
             last_window = window
             if leader_eval is not None:
                 for at, res in leader_eval.ready():

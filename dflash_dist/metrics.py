@@ -97,3 +97,26 @@ class RateMeter:
         out = {"samples_per_s": self.samples / dt, "tokens_per_s": self.tokens / dt, "window_s": dt}
         self.t0, self.samples, self.tokens = time.monotonic(), 0, 0
         return out
+
+
+def target_window_metrics(now: dict, prev: dict, peak_tflops) -> dict:
+    """Per-target-rank metrics of one logging window from the cumulative sender statistics that ride on every
+    message header (transport.H_STATS: busy us, backpressure wait us, tokens, samples, wall us, MFLOP).
+
+    ``now``/``prev``: {rank: stats} at this and the previous window (prev may lack a rank: from its start).
+    Busy/wait fractions are cumulative (since the rank started); rates and MFU are over the window."""
+    out: dict = {}
+    for src, st in now.items():
+        if not st or len(st) < 5 or st[4] <= 0:
+            continue
+        out[f"target{src}_busy_frac"] = st[0] / st[4]
+        out[f"target{src}_wait_frac"] = st[1] / st[4]
+        p = prev.get(src) or [0] * len(st)
+        dt = (st[4] - p[4]) / 1e6
+        if dt <= 0:
+            continue
+        out[f"target{src}_tokens_per_s"] = (st[2] - p[2]) / dt
+        out[f"target{src}_samples_per_s"] = (st[3] - p[3]) / dt
+        if len(st) > 5 and peak_tflops:
+            out[f"target{src}_mfu"] = (st[5] - p[5]) * 1e6 / dt / (peak_tflops * 1e12)
+    return out

@@ -43,6 +43,19 @@ def send_head_weights(job, model) -> None:
         dist.send(head.detach().contiguous(), d, group=job.dist.data)
 
 
+def capture_flops_fn(model, job):
+    """(b, S) -> forward FLOPs of one padded capture batch (decoder layers up to the last captured one, no
+    lm_head), for the target's MFU in the metrics (``flops.target_forward_flops``)."""
+    from .flops import target_forward_flops
+    from .target import decoder_layers, text_config
+    _, layers = decoder_layers(model)
+    run = list(layers)[: max(job.layer_ids) + 1]
+    run_params = sum(p.numel() for layer in run for p in layer.parameters())
+    attn_layers = sum(1 for layer in run if hasattr(layer, "self_attn"))  # hybrids: full-attention layers only
+    tc = text_config(job.hf_config)
+    return lambda b, s: target_forward_flops(tc, run_params, attn_layers, [(b, s)])
+
+
 def run_target(job) -> None:
     cfg, d = job.cfg, job.dist
     topo = d.topo
@@ -54,12 +67,13 @@ def run_target(job) -> None:
     check_target_fast_path(model, cfg.target.fast_path, d.device.type)  # logs the binding; require raises
     send_head_weights(job, model)
     capture = FeatureCapture(model, job.layer_ids)
+    flops_per_batch = capture_flops_fn(model, job)
     dataset = TokenizedDataset.load(job.dataset_path)
     channel = Channel(d.ctrl, d.data, d.device, timeout_s=cfg.topology.warmup_timeout_s, check=job.life.check)
     tx = Sender(channel, d.rank, cfg.topology.max_in_flight)
 
     run_messages = job.total_messages - job.start_cursor
-    busy_s, tokens, samples, sent = 0.0, 0, 0, 0
+    busy_s, tokens, samples, sent, flops = 0.0, 0, 0, 0, 0.0
     start = time.monotonic()
     stopped = False
     fault = fault_for(d.rank)
@@ -85,16 +99,18 @@ def run_target(job) -> None:
         msg = Message(k, torch.tensor(job.plan[k], dtype=torch.long), cu, packed_ids, packed_mask, feats)
         tokens += int(lengths.sum())
         samples += len(batch)
+        flops += flops_per_batch(*ids.shape)
         wall = time.monotonic() - start
         tx.send(topo.drafter_for(j), msg,
-                stats=(int(busy_s * 1e6), int(tx.wait_s * 1e6), tokens, samples, int(wall * 1e6)))
+                stats=(int(busy_s * 1e6), int(tx.wait_s * 1e6), tokens, samples, int(wall * 1e6), int(flops / 1e6)))
         sent += 1
         if sent == 2:  # model warm, drafters compiled their first shapes: steady-state timeout from here
             channel.timeout_s = cfg.topology.timeout_s
             shorten_timeouts(d, cfg.topology.timeout_s)
     for dr in topo.drafter_ranks:
         wall = time.monotonic() - start
-        tx.send_end(dr, stats=(int(busy_s * 1e6), int(tx.wait_s * 1e6), tokens, samples, int(wall * 1e6)))
+        tx.send_end(dr, stats=(int(busy_s * 1e6), int(tx.wait_s * 1e6), tokens, samples, int(wall * 1e6),
+                               int(flops / 1e6)))
     tx.flush()
     wall = time.monotonic() - start
     if evaluator is not None and not stopped:

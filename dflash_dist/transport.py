@@ -33,7 +33,7 @@ KIND_DATA, KIND_END, KIND_ERROR = 1, 2, 3
 
 # header slots
 H_MAGIC, H_KIND, H_INDEX, H_NSAMPLES, H_NTOKENS, H_WIDTH, H_DTYPE, H_METALEN, H_SRC, H_ERRLEN = range(10)
-H_STATS = 10  # 10..15: sender statistics (cumulative busy us, wait us, tokens, samples, spare)
+H_STATS = 10  # 10..15: sender statistics (cumulative busy us, wait us, tokens, samples, wall us, MFLOP)
 
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}

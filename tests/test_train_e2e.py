@@ -68,11 +68,16 @@ def test_default_job_one_target_two_drafters(tmp_path):
 def test_two_targets_one_drafter(tmp_path):
     r = torchrun(3, ["-m", "dflash_dist.train", f"train.output_dir={tmp_path}", "train.max_steps=6",
                      "topology.target_ranks=2", "logging.log_every=3", "logging.progress_bar=false",
-                     "logging.wandb.mode=disabled"], timeout=300)
+                     "logging.wandb.mode=disabled", "logging.peak_tflops=0.001"], timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     recs = train_records(tmp_path)
     assert recs[-1]["step"] == 6
     assert "target1_busy_frac" in recs[-1] and "target2_busy_frac" in recs[-1]  # both targets fed it
+    # the bottleneck metrics: per-role rates, link bandwidth and MFU (against the configured peak)
+    last = recs[-1]
+    assert last["link_gb_per_s"] > 0 and last["model_flops"] > 0 and last["drafter_mfu"] > 0
+    for t in (1, 2):
+        assert last[f"target{t}_tokens_per_s"] > 0 and last[f"target{t}_mfu"] > 0
     check_accounting(accounting(tmp_path))
 
 
