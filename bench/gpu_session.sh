@@ -8,23 +8,13 @@
 # Usage: bash bench/gpu_session.sh OUT_DIR     (carry .whl for hydra/omegaconf)
 set -uo pipefail
 OUT=${1:-/tmp/gpu_session}; mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONUNBUFFERED=1 WANDB_MODE=disabled
-export TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING=false
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
-fi
-T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+source bench/gpu_env.sh
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 CORE_T=${CORE_T:-230}; DS_T=${DS_T:-300}
 echo "=== core job (time box ${CORE_T} s) at $(el) s"
-RUN=/tmp/core_run; rm -rf $RUN
-timeout -k 10 $CORE_T torchrun --standalone --nproc-per-node 2 -m dflash_dist.train target=qwen3_0p6b_random \
-  drafter=dflash data.source=synthetic:550:3000 target.max_batch_tokens=4096 train.max_steps=${CORE_STEPS:-80} \
-  logging.log_every=10 train.output_dir=$RUN logging.wandb.mode=disabled logging.progress_bar=false \
-  ${CORE_EXTRA:-} 2>&1 | grep -v "^W1" > $OUT/core.log
-echo "core exit ${PIPESTATUS[0]} at $(el) s"; tail -25 $OUT/core.log
+RUN=/tmp/core_run
+core_job $CORE_T $OUT/core.log $RUN train.max_steps=${CORE_STEPS:-80} ${CORE_EXTRA:-}
+echo "core exit $? at $(el) s"; tail -25 $OUT/core.log
 cp $RUN/startup_report.json $OUT/ 2>/dev/null; cp $RUN/metrics.jsonl $OUT/core_metrics.jsonl 2>/dev/null
 [ -n "${SKIP_DS:-}" ] && exit 0
 echo "=== drafter_step at $(el) s (time box ${DS_T} s)"

@@ -9,24 +9,12 @@
 # Usage: bash bench/gpu_session2.sh OUT_DIR     (carry .whl)
 set -uo pipefail
 OUT=${1:-/tmp/gpu_session2}; mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONUNBUFFERED=1 WANDB_MODE=disabled
-export TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING=false TOKENIZERS_PARALLELISM=false
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
-fi
-T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+source bench/gpu_env.sh
 TOTAL=${TOTAL:-575}
-common="logging.wandb.mode=disabled logging.progress_bar=false"
 echo "=== 1. core job + default job at $(el) s"
-rm -rf /tmp/core_run /tmp/default_run
-timeout -k 10 ${CORE_T:-170} torchrun --standalone --nproc-per-node 2 -m dflash_dist.train target=qwen3_0p6b_random \
-  drafter=dflash data.source=synthetic:550:3000 target.max_batch_tokens=4096 train.max_steps=80 logging.log_every=10 \
-  train.output_dir=/tmp/core_run $common 2>&1 | grep -v "^W1" > $OUT/core.log &
+core_job ${CORE_T:-170} $OUT/core.log /tmp/core_run train.max_steps=80 &
 PC=$!
-timeout -k 10 ${CORE_T:-170} torchrun --standalone --nproc-per-node 2 -m dflash_dist.train \
-  train.output_dir=/tmp/default_run $common logging.log_every=20 2>&1 | grep -v "^W1" > $OUT/default.log &
+default_job ${CORE_T:-170} $OUT/default.log /tmp/default_run &
 PD=$!
 wait $PC; echo "core exit $? at $(el) s"; wait $PD; echo "default exit $? at $(el) s"
 grep -E "step 80/|done:|exit|Error|error|samples/s" $OUT/core.log | tail -6

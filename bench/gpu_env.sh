@@ -1,0 +1,32 @@
+# Sourced by the bench/gpu_session*.sh scripts: environment of a device call on H200s, the carried wheels
+# (.whl: hydra-core, omegaconf, antlr4) on PYTHONPATH, a clock, and the two proof jobs of the real trainer.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # never NVLink multicast
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONUNBUFFERED=1 WANDB_MODE=disabled
+export TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING=false TOKENIZERS_PARALLELISM=false
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+T0=$(date +%s)
+el() { echo $(( $(date +%s) - T0 )); }
+common="logging.wandb.mode=disabled logging.progress_bar=false"
+
+# core_job SECONDS LOG RUN_DIR [overrides]: 1 target + 1 drafter, Qwen3-0.6B-shaped target, 5-layer drafter,
+# ~550-token samples in 4,096-token messages
+core_job() {
+  local secs=$1 log=$2 run=$3; shift 3
+  rm -rf "$run"
+  timeout -k 10 "$secs" torchrun --standalone --nproc-per-node 2 -m dflash_dist.train target=qwen3_0p6b_random \
+    drafter=dflash data.source=synthetic:550:3000 target.max_batch_tokens=4096 logging.log_every=10 \
+    train.output_dir="$run" $common "$@" 2>&1 | grep -v "^W1" > "$log"
+  return "${PIPESTATUS[0]}"
+}
+
+# default_job SECONDS LOG RUN_DIR: the embedded default (tiny target, builtin data, in-training evaluation)
+default_job() {
+  local secs=$1 log=$2 run=$3
+  rm -rf "$run"
+  timeout -k 10 "$secs" torchrun --standalone --nproc-per-node 2 -m dflash_dist.train train.output_dir="$run" \
+    $common logging.log_every=20 2>&1 | grep -v "^W1" > "$log"
+  return "${PIPESTATUS[0]}"
+}
