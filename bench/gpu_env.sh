@@ -30,3 +30,14 @@ default_job() {
     $common logging.log_every=20 2>&1 | grep -v "^W1" > "$log"
   return "${PIPESTATUS[0]}"
 }
+
+# proof_jobs SECONDS OUT: core_job (80 steps) and default_job at once on the two GPUs, exit codes and last lines
+proof_jobs() {
+  local secs=$1 out=$2 pc pd
+  echo "=== core job + default job at $(el) s"
+  core_job "$secs" "$out/core.log" /tmp/core_run train.max_steps=80 & pc=$!
+  default_job "$secs" "$out/default.log" /tmp/default_run & pd=$!
+  wait $pc; echo "core exit $? at $(el) s"; wait $pd; echo "default exit $? at $(el) s"
+  grep -E "step 80/|done:|Error|samples/s" "$out/core.log" | tail -5
+  grep -E "acceptance|done:|Error|tau" "$out/default.log" | tail -4
+}

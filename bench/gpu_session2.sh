@@ -11,14 +11,7 @@ set -uo pipefail
 OUT=${1:-/tmp/gpu_session2}; mkdir -p "$OUT"
 source bench/gpu_env.sh
 TOTAL=${TOTAL:-575}
-echo "=== 1. core job + default job at $(el) s"
-core_job ${CORE_T:-170} $OUT/core.log /tmp/core_run train.max_steps=80 &
-PC=$!
-default_job ${CORE_T:-170} $OUT/default.log /tmp/default_run &
-PD=$!
-wait $PC; echo "core exit $? at $(el) s"; wait $PD; echo "default exit $? at $(el) s"
-grep -E "step 80/|done:|exit|Error|error|samples/s" $OUT/core.log | tail -6
-grep -E "acceptance|done:|Error|error|tau" $OUT/default.log | tail -6
+proof_jobs ${CORE_T:-170} $OUT   # 1.
 echo "=== 2. drafter_step at $(el) s"
 DS_T=${DS_T:-160}
 ( CUDA_VISIBLE_DEVICES=0 timeout -k 10 $DS_T python3 bench/drafter_step.py --dynamic on --backends flex_layers \

@@ -10,14 +10,7 @@ set -uo pipefail
 OUT=${1:-/tmp/gpu_session3}; mkdir -p "$OUT"
 source bench/gpu_env.sh
 TOTAL=${TOTAL:-560}
-echo "=== 1. core job + default job at $(el) s"
-core_job ${CORE_T:-150} $OUT/core.log /tmp/core_run train.max_steps=80 &
-PC=$!
-default_job ${CORE_T:-150} $OUT/default.log /tmp/default_run &
-PD=$!
-wait $PC; echo "core exit $? at $(el) s"; wait $PD; echo "default exit $? at $(el) s"
-grep -E "step 80/|done:|Error|samples/s" $OUT/core.log | tail -5
-grep -E "acceptance|done:|Error|tau" $OUT/default.log | tail -4
+proof_jobs ${CORE_T:-150} $OUT   # 1.
 echo "=== 2. drafter_step flex_layers vs sdpa (GPU0) + dflash-plan (GPU1) at $(el) s"
 CUDA_VISIBLE_DEVICES=0 timeout -k 10 ${DS_T:-120} python3 bench/drafter_step.py --dynamic on \
   --backends flex_layers,sdpa --configs 3072x512,550x512 --out $OUT/ds.json > /tmp/ds.log 2>&1 &
