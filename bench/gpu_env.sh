@@ -41,3 +41,22 @@ proof_jobs() {
   grep -E "step 80/|done:|Error|samples/s" "$out/core.log" | tail -5
   grep -E "acceptance|done:|Error|tau" "$out/default.log" | tail -4
 }
+
+# pipeline_then_threaded TOTAL OUT: bench/pipeline.py (8B-shaped target + 1B drafter: the drafter alone, then the
+# real 1+1 job) in at most 200 s, then bench/threaded_baseline.py on the same job with what is left of TOTAL
+pipeline_then_threaded() {
+  local total=$1 out=$2 left pb
+  left=$(( total - $(el) ))
+  echo "=== pipeline at $(el) s (${left} s left)"
+  pb=$(( left > 330 ? 200 : left * 6 / 10 ))
+  timeout -k 10 $pb python3 bench/pipeline.py --out "$out/pipeline.json" --workdir /tmp/pipe --steps 40 \
+    --warmup-steps 10 --alone-timeout $(( pb * 45 / 100 )) --e2e-timeout $(( pb * 52 / 100 )) > "$out/pipe_threaded.log" 2>&1
+  echo "pipeline exit $? at $(el) s"; grep -E "^\|" "$out/pipe_threaded.log" | tail -5
+  left=$(( total - $(el) ))
+  if [ $left -gt 50 ]; then
+    echo "=== threaded at $(el) s (${left} s)"
+    timeout -k 10 $left python3 bench/threaded_baseline.py --out "$out/threaded.json" --workdir /tmp/thr --steps 40 \
+      --warmup-steps 10 --timeout $(( left - 10 )) --compare "$out/pipeline.json" >> "$out/pipe_threaded.log" 2>&1
+    echo "threaded exit $? at $(el) s"; grep -E "^\||compile errors" "$out/pipe_threaded.log" | tail -6
+  fi
+}

@@ -33,16 +33,4 @@ except Exception as e:
 PY
 rm -f $OUT/ds_ckpt.json
 grep -E "^\||ms/step|breakdown|top kernels" $OUT/ds.log | tail -40
-left=$(( TOTAL - $(el) ))
-echo "=== 3. pipeline at $(el) s (${left} s left)"
-PB=$(( left > 300 ? 220 : left * 2 / 3 ))
-timeout -k 10 $PB python3 bench/pipeline.py --out $OUT/pipeline.json --workdir /tmp/pipe --steps 40 --warmup-steps 10 \
-  --alone-timeout $(( PB * 45 / 100 )) --e2e-timeout $(( PB * 50 / 100 )) > $OUT/pipe_threaded.log 2>&1
-echo "pipeline exit $? at $(el) s"; grep -E "^\|" $OUT/pipe_threaded.log | tail -6
-left=$(( TOTAL - $(el) ))
-if [ $left -gt 60 ]; then
-  echo "=== 4. threaded at $(el) s (${left} s)"
-  timeout -k 10 $left python3 bench/threaded_baseline.py --out $OUT/threaded.json --workdir /tmp/thr --steps 40 \
-    --warmup-steps 10 --timeout $(( left - 10 )) --compare $OUT/pipeline.json >> $OUT/pipe_threaded.log 2>&1
-  echo "threaded exit $? at $(el) s"; tail -12 $OUT/pipe_threaded.log
-fi
+pipeline_then_threaded $TOTAL $OUT   # 3. and 4.

@@ -20,16 +20,4 @@ CUDA_VISIBLE_DEVICES=1 timeout -k 10 ${PLAN_T:-150} python3 -m dflash_dist.plan 
   target.max_batch_tokens=4096 target.max_batch_samples=4 train.output_dir=/tmp/plan_run $common > $OUT/plan.log 2>&1
 echo "plan exit $? at $(el) s"; wait $PA; echo "drafter_step exit $? at $(el) s"
 grep -E "^\|" /tmp/ds.log | tail -6; grep -vE "^W1|Warning" $OUT/plan.log | tail -16
-left=$(( TOTAL - $(el) ))
-echo "=== 3. pipeline at $(el) s (${left} s left)"
-PB=$(( left > 330 ? 200 : left * 6 / 10 ))
-timeout -k 10 $PB python3 bench/pipeline.py --out $OUT/pipeline.json --workdir /tmp/pipe --steps 40 --warmup-steps 10 \
-  --alone-timeout $(( PB * 45 / 100 )) --e2e-timeout $(( PB * 52 / 100 )) > $OUT/pipe_threaded.log 2>&1
-echo "pipeline exit $? at $(el) s"; grep -E "^\|" $OUT/pipe_threaded.log | tail -5
-left=$(( TOTAL - $(el) ))
-if [ $left -gt 50 ]; then
-  echo "=== 4. threaded at $(el) s (${left} s)"
-  timeout -k 10 $left python3 bench/threaded_baseline.py --out $OUT/threaded.json --workdir /tmp/thr --steps 40 \
-    --warmup-steps 10 --timeout $(( left - 10 )) --compare $OUT/pipeline.json >> $OUT/pipe_threaded.log 2>&1
-  echo "threaded exit $? at $(el) s"; grep -E "^\||compile errors" $OUT/pipe_threaded.log | tail -6
-fi
+pipeline_then_threaded $TOTAL $OUT   # 3. and 4.
