@@ -172,20 +172,27 @@ def _rel_err(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
 
 
+def _kernel_missing(doc: Doctor, name: str, how: str, optional_note: str, cpu_note: str) -> None:
+    """A hybrid-target kernel package that does not import: FAIL on a GPU when the configured target needs it,
+    WARN on a GPU otherwise, not applicable on CPU."""
+    import torch
+    if not torch.cuda.is_available():
+        doc.add(name, NA, cpu_note)
+        return
+    need = _target_needs_kernels(doc)
+    doc.add(name, FAIL if need else WARN,
+            how + (" -- the configured hybrid target requires it (target.fast_path)" if need else optional_note))
+
+
 def check_fla(doc: Doctor) -> None:
     import torch
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
         ver = _version("flash-linear-attention") or _version("fla") or "?"
     except Exception as e:
-        if torch.cuda.is_available():
-            need = _target_needs_kernels(doc)
-            doc.add("flash-linear-attention", FAIL if need else WARN,
-                    f"not importable ({type(e).__name__}): `pip install flash-linear-attention`"
-                    + (" -- the configured hybrid target requires it (target.fast_path)" if need else
-                       " (needed only for hybrid GatedDeltaNet targets)"))
-        else:
-            doc.add("flash-linear-attention", NA, "not installed (GPU only; CPU hybrid targets use the PyTorch path)")
+        _kernel_missing(doc, "flash-linear-attention", f"not importable ({type(e).__name__}): "
+                        "`pip install flash-linear-attention`", " (needed only for hybrid GatedDeltaNet targets)",
+                        "not installed (GPU only; CPU hybrid targets use the PyTorch path)")
         return
     if not torch.cuda.is_available():
         doc.add("flash-linear-attention", WARN, f"{ver} installed on a CPU machine: transformers binds its Triton "
@@ -227,14 +234,9 @@ def check_causal_conv1d(doc: Doctor) -> None:
         from causal_conv1d import causal_conv1d_fn
         ver = _version("causal-conv1d") or _version("causal_conv1d") or "?"
     except Exception as e:
-        if torch.cuda.is_available():
-            need = _target_needs_kernels(doc)
-            doc.add("causal-conv1d", FAIL if need else WARN,
-                    f"not importable ({type(e).__name__}: {str(e)[:80]}): build it against this torch (source-only; "
-                    "see shared/device/README.md: build_causal_conv1d.sh)"
-                    + (" -- the configured hybrid target requires it (target.fast_path)" if need else ""))
-        else:
-            doc.add("causal-conv1d", NA, "not installed (GPU only)")
+        _kernel_missing(doc, "causal-conv1d", f"not importable ({type(e).__name__}: {str(e)[:80]}): build it against "
+                        "this torch (source-only; see shared/device/README.md: build_causal_conv1d.sh)", "",
+                        "not installed (GPU only)")
         return
     if not torch.cuda.is_available():
         doc.add("causal-conv1d", NA, f"{ver} importable; its CUDA kernel cannot run without a GPU")
