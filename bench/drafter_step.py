@@ -26,9 +26,11 @@ On CPU, flex_attention has no backward (torch 2.13): the flex rows there are for
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402  (puts the repo root on sys.path)
@@ -78,11 +80,23 @@ def make_inputs(ctx: int, b: int, mc: DrafterModelConfig, device, feat_dtype, pr
     return ids, loss_mask, cu, feats
 
 
+def load_kernel_options(arg: Optional[str]) -> Optional[dict]:
+    """--kernel-options: a JSON dict, or the path of a bench/flex_tune.py result (its best_kernel_options)."""
+    if not arg:
+        return None
+    if os.path.exists(arg):
+        with open(arg) as f:
+            data = json.load(f)
+        return data.get("best_kernel_options") if "best_kernel_options" in data else data
+    return json.loads(arg)
+
+
 class Runner:
     def __init__(self, mc: DrafterModelConfig, dc, device, lr: float, dynamic: bool = False):
         self.mc, self.dc, self.device = mc, dc, device
         self.dynamic = dynamic  # drafter.compile_dynamic: dynamic-shape flex kernel and mask builder
         self.loss_mode = "auto"  # loss.decayed_ce: auto = fused (frozen head), or checkpoint
+        self.kernel_options: Optional[dict] = None  # --kernel-options, used by the "+ko" backends
         torch.manual_seed(0)
         with torch.device(device):  # fp32 master weights, initialised on the device
             self.model = DFlashDrafter(mc, "sdpa")
@@ -105,12 +119,16 @@ class Runner:
         batch = make_batch(ids, loss_mask, cu, feats, num_anchors=num_anchors, block_size=B,
                            mask_token_id=self.mc.vocab_size - 1, ctx_bucket=dc.ctx_bucket,
                            generator=torch.Generator().manual_seed(1_000_003 + k))
-        # flex_layers = flex + drafter.compile_layers (each decoder layer through torch.compile)
-        flex = backend in ("flex", "flex_layers")
-        if (self.model.backend, self.model.compiled_layers) != ("flex" if flex else "sdpa", backend == "flex_layers"):
+        # flex_layers = flex + drafter.compile_layers (each decoder layer through torch.compile); a "+ko" suffix
+        # adds --kernel-options (drafter.flex_kernel_options)
+        base, _, suffix = backend.partition("+")
+        flex = base in ("flex", "flex_layers")
+        opts = self.kernel_options if suffix == "ko" else None
+        want = ("flex" if flex else "sdpa", base == "flex_layers", opts)
+        if (self.model.backend, self.model.compiled_layers, self.model.flex_kernel_options) != want:
             self.model.backend = "flex" if flex else "sdpa"
-            self.model.configure_compile(flex_dynamic=self.dynamic and flex,
-                                         compile_layers=backend == "flex_layers")
+            self.model.configure_compile(flex_dynamic=self.dynamic and flex, compile_layers=base == "flex_layers",
+                                         kernel_options=opts)
         with torch.set_grad_enabled(train):
             if flex:
                 mask = flex_block_mask(batch.anchors, batch.valid, batch.ctx_len, B, compile=dc.compile,
@@ -248,6 +266,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch", default="1", help="samples per step, comma list (e.g. 1,4)")
     p.add_argument("--backends", default="flex_layers,sdpa",
                    help="comma list of flex, flex_layers (flex + drafter.compile_layers), sdpa")
+    p.add_argument("--kernel-options", default=None,
+                   help="flex tile options (drafter.flex_kernel_options) for backends with a +ko suffix, e.g. "
+                        "flex_layers+ko: a JSON dict, or a bench/flex_tune.py JSON file (its 'best_kernel_options')")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps incl. the first (default 2; tiny 1)")
     p.add_argument("--repeats", type=int, default=None, help="timed steps (default 10; tiny 3)")
     p.add_argument("--prompt-frac", type=float, default=0.3, help="leading share of each sample without loss")
@@ -292,17 +313,21 @@ def main(argv=None) -> int:
     C.log(f"measured matmul peak {peak['tflops']:.1f} TFLOP/s ({peak['dtype']} {peak['n']}^3); nominal {nominal}")
     runner = Runner(mc, dc, dev, args.lr, dynamic=args.dynamic == "on" and dev.type == "cuda")
     runner.loss_mode = args.loss_mode
+    runner.kernel_options = load_kernel_options(args.kernel_options)
+    if any(b.endswith("+ko") for b in backends) and not runner.kernel_options:
+        C.log("a +ko backend without --kernel-options (or the tune found none): it runs inductor's defaults")
     result = {"bench": "drafter_step", "env": C.env_info(dev), "tiny": tiny, "peak_matmul": peak,
               "nominal_peak_tflops": nominal, "drafter_config": mc.__dict__, "trainable_params": runner.n_params,
               "drafter_yaml": "tiny" if tiny else "dflash", "loss_chunk_rows": dc.loss_chunk_rows,
               "ctx_bucket": dc.ctx_bucket, "gamma": dc.gamma, "prompt_frac": args.prompt_frac,
-              "dynamic": args.dynamic, "loss_mode": args.loss_mode, "warmup": args.warmup, "repeats": args.repeats,
+              "dynamic": args.dynamic, "loss_mode": args.loss_mode, "kernel_options": runner.kernel_options, "warmup": args.warmup, "repeats": args.repeats,
               "flop_formula": "docs/benchmarks.md#drafter-step-flops", "rows": [], "skipped": []}
     C.log(f"drafter: {mc.num_layers} layers, hidden {mc.hidden_size}, {runner.n_params / 1e6:.1f}M trainable params, "
           f"vocab {mc.vocab_size}, device {dev}")
-    for ctx, anchors in configs:
-        for b in batches:
-            for backend in backends:
+    # backend outermost: a backend change recompiles the layers, a shape change does not (dynamic shapes)
+    for backend in backends:
+        for ctx, anchors in configs:
+            for b in batches:
                 if args.time_budget_s and time.time() - t_start > args.time_budget_s:
                     result["skipped"].append({"ctx": ctx, "anchors": anchors, "batch": b, "backend": backend,
                                               "reason": "time budget"})

@@ -114,6 +114,12 @@ class DrafterConfig:
     Qwen3-8B shapes: 17% faster steps (bench/drafter_step.py, backend flex_layers); one more compile at startup
     (~20 s). Needs two inductor/dynamo settings that DFlashDrafter.configure_compile applies and explains."""
 
+    flex_kernel_options: Optional[dict] = None
+    """Triton tile options passed to every flex_attention call (``kernel_options``), e.g. the backward tiles
+    ``{bwd_BLOCK_M1: 64, bwd_BLOCK_N1: 128, bwd_BLOCK_M2: 128, bwd_BLOCK_N2: 64, bwd_num_warps: 8,
+    bwd_num_stages: 3}`` (``fwd_``/``bwd_`` prefixes pick the kernel). None: inductor's defaults for the GPU.
+    ``python bench/flex_tune.py`` autotunes them for your shapes and prints the dict to paste here."""
+
     intermediate_size: Optional[int] = None
     """MLP width; None: the target's."""
 
@@ -137,6 +143,11 @@ class DrafterConfig:
         _require(self.loss_chunk_rows >= 16, "drafter.loss_chunk_rows must be >= 16")
         _require(self.ctx_bucket >= 16 and self.ctx_bucket % 16 == 0,
                  f"drafter.ctx_bucket={self.ctx_bucket}: must be a multiple of 16")
+        if self.flex_kernel_options is not None:
+            opts = dict(self.flex_kernel_options)
+            bad = {k: v for k, v in opts.items() if not isinstance(k, str) or not isinstance(v, (bool, int))}
+            _require(not bad, f"drafter.flex_kernel_options: keys must be option names and values int/bool, got {bad}")
+            self.flex_kernel_options = opts
         if self.compile_layers and self.attention_backend == "sdpa":
             raise ConfigError("drafter.compile_layers=true needs the flex backend: with attention_backend=sdpa set "
                               "drafter.compile_layers=false (or null)")

@@ -170,6 +170,7 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.flex_dynamic = False  # set by DFlashDrafter.configure_compile
+        self.flex_kernel_options: Optional[dict] = None  # idem (drafter.flex_kernel_options)
 
     def forward(self, x: Tensor, ctx: Tensor, rope_q: tuple[Tensor, Tensor], rope_k: tuple[Tensor, Tensor],
                 mask: Any, backend: str) -> Tensor:
@@ -183,7 +184,8 @@ class DFlashAttention(nn.Module):
         k = apply_rotary(k, *rope_k)
         if backend == "flex":
             flex = _flex_attention_compiled_dynamic if self.flex_dynamic else _flex_attention_compiled
-            out = flex(q, k, v, block_mask=mask, scale=self.scaling, enable_gqa=True)
+            out = flex(q, k, v, block_mask=mask, scale=self.scaling, enable_gqa=True,
+                       kernel_options=self.flex_kernel_options)
         else:
             attn_mask, row_ok = mask
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scaling,
@@ -232,20 +234,25 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.attention_calls: dict = {"flex_compiled": 0, "sdpa": 0, "flex_dynamic": 0, "compiled_layers": 0}
         self.flex_dynamic = False
+        self.flex_kernel_options: Optional[dict] = None
         self.compiled_layers = False
         self._layer_fns = list(self.layers)
         self.reset_parameters()
 
-    def configure_compile(self, flex_dynamic: bool = False, compile_layers: bool = False) -> "DFlashDrafter":
+    def configure_compile(self, flex_dynamic: bool = False, compile_layers: bool = False,
+                          kernel_options: Optional[dict] = None) -> "DFlashDrafter":
         """flex_dynamic: use the dynamic-shape compiled flex kernel (CUDA). compile_layers: run each decoder layer
         through torch.compile (fullgraph; the flex call is traced into the layer's graph), so the norms, RoPE and
-        the SiLU gate fuse. All layers share one code object, so they share the compiled graph."""
+        the SiLU gate fuse. All layers share one code object, so they share the compiled graph. kernel_options:
+        flex_attention tile options (drafter.flex_kernel_options), None = inductor's defaults."""
         if compile_layers and self.backend != "flex":
             raise ConfigError("drafter.compile_layers=true needs the flex backend (the sdpa backend is the "
                               "uncompiled reference path)")
         self.flex_dynamic = bool(flex_dynamic)
+        self.flex_kernel_options = dict(kernel_options) if kernel_options else None
         for layer in self.layers:
             layer.self_attn.flex_dynamic = self.flex_dynamic
+            layer.self_attn.flex_kernel_options = self.flex_kernel_options
         self.compiled_layers = bool(compile_layers)
         if compile_layers:
             # Each layer is its own small graph, so DDP's graph splitting (dynamo's DDPOptimizer, which cuts a

@@ -88,7 +88,8 @@ class DrafterTrainer:
         cl = cfg.drafter.compile_layers
         self.compile_layers = self.backend == "flex" if cl is None else bool(cl)
         self.model = DFlashDrafter(self.mcfg, self.backend).to(self.device).configure_compile(
-            flex_dynamic=self.flex_dynamic, compile_layers=self.compile_layers)
+            flex_dynamic=self.flex_dynamic, compile_layers=self.compile_layers,
+            kernel_options=cfg.drafter.flex_kernel_options)
         self.embed, self.lm_head = head_weights if head_weights is not None else receive_head_weights(job, self.device)
         self.feature_width = len(job.layer_ids) * tc.hidden_size
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas),
@@ -278,7 +279,8 @@ def run_drafter(job) -> None:
     if cfg.drafter.leaky_mask_demo:
         log.warning("drafter.leaky_mask_demo=true: training with the LEAKY mask (kv <= anchor) on purpose")
     flex_desc = (f" (compiled flex_attention, {'dynamic' if trainer.flex_dynamic else 'static'} shapes"
-                 f"{', compiled layers' if trainer.compile_layers else ''})")
+                 f"{', compiled layers' if trainer.compile_layers else ''}"
+                 f"{', kernel options ' + str(cfg.drafter.flex_kernel_options) if cfg.drafter.flex_kernel_options else ''})")
     log.info("drafter: %d layers, %.2fM trainable params, attention backend=%s%s, anchors=%d, block=%d",
              cfg.drafter.num_layers, n_params / 1e6, trainer.backend,
              flex_desc if trainer.backend == "flex" else " (dense bool mask, SDPA)",

@@ -26,6 +26,7 @@ def test_default_layer_ids_match_dflash():
     ("drafter", {"attention_backend": "flex", "compile": False}, "compile"),
     ("drafter", {"loss_gamma": 0}, "loss_gamma"),
     ("drafter", {"ctx_bucket": 10}, "ctx_bucket"),
+    ("drafter", {"flex_kernel_options": {"bwd_BLOCK_M1": "big"}}, "flex_kernel_options"),
     ("target", {"hf_config": {"builtin": "tiny"}, "dtype": "fp8"}, "target.dtype"),
     ("target", {"hf_config": {"builtin": "tiny"}, "layer_ids": [3, 1]}, "increasing"),
     ("target", {"hf_config": {"builtin": "tiny"}, "layer_ids": [1, 1]}, "duplicates"),
