@@ -5,7 +5,7 @@
 #      GPU0 bench/flex_tune.py at 3072x512, then drafter_step flex_layers vs flex_layers+ko (the tuned tiles) at
 #      3072x512 and 550x256, batch 1 and 2 (goal 2);
 #   2. pipeline efficiency (8B-shaped target + 1B drafter: drafter alone, then the real 1+1 job) (goal 3).
-# Usage: bash bench/gpu_session5.sh OUT_DIR     (carry .whl)
+# Usage: bash bench/gpu_session5.sh OUT_DIR     (carry .whl; SKIP_PIPELINE=1: part 1 only)
 set -uo pipefail
 OUT=${1:-/tmp/gpu_session5}; mkdir -p "$OUT"
 source bench/gpu_env.sh
@@ -27,6 +27,7 @@ echo "plan exit $? at $(el) s"; wait $PA
 grep -vE "^W1|Warning|warn" $OUT/plan.log | tail -14
 grep -E "^\||kernel_options" $OUT/flex_tune.log | tail -8
 grep -E "^\|" $OUT/ds.log | tail -10
+[ -n "${SKIP_PIPELINE:-}" ] && exit 0
 TOTAL=${TOTAL:-575}
 left=$(( TOTAL - $(el) ))
 echo "=== 2. pipeline at $(el) s (${left} s left)"
