@@ -84,6 +84,9 @@ def load_kernel_options(arg: Optional[str]) -> Optional[dict]:
     """--kernel-options: a JSON dict, or the path of a bench/flex_tune.py result (its best_kernel_options)."""
     if not arg:
         return None
+    if arg.endswith(".json") and not os.path.exists(arg):
+        C.log(f"--kernel-options {arg}: no such file (did the tune fail?); +ko backends run the defaults")
+        return None
     if os.path.exists(arg):
         with open(arg) as f:
             data = json.load(f)
