@@ -124,9 +124,11 @@ class Runner:
                            generator=torch.Generator().manual_seed(1_000_003 + k))
         # flex_layers = flex + drafter.compile_layers (each decoder layer through torch.compile); a "+ko" suffix
         # adds --kernel-options (drafter.flex_kernel_options)
-        base, _, suffix = backend.partition("+")
+        # "+eagerloss": the fused loss's chunk math eager (drafter.compile_loss=false; compiled by default with flex)
+        base, *suffixes = backend.split("+")
         flex = base in ("flex", "flex_layers")
-        opts = self.kernel_options if suffix == "ko" else None
+        opts = self.kernel_options if "ko" in suffixes else None
+        compiled_loss = flex and "eagerloss" not in suffixes
         want = ("flex" if flex else "sdpa", base == "flex_layers", opts)
         if (self.model.backend, self.model.compiled_layers, self.model.flex_kernel_options) != want:
             self.model.backend = "flex" if flex else "sdpa"
@@ -142,7 +144,7 @@ class Runner:
             with self.autocast:
                 hidden = self.model(block_embeds, batch.features, batch.ctx_positions, batch.block_positions, mask)
                 parts = decayed_ce(hidden, self.lm_head, batch.labels, B, dc.gamma, dc.loss_chunk_rows,
-                                   mode=self.loss_mode)
+                                   mode=self.loss_mode, compiled=compiled_loss)
             if train:
                 loss = parts.loss_sum / parts.weight_sum.clamp_min(1e-6)
                 loss.backward()
@@ -268,7 +270,8 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default=None, help=f"CTXxANCHORS list (default {GPU_CONFIGS}; tiny {TINY_CONFIGS})")
     p.add_argument("--batch", default="1", help="samples per step, comma list (e.g. 1,4)")
     p.add_argument("--backends", default="flex_layers,sdpa",
-                   help="comma list of flex, flex_layers (flex + drafter.compile_layers), sdpa")
+                   help="comma list of flex, flex_layers (flex + drafter.compile_layers), sdpa; suffixes: +ko "
+                        "(--kernel-options), +eagerloss (drafter.compile_loss=false; flex rows compile the loss)")
     p.add_argument("--kernel-options", default=None,
                    help="flex tile options (drafter.flex_kernel_options) for backends with a +ko suffix, e.g. "
                         "flex_layers+ko: a JSON dict, or a bench/flex_tune.py JSON file (its 'best_kernel_options')")
@@ -317,7 +320,7 @@ def main(argv=None) -> int:
     runner = Runner(mc, dc, dev, args.lr, dynamic=args.dynamic == "on" and dev.type == "cuda")
     runner.loss_mode = args.loss_mode
     runner.kernel_options = load_kernel_options(args.kernel_options)
-    if any(b.endswith("+ko") for b in backends) and not runner.kernel_options:
+    if any("+ko" in b for b in backends) and not runner.kernel_options:
         C.log("a +ko backend without --kernel-options (or the tune found none): it runs inductor's defaults")
     result = {"bench": "drafter_step", "env": C.env_info(dev), "tiny": tiny, "peak_matmul": peak,
               "nominal_peak_tflops": nominal, "drafter_config": mc.__dict__, "trainable_params": runner.n_params,

@@ -114,6 +114,10 @@ class DrafterConfig:
     Qwen3-8B shapes: 17% faster steps (bench/drafter_step.py, backend flex_layers); one more compile at startup
     (~20 s). Needs two inductor/dynamo settings that DFlashDrafter.configure_compile applies and explains."""
 
+    compile_loss: Optional[bool] = None
+    """torch.compile the per-chunk softmax / CE / logit gradient of the fused loss (one fused pass over the
+    bf16 logits instead of ~10 eager passes over an fp32 copy). None: on with the flex backend, off with sdpa."""
+
     flex_kernel_options: Optional[dict] = None
     """Triton tile options passed to every flex_attention call (``kernel_options``), e.g. the backward tiles
     ``{bwd_BLOCK_M1: 64, bwd_BLOCK_N1: 128, bwd_BLOCK_M2: 128, bwd_BLOCK_N2: 64, bwd_num_warps: 8,

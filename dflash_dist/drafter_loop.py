@@ -87,6 +87,8 @@ class DrafterTrainer:
         self.flex_dynamic = self.backend == "flex" and cfg.drafter.compile_dynamic and self.device.type == "cuda"
         cl = cfg.drafter.compile_layers
         self.compile_layers = self.backend == "flex" if cl is None else bool(cl)
+        closs = cfg.drafter.compile_loss
+        self.compile_loss = self.backend == "flex" if closs is None else bool(closs)
         self.model = DFlashDrafter(self.mcfg, self.backend).to(self.device).configure_compile(
             flex_dynamic=self.flex_dynamic, compile_layers=self.compile_layers,
             kernel_options=cfg.drafter.flex_kernel_options)
@@ -177,7 +179,8 @@ class DrafterTrainer:
         block_embeds = F.embedding(batch.block_ids, self.embed)
         with self.autocast:
             hidden = self.ddp(block_embeds, batch.features, batch.ctx_positions, batch.block_positions, mask)
-            parts = decayed_ce(hidden, self.lm_head, batch.labels, B, cfg.drafter.gamma, cfg.drafter.loss_chunk_rows)
+            parts = decayed_ce(hidden, self.lm_head, batch.labels, B, cfg.drafter.gamma, cfg.drafter.loss_chunk_rows,
+                               compiled=self.compile_loss)
         wsum = parts.weight_sum.detach().float().clone()
         if self.d.drafters is not None:
             dist.all_reduce(wsum, group=self.d.drafters)
@@ -280,6 +283,7 @@ def run_drafter(job) -> None:
         log.warning("drafter.leaky_mask_demo=true: training with the LEAKY mask (kv <= anchor) on purpose")
     flex_desc = (f" (compiled flex_attention, {'dynamic' if trainer.flex_dynamic else 'static'} shapes"
                  f"{', compiled layers' if trainer.compile_layers else ''}"
+                 f"{', compiled loss' if trainer.compile_loss else ''}"
                  f"{', kernel options ' + str(cfg.drafter.flex_kernel_options) if cfg.drafter.flex_kernel_options else ''})")
     log.info("drafter: %d layers, %.2fM trainable params, attention backend=%s%s, anchors=%d, block=%d",
              cfg.drafter.num_layers, n_params / 1e6, trainer.backend,

@@ -61,26 +61,62 @@ def _chunk_ce(h: Tensor, weight: Tensor, labels: Tensor, w: Tensor) -> tuple[Ten
     return (ce * w).sum(), pred
 
 
+def _ce_and_logit_grad_eager(logits: Tensor, y: Tensor, wt: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """One chunk's (weighted CE sum, argmax, d(sum w*CE)/d logits = w * (softmax - onehot) in the logits' dtype).
+    Eager: fp32 copy of the logits, then in place over it (one [r, V] fp32 buffer alive)."""
+    lf = logits.float()                                                         # [r, V]
+    pred = lf.argmax(-1)
+    lse = torch.logsumexp(lf, dim=-1)
+    y_safe = y.clamp_min(0)
+    picked = lf.gather(1, y_safe[:, None]).squeeze(1)
+    loss = ((lse - picked) * wt).sum()                                          # wt is 0 where y is ignored
+    g = lf.sub_(lse[:, None]).exp_().mul_(wt[:, None])
+    g.scatter_add_(1, y_safe[:, None], -wt[:, None])
+    return loss, pred, g.to(logits.dtype)
+
+
+def _ce_and_logit_grad(logits: Tensor, y: Tensor, wt: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The same math as one pure function for torch.compile: inductor fuses the fp32 upcast, the reductions and
+    the softmax gradient into a few passes over the bf16 logits (the eager chain makes ~10 passes over an fp32
+    copy: ~11 ms of a Qwen3-8B-shaped 3072/512 step on an H200). The one-hot is a comparison, never stored."""
+    lf = logits.float()
+    pred = lf.argmax(-1)
+    lse = torch.logsumexp(lf, dim=-1)
+    y_safe = y.clamp_min(0)
+    picked = lf.gather(1, y_safe[:, None]).squeeze(1)
+    loss = ((lse - picked) * wt).sum()
+    onehot = torch.arange(lf.shape[1], device=lf.device)[None, :] == y_safe[:, None]
+    g = (torch.exp(lf - lse[:, None]) - onehot.float()) * wt[:, None]
+    return loss, pred, g.to(logits.dtype)
+
+
+# dynamic: one graph for every chunk height (a height of 1 would specialise: _chunks never makes one)
+_ce_and_logit_grad_compiled = torch.compile(_ce_and_logit_grad, fullgraph=True, dynamic=True)
+
+
+def _chunks(rows: int, chunk_rows: int) -> list[tuple[int, int]]:
+    """[lo, hi) row ranges of at most chunk_rows, a trailing 1-row chunk merged into the one before it."""
+    bounds = [(lo, min(lo + chunk_rows, rows)) for lo in range(0, rows, chunk_rows)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
+        bounds[-2:] = [(bounds[-2][0], rows)]
+    return bounds
+
+
 class _FrozenHeadCE(torch.autograd.Function):
     """Weighted CE sum over row chunks through a frozen head, gradient wrt the rows computed in forward."""
 
     @staticmethod
-    def forward(ctx, h: Tensor, weight: Tensor, labels: Tensor, w: Tensor, chunk_rows: int):
+    def forward(ctx, h: Tensor, weight: Tensor, labels: Tensor, w: Tensor, chunk_rows: int, compiled: bool):
         hc = h.detach().to(weight.dtype)
         grad_h = torch.empty_like(hc)
         sums, preds = [], []
-        for lo in range(0, hc.shape[0], chunk_rows):
-            x, y, wt = hc[lo:lo + chunk_rows], labels[lo:lo + chunk_rows], w[lo:lo + chunk_rows]
-            logits = (x @ weight.t()).float()                                   # [r, V]
-            preds.append(logits.argmax(-1))
-            lse = torch.logsumexp(logits, dim=-1)
-            y_safe = y.clamp_min(0)
-            picked = logits.gather(1, y_safe[:, None]).squeeze(1)
-            sums.append(((lse - picked) * wt).sum())                            # wt is 0 where y is ignored
-            # d(sum w*CE)/d logits = w * (softmax - onehot), in place over the logits buffer
-            g = logits.sub_(lse[:, None]).exp_().mul_(wt[:, None])
-            g.scatter_add_(1, y_safe[:, None], -wt[:, None])
-            grad_h[lo:lo + chunk_rows] = g.to(weight.dtype) @ weight
+        chunk_fn = _ce_and_logit_grad_compiled if compiled else _ce_and_logit_grad_eager
+        for lo, hi in _chunks(hc.shape[0], chunk_rows):
+            logits = hc[lo:hi] @ weight.t()                                     # [r, V], the head's dtype
+            loss, pred, g = chunk_fn(logits, labels[lo:hi], w[lo:hi])
+            sums.append(loss)
+            preds.append(pred)
+            grad_h[lo:hi] = g @ weight
             del logits, g
         ctx.save_for_backward(grad_h)
         ctx.h_dtype = h.dtype
@@ -92,18 +128,19 @@ class _FrozenHeadCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: Tensor, _grad_pred):
         (grad_h,) = ctx.saved_tensors
-        return (grad_h * grad_loss.to(grad_h.dtype)).to(ctx.h_dtype), None, None, None, None
+        return (grad_h * grad_loss.to(grad_h.dtype)).to(ctx.h_dtype), None, None, None, None, None
 
 
 def decayed_ce(hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, block_size: int, gamma: float,
-               chunk_rows: int, mode: str = "auto") -> LossParts:
+               chunk_rows: int, mode: str = "auto", compiled: bool = False) -> LossParts:
     """Decayed cross-entropy of drafter outputs through the (frozen) target lm_head.
 
     hidden [b, N*B, H], lm_head_weight [V, H], labels [b, N*B] (-100 = no loss). Slot-0 rows never carry a
     loss, so they are dropped before the projection (static slicing, no sync). No .item(): every output is a
     tensor on hidden's device.
     ``mode``: fused, checkpoint, or auto (fused when the head is frozen and hidden needs
-    a gradient; see the module docstring).
+    a gradient; see the module docstring). ``compiled``: the fused path's per-chunk softmax/CE/gradient runs
+    through torch.compile (``drafter.compile_loss``; same math as the eager chain, fewer passes over the logits).
     """
     b, q, h_dim = hidden.shape
     bsz = block_size
@@ -128,7 +165,7 @@ def decayed_ce(hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, block_siz
     sums, preds = [], []
     step = max(1, int(chunk_rows))
     if fused and rows_y.numel():
-        loss_sum, pred = _FrozenHeadCE.apply(rows_h, lm_head_weight, rows_y, rows_w, step)
+        loss_sum, pred = _FrozenHeadCE.apply(rows_h, lm_head_weight, rows_y, rows_w, step, compiled)
         sums = None
     for lo in range(0, rows_y.numel() if sums is not None else 0, step):
         args = (rows_h[lo:lo + step], lm_head_weight, rows_y[lo:lo + step], rows_w[lo:lo + step])

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dflash_dist.loss import decayed_ce, slot_weights
+import dflash_dist.loss as loss_mod
+from dflash_dist.loss import _chunks, decayed_ce, slot_weights
 
 B, N, BS, H, V = 2, 3, 8, 16, 37  # H != chunk sizes, so [H, V] (weight.t()) is never taken for logits
 
@@ -120,8 +121,8 @@ def test_no_grad_path_and_all_ignored():
     assert parts.loss() == 0
 
 
-@pytest.mark.parametrize("chunk", [5, 16, 1000])
-def test_fused_frozen_head_matches_reference(chunk):
+@pytest.mark.parametrize("chunk,compiled", [(5, False), (16, False), (1000, False), (5, True), (16, True)])
+def test_fused_frozen_head_matches_reference(chunk, compiled, monkeypatch):
     """The training path (frozen lm_head): loss, accuracy and hidden-state gradient equal the unchunked
     reference; the head gets no gradient."""
     gamma = 3.0
@@ -131,7 +132,9 @@ def test_fused_frozen_head_matches_reference(chunk):
     (ref_sum / ref_w).backward()
     ref_gh = hidden.grad.clone()
     hidden.grad = None
-    parts = decayed_ce(hidden, weight, labels, BS, gamma, chunk)       # auto -> fused
+    if compiled:  # the compiled chunk function must be what runs
+        monkeypatch.setattr(loss_mod, "_ce_and_logit_grad_eager", _must_not_run)
+    parts = decayed_ce(hidden, weight, labels, BS, gamma, chunk, compiled=compiled)       # auto -> fused
     torch.testing.assert_close(parts.loss_sum, ref_sum, rtol=1e-5, atol=1e-5)
     assert torch.equal(parts.slot_correct, ref_correct) and torch.equal(parts.slot_count, ref_count)
     parts.loss().backward()
@@ -158,3 +161,20 @@ def test_fused_loss_refuses_a_trainable_head():
     hidden, weight, labels = _data()
     with pytest.raises(ValueError, match="frozen lm_head"):
         decayed_ce(hidden, weight, labels, BS, 7.0, 5, mode="fused")
+
+
+def _must_not_run(*args):
+    raise AssertionError("the eager chunk function ran although compiled=True")
+
+
+def test_chunks_never_leave_a_single_row():
+    """A 1-row chunk would make the dynamic-shape compiled loss specialise (one more compile mid-training)."""
+    assert _chunks(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert _chunks(9, 4) == [(0, 4), (4, 9)]
+    assert _chunks(3, 4) == [(0, 3)]
+    for rows in range(2, 40):
+        for size in range(2, 12):
+            parts = _chunks(rows, size)
+            assert parts[0][0] == 0 and parts[-1][1] == rows
+            assert all(hi - lo >= 2 and hi - lo <= size + 1 for lo, hi in parts)
+            assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
