@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Seventh device call on 2x H200 (< 10 min):
+#   1. the threaded baseline (one process, a target thread on cuda:0, a drafter thread on cuda:1) on the job of
+#      bench/pipeline.py, compared with the pipeline measured in call 5 (goal 4);
+#   2. the real trainer with topology.target_ranks=auto at SpecForge's config on the two GPUs: calibration, the
+#      split it picks and why, then training (the automatic role split on GPUs).
+# Usage: bash bench/gpu_session7.sh OUT_DIR     (carry .whl)
+set -uo pipefail
+OUT=${1:-/tmp/gpu_session7}; mkdir -p "$OUT"
+source bench/gpu_env.sh
+PIPE=${PIPE:-docs/results/2026-11-29-h200x2/pipeline_call5.json}
+echo "=== 1. threaded baseline at $(el) s"
+timeout -k 10 ${THR_T:-260} python3 bench/threaded_baseline.py --out "$OUT/threaded.json" --workdir /tmp/thr --steps 40 \
+  --warmup-steps 10 --timeout $(( ${THR_T:-260} - 15 )) --compare "$PIPE" > "$OUT/threaded.log" 2>&1
+echo "threaded exit $? at $(el) s"; grep -E "^\||compile errors" "$OUT/threaded.log" | tail -8
+echo "=== 2. real job, topology.target_ranks=auto at $(el) s"
+rm -rf /tmp/auto_run
+timeout -k 10 ${AUTO_T:-280} torchrun --standalone --nproc-per-node 2 -m dflash_dist.train target=qwen3_8b_random \
+  drafter=dflash drafter.num_anchors=256 data.source=synthetic:550:2000 target.max_batch_tokens=4096 \
+  target.max_batch_samples=4 topology.target_ranks=auto train.max_steps=40 logging.log_every=5 \
+  train.output_dir=/tmp/auto_run $common 2>&1 | grep -v "^W1" > "$OUT/auto_job.log"
+echo "auto job exit ${PIPESTATUS[0]} at $(el) s"
+cp /tmp/auto_run/plan.json "$OUT/auto_plan.json" 2>/dev/null
+cp /tmp/auto_run/metrics.jsonl "$OUT/auto_metrics.jsonl" 2>/dev/null
+grep -iE "split|supply|demand|plan|step 40/|done:|Error" "$OUT/auto_job.log" | tail -14
