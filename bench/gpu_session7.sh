@@ -2,8 +2,9 @@
 # Seventh device call on 2x H200 (< 10 min):
 #   1. the threaded baseline (one process, a target thread on cuda:0, a drafter thread on cuda:1) on the job of
 #      bench/pipeline.py, compared with the pipeline measured in call 5 (goal 4);
-#   2. the real trainer with topology.target_ranks=auto at SpecForge's config on the two GPUs: calibration, the
-#      split it picks and why, then training (the automatic role split on GPUs).
+#   2. in parallel: GPU0 drafter_step on the final default path (compiled loss; inductor's mix-order reduction
+#      off on torch < 2.13), GPU1 dflash-plan at SpecForge's config for 2, 4 and 8 GPUs;
+#   3. (AUTO=1) the real trainer with topology.target_ranks=auto at SpecForge's config on the two GPUs.
 # Usage: bash bench/gpu_session7.sh OUT_DIR     (carry .whl)
 set -uo pipefail
 OUT=${1:-/tmp/gpu_session7}; mkdir -p "$OUT"
@@ -13,7 +14,18 @@ echo "=== 1. threaded baseline at $(el) s"
 timeout -k 10 ${THR_T:-260} python3 bench/threaded_baseline.py --out "$OUT/threaded.json" --workdir /tmp/thr --steps 40 \
   --warmup-steps 10 --timeout $(( ${THR_T:-260} - 15 )) --compare "$PIPE" > "$OUT/threaded.log" 2>&1
 echo "threaded exit $? at $(el) s"; grep -E "^\||compile errors" "$OUT/threaded.log" | tail -8
-echo "=== 2. real job, topology.target_ranks=auto at $(el) s"
+echo "=== 2. GPU0 drafter_step (the final default path) | GPU1 dflash-plan at $(el) s"
+CUDA_VISIBLE_DEVICES=0 timeout -k 10 ${DS_T:-170} python3 bench/drafter_step.py --dynamic on --backends flex_layers \
+  --configs 3072x512,550x256 --batch 1,2,4 --out $OUT/ds.json > $OUT/ds.log 2>&1 &
+PA=$!
+CUDA_VISIBLE_DEVICES=1 timeout -k 10 ${PLAN_T:-190} python3 -m dflash_dist.plan --gpus 2,4,8 --out $OUT/plan.json \
+  target=qwen3_8b_random drafter=dflash drafter.num_anchors=256 data.source=synthetic:550:400 \
+  target.max_batch_tokens=4096 target.max_batch_samples=4 train.output_dir=/tmp/plan_run $common > $OUT/plan.log 2>&1
+echo "plan exit $? at $(el) s"; wait $PA; echo "drafter_step exit $? at $(el) s"
+grep -E "^\|" $OUT/ds.log | tail -8
+grep -vE "^W1|Warning|warn" $OUT/plan.log | tail -16
+[ -z "${AUTO:-}" ] && exit 0
+echo "=== 3. real job, topology.target_ranks=auto at $(el) s"
 rm -rf /tmp/auto_run
 timeout -k 10 ${AUTO_T:-280} torchrun --standalone --nproc-per-node 2 -m dflash_dist.train target=qwen3_8b_random \
   drafter=dflash drafter.num_anchors=256 data.source=synthetic:550:2000 target.max_batch_tokens=4096 \

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Projection: the best target/drafter split of W GPUs from measured per-GPU supply and demand.
 
-supply = samples/s one target GPU produces (bench/target_capture.py, capture mode, the SpecForge-like ~550-token
-mix; samples/s = capture tokens/s / mean sample length), demand = samples/s one drafter GPU trains
-(bench/drafter_step.py at ctx 550 / 256 anchors, flex backend). For every split T + D = W the job runs at
-min(T * supply, D * demand) samples/s (the slower side sets the pace; transport assumed hidden, which
+supply = samples/s one target GPU produces (bench/target_capture.py, the capture row of ``--target-variant``, default
+packed, the SpecForge-like ~550-token mix; samples/s = capture tokens/s / mean sample length), demand = samples/s
+one drafter GPU trains (bench/drafter_step.py at ctx 550 / 256 anchors, flex backend). For every split T + D = W
+the job runs at min(T * supply, D * demand) samples/s (the slower side sets the pace; transport assumed hidden, which
 bench/pipeline.py checks; the arithmetic is ``dflash_dist.plan.choose_split``, shared with
 ``topology.target_ranks=auto`` and ``dflash-plan``, which measure both rates on the job's own data). Prints the
 table, the best split and samples/s per GPU, writes JSON and, when matplotlib is importable, a PNG of supply vs
@@ -27,10 +27,11 @@ import _common as C  # noqa: E402  (puts the repo root on sys.path)
 from dflash_dist.plan import choose_split  # noqa: E402  (torch-free)
 
 
-def supply_from(path: str, mix: str, budget) -> tuple[float, dict]:
+def supply_from(path: str, mix: str, budget, variant: str = "packed") -> tuple[float, dict]:
     with open(path) as f:
         d = json.load(f)
     rows = [r for r in d.get("rows", []) if "error" not in r and r.get("capture_samples_per_s")]
+    rows = [r for r in rows if r.get("variant", "padded") == variant] or rows  # JSON without that variant: any
     cand = [r for r in rows if str(r.get("mix")) == str(mix)] or rows
     if budget is not None:
         cand = [r for r in cand if int(r.get("budget", -1)) == int(budget)] or cand
@@ -38,6 +39,7 @@ def supply_from(path: str, mix: str, budget) -> tuple[float, dict]:
         raise SystemExit(f"{path}: no usable capture row")
     r = max(cand, key=lambda r: r["capture_samples_per_s"]) if budget is None else cand[0]
     return float(r["capture_samples_per_s"]), {"path": path, "mix": r.get("mix"), "budget": r.get("budget"),
+                                                 "variant": r.get("variant", "padded"),
                                                  "tokens_per_s": r.get("capture_tokens_per_s"),
                                                  "mean_sample_len": r.get("mean_sample_len"),
                                                  "target": d.get("target"), "gpu": d.get("env", {}).get("gpu")}
@@ -98,6 +100,9 @@ def main(argv=None) -> int:
     p.add_argument("--demand", type=float, default=None, help="samples/s per drafter GPU (overrides --drafter-json)")
     p.add_argument("--target-mix", default="550")
     p.add_argument("--target-budget", type=int, default=16384)
+    p.add_argument("--target-variant", default="packed",
+                   help="target_capture row variant (packed: what target.packing=auto runs on CUDA; falls back to "
+                        "whatever the JSON has)")
     p.add_argument("--drafter-config", default="550x256", help="CTXxANCHORS row of drafter_step")
     p.add_argument("--drafter-backend", default="flex")
     p.add_argument("--drafter-batch", type=int, default=1)
@@ -110,7 +115,8 @@ def main(argv=None) -> int:
     if supply is None:
         if not args.target_json:
             p.error("give --supply or --target-json")
-        supply, src["supply"] = supply_from(args.target_json, args.target_mix, args.target_budget)
+        supply, src["supply"] = supply_from(args.target_json, args.target_mix, args.target_budget,
+                                            args.target_variant)
     if demand is None:
         if not args.drafter_json:
             p.error("give --demand or --drafter-json")

@@ -78,8 +78,9 @@ def markdown(res: dict) -> str:
     tc = res.get("target_capture")
     if tc:
         out.append(C.table(tc.get("rows", []), [
-            ("mix", "mix"), ("budget", "budget"), ("mean_samples_per_batch", "samples/batch"),
-            ("pad_frac", "pad"), ("capture_tokens_per_s", "capture tok/s"), ("capture_samples_per_s", "samples/s"),
+            ("mix", "mix"), ("budget", "budget"), ("variant", "variant"), ("mean_samples_per_batch", "samples/batch"),
+            ("pad_frac", "pad"), ("capture_tokens_per_s", "capture tok/s"), ("speedup_vs_padded", "vs padded"),
+            ("capture_samples_per_s", "samples/s"),
             ("capture_tflops", "TFLOP/s"), ("full_tokens_per_s", "full fwd tok/s"),
             ("capture_speedup_vs_full", "capture / full"), ("error", "error")],
             title=f"2. Target capture ({tc.get('target')}, layers {tc.get('layer_ids')})"))

@@ -2,12 +2,19 @@
 """Target supply: tokens/s of the feature capture (``FeatureCapture``: hooks copy the 5 layers, the forward stops
 after the last one, no lm_head) vs the full HF forward (all layers, lm_head, ``output_hidden_states=True``).
 
+Variants (``--variants``, all measured on the same batches with the same warm-up and repeats; each row says its
+``variant`` and its speed relative to ``padded``): ``padded`` = right-padded rows through the model's sdpa (the
+path of ``target.packing=off``), ``packed`` = the batch as one row, no padding, document-causal compiled flex
+attention (``target.packing=on``), ``*_compiled`` = the same with the decoder layers compiled
+(``target.compile=true``). The full forward is timed once per (mix, budget), padded, next to the padded row.
+
 Dense mode (default): the Qwen3-8B-shaped random-init bf16 target of ``conf/target/qwen3_8b_random.yaml`` (36
 layers, hidden 4096), built by ``dflash_dist.target.build_target_model`` (random init on the device), capture
 layers ``[1, 9, 17, 25, 33]``. Samples come from ``dflash_dist.synthetic`` (random ids; length mixes "550" =
 uniform 275..825 and "256-3072" = uniform 256..3072) and are batched by ``dflash_dist.data.build_plan`` under a
 token budget (``n * max_len <= budget``), padded by ``target_loop.pad_batch``: exactly what a target rank runs.
-The timed region per batch is what the target rank counts as busy: pad_batch + forward + synchronize.
+The timed region per batch is what the target rank counts as busy: pad_batch + forward + synchronize. Warm-up
+passes (untimed, ``warmup_s``) run every batch, so compiled variants compile every shape before timing.
 
 Hybrid mode (``--hybrid``): a reduced Qwen3-Next-shaped target (12 layers [linear, linear, linear, full] x 3,
 hidden 2048, GatedDeltaNet layers with 16 key / 32 value heads of dim 128, dense MLPs unless --hybrid-experts),
@@ -16,6 +23,7 @@ once with and once without causal-conv1d importable to get the fast-path ratio (
 
     python bench/target_capture.py --out target_capture.json
     python bench/target_capture.py --hybrid --out hybrid.json
+    python bench/target_capture.py --variants padded,packed_compiled --out tc.json
     python bench/target_capture.py --tiny --out /tmp/tc.json          # CPU smoke (packaged tiny target)
 """
 
@@ -38,7 +46,7 @@ from dflash_dist.flops import target_forward_flops  # noqa: E402
 from dflash_dist.config import TargetConfig, default_layer_ids  # noqa: E402
 from dflash_dist.data import build_plan  # noqa: E402
 from dflash_dist.synthetic import synthetic_dataset  # noqa: E402
-from dflash_dist.target import FeatureCapture, text_config  # noqa: E402
+from dflash_dist.target import FeatureCapture, packed_stats, text_config  # noqa: E402
 from dflash_dist.target_loop import pad_batch  # noqa: E402
 
 
@@ -110,23 +118,54 @@ def layer_matmul_params(model) -> int:
 
 
 def approx_flops(tc, per_layer_params: int, layers_run: int, batches: list, lm_head: bool) -> float:
-    """Dense Qwen3 forward FLOPs over the padded batches (``dflash_dist.flops.target_forward_flops``)."""
+    """Dense Qwen3 forward FLOPs over the batches as they run, [(b, S), ...] (``flops.target_forward_flops``)."""
     return target_forward_flops(tc, per_layer_params * layers_run, layers_run, batches, lm_head)
 
-def measure(fn_batch, inputs, dev, warmup: int, repeats: int) -> list[float]:
-    """Seconds per pass over all batches (each batch: fn + synchronize, as target_loop times busy work)."""
+
+# name -> (target.packing, target.compile)
+VARIANTS = {"padded": (False, False), "padded_compiled": (False, True), "packed": (True, False),
+            "packed_compiled": (True, True)}
+
+
+def measure(fn_batch, inputs, dev, warmup: int, repeats: int) -> tuple[list[float], float]:
+    """(seconds per timed pass over all batches, seconds of the warm-up passes); each batch: fn + synchronize,
+    as target_loop times busy work."""
     def one_pass():
         for samples in inputs:
             fn_batch(samples)
             C.sync(dev)
+    t0 = time.perf_counter()
     for _ in range(warmup):
         one_pass()
+    warmup_s = time.perf_counter() - t0
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         one_pass()
         times.append(time.perf_counter() - t0)
-    return times
+    return times, warmup_s
+
+
+def measure_variant(model, layer_ids, variant: str, inputs, dev, args) -> dict:
+    """One capture variant over the batches: tok/s, samples/s, peak memory, layers run, the path's description."""
+    packing, compile_layers = VARIANTS[variant]
+    C.reset_peak(dev)
+    capture = FeatureCapture(model, layer_ids, packing=packing, compile=compile_layers)
+
+    def cap(samples):
+        ids, lens, _, _ = pad_batch(samples, dev, packing)
+        return capture(ids, lens)
+    flex_calls = packed_stats["flex_calls"]
+    try:
+        t, warmup_s = measure(cap, inputs, dev, args.warmup, args.repeats)
+    finally:
+        capture.close()
+    real = sum(len(s.input_ids) for b in inputs for s in b)
+    med = C.median(t)
+    return {"capture_path": capture.describe(), "capture_s": med, "capture_tokens_per_s": real / med,
+            "capture_samples_per_s": sum(len(b) for b in inputs) / med, "capture_pass_s_all": t,
+            "warmup_s": warmup_s, "capture_peak_mem_gb": C.mem_gb(dev)["peak_gb"], "layers_run": capture.layers_run,
+            "flex_calls_uncompiled": packed_stats["flex_calls"] - flex_calls}
 
 
 def main(argv=None) -> int:
@@ -148,6 +187,10 @@ def main(argv=None) -> int:
     p.add_argument("--full", dest="full", action="store_true", default=None, help="also time the full forward")
     p.add_argument("--no-full", dest="full", action="store_false")
     p.add_argument("--time-budget-s", type=float, default=0, help="start no new (mix, budget) after this")
+    p.add_argument("--variants", default=None,
+                   help=f"capture variants, comma list of {', '.join(VARIANTS)}; default padded,packed,packed_compiled "
+                        "(--tiny: padded,packed: compiling the layers on a 2-core CPU takes longer than the smoke "
+                        "test allows; --hybrid: padded, packing is refused for linear-attention layers)")
     args = p.parse_args(argv)
     tiny = args.tiny
     dev = C.pick_device(args.device)
@@ -159,6 +202,11 @@ def main(argv=None) -> int:
     budgets = [int(x) for x in (args.budgets or ("256,512" if tiny else ("16384" if args.hybrid else "16384,32768"))
                                 ).split(",")]
     tokens_per_pass = args.tokens_per_pass or (1024 if tiny else 65536)
+    variants = (args.variants or ("padded" if args.hybrid else "padded,packed" if tiny
+                                  else "padded,packed,packed_compiled")).split(",")
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        p.error(f"--variants: unknown {bad}; known: {', '.join(VARIANTS)}")
 
     if args.hybrid:
         hf, dropped = hybrid_hf_config(tiny, args.hybrid_layers, args.hybrid_hidden, args.hybrid_experts)
@@ -180,7 +228,8 @@ def main(argv=None) -> int:
               "tiny": tiny, "target": name, "model_class": type(model).__name__, "params": n_params,
               "num_layers": n_layers, "layer_ids": layer_ids, "build_s": build_s, "build": how,
               "max_batch_samples": args.max_batch_samples, "tokens_per_pass": tokens_per_pass,
-              "warmup_passes": args.warmup, "repeats": args.repeats, "rows": [], "skipped": []}
+              "warmup_passes": args.warmup, "repeats": args.repeats, "variants": variants, "rows": [],
+              "skipped": []}
     if args.hybrid:
         from dflash_dist.fast_path import check_target_fast_path
         fp = check_target_fast_path(model, "allow", dev.type)
@@ -209,58 +258,59 @@ def main(argv=None) -> int:
             real = sum(lengths)
             shapes = [(len(b), max(lengths[i] for i in b)) for b in plan]
             padded = sum(b * s for b, s in shapes)
-            row = {"mix": mix, "source": source, "budget": budget, "samples": len(ds), "batches": len(plan),
-                   "real_tokens": real, "padded_tokens": padded, "pad_frac": 1 - real / padded,
-                   "mean_sample_len": real / len(ds), "mean_samples_per_batch": len(ds) / len(plan)}
+            batch_info = {"mix": mix, "source": source, "budget": budget, "samples": len(ds), "batches": len(plan),
+                          "real_tokens": real, "padded_tokens": padded, "pad_frac": 1 - real / padded,
+                          "mean_sample_len": real / len(ds), "mean_samples_per_batch": len(ds) / len(plan)}
             C.log(f"mix {mix} budget {budget}: {len(ds)} samples in {len(plan)} batches, {real} tokens "
-                  f"({100 * row['pad_frac']:.1f}% padding)")
-            try:
-                C.reset_peak(dev)
-                capture = FeatureCapture(model, layer_ids)
-
-                def cap(samples):
-                    ids, lens, _, _ = pad_batch(samples, dev)
-                    return capture(ids, lens)
+                  f"({100 * batch_info['pad_frac']:.1f}% padding)")
+            rows = []
+            for variant in variants:
+                row = dict(batch_info, variant=variant)
                 try:
-                    t = measure(cap, inputs, dev, args.warmup, args.repeats)
-                finally:
-                    capture.close()
-                med = C.median(t)
-                row.update({"capture_s": med, "capture_tokens_per_s": real / med,
-                            "capture_samples_per_s": len(ds) / med, "capture_pass_s_all": t,
-                            "capture_peak_mem_gb": C.mem_gb(dev)["peak_gb"],
-                            "layers_run": capture.layers_run})
-                if not args.hybrid:
-                    row["capture_tflops"] = approx_flops(tc, per_layer, max(layer_ids) + 1, shapes, False) / med / 1e12
-                C.log(f"  capture: {row['capture_tokens_per_s']:,.0f} tok/s, {row['capture_samples_per_s']:.1f} samples/s")
-                if full:
-                    C.reset_peak(dev)
+                    row.update(measure_variant(model, layer_ids, variant, inputs, dev, args))
+                    packed = VARIANTS[variant][0]
+                    row["tokens_run"] = real if packed else padded
+                    if not args.hybrid:  # FLOPs as run: padded rows include the padding, packed rows per sample
+                        runs = [(1, lengths[i]) for b in plan for i in b] if packed else shapes
+                        row["capture_tflops"] = approx_flops(tc, per_layer, max(layer_ids) + 1, runs,
+                                                             False) / row["capture_s"] / 1e12
+                    C.log(f"  {variant}: {row['capture_tokens_per_s']:,.0f} tok/s, {row['capture_samples_per_s']:.1f} "
+                          f"samples/s, warm-up {row['warmup_s']:.1f} s [{row['capture_path']}]")
+                    if full and variant == "padded":
+                        C.reset_peak(dev)
 
-                    @torch.inference_mode()
-                    def full_fwd(samples):
-                        ids, _, _, _ = pad_batch(samples, dev)
-                        return model(input_ids=ids, use_cache=False, output_hidden_states=True)
-                    t = measure(full_fwd, inputs, dev, args.warmup, args.repeats)
-                    medf = C.median(t)
-                    row.update({"full_s": medf, "full_tokens_per_s": real / medf, "full_pass_s_all": t,
-                                "full_peak_mem_gb": C.mem_gb(dev)["peak_gb"],
-                                "capture_speedup_vs_full": medf / med})
-                    if not args.hybrid:
-                        row["full_tflops"] = approx_flops(tc, per_layer, n_layers, shapes, True) / medf / 1e12
-                    C.log(f"  full:    {row['full_tokens_per_s']:,.0f} tok/s -> capture is "
-                          f"{row['capture_speedup_vs_full']:.2f}x faster")
-            except Exception as e:
-                row["error"] = C.short_error(e)
-                row["oom"] = C.is_oom(e)
-                C.log(f"  error: {row['error']}")
-                del e
-                C.free_memory(dev)
-            result["rows"].append(row)
+                        @torch.inference_mode()
+                        def full_fwd(samples):
+                            ids, _, _, _ = pad_batch(samples, dev)
+                            return model(input_ids=ids, use_cache=False, output_hidden_states=True)
+                        t, _ = measure(full_fwd, inputs, dev, args.warmup, args.repeats)
+                        medf = C.median(t)
+                        row.update({"full_s": medf, "full_tokens_per_s": real / medf, "full_pass_s_all": t,
+                                    "full_peak_mem_gb": C.mem_gb(dev)["peak_gb"],
+                                    "capture_speedup_vs_full": medf / row["capture_s"]})
+                        if not args.hybrid:
+                            row["full_tflops"] = approx_flops(tc, per_layer, n_layers, shapes, True) / medf / 1e12
+                        C.log(f"  full:    {row['full_tokens_per_s']:,.0f} tok/s -> capture is "
+                              f"{row['capture_speedup_vs_full']:.2f}x faster")
+                except Exception as e:
+                    row["error"] = C.short_error(e)
+                    row["oom"] = C.is_oom(e)
+                    C.log(f"  {variant} error: {row['error']}")
+                    del e
+                    C.free_memory(dev)
+                rows.append(row)
+                result["rows"].append(row)
+                C.write_json(args.out, result)
+            base = next((r for r in rows if r["variant"] == "padded" and "error" not in r), None)
+            for r in rows:
+                if base is not None and "error" not in r:
+                    r["speedup_vs_padded"] = base["capture_s"] / r["capture_s"]
             result["wall_s"] = time.time() - t_start
             C.write_json(args.out, result)
 
-    cols = [("mix", "mix"), ("budget", "budget"), ("batches", "batches"), ("mean_samples_per_batch", "samples/batch"),
-            ("pad_frac", "pad frac"), ("capture_tokens_per_s", "capture tok/s"),
+    cols = [("mix", "mix"), ("budget", "budget"), ("variant", "variant"), ("batches", "batches"),
+            ("mean_samples_per_batch", "samples/batch"), ("pad_frac", "pad frac"),
+            ("capture_tokens_per_s", "capture tok/s"), ("speedup_vs_padded", "vs padded"),
             ("capture_samples_per_s", "capture samples/s"), ("capture_tflops", "capture TFLOP/s"),
             ("full_tokens_per_s", "full tok/s"), ("capture_speedup_vs_full", "capture/full speed"),
             ("capture_peak_mem_gb", "peak GB"), ("error", "error")]

@@ -97,7 +97,7 @@ def main(argv=None) -> int:
         return False
 
     def target_thread():
-        from dflash_dist.target import FeatureCapture
+        from dflash_dist.target import FeatureCapture, resolve_compile, resolve_packing
         from dflash_dist.target_loop import pad_batch
         from dflash_dist.transport import Message
         try:
@@ -105,7 +105,11 @@ def main(argv=None) -> int:
                 torch.cuda.set_device(dev_t)
             model, how, build_s = C.build_target_on_device(cfg.target, dev_t)
             state["target_build_s"], state["target_build"] = build_s, how
-            capture = FeatureCapture(model, job.layer_ids)
+            # the target path of the real target rank (target.packing / target.compile resolved the same way)
+            packed = resolve_packing(cfg.target, model, dev_t.type)
+            capture = FeatureCapture(model, job.layer_ids, packing=packed,
+                                     compile=resolve_compile(cfg.target, model, dev_t.type))
+            state["target_capture"] = capture.describe()
             t_first = None
             for j in mine:
                 if stop.is_set():
@@ -113,7 +117,7 @@ def main(argv=None) -> int:
                 k = job.start_cursor + j
                 samples = [ds[i] for i in job.plan[k]]
                 t0 = time.monotonic()
-                ids, lengths, packed_ids, packed_mask = pad_batch(samples, dev_t)
+                ids, lengths, packed_ids, packed_mask = pad_batch(samples, dev_t, packed)
                 feats = capture(ids, lengths)
                 C.sync(dev_t)
                 state["target_busy_s"] += time.monotonic() - t0

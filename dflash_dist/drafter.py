@@ -45,6 +45,11 @@ _flex_attention_compiled = torch.compile(flex_attention, fullgraph=True)
 _flex_attention_compiled_dynamic = torch.compile(flex_attention, fullgraph=True, dynamic=True)
 
 
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
 def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
     if isinstance(cfg, dict):
         return cfg.get(key, default)
@@ -264,6 +269,12 @@ class DFlashDrafter(nn.Module):
             # picks tilings, so turning it off changes speed heuristics, not results
             if hasattr(torch._inductor.config.triton, "coalesce_tiling_analysis"):
                 torch._inductor.config.triton.coalesce_tiling_analysis = False
+            # torch < 2.13: inductor's mix-order reduction (the RMSNorm backward's fused weight-gradient sum)
+            # writes its final slice as `ws[i * n + m * r : ...]` without parentheses; when the split count is a
+            # symbolic sum (k_norm over [context | block] rows, b > 1) the view fails at run time ("shape
+            # '[1280, 128]' is invalid for input of size 1024", torch 2.11 on an H200). torch 2.13 parenthesises.
+            if _torch_version() < (2, 13) and hasattr(torch._inductor.config.triton, "mix_order_reduction"):
+                torch._inductor.config.triton.mix_order_reduction = False
         self._layer_fns = ([torch.compile(layer, fullgraph=True, dynamic=True if self.flex_dynamic else None)
                             for layer in self.layers] if compile_layers else list(self.layers))
         return self

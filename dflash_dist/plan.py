@@ -81,9 +81,10 @@ def format_splits(res: dict) -> str:
 
 
 def format_rates(supply: dict, demand: dict) -> str:
+    path = f", {supply['capture']}" if supply.get("capture") else ""  # which capture path was timed
     return (f"  target supply  {supply['samples_per_s']:.4g} samples/s ({supply['tokens_per_s']:.4g} tokens/s) per "
             f"target rank: {supply['batches']} batches timed after {supply['warmup_batches']} warm-up, "
-            f"{supply['seconds']:.3g} s on {supply['device']}\n"
+            f"{supply['seconds']:.3g} s on {supply['device']}{path}\n"
             f"  drafter demand {demand['samples_per_s']:.4g} samples/s ({demand['tokens_per_s']:.4g} tokens/s) per "
             f"drafter rank: {demand['steps']} steps ({demand['backend']}) timed after {demand['warmup_steps']} "
             f"warm-up, {demand['seconds']:.3g} s on {demand['device']}")
@@ -113,11 +114,13 @@ def free_memory(device: torch.device) -> None:
 
 def measure_target_supply(job, device: torch.device, batches: Optional[int] = None) -> dict:
     """Samples/s and tokens/s of one target rank: the target built as ``target_loop.run_target`` builds it
-    (same loader / random init, fast-path policy, ``FeatureCapture``), run on the plan's messages exactly as the
-    target loop batches them (pad_batch + capture + device sync, what it counts as busy), after 1 warm-up batch."""
+    (same loader / random init, fast-path policy, ``FeatureCapture`` with the same resolved packing and compile),
+    run on the plan's messages exactly as the target loop batches them (pad_batch + capture + device sync, what it
+    counts as busy), after warm-up: 1 batch, or with anything compiled (packing, target.compile) one pass over
+    the measured batches, so no compile lands in the timed ones."""
     from .data import TokenizedDataset
     from .fast_path import check_target_fast_path
-    from .target import FeatureCapture, build_target_model
+    from .target import FeatureCapture, build_target_model, resolve_compile, resolve_packing
     from .target_loop import pad_batch
     cfg = job.cfg
     ks = calibration_messages(job, batches or cfg.topology.plan_target_batches)
@@ -126,17 +129,21 @@ def measure_target_supply(job, device: torch.device, batches: Optional[int] = No
     build_s = time.monotonic() - t0
     check_target_fast_path(model, cfg.target.fast_path, device.type)  # never time a refused fallback path
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    capture = FeatureCapture(model, job.layer_ids)
+    packed = resolve_packing(cfg.target, model, device.type)
+    compiled = resolve_compile(cfg.target, model, device.type)
+    capture = FeatureCapture(model, job.layer_ids, packing=packed, compile=compiled)
+    path = capture.describe()
+    warmup = ks if (packed or compiled) else ks[:1]  # allocator, kernels, caches; compiles: every shape
     ds = TokenizedDataset.load(job.dataset_path)
     samples = tokens = 0
     try:
-        for i, k in enumerate([ks[0]] + ks):  # batch 0: warm-up (allocator, kernels, caches), untimed
-            if i == 1:
+        for i, k in enumerate(warmup + ks):
+            if i == len(warmup):
                 t0 = time.perf_counter()
-            ids, lengths, _, _ = pad_batch([ds[j] for j in job.plan[k]], device)
+            ids, lengths, _, _ = pad_batch([ds[j] for j in job.plan[k]], device, packed)
             capture(ids, lengths)
             _sync(device)
-            if i >= 1:
+            if i >= len(warmup):
                 samples, tokens = samples + len(lengths), tokens + int(lengths.sum())
         secs = time.perf_counter() - t0
     finally:
@@ -144,8 +151,8 @@ def measure_target_supply(job, device: torch.device, batches: Optional[int] = No
         del capture, model
         free_memory(device)
     return {"samples_per_s": samples / secs, "tokens_per_s": tokens / secs, "batches": len(ks), "samples": samples,
-            "tokens": tokens, "seconds": secs, "warmup_batches": 1, "build_s": build_s, "device": str(device),
-            "dtype": dtype, "messages": ks}
+            "tokens": tokens, "seconds": secs, "warmup_batches": len(warmup), "build_s": build_s,
+            "device": str(device), "dtype": dtype, "messages": ks, "capture": path}
 
 
 def measure_drafter_demand(job, device: torch.device, steps: Optional[int] = None) -> dict:
@@ -400,6 +407,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"dflash-plan: configuration error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
+        import traceback
+        traceback.print_exc()  # an unexpected failure: where it happened matters more than a short line
         print(f"dflash-plan: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     res["overrides"] = list(args.overrides)

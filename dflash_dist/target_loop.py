@@ -12,23 +12,28 @@ from .data import TokenizedDataset
 from .distributed import shorten_timeouts
 from .eval_loop import TargetEval, eval_enabled, expected_evals
 from .faults import apply_target_fault, fault_for
-from .target import FeatureCapture, build_target_model, head_weights, resolve_source
+from .target import (FeatureCapture, build_target_model, head_weights, resolve_compile, resolve_packing,
+                     resolve_source)
 from .transport import Channel, Message, Sender
 
 log = logging.getLogger("dflash_dist")
 
 
-def pad_batch(samples, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ids [b, S], lengths [b], packed ids [T] and packed loss mask [T]."""
+def pad_batch(samples, device, packed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward ids on ``device`` (right-padded [b, S]; ``packed``: the samples concatenated, [1, T]), lengths [b],
+    packed ids [T] and packed loss mask [T]."""
     lengths = torch.tensor([len(s.input_ids) for s in samples], dtype=torch.long)
-    ids = torch.zeros(len(samples), int(lengths.max()), dtype=torch.long)
+    ids = None if packed else torch.zeros(len(samples), int(lengths.max()), dtype=torch.long)
     packed_ids, packed_mask = [], []
     for i, s in enumerate(samples):
         t = torch.as_tensor(s.input_ids, dtype=torch.long)
-        ids[i, :len(t)] = t
+        if ids is not None:
+            ids[i, :len(t)] = t
         packed_ids.append(t)
         packed_mask.append(torch.as_tensor(s.loss_mask, dtype=torch.bool))
-    return ids.to(device), lengths, torch.cat(packed_ids), torch.cat(packed_mask)
+    packed_ids = torch.cat(packed_ids)
+    ids = packed_ids[None] if packed else ids
+    return ids.to(device), lengths, packed_ids, torch.cat(packed_mask)
 
 
 def send_head_weights(job, model) -> None:
@@ -43,9 +48,10 @@ def send_head_weights(job, model) -> None:
         dist.send(head.detach().contiguous(), d, group=job.dist.data)
 
 
-def capture_flops_fn(model, job):
-    """(b, S) -> forward FLOPs of one padded capture batch (decoder layers up to the last captured one, no
-    lm_head), for the target's MFU in the metrics (``flops.target_forward_flops``)."""
+def capture_flops_fn(model, job, packed: bool = False):
+    """lengths [b] -> forward FLOPs of one capture batch (decoder layers up to the last captured one, no lm_head)
+    as it runs: padded, b x max(lengths) tokens; packed, each sample on its own (attention stays inside a sample).
+    For the target's MFU in the metrics (``flops.target_forward_flops``)."""
     from .flops import target_forward_flops
     from .target import decoder_layers, text_config
     _, layers = decoder_layers(model)
@@ -53,7 +59,9 @@ def capture_flops_fn(model, job):
     run_params = sum(p.numel() for layer in run for p in layer.parameters())
     attn_layers = sum(1 for layer in run if hasattr(layer, "self_attn"))  # hybrids: full-attention layers only
     tc = text_config(job.hf_config)
-    return lambda b, s: target_forward_flops(tc, run_params, attn_layers, [(b, s)])
+    if packed:
+        return lambda lengths: target_forward_flops(tc, run_params, attn_layers, [(1, int(n)) for n in lengths])
+    return lambda lengths: target_forward_flops(tc, run_params, attn_layers, [(len(lengths), int(max(lengths)))])
 
 
 def run_target(job) -> None:
@@ -66,8 +74,11 @@ def run_target(job) -> None:
     from .fast_path import check_target_fast_path
     check_target_fast_path(model, cfg.target.fast_path, d.device.type)  # logs the binding; require raises
     send_head_weights(job, model)
-    capture = FeatureCapture(model, job.layer_ids)
-    flops_per_batch = capture_flops_fn(model, job)
+    packed = resolve_packing(cfg.target, model, d.device.type)
+    capture = FeatureCapture(model, job.layer_ids, packing=packed,
+                             compile=resolve_compile(cfg.target, model, d.device.type))
+    log.info("target capture: %s", capture.describe())
+    flops_per_batch = capture_flops_fn(model, job, packed)
     dataset = TokenizedDataset.load(job.dataset_path)
     channel = Channel(d.ctrl, d.data, d.device, timeout_s=cfg.topology.warmup_timeout_s, check=job.life.check)
     tx = Sender(channel, d.rank, cfg.topology.max_in_flight)
@@ -89,7 +100,7 @@ def run_target(job) -> None:
         k = job.start_cursor + j
         batch = [dataset[i] for i in job.plan[k]]
         t_busy = time.monotonic()
-        ids, lengths, packed_ids, packed_mask = pad_batch(batch, d.device)
+        ids, lengths, packed_ids, packed_mask = pad_batch(batch, d.device, packed)
         feats = apply_target_fault(fault, sent, capture(ids, lengths))
         if d.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # busy time = real forward time
@@ -99,7 +110,7 @@ def run_target(job) -> None:
         msg = Message(k, torch.tensor(job.plan[k], dtype=torch.long), cu, packed_ids, packed_mask, feats)
         tokens += int(lengths.sum())
         samples += len(batch)
-        flops += flops_per_batch(*ids.shape)
+        flops += flops_per_batch(lengths.tolist())
         wall = time.monotonic() - start
         tx.send(topo.drafter_for(j), msg,
                 stats=(int(busy_s * 1e6), int(tx.wait_s * 1e6), tokens, samples, int(wall * 1e6), int(flops / 1e6)))

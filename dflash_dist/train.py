@@ -112,7 +112,7 @@ def build_job(cfg: JobConfig, rank: int, world_size: Optional[int], ctrl, device
     data and the batching plan, the resume point. Shared by ``setup`` (every rank; ``ctrl`` barrier around the
     data) and dflash-plan (one process: world_size and ctrl None). ``dist`` is left None; ``total_messages`` is
     the whole plan until ``setup`` caps it at train.max_steps * drafters (a resumed run keeps its own)."""
-    from .target import load_hf_config, text_config, tokenizer_path
+    from .target import check_packing_config, load_hf_config, text_config, tokenizer_path
     from transformers import AutoTokenizer
     hf_config = load_hf_config(cfg.target)
     tc = text_config(hf_config)
@@ -125,6 +125,7 @@ def build_job(cfg: JobConfig, rank: int, world_size: Optional[int], ctrl, device
                                    block_size=cfg.drafter.block_size, intermediate_size=cfg.drafter.intermediate_size)
     from .fast_path import check_fast_path_for_config  # every rank, before any weights load: fail in seconds
     check_fast_path_for_config(hf_config, cfg.target.fast_path, device_type, cfg.target.attn_implementation)
+    check_packing_config(cfg.target, hf_config)  # target.packing=on for a hybrid: refused before weights load
 
     run_dir = cfg.train.output_dir
     if rank == 0:

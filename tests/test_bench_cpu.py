@@ -33,8 +33,9 @@ def runs(tmp_path_factory):
         [("drafter_step", _cmd("drafter_step.py", "--tiny", "--configs", "40x8", "--repeats", 2, "--peak-n", 128,
                                "--backends", "flex,flex_layers,sdpa",
                                "--out", p["drafter_step"])),
+         # padded and packed only: compiling the layers (packed_compiled) takes too long on a 2-core CPU
          ("target_capture", _cmd("target_capture.py", "--tiny", "--mixes", 64, "--budgets", 256, "--repeats", 1,
-                                 "--warmup", 0, "--out", p["target_capture"])),
+                                 "--warmup", 0, "--variants", "padded,packed", "--out", p["target_capture"])),
          ("hybrid", _cmd("target_capture.py", "--tiny", "--hybrid", "--mixes", 64, "--budgets", 256, "--repeats", 1,
                          "--warmup", 0, "--out", p["hybrid"])),
          ("plan_split", _cmd("plan_split.py", "--target-json", p["target_capture"], "--drafter-json",
@@ -99,10 +100,20 @@ def test_bench_uses_the_package_flop_formula():
 
 def test_target_capture(runs):
     d = _load(runs, "target_capture")
-    (r,) = d["rows"]
-    assert "error" not in r, r
-    assert r["capture_tokens_per_s"] > 0 and r["full_tokens_per_s"] > 0 and r["capture_speedup_vs_full"] > 0
-    assert r["layers_run"] == max(d["layer_ids"]) + 1 <= d["num_layers"]  # stopped after the last capture layer
+    rows = {r["variant"]: r for r in d["rows"]}
+    assert d["variants"] == ["padded", "packed"] and set(rows) == {"padded", "packed"}
+    for r in rows.values():
+        assert "error" not in r, r
+        assert r["capture_tokens_per_s"] > 0 and r["speedup_vs_padded"] > 0
+        assert r["layers_run"] == max(d["layer_ids"]) + 1 <= d["num_layers"]  # stopped after the last capture layer
+    pad, packed = rows["padded"], rows["packed"]
+    assert pad["full_tokens_per_s"] > 0 and pad["capture_speedup_vs_full"] > 0 and pad["speedup_vs_padded"] == 1
+    assert pad["capture_path"] == "padded (sdpa), compiled layers: no"
+    assert packed["capture_path"] == "packed (flex document-causal), compiled layers: no"
+    # every attention layer of every batch (one pass: --warmup 0 --repeats 1) went through the flex function
+    assert packed["flex_calls_uncompiled"] == packed["layers_run"] * packed["batches"]
+    assert packed["tokens_run"] == packed["real_tokens"] < pad["tokens_run"] == pad["padded_tokens"]
+    assert "| variant |" in runs["logs"]["target_capture"] and "| packed |" in runs["logs"]["target_capture"]
 
 
 def test_hybrid_reports_bindings(runs):

@@ -31,6 +31,7 @@ def test_default_layer_ids_match_dflash():
     ("target", {"hf_config": {"builtin": "tiny"}, "layer_ids": [3, 1]}, "increasing"),
     ("target", {"hf_config": {"builtin": "tiny"}, "layer_ids": [1, 1]}, "duplicates"),
     ("target", {"hf_config": {"builtin": "tiny"}, "fast_path": "maybe"}, "fast_path"),
+    ("target", {"hf_config": {"builtin": "tiny"}, "packing": "yes"}, "target.packing"),
     ("target", {"hf_config": {}}, "name_or_path"),
     ("data", {"overlong": "drop"}, "overlong"),
     ("data", {"max_bad_fraction": 2.0}, "max_bad_fraction"),

@@ -114,6 +114,7 @@ def check_measured(res, world, n_target, n_drafter):
     s, d = res["supply"], res["demand"]
     assert s["batches"] == n_target and d["steps"] == n_drafter
     assert s["warmup_batches"] == 1 and d["warmup_steps"] == 1 and d["backend"] == "sdpa"
+    assert s["capture"] == "padded (sdpa), compiled layers: no"  # the path the job's target runs (CPU: auto = off)
     assert s["samples"] > 0 and d["samples"] > 0 and s["tokens"] > s["samples"]
     assert s["samples_per_s"] == pytest.approx(s["samples"] / s["seconds"])
     assert s["tokens_per_s"] == pytest.approx(s["tokens"] / s["seconds"])

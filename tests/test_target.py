@@ -1,5 +1,7 @@
 """Target capture: layer id i is HF hidden_states[i+1], later layers do not run, no lm_head."""
 
+import warnings
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3NextConfig
@@ -64,3 +66,123 @@ def test_random_init_is_seeded_and_frozen():
     b = build_target_model(TargetConfig(hf_config=dict(tiny("qwen3").to_dict(), model_type="qwen3"), init_seed=3), "cpu")
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
     assert not any(p.requires_grad for p in a.parameters()) and not a.training
+
+
+# ---------------------------------------------------------------------------------------- packed capture
+
+def _batch(lengths, vocab=128, seed=1):
+    """Right-padded ids [b, S] and the same samples concatenated [1, T]."""
+    g = torch.Generator().manual_seed(seed)
+    samples = [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    for i, s in enumerate(samples):
+        ids[i, :len(s)] = s
+    return ids, torch.tensor(lengths), torch.cat(samples)[None]
+
+
+def _capture(model, layer_ids, ids, lengths, **kw):
+    cap = FeatureCapture(model, layer_ids, **kw)
+    try:
+        return cap(ids, lengths)
+    finally:
+        cap.close()
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny("qwen3"), attn_implementation="sdpa").eval()
+
+
+def test_packed_capture_equals_padded(qwen3, monkeypatch):
+    """One packed row [1, T] with per-sample positions and document-causal flex attention gives the padded path's
+    features; every attention layer that ran went through the flex function with a BlockMask, HF built no mask,
+    flex never ran eagerly, and the model is left as it was built."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from torch.nn.attention.flex_attention import BlockMask
+    from dflash_dist.compile_guard import FLEX_EAGER_WARNING_RE
+    from dflash_dist.target import PACKED_ATTN, packed_stats
+    ids, lengths, packed = _batch([11, 5, 8])
+    layer_ids = [3, 7]  # a middle layer and the last one (final norm)
+    ref = _capture(qwen3, layer_ids, ids, lengths)
+
+    cap = FeatureCapture(qwen3, layer_ids, packing=True)  # registers PACKED_ATTN
+    masks = []
+    flex_fn = AttentionInterface._global_mapping[PACKED_ATTN]
+
+    def spy(module, q, k, v, mask, **kw):
+        masks.append((mask, q.shape[2]))
+        return flex_fn(module, q, k, v, mask, **kw)
+    monkeypatch.setitem(AttentionInterface._global_mapping, PACKED_ATTN, spy)
+    for name in list(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping):  # HF's mask builders (sdpa, eager, flex, ...)
+        monkeypatch.setitem(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, name,
+                            lambda *a, name=name, **k: pytest.fail(f"HF built a {name} mask"))
+    before = dict(packed_stats)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=FLEX_EAGER_WARNING_RE)
+        feats = cap(packed, lengths)
+    cap.close()
+    torch.testing.assert_close(feats, ref, rtol=1e-5, atol=1e-5)
+    assert feats.shape == (24, 2 * 32)
+    assert packed_stats["flex_calls"] - before["flex_calls"] == 8 == len(masks)  # every layer up to id 7
+    assert packed_stats["block_masks"] - before["block_masks"] == 1               # one mask per forward
+    assert all(isinstance(m, BlockMask) and m is masks[0][0] for m, _ in masks)
+    assert masks[0][0].kv_num_blocks.numel() * 128 <= masks[0][1]  # block-sparse: one entry per 128-row block
+    assert qwen3.config._attn_implementation == "sdpa"                 # switched for the capture only
+    padded = FeatureCapture(qwen3, [1])
+    padded.close()
+    assert padded.describe() == "padded (sdpa), compiled layers: no"
+    assert cap.describe() == "packed (flex document-causal), compiled layers: no"
+
+
+def test_compiled_layers_equal_uncompiled(qwen3):
+    """target.compile: the decoder layers that run are compiled (packed: flex traced into the layer graph; padded:
+    sdpa) and give the same features, for a second batch too; the layers get their own forward back after."""
+    layer_ids = [2, 7]
+    batches = [_batch([30, 9, 17], seed=2), _batch([3, 40], seed=3)]
+    refs = [_capture(qwen3, layer_ids, ids, lengths) for ids, lengths, _ in batches]
+    for packing in (True, False):
+        cap = FeatureCapture(qwen3, layer_ids, packing=packing, compile=True)
+        try:
+            for (ids, lengths, packed), ref in zip(batches, refs):
+                torch.testing.assert_close(cap(packed if packing else ids, lengths), ref, rtol=1e-5, atol=1e-5)
+        finally:
+            cap.close()
+        assert cap.describe().endswith("compiled layers: yes")
+        assert not any("forward" in layer.__dict__ for layer in qwen3.get_decoder().layers)
+
+
+def test_packing_resolution_and_hybrid_refused():
+    from dflash_dist.config import ConfigError
+    from dflash_dist.target import check_packing_config, resolve_packing
+    dense = AutoModelForCausalLM.from_config(tiny("qwen3")).eval()
+    hybrid = AutoModelForCausalLM.from_config(tiny("qwen3_next")).eval()
+    cfg = lambda packing, hf=tiny("qwen3"): TargetConfig(hf_config=dict(hf.to_dict(), model_type=hf.model_type),
+                                                          packing=packing)
+    assert resolve_packing(cfg("auto"), dense, "cuda") is True
+    assert resolve_packing(cfg("auto"), dense, "cpu") is False
+    assert resolve_packing(cfg("off"), dense, "cuda") is False
+    assert resolve_packing(cfg("on"), dense, "cpu") is True
+    assert resolve_packing(cfg("auto"), hybrid, "cuda") is False
+    with pytest.raises(ConfigError, match=r"target.packing=on: decoder layer 0 .*GatedDeltaNet"):
+        resolve_packing(cfg("on"), hybrid, "cuda")
+    with pytest.raises(ConfigError, match="linear attention"):
+        FeatureCapture(hybrid, [1], packing=True)
+    with pytest.raises(ConfigError, match=r"target.packing=on: decoder layer 0 is linear_attention"):
+        check_packing_config(cfg("on"), tiny("qwen3_next"))         # from the config, before weights load
+    check_packing_config(cfg("auto"), tiny("qwen3_next"))
+    with pytest.raises(ConfigError, match="target.packing"):
+        TargetConfig(hf_config={"builtin": "tiny"}, packing="yes")
+
+
+def test_compile_resolution():
+    from dflash_dist.target import resolve_compile
+    dense = AutoModelForCausalLM.from_config(tiny("qwen3")).eval()
+    hybrid = AutoModelForCausalLM.from_config(tiny("qwen3_next")).eval()
+    cfg = lambda compile: TargetConfig(hf_config={"builtin": "tiny"}, compile=compile)  # noqa: E731
+    assert resolve_compile(cfg(None), dense, "cuda") is True        # the measured default on GPUs
+    assert resolve_compile(cfg(None), dense, "cpu") is False
+    assert resolve_compile(cfg(None), hybrid, "cuda") is False      # fla/causal-conv1d layers: only when asked
+    assert resolve_compile(cfg(True), hybrid, "cpu") is True
+    assert resolve_compile(cfg(False), dense, "cuda") is False
