@@ -101,7 +101,8 @@ class RateMeter:
 
 def target_window_metrics(now: dict, prev: dict, peak_tflops) -> dict:
     """Per-target-rank metrics of one logging window from the cumulative sender statistics that ride on every
-    message header (transport.H_STATS: busy us, backpressure wait us, tokens, samples, wall us, MFLOP).
+    message header (transport.H_STATS: busy us, wait us (backpressure + compute-stream stall before a capture),
+    tokens, samples, wall us, MFLOP).
 
     ``now``/``prev``: {rank: stats} at this and the previous window (prev may lack a rank: from its start).
     Busy/wait fractions are cumulative (since the rank started); rates and MFU are over the window."""
