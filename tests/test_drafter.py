@@ -282,3 +282,16 @@ def test_compiled_layers_run_under_ddp(tmp_path):
         assert flex.attention_calls["compiled_layers"] == LAYERS
     finally:
         dist.destroy_process_group()
+
+
+def test_mix_order_reduction_off_only_where_inductor_miscompiles_it(monkeypatch):
+    """torch < 2.13 generates a wrong workspace slice for the RMSNorm weight gradient (seen on torch 2.11 GPUs)."""
+    import torch._inductor.config as ic
+    import dflash_dist.drafter as drafter_mod
+    monkeypatch.setattr(ic.triton, "mix_order_reduction", True)
+    monkeypatch.setattr(drafter_mod, "_torch_version", lambda: (2, 13))
+    make_model("flex").configure_compile(compile_layers=True)
+    assert ic.triton.mix_order_reduction is True
+    monkeypatch.setattr(drafter_mod, "_torch_version", lambda: (2, 11))
+    make_model("flex").configure_compile(compile_layers=True)
+    assert ic.triton.mix_order_reduction is False
