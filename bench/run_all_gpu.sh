@@ -12,7 +12,7 @@
 # Plan (seconds; every part is time-boxed with `timeout`, writes its JSON as it goes, and a part that hits its box
 # keeps what it wrote):
 #   phase A, in parallel:  GPU0 drafter_step (B_DRAFTER=200)
-#                          GPU1 target_capture (B_TARGET=90) -> hybrid without causal-conv1d (B_HYBRID=55)
+#                          GPU1 target_capture (B_TARGET=120) -> hybrid without causal-conv1d (B_HYBRID=55)
 #                               -> hybrid with causal-conv1d (B_HYBRID=55)
 #   phase B:               pipeline: drafter alone on GPU0 (52% of the box), then the real 1 target + 1 drafter
 #                          job (the rest) (B_PIPE=250)
@@ -33,7 +33,7 @@ WORK=/tmp/dflash_bench_work
 rm -rf "$WORK"
 mkdir -p "$OUT_DIR" "$WORK"
 
-: "${B_DRAFTER:=200}" "${B_TARGET:=90}" "${B_HYBRID:=55}" "${B_PIPE:=250}" "${B_THREAD:=100}"
+: "${B_DRAFTER:=200}" "${B_TARGET:=120}" "${B_HYBRID:=55}" "${B_PIPE:=250}" "${B_THREAD:=100}"
 : "${TOTAL:=575}"   # seconds for the whole script: later parts shrink to fit what is left
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONUNBUFFERED=1 WANDB_MODE=disabled
@@ -91,7 +91,7 @@ main() {
     PS=(--target-mix 64 --target-budget 256 --drafter-config 40x8 --drafter-backend sdpa)
   else
     DS=(--repeats 8 --time-budget-s $(( B_DRAFTER - 50 )))
-    TC=(--tokens-per-pass 49152 --repeats 2 --time-budget-s $(( B_TARGET - 35 )))
+    TC=(--tokens-per-pass 49152 --repeats 2 --budgets 16384 --time-budget-s $(( B_TARGET - 35 )))
     HY=(--hybrid --tokens-per-pass 32768 --repeats 3)
     JOB=(--steps 20 --warmup-steps 10 --log-every 5)
     PS=()
