@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Device call 10 on 2x H200 (< 10 min):
+#   1. bench/send_overlap.py (GEMM chain) with every scenario: does a pending send still hold the workload back
+#      when the workload runs on its own CUDA stream, and does a pending *receive* do the same; once more with
+#      CUDA_DEVICE_MAX_CONNECTIONS=32 (more hardware queues: is it a false dependency between streams?);
+#   2. goal 4 at SpecForge's config (256 anchors) with the target as in the design being replaced (eager HF
+#      forward, padded, uncompiled) in both designs: the real 1 + 1 job, then the threaded baseline.
+# Usage: bash bench/gpu_session10.sh OUT_DIR     (carry .whl)
+set -uo pipefail
+OUT=${1:-/tmp/gpu_session10}; mkdir -p "$OUT"
+source bench/gpu_env.sh
+for conn in default 32; do
+  echo "=== 1. send_overlap gemm, CUDA_DEVICE_MAX_CONNECTIONS=$conn at $(el) s"
+  ( [ $conn != default ] && export CUDA_DEVICE_MAX_CONNECTIONS=$conn
+    timeout -k 10 ${SO_T:-60} torchrun --standalone --nproc-per-node 2 bench/send_overlap.py --repeats 4 \
+      --out $OUT/send_overlap_gemm_conn_$conn.json 2>&1 | grep -v "^W1" > $OUT/send_overlap_gemm_conn_$conn.log )
+  echo "exit $? at $(el) s"; grep -E "^\|" $OUT/send_overlap_gemm_conn_$conn.log
+done
+JOB=(--steps 50 --warmup-steps 15 --override drafter.num_anchors=256 --override target.packing=off
+     --override target.compile=false)
+echo "=== 2a. multi-process 1 + 1 job, 256 anchors, eager padded target at $(el) s"
+timeout -k 10 ${PIPE_T:-150} python3 bench/pipeline.py --skip-alone --out "$OUT/pipeline_e2e_256_eager.json" --workdir /tmp/pipe \
+  --e2e-timeout $(( ${PIPE_T:-150} - 10 )) "${JOB[@]}" --override logging.trace_target=true > "$OUT/pipeline_e2e_256_eager.log" 2>&1
+echo "pipeline e2e exit $? at $(el) s"; grep -E "^\|" "$OUT/pipeline_e2e_256_eager.log" | tail -3
+cp /tmp/pipe/e2e_run/target_trace/rank1.jsonl "$OUT/target_trace_256_eager.jsonl" 2>/dev/null
+cp /tmp/pipe/e2e_run/metrics.jsonl "$OUT/pipeline_e2e_256_eager_metrics.jsonl" 2>/dev/null
+echo "=== 2b. threaded baseline, same job at $(el) s"
+timeout -k 10 ${THR_T:-230} python3 bench/threaded_baseline.py --out "$OUT/threaded_256_eager.json" --workdir /tmp/thr \
+  --timeout $(( ${THR_T:-230} - 15 )) --compare "$OUT/pipeline_e2e_256_eager.json" "${JOB[@]}" > "$OUT/threaded_256_eager.log" 2>&1
+echo "threaded exit $? at $(el) s"; grep -E "^\||compile errors|target busy" "$OUT/threaded_256_eager.log" | tail -8
+# the device returns at most 8 files from a call: everything in one archive
+( cd "$OUT" && tar czf results.tgz --remove-files *.json *.jsonl *.log 2>/dev/null ); ls "$OUT"

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Device call 12 on 2x H200 (< 10 min), one configuration where the target's speed matters: 64 anchors per
+# sample (the drafter step ~4x lighter than at 256), ~550-token samples, 4-sample messages, the target as in the
+# design being replaced (eager HF forward, padded, uncompiled) everywhere, 120 steps, rate over steps 20..120:
+#   1. the real 1 + 1 job with rendezvous sends (the default: a payload send is posted once the drafter has
+#      posted its receive), target trace on;
+#   2. the same job with topology.rendezvous_sends=false (sends posted at once, as before), target trace on;
+#   3. the threaded baseline on the same job (goal 4).
+# Usage: bash bench/gpu_session12.sh OUT_DIR     (carry .whl)
+set -uo pipefail
+OUT=${1:-/tmp/gpu_session12}; mkdir -p "$OUT"
+source bench/gpu_env.sh
+JOB=(--steps 120 --warmup-steps 20 --override drafter.num_anchors=64 --override target.packing=off
+     --override target.compile=false)
+for rv in true false; do
+  echo "=== $([ $rv = true ] && echo 1 || echo 2). multi-process 1 + 1, rendezvous_sends=$rv at $(el) s"
+  timeout -k 10 ${PIPE_T:-140} python3 bench/pipeline.py --skip-alone --out "$OUT/pipeline_e2e_rv_$rv.json" --workdir /tmp/pipe_$rv \
+    --e2e-timeout $(( ${PIPE_T:-140} - 10 )) "${JOB[@]}" --override logging.trace_target=true \
+    --override topology.rendezvous_sends=$rv > "$OUT/pipeline_e2e_rv_$rv.log" 2>&1
+  echo "pipeline e2e exit $? at $(el) s"; grep -E "^\| \(b\)" "$OUT/pipeline_e2e_rv_$rv.log"
+  cp /tmp/pipe_$rv/e2e_run/target_trace/rank1.jsonl "$OUT/target_trace_rv_$rv.jsonl" 2>/dev/null
+  cp /tmp/pipe_$rv/e2e_run/metrics.jsonl "$OUT/metrics_rv_$rv.jsonl" 2>/dev/null
+  cp /tmp/pipe_$rv/e2e.log "$OUT/job_rv_$rv.log" 2>/dev/null
+  grep -E "target (done|stopped)" /tmp/pipe_$rv/e2e.log | tail -1
+  python3 - "$OUT/target_trace_rv_$rv.jsonl" <<'PY' || true
+import json, statistics as st, sys
+rows = [json.loads(l) for l in open(sys.argv[1])][10:]
+print(f"target trace, messages 10..{len(rows) + 9}: " + ", ".join(
+    f"{k} median {st.median([r[k] for r in rows]):.1f}" for k in ("stall_ms", "capture_ms", "backpressure_ms")))
+PY
+done
+echo "=== 3. threaded baseline, same job at $(el) s"
+timeout -k 10 ${THR_T:-200} python3 bench/threaded_baseline.py --out "$OUT/threaded.json" --workdir /tmp/thr \
+  --timeout $(( ${THR_T:-200} - 15 )) --compare "$OUT/pipeline_e2e_rv_true.json" "${JOB[@]}" > "$OUT/threaded.log" 2>&1
+echo "threaded exit $? at $(el) s"; grep -E "^\||compile errors" "$OUT/threaded.log" | tail -8
+( cd "$OUT" && tar czf results.tgz --remove-files *.json *.jsonl *.log 2>/dev/null ); ls "$OUT"

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Device call 9 on 2x H200 (< 10 min): why the target reads ~100% busy when the drafter sets the pace, and
+# the threaded design at SpecForge's config (256 anchors).
+#   1. bench/send_overlap.py: does a pending (not yet received) NCCL send slow the sender's compute? a GEMM chain,
+#      then the real packed + compiled Qwen3-8B-shaped capture, each alone / with a pending send / after receive;
+#   2. the real 1 + 1 job (bench/pipeline.py, e2e part) at 256 anchors, project defaults (packed + compiled
+#      target), logging.trace_target=true: per-message stall / capture / backpressure times of the target;
+#   3. the threaded baseline on the same job and defaults: the target's compiled capture and the drafter's
+#      compiled step traced in two threads of one process (goal 4, and whether that hits compile errors).
+# Usage: bash bench/gpu_session9.sh OUT_DIR     (carry .whl)
+set -uo pipefail
+OUT=${1:-/tmp/gpu_session9}; mkdir -p "$OUT"
+source bench/gpu_env.sh
+echo "=== 1. send_overlap (gemm, capture) at $(el) s"
+timeout -k 10 ${SO_T:-60} torchrun --standalone --nproc-per-node 2 bench/send_overlap.py --out $OUT/send_overlap_gemm.json \
+  2>&1 | grep -v "^W1" > $OUT/send_overlap_gemm.log
+echo "gemm exit ${PIPESTATUS[0]} at $(el) s"; grep -E "^\||workload|delay" $OUT/send_overlap_gemm.log
+timeout -k 10 ${SOC_T:-120} torchrun --standalone --nproc-per-node 2 bench/send_overlap.py --workload capture \
+  --out $OUT/send_overlap_capture.json 2>&1 | grep -v "^W1" > $OUT/send_overlap_capture.log
+echo "capture exit ${PIPESTATUS[0]} at $(el) s"; grep -E "^\||workload|delay|Error" $OUT/send_overlap_capture.log
+JOB=(--steps 50 --warmup-steps 15 --override drafter.num_anchors=256)
+echo "=== 2. multi-process 1 + 1 job, 256 anchors, target trace at $(el) s"
+timeout -k 10 ${PIPE_T:-150} python3 bench/pipeline.py --skip-alone --out "$OUT/pipeline_e2e_256.json" --workdir /tmp/pipe \
+  --e2e-timeout $(( ${PIPE_T:-150} - 10 )) "${JOB[@]}" --override logging.trace_target=true > "$OUT/pipeline_e2e_256.log" 2>&1
+echo "pipeline e2e exit $? at $(el) s"; grep -E "^\|" "$OUT/pipeline_e2e_256.log" | tail -3
+cp /tmp/pipe/e2e_run/target_trace/rank1.jsonl "$OUT/target_trace_256.jsonl" 2>/dev/null
+cp /tmp/pipe/e2e_run/metrics.jsonl "$OUT/pipeline_e2e_256_metrics.jsonl" 2>/dev/null
+grep -E "target (done|stopped)" /tmp/pipe/e2e.log | tail -2
+python3 - "$OUT/target_trace_256.jsonl" <<'PY' || true
+import json, statistics as st, sys
+rows = [json.loads(l) for l in open(sys.argv[1])][5:]
+for k in ("stall_ms", "capture_ms", "backpressure_ms"):
+    v = [r[k] for r in rows]
+    print(f"target trace after 5 messages ({len(v)}): {k} median {st.median(v):.1f} max {max(v):.1f}")
+PY
+echo "=== 3. threaded baseline, same job at $(el) s"
+timeout -k 10 ${THR_T:-220} python3 bench/threaded_baseline.py --out "$OUT/threaded_256.json" --workdir /tmp/thr \
+  --timeout $(( ${THR_T:-220} - 15 )) --compare "$OUT/pipeline_e2e_256.json" "${JOB[@]}" > "$OUT/threaded_256.log" 2>&1
+echo "threaded exit $? at $(el) s"; grep -E "^\||compile errors" "$OUT/threaded_256.log" | tail -8
