@@ -229,6 +229,11 @@ class TopologyConfig:
     max_in_flight: int = 4
     """Messages a target may have sent but not yet seen received, per drafter link (backpressure)."""
 
+    rendezvous_sends: bool = True
+    """Post each payload send only after the drafter has posted the matching receive (a counter per link in the
+    rendezvous store). An NCCL send posted earlier spins on the target GPU until the drafter takes it and slowed
+    the target's capture 1.4-1.5x on an H200 (bench/send_overlap.py). False: send at once (the older path)."""
+
     timeout_s: float = 60.0
     """A rank that waits this long on a peer after warm-up declares the job dead and exits non-zero."""
 
@@ -362,6 +367,11 @@ class LoggingConfig:
     record_sample_ids: bool = False
     """Append the sample ids of every trained message to <output_dir>/sample_log/rank<r>.jsonl (audits and
     tests of the no-loss/no-repeat guarantee; costs a host sync per step on GPU)."""
+
+    trace_target: bool = False
+    """Each target rank appends one line per message to <output_dir>/target_trace/rank<r>.jsonl: samples,
+    tokens, and where its time went (stream stall before the capture, the capture itself, backpressure wait
+    before the send), for finding which side of the pipeline is slow and why."""
 
     def __post_init__(self) -> None:
         if isinstance(self.wandb, dict):

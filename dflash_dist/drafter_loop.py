@@ -297,7 +297,8 @@ def run_drafter(job) -> None:
     if job.auto_split is not None:  # topology.target_ranks=auto: the measured rates and the split, once
         from .plan import plan_record
         writer.log(job.start_step, plan_record(job.auto_split), kind="plan")
-    channel = Channel(d.ctrl, d.data, d.device, timeout_s=cfg.topology.warmup_timeout_s, check=life.check)
+    channel = Channel(d.ctrl, d.data, d.device, timeout_s=cfg.topology.warmup_timeout_s, check=life.check,
+                      store=d.store if cfg.topology.rendezvous_sends else None)
     rx = Receiver(channel, d.rank)
     mine = list(topo.drafter_messages(run_messages))
     pending = rx.post(topo.target_for(mine[0]), job.start_cursor + mine[0]) if mine else None
@@ -307,6 +308,7 @@ def run_drafter(job) -> None:
     target_stats, prev_target_stats = {}, {}
     ends_seen: set = set()
     wait_s = busy_s = 0.0
+    seen_time = (0.0, 0.0, 0.0)  # (wait, busy, wall) at the last logged window: fractions are per window
     stopped = False
     stop_at = None
     sample_log = None
@@ -388,14 +390,17 @@ def run_drafter(job) -> None:
             dist.all_reduce(rates, group=d.drafters)  # job throughput = sum over drafters
             sps, tps, link = rates.tolist()
             wall = time.monotonic() - t_start
+            dwall = max(wall - seen_time[2], 1e-9)
             window.update({"samples_per_s": sps, "tokens_per_s": tps, "link_gb_per_s": link / 1e9,
                            "drafter_samples_per_s": sps / topo.num_drafters,
-                           "drafter_wait_frac": wait_s / max(wall, 1e-9), "drafter_busy_frac": busy_s / max(wall, 1e-9),
+                           "drafter_wait_frac": (wait_s - seen_time[0]) / dwall,
+                           "drafter_busy_frac": (busy_s - seen_time[1]) / dwall,
                            "epoch_progress": trainer.cursor / max(job.total_messages, 1)})
             if peak:  # model FLOPs of all drafters over the window / (drafters x window x peak)
                 window["drafter_mfu"] = window["model_flops"] / (topo.num_drafters * r["window_s"] * peak * 1e12)
             window.update(target_window_metrics(target_stats, prev_target_stats, peak))
             prev_target_stats = dict(target_stats)
+            seen_time = (wait_s, busy_s, wall)
             last_window = window
             if leader_eval is not None:
                 for at, res in leader_eval.ready():

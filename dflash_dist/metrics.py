@@ -105,17 +105,19 @@ def target_window_metrics(now: dict, prev: dict, peak_tflops) -> dict:
     tokens, samples, wall us, MFLOP).
 
     ``now``/``prev``: {rank: stats} at this and the previous window (prev may lack a rank: from its start).
-    Busy/wait fractions are cumulative (since the rank started); rates and MFU are over the window."""
+    Everything is over the window: the sender's time between the two messages whose stamps arrived last (the
+    first window counts from the rank's start, model load and first compile included). Cumulative fractions
+    would keep a long first compile in the busy share for the whole of a short job."""
     out: dict = {}
     for src, st in now.items():
         if not st or len(st) < 5 or st[4] <= 0:
             continue
-        out[f"target{src}_busy_frac"] = st[0] / st[4]
-        out[f"target{src}_wait_frac"] = st[1] / st[4]
         p = prev.get(src) or [0] * len(st)
         dt = (st[4] - p[4]) / 1e6
         if dt <= 0:
             continue
+        out[f"target{src}_busy_frac"] = (st[0] - p[0]) / 1e6 / dt
+        out[f"target{src}_wait_frac"] = (st[1] - p[1]) / 1e6 / dt
         out[f"target{src}_tokens_per_s"] = (st[2] - p[2]) / dt
         out[f"target{src}_samples_per_s"] = (st[3] - p[3]) / dt
         if len(st) > 5 and peak_tflops:

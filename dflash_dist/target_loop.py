@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 
 import torch
@@ -64,6 +66,15 @@ def capture_flops_fn(model, job, packed: bool = False):
     return lambda lengths: target_forward_flops(tc, run_params, attn_layers, [(len(lengths), int(max(lengths)))])
 
 
+def open_trace(job):
+    """logging.trace_target: <run_dir>/target_trace/rank<r>.jsonl, one line per message, appended (a resumed job
+    continues the file)."""
+    path = os.path.join(job.run_dir, "target_trace")
+    os.makedirs(path, exist_ok=True)
+    log.info("target trace: %s", os.path.join(path, f"rank{job.dist.rank}.jsonl"))
+    return open(os.path.join(path, f"rank{job.dist.rank}.jsonl"), "a", buffering=1)
+
+
 def run_target(job) -> None:
     cfg, d = job.cfg, job.dist
     topo = d.topo
@@ -80,7 +91,8 @@ def run_target(job) -> None:
     log.info("target capture: %s", capture.describe())
     flops_per_batch = capture_flops_fn(model, job, packed)
     dataset = TokenizedDataset.load(job.dataset_path)
-    channel = Channel(d.ctrl, d.data, d.device, timeout_s=cfg.topology.warmup_timeout_s, check=job.life.check)
+    channel = Channel(d.ctrl, d.data, d.device, timeout_s=cfg.topology.warmup_timeout_s, check=job.life.check,
+                      store=d.store if cfg.topology.rendezvous_sends else None)
     tx = Sender(channel, d.rank, cfg.topology.max_in_flight)
 
     run_messages = job.total_messages - job.start_cursor
@@ -89,6 +101,7 @@ def run_target(job) -> None:
     stopped = False
     fault = fault_for(d.rank)
     evaluator = TargetEval(job, model) if eval_enabled(job) and topo.index == 0 else None
+    trace = open_trace(job) if cfg.logging.trace_target else None
     for j in topo.target_messages(run_messages):
         job.life.stop_requested()  # posts this rank's own signal, if it got one
         stop_at = job.life.stop_step()
@@ -100,18 +113,18 @@ def run_target(job) -> None:
         k = job.start_cursor + j
         batch = [dataset[i] for i in job.plan[k]]
         if d.device.type == "cuda":
-            # Work already queued on the compute stream is not this message's forward. On the H200s a 1+1 job's
-            # target read ~100% busy while the drafter was the bottleneck (docs/benchmarks.md): whatever holds
-            # the stream between messages is counted here, as waiting, not as busy.
+            # Work already queued on the compute stream is not this message's forward: counted as waiting
             t_stall = time.monotonic()
-            torch.cuda.current_stream().synchronize()
+            tx.wait_event(torch.cuda.current_stream().record_event())
             stall_s += time.monotonic() - t_stall
         t_busy = time.monotonic()
+        stall_msg = t_busy - t_stall if d.device.type == "cuda" else 0.0
         ids, lengths, packed_ids, packed_mask = pad_batch(batch, d.device, packed)
         feats = apply_target_fault(fault, sent, capture(ids, lengths))
-        if d.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()  # busy time = real forward time
-        busy_s += time.monotonic() - t_busy
+        if d.device.type == "cuda":  # busy time = real forward time; ready payloads are posted meanwhile
+            tx.wait_event(torch.cuda.current_stream().record_event())
+        capture_msg = time.monotonic() - t_busy
+        busy_s += capture_msg
         cu = torch.zeros(len(batch) + 1, dtype=torch.long)
         cu[1:] = lengths.cumsum(0)
         msg = Message(k, torch.tensor(job.plan[k], dtype=torch.long), cu, packed_ids, packed_mask, feats)
@@ -119,10 +132,16 @@ def run_target(job) -> None:
         samples += len(batch)
         flops += flops_per_batch(lengths.tolist())
         wall = time.monotonic() - start
+        waited = tx.wait_s
         tx.send(topo.drafter_for(j), msg,
                 stats=(int(busy_s * 1e6), int((tx.wait_s + stall_s) * 1e6), tokens, samples, int(wall * 1e6),
                        int(flops / 1e6)))
         sent += 1
+        if trace is not None:
+            trace.write(json.dumps({"message": k, "to": topo.drafter_for(j), "samples": len(batch),
+                                    "tokens": int(lengths.sum()), "t_s": round(wall, 4),
+                                    "stall_ms": round(stall_msg * 1e3, 3), "capture_ms": round(capture_msg * 1e3, 3),
+                                    "backpressure_ms": round((tx.wait_s - waited) * 1e3, 3)}) + "\n")
         if sent == 2:  # model warm, drafters compiled their first shapes: steady-state timeout from here
             channel.timeout_s = cfg.topology.timeout_s
             shorten_timeouts(d, cfg.topology.timeout_s)
@@ -138,6 +157,8 @@ def run_target(job) -> None:
             if evaluator.n >= expected_evals(job):
                 break
     capture.close()
+    if trace is not None:
+        trace.close()
     log.info("target %s: %d messages, %d samples, %d tokens in %.1f s (%.0f tok/s, busy %.0f%%, "
              "backpressure wait %.0f%%, stream stall before a capture %.0f%%)", "stopped" if stopped else "done", sent,
              samples, tokens, wall, tokens / max(wall, 1e-9), 100 * busy_s / max(wall, 1e-9),

@@ -14,6 +14,15 @@ Backpressure: a sender keeps at most ``max_in_flight`` unfinished messages per d
 the oldest before sending more. Receivers post the next header ahead of the current step and post the
 payload as soon as that header lands, so transfer overlaps compute. No Python threads: gloo and NCCL
 progress on their own C++ threads; we only poll ``Work.is_completed``.
+
+Rendezvous (``Channel.store`` set): the sender posts a payload only once the receiver has posted the matching
+receive. An NCCL send posted earlier runs as a kernel that spins on the sender's GPU until the receive comes;
+on an H200 that made the target's capture 1.4-1.5x slower (bench/send_overlap.py), and a 1 + 1 job's target
+spent most of each drafter step in a slowed capture. So the header goes at once (gloo), the payload is staged,
+the receiver adds 1 to a per-link counter in the rendezvous store after posting its receive, and the sender
+posts staged payloads up to that count whenever it polls (``Sender.pump``: between captures, while it waits
+for its GPU, while it waits on backpressure). NCCL matches the two sides' point-to-point operations per
+pair in posting order, and both sides count the same payloads, so the counter is all they share.
 """
 
 from __future__ import annotations
@@ -129,15 +138,24 @@ def unpack_meta(meta: torch.Tensor, n: int, t: int):
     return sample_ids, cu, ids, mask
 
 
+RENDEZVOUS_GRACE_S = 0.005  # how long a sender waits, right after a header, for the drafter to post its receive
+
+
+def posted_key(src: int, dst: int) -> str:
+    """Store counter: payload receives that rank ``dst`` has posted for rank ``src`` (rendezvous sends)."""
+    return f"dflash/recv_posted/{src}-{dst}"
+
+
 class Channel:
-    """The two groups one link uses and how long to wait on a peer."""
+    """The two groups one link uses, how long to wait on a peer and, for rendezvous sends, the store."""
 
     def __init__(self, ctrl_group, data_group, device: torch.device, timeout_s: float = 60.0,
-                 check: Optional[Callable[[], None]] = None):
+                 check: Optional[Callable[[], None]] = None, store=None):
         self.ctrl_group, self.data_group = ctrl_group, data_group
         self.device = torch.device(device)
         self.timeout_s = timeout_s
         self.check = check
+        self.store = store  # None: payloads are sent at once
 
     def _pollable(self, group) -> bool:
         return dist.get_backend(group) != "gloo"
@@ -159,7 +177,10 @@ class Sender:
 
     def __init__(self, channel: Channel, rank: int, max_in_flight: int = 4):
         self.ch, self.rank, self.max_in_flight = channel, rank, max_in_flight
+        # per destination, oldest first: [works, buffers, staged payload (meta, feats) or None once posted]
         self._inflight: dict[int, deque] = {}
+        self._staged: dict[int, int] = {}  # payloads staged, not yet posted, per destination
+        self._posted: dict[int, int] = {}  # payloads posted so far, per destination
         self.wait_s = 0.0  # time spent blocked on backpressure
         self.bytes_sent = 0
 
@@ -170,16 +191,73 @@ class Sender:
             h[H_STATS + i] = int(v)
         return h
 
+    def _post_payload(self, dst: int, entry: list) -> None:
+        meta, feats = entry[2]
+        entry[0] += [(w, self.ch.data_group) for w in _batched(dist.isend, (meta, feats), dst, self.ch.data_group)]
+        entry[2] = None
+        self._staged[dst] -= 1
+        self._posted[dst] = self._posted.get(dst, 0) + 1
+
+    def pump(self) -> None:
+        """Post the staged payloads whose receives are posted (one store read per destination with any staged)."""
+        for dst, n in self._staged.items():
+            if n == 0:
+                continue
+            ready = self.ch.store.add(posted_key(self.rank, dst), 0)
+            for entry in self._inflight[dst]:
+                if self._posted.get(dst, 0) >= ready:
+                    break
+                if entry[2] is not None:
+                    self._post_payload(dst, entry)
+
+    def wait_event(self, event) -> None:
+        """Wait for a CUDA event (the end of a capture) and keep posting ready payloads meanwhile, so that a
+        drafter's posted receive is never left waiting for this rank's whole forward."""
+        if self.ch.store is None or not any(self._staged.values()):
+            event.synchronize()
+            return
+        while not event.query():
+            self.pump()
+            time.sleep(2e-4)
+        self.pump()
+
     def _throttle(self, dst: int, limit: int) -> None:
         q = self._inflight.setdefault(dst, deque())
-        while q and all(self.ch.done(w, g) for w, g in q[0][0]):
+        if self.ch.store is not None:
+            self.pump()
+        while q and q[0][2] is None and all(self.ch.done(w, g) for w, g in q[0][0]):
             q.popleft()
         t0 = time.monotonic()
         while len(q) >= limit:
-            works, _ = q.popleft()
+            if q[0][2] is not None:
+                self._await_receive(dst, q[0])
+            works, _, _ = q.popleft()
             for w, g in works:
                 self.ch.wait(w, f"drafter rank {dst} to take a message from target rank {self.rank}", group=g)
         self.wait_s += time.monotonic() - t0
+
+    def _await_receive(self, dst: int, entry: list, grace_s: Optional[float] = None) -> None:
+        """Poll the store until the drafter has posted the receive of a staged payload (backpressure: up to the
+        channel's timeout, then an error), or for at most ``grace_s`` (right after a header: a drafter that is
+        waiting for the message answers within a millisecond; a busy one is not waited for)."""
+        start = last_check = time.monotonic()
+        limit = self.ch.timeout_s if grace_s is None else grace_s
+        sleep = 1e-4
+        while True:
+            self.pump()
+            if entry[2] is None:
+                return
+            now = time.monotonic()
+            if now - start > limit:
+                if grace_s is not None:
+                    return
+                raise TransportError(f"timed out after {self.ch.timeout_s:.0f} s waiting for drafter rank {dst} "
+                                     f"to post the receive of a message from target rank {self.rank}")
+            if self.ch.check is not None and now - last_check > 0.5:
+                self.ch.check()
+                last_check = now
+            time.sleep(sleep)
+            sleep = min(sleep * 2, 2e-3 if grace_s is None else 2e-4)
 
     def send(self, dst: int, msg: Message, stats=()) -> None:
         msg.validate()
@@ -196,17 +274,26 @@ class Sender:
         # cu_seqlens also travel on the host channel right behind the header: the drafter needs them on the host
         # to build the step, and reading them from a device tensor would sync its compute stream every step
         cu_host = msg.cu_seqlens.to("cpu", torch.int64).contiguous()
-        ctrl, data = self.ch.ctrl_group, self.ch.data_group
-        works = ([(dist.isend(h, dst, group=ctrl), ctrl), (dist.isend(cu_host, dst, group=ctrl), ctrl)]
-                 + [(w, data) for w in _batched(dist.isend, (meta, feats), dst, data)])
-        self._inflight[dst].append((works, (h, cu_host, meta, feats)))  # keep buffers alive until sent
+        ctrl = self.ch.ctrl_group
+        works = [(dist.isend(h, dst, group=ctrl), ctrl), (dist.isend(cu_host, dst, group=ctrl), ctrl)]
+        t0 = time.monotonic()
+        entry = [works, (h, cu_host, meta, feats), (meta, feats)]  # buffers kept alive until sent
+        self._inflight[dst].append(entry)
+        self._staged[dst] = self._staged.get(dst, 0) + 1
+        if self.ch.store is None:
+            self._post_payload(dst, entry)
+        else:
+            # a drafter that waits for this message posts its receive at once: post the payload now rather
+            # than after this rank's next forward (whose launch can take tens of ms of host time)
+            self._await_receive(dst, entry, grace_s=RENDEZVOUS_GRACE_S)
+            self.wait_s += time.monotonic() - t0
         self.bytes_sent += meta.numel() * 8 + feats.numel() * feats.element_size()
 
     def send_end(self, dst: int, stats=()) -> None:
         self._throttle(dst, self.max_in_flight)
         h = self._header(KIND_END, -1, stats)
         ctrl = self.ch.ctrl_group
-        self._inflight[dst].append(([(dist.isend(h, dst, group=ctrl), ctrl)], (h,)))
+        self._inflight[dst].append([[(dist.isend(h, dst, group=ctrl), ctrl)], (h,), None])
 
     def send_error(self, dst: int, text: str, timeout_s: float = 5.0) -> bool:
         """Best effort: tell a peer why this rank is failing. Returns False if it could not be delivered."""
@@ -272,6 +359,8 @@ class PendingMessage:
         meta = torch.empty(h[H_METALEN], dtype=torch.int64, device=ch.device)
         feats = torch.empty((t, width), dtype=CODE_DTYPES[h[H_DTYPE]], device=ch.device)
         works = _batched(dist.irecv, (meta, feats), self.src, ch.data_group)
+        if ch.store is not None:  # rendezvous: the sender posts this payload once it reads the new count
+            ch.store.add(posted_key(self.src, self.rx.rank), 1)
         self.payload = (h, meta, feats, works)
 
     def complete(self):

@@ -68,11 +68,23 @@ def test_default_job_one_target_two_drafters(tmp_path):
 def test_two_targets_one_drafter(tmp_path):
     r = torchrun(3, ["-m", "dflash_dist.train", f"train.output_dir={tmp_path}", "train.max_steps=6",
                      "topology.target_ranks=2", "logging.log_every=3", "logging.progress_bar=false",
-                     "logging.wandb.mode=disabled", "logging.peak_tflops=0.001"], timeout=300)
+                     "logging.wandb.mode=disabled", "logging.peak_tflops=0.001", "logging.trace_target=true"],
+                timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     recs = train_records(tmp_path)
     assert recs[-1]["step"] == 6
     assert "target1_busy_frac" in recs[-1] and "target2_busy_frac" in recs[-1]  # both targets fed it
+    for t in (1, 2):
+        assert 0 <= recs[-1][f"target{t}_busy_frac"] <= 1 and 0 <= recs[-1][f"target{t}_wait_frac"] <= 1
+    # the per-message trace of each target: every message it sent, where its time went
+    traced = {}
+    for t in (1, 2):
+        with open(tmp_path / "target_trace" / f"rank{t}.jsonl") as f:
+            traced[t] = [json.loads(line) for line in f]
+        assert traced[t] and all(x["capture_ms"] > 0 and x["backpressure_ms"] >= 0 and x["to"] == 0
+                                 for x in traced[t])
+    assert sum(x["samples"] for v in traced.values() for x in v) == accounting(tmp_path)["samples_sent"]
+    assert sorted(x["message"] for v in traced.values() for x in v) == list(range(sum(map(len, traced.values()))))
     # the bottleneck metrics: per-role rates, link bandwidth and MFU (against the configured peak)
     last = recs[-1]
     assert last["link_gb_per_s"] > 0 and last["model_flops"] > 0 and last["drafter_mfu"] > 0

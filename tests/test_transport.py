@@ -10,12 +10,15 @@ from dflash_dist.transport import Message, TransportError, pack_meta, unpack_met
 from launch_util import torchrun
 
 
-@pytest.mark.parametrize("targets,drafters", [(1, 1), (1, 2), (2, 1), (2, 2), (3, 1), (1, 3), (3, 2), (2, 3)])
-def test_stream_every_split(tmp_path, targets, drafters):
+@pytest.mark.parametrize("targets,drafters,rendezvous", [(1, 1, True), (1, 2, True), (2, 1, True), (2, 2, True),
+                                                        (3, 1, True), (1, 3, True), (3, 2, True), (2, 3, True),
+                                                        (1, 1, False), (2, 3, False)])
+def test_stream_every_split(tmp_path, targets, drafters, rendezvous):
     world = targets + drafters
     messages = 1000
     r = torchrun(world, ["tests/transport_worker.py", "--targets", targets, "--messages", messages,
-                         "--max-in-flight", 2, "--out", tmp_path], timeout=240)
+                         "--max-in-flight", 2, "--out", tmp_path] + (["--rendezvous"] if rendezvous else []),
+                 timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     reports = [json.load(open(tmp_path / f"rank{i}.json")) for i in range(world)]
     drafter_reports = [x for x in reports if x["role"] == "drafter"]
@@ -28,6 +31,10 @@ def test_stream_every_split(tmp_path, targets, drafters):
         assert x["ends"] == targets, "END from every target"
         # balanced: every drafter gets every D-th message (never idle while samples remain)
         assert len(x["received"]) in (messages // drafters, -(-messages // drafters))
+    target_reports = [x for x in reports if x["role"] == "target"]
+    assert all(x["early_posts"] == 0 for x in target_reports), "a payload posted before its receive"
+    if rendezvous:  # the drafters' slow steps made the targets hold payloads back
+        assert max(x["max_staged"] for x in target_reports) >= 1
 
 
 def test_meta_roundtrip():

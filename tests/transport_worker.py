@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_dist.topology import Topology
-from dflash_dist.transport import Channel, EndOfStream, Message, Receiver, Sender
+from dflash_dist.transport import Channel, EndOfStream, Message, Receiver, Sender, posted_key
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -40,17 +40,25 @@ def main():
     ap.add_argument("--messages", type=int, default=1000)
     ap.add_argument("--max-in-flight", type=int, default=3)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--rendezvous", action="store_true", help="payload sends wait for the posted receive (store)")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     topo = Topology(dist.get_world_size(), dist.get_rank(), args.targets)
     ctrl = dist.new_group(backend="gloo")
-    ch = Channel(ctrl, None, torch.device("cpu"), timeout_s=60)
-    report = {"rank": topo.rank, "role": topo.role, "received": [], "ends": 0, "errors": []}
+    store = dist.distributed_c10d._get_default_store() if args.rendezvous else None
+    ch = Channel(ctrl, None, torch.device("cpu"), timeout_s=60, store=store)
+    report = {"rank": topo.rank, "role": topo.role, "received": [], "ends": 0, "errors": [], "early_posts": 0,
+              "max_staged": 0}
     t0 = time.time()
     if topo.role == "target":
         tx = Sender(ch, topo.rank, args.max_in_flight)
         for j in topo.target_messages(args.messages):
-            tx.send(topo.drafter_for(j), make_message(j), stats=(j,))
+            dst = topo.drafter_for(j)
+            tx.send(dst, make_message(j), stats=(j,))
+            if store is not None:
+                # the rendezvous invariant: never a payload posted before its receive
+                report["early_posts"] += tx._posted.get(dst, 0) > store.add(posted_key(topo.rank, dst), 0)
+                report["max_staged"] = max(report["max_staged"], tx._staged.get(dst, 0))
         for d in topo.drafter_ranks:
             tx.send_end(d)
         tx.flush()
@@ -59,6 +67,8 @@ def main():
         mine = list(topo.drafter_messages(args.messages))
         pending = rx.post(topo.target_for(mine[0]), mine[0]) if mine else None
         for i, j in enumerate(mine):
+            if args.rendezvous and j % 97 == 0:
+                time.sleep(0.05)  # a slow step now and then: the targets stage payloads and wait on backpressure
             msg = pending.complete()
             if i + 1 < len(mine):
                 pending = rx.post(topo.target_for(mine[i + 1]), mine[i + 1])
