@@ -177,6 +177,26 @@ def test_summarize(runs, tmp_path):
     assert res["exit_codes"] == {"drafter_step": "0", "pipeline": "124"}
 
 
-def test_run_all_script_parses():
-    r = subprocess.run(["bash", "-n", os.path.join(BENCH, "run_all_gpu.sh")], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+def test_run_all_and_session_scripts_parse():
+    import glob
+    scripts = [os.path.join(BENCH, "run_all_gpu.sh")] + sorted(glob.glob(os.path.join(BENCH, "gpu_session*.sh")))
+    assert len(scripts) >= 13  # run_all + gpu_session, 2..7, 9..13 (call 8 was part 3 of gpu_session7.sh)
+    for path in scripts:
+        r = subprocess.run(["bash", "-n", path], capture_output=True, text=True)
+        assert r.returncode == 0, (path, r.stderr)
+
+
+def test_send_overlap_runs_every_scenario(tmp_path):
+    """Two gloo ranks, a toy GEMM chain: every scenario timed, the table and the JSON written."""
+    out = tmp_path / "so.json"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        os.path.join(BENCH, "send_overlap.py"), "--tokens", "64", "--hidden", "64",
+                        "--payload-mb", "1", "--delay-s", "0.05", "--repeats", "2", "--out", str(out)],
+                       capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.load(open(out))
+    scenarios = [row["scenario"] for row in res["rows"]]
+    assert scenarios == ["alone", "pending", "pending_alloc", "pending_h2d", "received", "pending_side",
+                         "recv_pending", "recv_pending_side"]
+    assert all(len(res["times_s"][s]) == 2 and min(res["times_s"][s]) > 0 for s in scenarios)
+    assert res["rows"][0]["vs_alone"] == 1.0 and "| pending |" in r.stdout
