@@ -60,3 +60,17 @@ pipeline_then_threaded() {
     echo "threaded exit $? at $(el) s"; grep -E "^\||compile errors" "$out/pipe_threaded.log" | tail -6
   fi
 }
+
+# traced_e2e BOX NAME WORKDIR [pipeline.py args]: the real 1 + 1 job (bench/pipeline.py, its e2e part) with the
+# target trace on, in at most BOX seconds; keeps $OUT/NAME.{json,log} and NAME_{metrics,trace}.jsonl, prints the
+# rate, the target's closing line and the trace summary
+traced_e2e() {
+  local box=$1 name=$2 work=$3; shift 3
+  timeout -k 10 "$box" python3 bench/pipeline.py --skip-alone --out "$OUT/$name.json" --workdir "$work" \
+    --e2e-timeout $(( box - 10 )) --override logging.trace_target=true "$@" > "$OUT/$name.log" 2>&1
+  echo "$name exit $? at $(el) s"; grep -E "^\| \(b\)" "$OUT/$name.log"
+  cp "$work/e2e_run/target_trace/rank1.jsonl" "$OUT/${name}_trace.jsonl" 2>/dev/null
+  cp "$work/e2e_run/metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2>/dev/null
+  grep -E "target (done|stopped)" "$work/e2e.log" | tail -1
+  python3 bench/trace_summary.py "$OUT/${name}_trace.jsonl" || true
+}

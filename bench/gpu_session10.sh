@@ -19,11 +19,7 @@ done
 JOB=(--steps 50 --warmup-steps 15 --override drafter.num_anchors=256 --override target.packing=off
      --override target.compile=false)
 echo "=== 2a. multi-process 1 + 1 job, 256 anchors, eager padded target at $(el) s"
-timeout -k 10 ${PIPE_T:-150} python3 bench/pipeline.py --skip-alone --out "$OUT/pipeline_e2e_256_eager.json" --workdir /tmp/pipe \
-  --e2e-timeout $(( ${PIPE_T:-150} - 10 )) "${JOB[@]}" --override logging.trace_target=true > "$OUT/pipeline_e2e_256_eager.log" 2>&1
-echo "pipeline e2e exit $? at $(el) s"; grep -E "^\|" "$OUT/pipeline_e2e_256_eager.log" | tail -3
-cp /tmp/pipe/e2e_run/target_trace/rank1.jsonl "$OUT/target_trace_256_eager.jsonl" 2>/dev/null
-cp /tmp/pipe/e2e_run/metrics.jsonl "$OUT/pipeline_e2e_256_eager_metrics.jsonl" 2>/dev/null
+traced_e2e ${PIPE_T:-150} pipeline_e2e_256_eager /tmp/pipe "${JOB[@]}"
 echo "=== 2b. threaded baseline, same job at $(el) s"
 timeout -k 10 ${THR_T:-230} python3 bench/threaded_baseline.py --out "$OUT/threaded_256_eager.json" --workdir /tmp/thr \
   --timeout $(( ${THR_T:-230} - 15 )) --compare "$OUT/pipeline_e2e_256_eager.json" "${JOB[@]}" > "$OUT/threaded_256_eager.log" 2>&1

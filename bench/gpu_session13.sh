@@ -10,18 +10,6 @@ OUT=${1:-/tmp/gpu_session13}; mkdir -p "$OUT"
 source bench/gpu_env.sh
 for rv in true false; do
   echo "=== multi-process 1 + 1, 256 anchors, rendezvous_sends=$rv, target trace at $(el) s"
-  timeout -k 10 ${PIPE_T:-150} python3 bench/pipeline.py --skip-alone --out "$OUT/pipeline_e2e_256_rv_$rv.json" \
-    --workdir /tmp/pipe_$rv --e2e-timeout $(( ${PIPE_T:-150} - 10 )) --steps 50 --warmup-steps 15 \
-    --override drafter.num_anchors=256 --override logging.trace_target=true --override topology.rendezvous_sends=$rv \
-    > "$OUT/pipeline_e2e_256_rv_$rv.log" 2>&1
-  echo "pipeline e2e exit $? at $(el) s"; grep -E "^\| \(b\)" "$OUT/pipeline_e2e_256_rv_$rv.log"
-  cp /tmp/pipe_$rv/e2e_run/target_trace/rank1.jsonl "$OUT/target_trace_256_rv_$rv.jsonl" 2>/dev/null
-  cp /tmp/pipe_$rv/e2e_run/metrics.jsonl "$OUT/metrics_256_rv_$rv.jsonl" 2>/dev/null
-  grep -E "target (done|stopped)" /tmp/pipe_$rv/e2e.log | tail -1
-  python3 - "$OUT/target_trace_256_rv_$rv.jsonl" <<'PY' || true
-import json, statistics as st, sys
-rows = [json.loads(l) for l in open(sys.argv[1])][10:]
-print(f"target trace, messages 10..{len(rows) + 9}: " + ", ".join(
-    f"{k} median {st.median([r[k] for r in rows]):.1f}" for k in ("stall_ms", "capture_ms", "backpressure_ms")))
-PY
+  traced_e2e ${PIPE_T:-150} pipeline_e2e_256_rv_$rv /tmp/pipe_$rv --steps 50 --warmup-steps 15 \
+    --override drafter.num_anchors=256 --override topology.rendezvous_sends=$rv
 done

@@ -20,20 +20,9 @@ timeout -k 10 ${SOC_T:-120} torchrun --standalone --nproc-per-node 2 bench/send_
 echo "capture exit ${PIPESTATUS[0]} at $(el) s"; grep -E "^\||workload|delay|Error" $OUT/send_overlap_capture.log
 JOB=(--steps 50 --warmup-steps 15 --override drafter.num_anchors=256)
 echo "=== 2. multi-process 1 + 1 job, 256 anchors, target trace at $(el) s"
-timeout -k 10 ${PIPE_T:-150} python3 bench/pipeline.py --skip-alone --out "$OUT/pipeline_e2e_256.json" --workdir /tmp/pipe \
-  --e2e-timeout $(( ${PIPE_T:-150} - 10 )) "${JOB[@]}" --override logging.trace_target=true > "$OUT/pipeline_e2e_256.log" 2>&1
-echo "pipeline e2e exit $? at $(el) s"; grep -E "^\|" "$OUT/pipeline_e2e_256.log" | tail -3
-cp /tmp/pipe/e2e_run/target_trace/rank1.jsonl "$OUT/target_trace_256.jsonl" 2>/dev/null
-cp /tmp/pipe/e2e_run/metrics.jsonl "$OUT/pipeline_e2e_256_metrics.jsonl" 2>/dev/null
-grep -E "target (done|stopped)" /tmp/pipe/e2e.log | tail -2
-python3 - "$OUT/target_trace_256.jsonl" <<'PY' || true
-import json, statistics as st, sys
-rows = [json.loads(l) for l in open(sys.argv[1])][5:]
-for k in ("stall_ms", "capture_ms", "backpressure_ms"):
-    v = [r[k] for r in rows]
-    print(f"target trace after 5 messages ({len(v)}): {k} median {st.median(v):.1f} max {max(v):.1f}")
-PY
+traced_e2e ${PIPE_T:-150} pipeline_e2e_256 /tmp/pipe "${JOB[@]}"
 echo "=== 3. threaded baseline, same job at $(el) s"
 timeout -k 10 ${THR_T:-220} python3 bench/threaded_baseline.py --out "$OUT/threaded_256.json" --workdir /tmp/thr \
   --timeout $(( ${THR_T:-220} - 15 )) --compare "$OUT/pipeline_e2e_256.json" "${JOB[@]}" > "$OUT/threaded_256.log" 2>&1
 echo "threaded exit $? at $(el) s"; grep -E "^\||compile errors" "$OUT/threaded_256.log" | tail -8
+( cd "$OUT" && tar czf results.tgz --remove-files *.json *.jsonl *.log 2>/dev/null ); ls "$OUT"
