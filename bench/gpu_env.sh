@@ -74,3 +74,17 @@ traced_e2e() {
   grep -E "target (done|stopped)" "$work/e2e.log" | tail -1
   python3 bench/trace_summary.py "$OUT/${name}_trace.jsonl" || true
 }
+
+# threaded_vs BOX NAME E2E_NAME [job args]: bench/threaded_baseline.py on the job of $OUT/E2E_NAME.json (the
+# same job args), in at most BOX seconds; keeps $OUT/NAME.{json,log}, prints the comparison table
+threaded_vs() {
+  local box=$1 name=$2 e2e=$3; shift 3
+  timeout -k 10 "$box" python3 bench/threaded_baseline.py --out "$OUT/$name.json" --workdir "/tmp/thr_$name" \
+    --timeout $(( box - 15 )) --compare "$OUT/$e2e.json" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name exit $? at $(el) s"; grep -E "^\||compile errors" "$OUT/$name.log" | tail -8
+}
+
+# pack_results: the device returns at most 8 files from a call, so everything goes into $OUT/results.tgz
+pack_results() {
+  ( cd "$OUT" && tar czf results.tgz --remove-files *.json *.jsonl *.log 2>/dev/null ); ls "$OUT"
+}

@@ -21,8 +21,5 @@ JOB=(--steps 50 --warmup-steps 15 --override drafter.num_anchors=256 --override 
 echo "=== 2a. multi-process 1 + 1 job, 256 anchors, eager padded target at $(el) s"
 traced_e2e ${PIPE_T:-150} pipeline_e2e_256_eager /tmp/pipe "${JOB[@]}"
 echo "=== 2b. threaded baseline, same job at $(el) s"
-timeout -k 10 ${THR_T:-230} python3 bench/threaded_baseline.py --out "$OUT/threaded_256_eager.json" --workdir /tmp/thr \
-  --timeout $(( ${THR_T:-230} - 15 )) --compare "$OUT/pipeline_e2e_256_eager.json" "${JOB[@]}" > "$OUT/threaded_256_eager.log" 2>&1
-echo "threaded exit $? at $(el) s"; grep -E "^\||compile errors|target busy" "$OUT/threaded_256_eager.log" | tail -8
-# the device returns at most 8 files from a call: everything in one archive
-( cd "$OUT" && tar czf results.tgz --remove-files *.json *.jsonl *.log 2>/dev/null ); ls "$OUT"
+threaded_vs ${THR_T:-230} threaded_256_eager pipeline_e2e_256_eager "${JOB[@]}"
+pack_results

@@ -30,4 +30,4 @@ PA=$!
 wait $PA; echo "hybrid without cc1d exit $? at $(el) s"
 grep -E "^\||fast path" $OUT/hybrid_with_cc1d.log | tail -5; grep -E "^\||fast path" $OUT/hybrid_without_cc1d.log | tail -5
 grep -E "^\|" $OUT/fresh_shapes.log | tail -8
-( cd "$OUT" && tar czf results.tgz --remove-files *.json *.log 2>/dev/null ); ls "$OUT"
+pack_results

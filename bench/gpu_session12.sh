@@ -17,7 +17,5 @@ for rv in true false; do
   traced_e2e ${PIPE_T:-140} pipeline_e2e_rv_$rv /tmp/pipe_$rv "${JOB[@]}" --override topology.rendezvous_sends=$rv
 done
 echo "=== 3. threaded baseline, same job at $(el) s"
-timeout -k 10 ${THR_T:-200} python3 bench/threaded_baseline.py --out "$OUT/threaded.json" --workdir /tmp/thr \
-  --timeout $(( ${THR_T:-200} - 15 )) --compare "$OUT/pipeline_e2e_rv_true.json" "${JOB[@]}" > "$OUT/threaded.log" 2>&1
-echo "threaded exit $? at $(el) s"; grep -E "^\||compile errors" "$OUT/threaded.log" | tail -8
-( cd "$OUT" && tar czf results.tgz --remove-files *.json *.jsonl *.log 2>/dev/null ); ls "$OUT"
+threaded_vs ${THR_T:-200} threaded pipeline_e2e_rv_true "${JOB[@]}"
+pack_results

@@ -22,7 +22,5 @@ JOB=(--steps 50 --warmup-steps 15 --override drafter.num_anchors=256)
 echo "=== 2. multi-process 1 + 1 job, 256 anchors, target trace at $(el) s"
 traced_e2e ${PIPE_T:-150} pipeline_e2e_256 /tmp/pipe "${JOB[@]}"
 echo "=== 3. threaded baseline, same job at $(el) s"
-timeout -k 10 ${THR_T:-220} python3 bench/threaded_baseline.py --out "$OUT/threaded_256.json" --workdir /tmp/thr \
-  --timeout $(( ${THR_T:-220} - 15 )) --compare "$OUT/pipeline_e2e_256.json" "${JOB[@]}" > "$OUT/threaded_256.log" 2>&1
-echo "threaded exit $? at $(el) s"; grep -E "^\||compile errors" "$OUT/threaded_256.log" | tail -8
-( cd "$OUT" && tar czf results.tgz --remove-files *.json *.jsonl *.log 2>/dev/null ); ls "$OUT"
+threaded_vs ${THR_T:-220} threaded_256 pipeline_e2e_256 "${JOB[@]}"
+pack_results
