@@ -229,10 +229,12 @@ class TopologyConfig:
     max_in_flight: int = 4
     """Messages a target may have sent but not yet seen received, per drafter link (backpressure)."""
 
-    rendezvous_sends: bool = True
+    rendezvous_sends: Optional[bool] = None
     """Post each payload send only after the drafter has posted the matching receive (a counter per link in the
-    rendezvous store). An NCCL send posted earlier spins on the target GPU until the drafter takes it and slowed
-    the target's capture 1.4-1.5x on an H200 (bench/send_overlap.py). False: send at once (the older path)."""
+    rendezvous store). An NCCL send posted earlier runs on the target GPU until the drafter takes it and slowed
+    the target's capture 1.4-1.5x on an H200 (bench/send_overlap.py). None: on when the payloads go over NCCL,
+    off over gloo (CPU: a waiting gloo send costs nothing, and the target could post a payload only between its
+    synchronous CPU forwards). False: send at once."""
 
     timeout_s: float = 60.0
     """A rank that waits this long on a peer after warm-up declares the job dead and exits non-zero."""

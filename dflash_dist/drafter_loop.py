@@ -31,7 +31,7 @@ from .metrics import MetricsWriter, RateMeter, target_window_metrics
 from .target import load_head_from_checkpoint, resolve_dtype, resolve_source, text_config
 from .distributed import shorten_timeouts
 from .eval_loop import LeaderEval, eval_enabled, eval_record, eval_steps
-from .transport import Channel, EndOfStream, Receiver
+from .transport import Channel, EndOfStream, Receiver, use_rendezvous
 
 log = logging.getLogger("dflash_dist")
 
@@ -298,7 +298,7 @@ def run_drafter(job) -> None:
         from .plan import plan_record
         writer.log(job.start_step, plan_record(job.auto_split), kind="plan")
     channel = Channel(d.ctrl, d.data, d.device, timeout_s=cfg.topology.warmup_timeout_s, check=life.check,
-                      store=d.store if cfg.topology.rendezvous_sends else None)
+                      store=d.store if use_rendezvous(cfg.topology.rendezvous_sends, d.data) else None)
     rx = Receiver(channel, d.rank)
     mine = list(topo.drafter_messages(run_messages))
     pending = rx.post(topo.target_for(mine[0]), job.start_cursor + mine[0]) if mine else None

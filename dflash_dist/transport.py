@@ -141,6 +141,13 @@ def unpack_meta(meta: torch.Tensor, n: int, t: int):
 RENDEZVOUS_GRACE_S = 0.005  # how long a sender waits, right after a header, for the drafter to post its receive
 
 
+def use_rendezvous(setting: Optional[bool], data_group) -> bool:
+    """``topology.rendezvous_sends``: None means on exactly when the payloads travel over NCCL."""
+    if setting is not None:
+        return bool(setting)
+    return dist.get_backend(data_group) == "nccl"
+
+
 def posted_key(src: int, dst: int) -> str:
     """Store counter: payload receives that rank ``dst`` has posted for rank ``src`` (rendezvous sends)."""
     return f"dflash/recv_posted/{src}-{dst}"
@@ -218,7 +225,7 @@ class Sender:
             return
         while not event.query():
             self.pump()
-            time.sleep(2e-4)
+            time.sleep(5e-4)  # a posted receive waits at most this (plus a store read) for its payload
         self.pump()
 
     def _throttle(self, dst: int, limit: int) -> None:

@@ -47,6 +47,7 @@ def test_default_job_one_target_two_drafters(tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     assert "attention backend=sdpa" in out  # reported, chosen by auto on CPU
+    assert "target sends: posted at once" in out  # rendezvous_sends=null: off over gloo
     recs = train_records(tmp_path)
     assert recs[-1]["step"] == 30
     assert recs[-1]["loss"] < 0.8 * recs[0]["loss"], [round(x["loss"], 3) for x in recs]
@@ -68,12 +69,15 @@ def test_default_job_one_target_two_drafters(tmp_path):
 def test_two_targets_one_drafter(tmp_path):
     r = torchrun(3, ["-m", "dflash_dist.train", f"train.output_dir={tmp_path}", "train.max_steps=6",
                      "topology.target_ranks=2", "logging.log_every=3", "logging.progress_bar=false",
-                     "logging.wandb.mode=disabled", "logging.peak_tflops=0.001", "logging.trace_target=true"],
+                     "logging.wandb.mode=disabled", "logging.peak_tflops=0.001", "logging.trace_target=true",
+                     "topology.rendezvous_sends=true"],
                 timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     recs = train_records(tmp_path)
     assert recs[-1]["step"] == 6
     assert "target1_busy_frac" in recs[-1] and "target2_busy_frac" in recs[-1]  # both targets fed it
+    out = r.stdout + r.stderr
+    assert out.count("target sends: rendezvous") == 2  # chosen in config, reported by each target
     for t in (1, 2):
         assert 0 <= recs[-1][f"target{t}_busy_frac"] <= 1 and 0 <= recs[-1][f"target{t}_wait_frac"] <= 1
     # the per-message trace of each target: every message it sent, where its time went

@@ -52,3 +52,11 @@ def test_message_validate_rejects_bad_shapes():
                 torch.zeros(5, dtype=torch.bool), torch.zeros(4, 8))
     with pytest.raises(TransportError):
         m.validate()
+
+
+def test_rendezvous_setting(monkeypatch):
+    """topology.rendezvous_sends: null is on exactly over NCCL; true/false win over the backend."""
+    from dflash_dist import transport
+    monkeypatch.setattr(transport.dist, "get_backend", lambda group: group)  # the "group" names its backend here
+    assert transport.use_rendezvous(None, "nccl") and not transport.use_rendezvous(None, "gloo")
+    assert transport.use_rendezvous(True, "gloo") and not transport.use_rendezvous(False, "nccl")
