@@ -48,9 +48,11 @@ ARGS = ["-m", "dflash_dist.train", "train.max_steps=400", "logging.log_every=1",
         "logging.wandb.mode=disabled", "train.eval_prompts=0"]
 
 
-@pytest.mark.parametrize("victim,role", [(2, "target"), (1, "drafter")])
-def test_kill9_any_rank_ends_the_job_fast_and_names_it(tmp_path, victim, role):
-    p = torchrun(3, ARGS + [f"train.output_dir={tmp_path}"], popen=True)
+@pytest.mark.parametrize("victim,role,rendezvous", [(2, "target", "null"), (1, "drafter", "null"),
+                                                   (1, "drafter", "true")])
+def test_kill9_any_rank_ends_the_job_fast_and_names_it(tmp_path, victim, role, rendezvous):
+    """rendezvous=true: the target may be polling the store for a dead drafter's receive; it must still say who."""
+    p = torchrun(3, ARGS + [f"train.output_dir={tmp_path}", f"topology.rendezvous_sends={rendezvous}"], popen=True)
     _wait_for_step(tmp_path, 3, p)
     pids = _rank_pids(p.pid)
     t0 = time.time()
