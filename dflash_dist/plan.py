@@ -70,11 +70,13 @@ def choose_split(world_size: int, supply_per_rank: float, demand_per_rank: float
 
 def format_splits(res: dict) -> str:
     """The table of one ``choose_split`` result and the choice, as printed by rank 0 and dflash-plan."""
-    lines = [f"  {'targets':>7} {'drafters':>8} {'supply':>10} {'demand':>10} {'job samples/s':>13}  bound by"]
+    lines = [f"  {'targets':>7} {'drafters':>8} {'supply':>10} {'demand':>10} {'job samples/s':>13} "
+             f"{'target load':>11} {'drafter load':>12}  bound by"]
     for r in res["rows"]:
         mark = "  <- chosen" if r["targets"] == res["target_ranks"] else ""
         lines.append(f"  {r['targets']:>7} {r['drafters']:>8} {r['supply']:>10.4g} {r['demand']:>10.4g} "
-                     f"{r['samples_per_s']:>13.4g}  {r['bottleneck']}{mark}")
+                     f"{r['samples_per_s']:>13.4g} {100 * r['target_util']:>10.0f}% {100 * r['drafter_util']:>11.0f}%"
+                     f"  {r['bottleneck']}{mark}")
     lines.append(f"  chosen: {res['target_ranks']} target + {res['drafter_ranks']} drafter ranks, predicted "
                  f"{res['predicted_samples_per_s']:.4g} samples/s, bottleneck: {res['bottleneck']}")
     return "\n".join(lines)
@@ -354,14 +356,18 @@ def plan_offline(cfg, world_sizes: list[int]) -> dict:
     return {"tool": "dflash-plan", "device": str(device), "supply": supply, "demand": demand, "splits": splits,
             "best": [{"world_size": s["world_size"], "target_ranks": s["target_ranks"],
                       "drafter_ranks": s["drafter_ranks"], "predicted_samples_per_s": s["predicted_samples_per_s"],
-                      "per_gpu": s["best"]["per_gpu"], "bottleneck": s["bottleneck"]} for s in splits]}
+                      "per_gpu": s["best"]["per_gpu"], "target_util": s["best"]["target_util"],
+                      "drafter_util": s["best"]["drafter_util"], "bottleneck": s["bottleneck"]} for s in splits]}
 
 
 def format_best(res: dict) -> str:
-    lines = [f"{'GPUs':>4}  {'targets':>7}  {'drafters':>8}  {'samples/s':>10}  {'samples/s/GPU':>13}  bound by"]
+    # target load < 100%: that share of the target GPUs would idle (the split is whole ranks)
+    lines = [f"{'GPUs':>4}  {'targets':>7}  {'drafters':>8}  {'samples/s':>10}  {'samples/s/GPU':>13}  "
+             f"{'target load':>11}  bound by"]
     for b in res["best"]:
         lines.append(f"{b['world_size']:>4}  {b['target_ranks']:>7}  {b['drafter_ranks']:>8}  "
-                     f"{b['predicted_samples_per_s']:>10.4g}  {b['per_gpu']:>13.4g}  {b['bottleneck']}")
+                     f"{b['predicted_samples_per_s']:>10.4g}  {b['per_gpu']:>13.4g}  {100 * b['target_util']:>10.0f}%  "
+                     f"{b['bottleneck']}")
     return "\n".join(lines)
 
 

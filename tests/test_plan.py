@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from dflash_dist.config import ConfigError, JobConfig, validate_job
-from dflash_dist.plan import auto_split, choose_split, wait_for
+from dflash_dist.plan import auto_split, choose_split, format_splits, wait_for
 from launch_util import REPO, free_port, torchrun
 
 
@@ -52,6 +52,15 @@ def test_ties_go_to_fewer_targets(w, s, d, t):
     r = choose_split(w, s, d)
     assert r["target_ranks"] == t
     assert (t, r["predicted_samples_per_s"]) == best_by_hand(w, s, d)
+
+
+def test_idle_target_capacity_is_shown():
+    """The H200 rates at SpecForge's config (call 7): 8 GPUs -> 2 + 6, the targets 58% loaded."""
+    r = choose_split(8, 81.3, 15.67)
+    assert (r["target_ranks"], r["drafter_ranks"]) == (2, 6)
+    assert r["best"]["target_util"] == pytest.approx(6 * 15.67 / (2 * 81.3)) and r["best"]["drafter_util"] == 1.0
+    chosen = [line for line in format_splits(r).splitlines() if "<- chosen" in line]
+    assert len(chosen) == 1 and " 58% " in chosen[0] and " 100% " in chosen[0], format_splits(r)
 
 
 def test_two_ranks_have_one_split():
