@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Device call 14 on 2x H200 (< 10 min) — PREPARED, NOT YET RUN (no device time was left in the session that
+# wrote it; its parts were rehearsed on CPU with --tiny):
+#   1. the target-bound job of call 12 (64 anchors, eager padded target, 120 steps) with rendezvous sends, now
+#      with the 5 ms grace poll after each header, then with rendezvous_sends=false: samples/s (call 12 without
+#      the grace poll: 33.03 vs 33.69) and the drafter's wait fraction (0.5-0.9% there: hidden in its GPU stream);
+#   2. idle target capacity doing useful work: the in-training acceptance evaluation runs on the target rank
+#      between messages. The 1 + 1 job on the builtin data (it has held-out prompts), 256 anchors, with
+#      train.eval_prompts=16 train.eval_every=10, then without evaluation: samples/s with / without.
+# Usage: bash bench/gpu_session14.sh OUT_DIR     (carry .whl)
+set -uo pipefail
+OUT=${1:-/tmp/gpu_session14}; mkdir -p "$OUT"
+source bench/gpu_env.sh
+JOB=(--steps 120 --warmup-steps 20 --override drafter.num_anchors=64 --override target.packing=off
+     --override target.compile=false)
+for rv in true false; do
+  echo "=== 1. target-bound 1 + 1, rendezvous_sends=$rv at $(el) s"
+  traced_e2e ${PIPE_T:-140} target_bound_rv_$rv /tmp/pipe_tb_$rv "${JOB[@]}" --override topology.rendezvous_sends=$rv
+  grep -o '"drafter_wait_frac": [0-9.e-]*' "$OUT/target_bound_rv_${rv}_metrics.jsonl" | tail -3
+done
+EVAL=(--steps 50 --warmup-steps 15 --override drafter.num_anchors=256 --override data.source=builtin)
+for ev in 16 0; do
+  echo "=== 2. drafter-bound 1 + 1 on builtin data, train.eval_prompts=$ev at $(el) s"
+  traced_e2e ${PIPE_T:-130} eval_$ev /tmp/pipe_eval_$ev "${EVAL[@]}" --override train.eval_prompts=$ev \
+    --override train.eval_every=10
+  grep -E "evaluation at step" /tmp/pipe_eval_$ev/e2e.log | tail -4
+done
+pack_results
