@@ -10,6 +10,9 @@ fi
 T0=$(date +%s)
 el() { echo $(( $(date +%s) - T0 )); }
 common="logging.wandb.mode=disabled logging.progress_bar=false"
+# the target-bound 1 + 1 job of calls 12 and 14 (bench/pipeline.py args): 64 anchors, the eager padded target
+TARGET_BOUND_JOB=(--steps 120 --warmup-steps 20 --override drafter.num_anchors=64 --override target.packing=off
+                  --override target.compile=false)
 
 # core_job SECONDS LOG RUN_DIR [overrides]: 1 target + 1 drafter, Qwen3-0.6B-shaped target, 5-layer drafter,
 # ~550-token samples in 4,096-token messages
@@ -87,4 +90,15 @@ threaded_vs() {
 # pack_results: the device returns at most 8 files from a call, so everything goes into $OUT/results.tgz
 pack_results() {
   ( cd "$OUT" && tar czf results.tgz --remove-files *.json *.jsonl *.log 2>/dev/null ); ls "$OUT"
+}
+
+# rendezvous_pair BOX NAME [job args]: traced_e2e twice, topology.rendezvous_sends=true then false, as
+# NAME_rv_true / NAME_rv_false; also prints the drafter's last wait fractions of each
+rendezvous_pair() {
+  local box=$1 name=$2 rv; shift 2
+  for rv in true false; do
+    echo "=== $name: 1 + 1 job, rendezvous_sends=$rv at $(el) s"
+    traced_e2e "$box" "${name}_rv_$rv" "/tmp/pipe_${name}_$rv" "$@" --override topology.rendezvous_sends=$rv
+    grep -o '"drafter_wait_frac": [0-9.e-]*' "$OUT/${name}_rv_${rv}_metrics.jsonl" | tail -2
+  done
 }

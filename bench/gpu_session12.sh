@@ -10,12 +10,8 @@
 set -uo pipefail
 OUT=${1:-/tmp/gpu_session12}; mkdir -p "$OUT"
 source bench/gpu_env.sh
-JOB=(--steps 120 --warmup-steps 20 --override drafter.num_anchors=64 --override target.packing=off
-     --override target.compile=false)
-for rv in true false; do
-  echo "=== $([ $rv = true ] && echo 1 || echo 2). multi-process 1 + 1, rendezvous_sends=$rv at $(el) s"
-  traced_e2e ${PIPE_T:-140} pipeline_e2e_rv_$rv /tmp/pipe_$rv "${JOB[@]}" --override topology.rendezvous_sends=$rv
-done
+JOB=("${TARGET_BOUND_JOB[@]}")
+rendezvous_pair ${PIPE_T:-140} pipeline_e2e "${JOB[@]}"
 echo "=== 3. threaded baseline, same job at $(el) s"
 threaded_vs ${THR_T:-200} threaded pipeline_e2e_rv_true "${JOB[@]}"
 pack_results

@@ -8,8 +8,4 @@
 set -uo pipefail
 OUT=${1:-/tmp/gpu_session13}; mkdir -p "$OUT"
 source bench/gpu_env.sh
-for rv in true false; do
-  echo "=== multi-process 1 + 1, 256 anchors, rendezvous_sends=$rv, target trace at $(el) s"
-  traced_e2e ${PIPE_T:-150} pipeline_e2e_256_rv_$rv /tmp/pipe_$rv --steps 50 --warmup-steps 15 \
-    --override drafter.num_anchors=256 --override topology.rendezvous_sends=$rv
-done
+rendezvous_pair ${PIPE_T:-150} pipeline_e2e_256 --steps 50 --warmup-steps 15 --override drafter.num_anchors=256

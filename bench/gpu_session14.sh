@@ -11,13 +11,7 @@
 set -uo pipefail
 OUT=${1:-/tmp/gpu_session14}; mkdir -p "$OUT"
 source bench/gpu_env.sh
-JOB=(--steps 120 --warmup-steps 20 --override drafter.num_anchors=64 --override target.packing=off
-     --override target.compile=false)
-for rv in true false; do
-  echo "=== 1. target-bound 1 + 1, rendezvous_sends=$rv at $(el) s"
-  traced_e2e ${PIPE_T:-140} target_bound_rv_$rv /tmp/pipe_tb_$rv "${JOB[@]}" --override topology.rendezvous_sends=$rv
-  grep -o '"drafter_wait_frac": [0-9.e-]*' "$OUT/target_bound_rv_${rv}_metrics.jsonl" | tail -3
-done
+rendezvous_pair ${PIPE_T:-140} target_bound "${TARGET_BOUND_JOB[@]}"
 EVAL=(--steps 50 --warmup-steps 15 --override drafter.num_anchors=256 --override data.source=builtin)
 for ev in 16 0; do
   echo "=== 2. drafter-bound 1 + 1 on builtin data, train.eval_prompts=$ev at $(el) s"
