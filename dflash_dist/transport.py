@@ -105,18 +105,27 @@ def _wait(work, what: str, timeout_s: float, check: Optional[Callable[[], None]]
         except RuntimeError as e:
             raise TransportError(f"while waiting for {what}: {str(e).splitlines()[0][:300]}") from e
         return
+    if not _poll(work.is_completed, timeout_s, check):
+        raise TransportError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+    work.wait()
+
+
+def _poll(done: Callable[[], bool], timeout_s: float, check: Optional[Callable[[], None]] = None,
+          max_sleep: float = 2e-3) -> bool:
+    """Call ``done`` until it says True, sleeping 10 us growing to ``max_sleep`` in between and running ``check``
+    (the liveness probe) every half second. False once ``timeout_s`` has passed."""
     start = last_check = time.monotonic()
     sleep = 1e-5
-    while not work.is_completed():
+    while not done():
         now = time.monotonic()
+        if now - start > timeout_s:
+            return False
         if check is not None and now - last_check > 0.5:
             check()
             last_check = now
-        if now - start > timeout_s:
-            raise TransportError(f"timed out after {timeout_s:.0f} s waiting for {what}")
         time.sleep(sleep)
-        sleep = min(sleep * 2, 2e-3)
-    work.wait()
+        sleep = min(sleep * 2, max_sleep)
+    return True
 
 
 def _batched(op, tensors, peer: int, group) -> list:
@@ -223,10 +232,12 @@ class Sender:
         if self.ch.store is None or not any(self._staged.values()):
             event.synchronize()
             return
-        while not event.query():
+
+        def finished() -> bool:
             self.pump()
-            time.sleep(5e-4)  # a posted receive waits at most this (plus a store read) for its payload
-        self.pump()
+            return event.query()
+        # a posted receive waits at most max_sleep (plus a store read) for its payload
+        _poll(finished, float("inf"), max_sleep=5e-4)
 
     def _throttle(self, dst: int, limit: int) -> None:
         q = self._inflight.setdefault(dst, deque())
@@ -247,24 +258,14 @@ class Sender:
         """Poll the store until the drafter has posted the receive of a staged payload (backpressure: up to the
         channel's timeout, then an error), or for at most ``grace_s`` (right after a header: a drafter that is
         waiting for the message answers within a millisecond; a busy one is not waited for)."""
-        start = last_check = time.monotonic()
-        limit = self.ch.timeout_s if grace_s is None else grace_s
-        sleep = 1e-4
-        while True:
+        def posted() -> bool:
             self.pump()
-            if entry[2] is None:
-                return
-            now = time.monotonic()
-            if now - start > limit:
-                if grace_s is not None:
-                    return
-                raise TransportError(f"timed out after {self.ch.timeout_s:.0f} s waiting for drafter rank {dst} "
-                                     f"to post the receive of a message from target rank {self.rank}")
-            if self.ch.check is not None and now - last_check > 0.5:
-                self.ch.check()
-                last_check = now
-            time.sleep(sleep)
-            sleep = min(sleep * 2, 2e-3 if grace_s is None else 2e-4)
+            return entry[2] is None
+        if grace_s is not None:
+            _poll(posted, grace_s, max_sleep=2e-4)
+        elif not _poll(posted, self.ch.timeout_s, self.ch.check):
+            raise TransportError(f"timed out after {self.ch.timeout_s:.0f} s waiting for drafter rank {dst} "
+                                 f"to post the receive of a message from target rank {self.rank}")
 
     def send(self, dst: int, msg: Message, stats=()) -> None:
         msg.validate()
