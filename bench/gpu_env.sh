@@ -1,5 +1,8 @@
 # Sourced by the bench/gpu_session*.sh scripts: environment of a device call on H200s, the carried wheels
 # (.whl: hydra-core, omegaconf, antlr4) on PYTHONPATH, a clock, and the two proof jobs of the real trainer.
+# `source bench/gpu_env.sh "$@"`: OUT is the script's first argument (default /tmp/<script name>), created.
+set -uo pipefail
+OUT=${1:-${OUT:-/tmp/$(basename "$0" .sh)}}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # never NVLink multicast
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 export TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING=false TOKENIZERS_PARALLELISM=false

@@ -6,9 +6,7 @@
 #   2. then in parallel: GPU0 drafter_step (Qwen3-8B shapes) flex and flex_layers with dynamic shapes (the trainer's
 #      default); GPU1 drafter_step sdpa, then flex with static shapes (compile time per shape).
 # Usage: bash bench/gpu_session.sh OUT_DIR     (carry .whl for hydra/omegaconf)
-set -uo pipefail
-OUT=${1:-/tmp/gpu_session}; mkdir -p "$OUT"
-source bench/gpu_env.sh
+source bench/gpu_env.sh "$@"   # strict mode, OUT (first argument), environment, helpers
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 CORE_T=${CORE_T:-230}; DS_T=${DS_T:-300}
 echo "=== core job (time box ${CORE_T} s) at $(el) s"

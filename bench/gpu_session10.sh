@@ -6,9 +6,7 @@
 #   2. goal 4 at SpecForge's config (256 anchors) with the target as in the design being replaced (eager HF
 #      forward, padded, uncompiled) in both designs: the real 1 + 1 job, then the threaded baseline.
 # Usage: bash bench/gpu_session10.sh OUT_DIR     (carry .whl)
-set -uo pipefail
-OUT=${1:-/tmp/gpu_session10}; mkdir -p "$OUT"
-source bench/gpu_env.sh
+source bench/gpu_env.sh "$@"   # strict mode, OUT (first argument), environment, helpers
 for conn in default 32; do
   echo "=== 1. send_overlap gemm, CUDA_DEVICE_MAX_CONNECTIONS=$conn at $(el) s"
   ( [ $conn != default ] && export CUDA_DEVICE_MAX_CONNECTIONS=$conn

@@ -5,9 +5,7 @@
 #   2. in parallel: GPU0 the reduced Qwen3-Next-shaped hybrid target without causal-conv1d (fla only), GPU1 the
 #      same with causal-conv1d (goal 1b: the ratio), then bench/target_fresh_shapes.py (capture on unseen shapes).
 # Usage: bash bench/gpu_session11.sh OUT_DIR     (carry .whl and .carry)
-set -uo pipefail
-OUT=${1:-/tmp/gpu_session11}; mkdir -p "$OUT"
-source bench/gpu_env.sh
+source bench/gpu_env.sh "$@"   # strict mode, OUT (first argument), environment, helpers
 for w in gemm capture; do
   echo "=== 1. send_overlap $w at $(el) s"
   timeout -k 10 ${SO_T:-100} torchrun --standalone --nproc-per-node 2 bench/send_overlap.py --workload $w --repeats 4 \

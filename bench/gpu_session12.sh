@@ -7,9 +7,7 @@
 #   2. the same job with topology.rendezvous_sends=false (sends posted at once, as before), target trace on;
 #   3. the threaded baseline on the same job (goal 4).
 # Usage: bash bench/gpu_session12.sh OUT_DIR     (carry .whl)
-set -uo pipefail
-OUT=${1:-/tmp/gpu_session12}; mkdir -p "$OUT"
-source bench/gpu_env.sh
+source bench/gpu_env.sh "$@"   # strict mode, OUT (first argument), environment, helpers
 JOB=("${TARGET_BOUND_JOB[@]}")
 rendezvous_pair ${PIPE_T:-140} pipeline_e2e "${JOB[@]}"
 echo "=== 3. threaded baseline, same job at $(el) s"

@@ -5,7 +5,5 @@
 # alone (~50-60 ms) and read as waiting when the drafter sets the pace, and what does it cost the job?
 # (Run as two device calls on the same warm machine, 13 and 13b; this script does both.)
 # Usage: bash bench/gpu_session13.sh OUT_DIR     (carry .whl)
-set -uo pipefail
-OUT=${1:-/tmp/gpu_session13}; mkdir -p "$OUT"
-source bench/gpu_env.sh
+source bench/gpu_env.sh "$@"   # strict mode, OUT (first argument), environment, helpers
 rendezvous_pair ${PIPE_T:-150} pipeline_e2e_256 --steps 50 --warmup-steps 15 --override drafter.num_anchors=256

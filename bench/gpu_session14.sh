@@ -8,9 +8,7 @@
 #      between messages. The 1 + 1 job on the builtin data (it has held-out prompts), 256 anchors, with
 #      train.eval_prompts=16 train.eval_every=10, then without evaluation: samples/s with / without.
 # Usage: bash bench/gpu_session14.sh OUT_DIR     (carry .whl)
-set -uo pipefail
-OUT=${1:-/tmp/gpu_session14}; mkdir -p "$OUT"
-source bench/gpu_env.sh
+source bench/gpu_env.sh "$@"   # strict mode, OUT (first argument), environment, helpers
 rendezvous_pair ${PIPE_T:-140} target_bound "${TARGET_BOUND_JOB[@]}"
 EVAL=(--steps 50 --warmup-steps 15 --override drafter.num_anchors=256 --override data.source=builtin)
 for ev in 16 0; do

@@ -7,9 +7,7 @@
 #   3. pipeline efficiency (8B-shaped target + 1B drafter: drafter alone vs the real 1+1 job);
 #   4. the threaded baseline on the same job with what time is left.
 # Usage: bash bench/gpu_session2.sh OUT_DIR     (carry .whl)
-set -uo pipefail
-OUT=${1:-/tmp/gpu_session2}; mkdir -p "$OUT"
-source bench/gpu_env.sh
+source bench/gpu_env.sh "$@"   # strict mode, OUT (first argument), environment, helpers
 TOTAL=${TOTAL:-575}
 proof_jobs ${CORE_T:-170} $OUT   # 1.
 echo "=== 2. drafter_step at $(el) s"

@@ -6,9 +6,7 @@
 #      samples, 4-sample messages) for 2, 4 and 8 GPUs (goal 6);
 #   3. pipeline efficiency (8B-shaped target + 1B drafter); 4. the threaded baseline on the same job.
 # Usage: bash bench/gpu_session3.sh OUT_DIR     (carry .whl)
-set -uo pipefail
-OUT=${1:-/tmp/gpu_session3}; mkdir -p "$OUT"
-source bench/gpu_env.sh
+source bench/gpu_env.sh "$@"   # strict mode, OUT (first argument), environment, helpers
 TOTAL=${TOTAL:-560}
 proof_jobs ${CORE_T:-150} $OUT   # 1.
 echo "=== 2. drafter_step flex_layers vs sdpa (GPU0) + dflash-plan (GPU1) at $(el) s"

@@ -2,9 +2,7 @@
 # Fourth (short) device call on 2x H200: the real job at HEAD, three runs at once on the two GPUs (proof runs,
 # not timings): the 0.6B-shaped core job with the defaults, the same with drafter.compile_layers=true, and the
 # embedded default job (tiny target, builtin data, in-training evaluation). Usage: bash bench/gpu_session4.sh OUT
-set -uo pipefail
-OUT=${1:-/tmp/gpu_session4}; mkdir -p "$OUT"
-source bench/gpu_env.sh
+source bench/gpu_env.sh "$@"   # strict mode, OUT (first argument), environment, helpers
 T=${T:-150}
 core_job $T $OUT/core.log /tmp/core train.max_steps=60 &
 P1=$!

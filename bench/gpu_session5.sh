@@ -6,9 +6,7 @@
 #      3072x512 and 550x256, batch 1 and 2 (goal 2);
 #   2. pipeline efficiency (8B-shaped target + 1B drafter: drafter alone, then the real 1+1 job) (goal 3).
 # Usage: bash bench/gpu_session5.sh OUT_DIR     (carry .whl; SKIP_PIPELINE=1: part 1 only)
-set -uo pipefail
-OUT=${1:-/tmp/gpu_session5}; mkdir -p "$OUT"
-source bench/gpu_env.sh
+source bench/gpu_env.sh "$@"   # strict mode, OUT (first argument), environment, helpers
 echo "=== 1. flex_tune + drafter_step (GPU0) | dflash-plan (GPU1) at $(el) s"
 (
   CUDA_VISIBLE_DEVICES=0 timeout -k 10 ${TUNE_T:-170} python3 bench/flex_tune.py --out $OUT/flex_tune.json \

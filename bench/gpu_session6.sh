@@ -5,9 +5,7 @@
 #   GPU1: target_capture padded vs packed vs packed+compiled on the 550 and 256-3072 mixes (goal 1), then
 #         dflash-plan at SpecForge's config for 2, 4 and 8 GPUs (goal 6).
 # Usage: bash bench/gpu_session6.sh OUT_DIR     (carry .whl)
-set -uo pipefail
-OUT=${1:-/tmp/gpu_session6}; mkdir -p "$OUT"
-source bench/gpu_env.sh
+source bench/gpu_env.sh "$@"   # strict mode, OUT (first argument), environment, helpers
 echo "=== GPU0 flex_tune + drafter_step | GPU1 target_capture + dflash-plan at $(el) s"
 (
   export CUDA_VISIBLE_DEVICES=0

@@ -6,9 +6,7 @@
 #      off on torch < 2.13), GPU1 dflash-plan at SpecForge's config for 2, 4 and 8 GPUs;
 #   3. (AUTO=1) the real trainer with topology.target_ranks=auto at SpecForge's config on the two GPUs.
 # Usage: bash bench/gpu_session7.sh OUT_DIR     (carry .whl)
-set -uo pipefail
-OUT=${1:-/tmp/gpu_session7}; mkdir -p "$OUT"
-source bench/gpu_env.sh
+source bench/gpu_env.sh "$@"   # strict mode, OUT (first argument), environment, helpers
 # the same job for both designs; the target eager (padded, uncompiled) in both, as in the design being replaced,
 # so the only compile is the drafter's (in the threaded run: in its thread while the target thread runs)
 JOB=(--steps 40 --warmup-steps 10 --override target.packing=off --override target.compile=false)

@@ -8,9 +8,7 @@
 #   3. the threaded baseline on the same job and defaults: the target's compiled capture and the drafter's
 #      compiled step traced in two threads of one process (goal 4, and whether that hits compile errors).
 # Usage: bash bench/gpu_session9.sh OUT_DIR     (carry .whl)
-set -uo pipefail
-OUT=${1:-/tmp/gpu_session9}; mkdir -p "$OUT"
-source bench/gpu_env.sh
+source bench/gpu_env.sh "$@"   # strict mode, OUT (first argument), environment, helpers
 echo "=== 1. send_overlap (gemm, capture) at $(el) s"
 timeout -k 10 ${SO_T:-60} torchrun --standalone --nproc-per-node 2 bench/send_overlap.py --out $OUT/send_overlap_gemm.json \
   2>&1 | grep -v "^W1" > $OUT/send_overlap_gemm.log
