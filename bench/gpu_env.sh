@@ -77,6 +77,7 @@ traced_e2e() {
   echo "$name exit $? at $(el) s"; grep -E "^\| \(b\)" "$OUT/$name.log"
   cp "$work/e2e_run/target_trace/rank1.jsonl" "$OUT/${name}_trace.jsonl" 2>/dev/null
   cp "$work/e2e_run/metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2>/dev/null
+  grep -v "^W1" "$work/e2e.log" > "$OUT/${name}_e2e.log" 2>/dev/null
   grep -E "target (done|stopped)" "$work/e2e.log" | tail -1
   python3 bench/trace_summary.py "$OUT/${name}_trace.jsonl" || true
 }

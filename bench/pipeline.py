@@ -258,6 +258,10 @@ def run_e2e(args) -> dict:
     for line in log_text.splitlines():
         if "attention backend=" in line or "target loaded" in line or "target fast path" in line:
             res.setdefault("log_lines", []).append(line.strip()[:300])
+    if not ok_rc:  # the ranks' own errors (torchrun's summary at the end of the log does not say what failed)
+        errs = [ln.strip()[:400] for ln in log_text.splitlines() if ("Error" in ln or "ERROR" in ln)
+                and "torch/distributed/elastic" not in ln and "ChildFailedError" not in ln]
+        res["error_lines"] = errs[:20]
     return res
 
 

@@ -42,14 +42,23 @@ class DrafterBatch:
         return self.features.shape[1]
 
 
-def sample_anchors(loss_mask: Tensor, num_anchors: int, generator: Optional[torch.Generator]
-                   ) -> tuple[Tensor, Tensor]:
+def to_device_async(t: Tensor, dev: torch.device) -> Tensor:
+    """Host tensor to ``dev`` without a host sync: a plain CUDA copy from pageable memory synchronizes the
+    stream (the host then waits for the whole queued step, and for the receive the step waits on)."""
+    if dev.type != "cuda" or t.device == dev:
+        return t.to(dev)
+    return t.pin_memory().to(dev, non_blocking=True)
+
+
+def sample_anchors(loss_mask: Tensor, num_anchors: int, generator: Optional[torch.Generator],
+                   keys: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Pick up to ``num_anchors`` anchors a with loss_mask[a] and loss_mask[a+1], uniformly without replacement.
 
     Uses top-k of i.i.d. uniform keys over the candidates (a uniform random subset), which keeps every shape
     static and needs no host sync. Returns anchors [N] long (ascending, padded with 0) and valid [N] bool;
     the number of valid anchors is min(#candidates, N). Random keys are drawn on the generator's device so a
-    CPU generator stays reproducible whatever device the mask lives on.
+    CPU generator stays reproducible whatever device the mask lives on; ``keys`` [S-1] (already on the mask's
+    device) are those draws made by the caller.
     """
     dev = loss_mask.device
     n = int(num_anchors)
@@ -60,8 +69,9 @@ def sample_anchors(loss_mask: Tensor, num_anchors: int, generator: Optional[torc
         return anchors, valid
     lm = loss_mask.bool()
     cand = lm[:-1] & lm[1:]                                                      # [S-1]
-    gen_dev = generator.device if generator is not None else dev
-    keys = torch.rand(s - 1, generator=generator, device=gen_dev).to(dev)
+    if keys is None:
+        gen_dev = generator.device if generator is not None else dev
+        keys = torch.rand(s - 1, generator=generator, device=gen_dev).to(dev)
     keys = keys.masked_fill(~cand, -1.0)                                         # non-candidates rank last
     k = min(n, s - 1)
     top, idx = keys.topk(k)
@@ -79,7 +89,9 @@ def make_batch(input_ids: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, feature
 
     input_ids [T] long, loss_mask [T] bool (True on supervised tokens), cu_seqlens [b+1] long (sample i is
     rows cu[i]:cu[i+1]), features [T, n*H]. Context is padded to S_pad = ceil(max_len / ctx_bucket) * ctx_bucket.
-    One host read of cu_seqlens; the per-sample loop only copies slices, everything else is batched.
+    One host read of cu_seqlens; the per-sample loop only copies slices, everything else is batched. No host
+    sync on CUDA: the anchors' random keys (drawn on a CPU generator, as on CPU) and the lengths reach the
+    device in one pinned, non-blocking copy each.
     """
     dev = features.device
     bsz = block_size
@@ -99,19 +111,24 @@ def make_batch(input_ids: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, feature
     sup = torch.zeros(b, s_pad, dtype=torch.bool, device=dev)
     anchors = torch.empty(b, num_anchors, dtype=torch.long, device=dev)
     valid = torch.empty(b, num_anchors, dtype=torch.bool, device=dev)
+    keys = [None] * b
+    if generator is not None and generator.device.type == "cpu":
+        # the same draws, in the same order, as sample_anchors would make: one copy instead of one sync per sample
+        drawn = [torch.rand(max(n - 1, 0), generator=generator) for n in lens]
+        keys = list(to_device_async(torch.cat(drawn), dev).split([d.numel() for d in drawn]))
     for i, (lo, hi) in enumerate(zip(cu[:-1], cu[1:])):
         n_i = hi - lo
         feats[i, :n_i] = features[lo:hi]
         ids[i, :n_i] = input_ids[lo:hi]
         sup[i, :n_i] = loss_mask[lo:hi]
-        anchors[i], valid[i] = sample_anchors(loss_mask[lo:hi], num_anchors, generator)
+        anchors[i], valid[i] = sample_anchors(loss_mask[lo:hi], num_anchors, generator, keys[i])
 
     offs = torch.arange(bsz, device=dev)
     pos = anchors[:, :, None] + offs                                             # [b, N, B]
     flat = pos.clamp(max=s_pad - 1).reshape(b, -1)
     tok = ids.gather(1, flat).view_as(pos)
     tok_sup = sup.gather(1, flat).view_as(pos)
-    in_sample = pos < torch.tensor(lens, device=dev)[:, None, None]
+    in_sample = pos < to_device_async(torch.tensor(lens), dev)[:, None, None]
     has_label = in_sample & tok_sup & valid[:, :, None] & (offs >= 1)
     labels = torch.where(has_label, tok, torch.full_like(tok, IGNORE_INDEX))
 

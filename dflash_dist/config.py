@@ -236,6 +236,14 @@ class TopologyConfig:
     off over gloo (CPU: a waiting gloo send costs nothing, and the target could post a payload only between its
     synchronous CPU forwards). False: send at once."""
 
+    comm_streams: bool = False
+    """CUDA, experimental: post payload sends and receives from a stream of their own. NCCL starts a
+    point-to-point operation only after the work already queued on the stream it was posted from, so a receive
+    posted from the drafter's compute stream begins on its GPU only after the queued training step, and a staged
+    send posted while the target's next capture is queued waits for that capture. Off by default: on 2x H200 it
+    did not speed up the target-bound job (30.51 vs 31.42 samples/s with rendezvous sends, docs/benchmarks.md)
+    and its GPU byte-for-byte check (bench/transport_check.py) has not completed yet. No effect on CPU."""
+
     timeout_s: float = 60.0
     """A rank that waits this long on a peer after warm-up declares the job dead and exits non-zero."""
 

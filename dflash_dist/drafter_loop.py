@@ -21,7 +21,7 @@ from .blocks import make_batch
 from .checkpoint import load_checkpoint, save_checkpoint
 from .compile_guard import (batch_shape, dynamo_counters, expected_shapes, install_guard, plan_step_lengths,
                             report_graph_breaks)
-from .startup_report import startup_report
+from .startup_report import host_syncs, startup_report
 from .config import cosine_lr, resolve_backend
 from .drafter import DFlashDrafter, DrafterModelConfig
 from .flops import attention_flops_per_pair, drafter_step_flops, nominal_peak_tflops
@@ -31,7 +31,7 @@ from .metrics import MetricsWriter, RateMeter, target_window_metrics
 from .target import load_head_from_checkpoint, resolve_dtype, resolve_source, text_config
 from .distributed import shorten_timeouts
 from .eval_loop import LeaderEval, eval_enabled, eval_record, eval_steps
-from .transport import Channel, EndOfStream, Receiver, use_rendezvous
+from .transport import EndOfStream, Receiver, job_channel
 
 log = logging.getLogger("dflash_dist")
 
@@ -273,6 +273,36 @@ def drain(rx, topo, pending, ends_seen: set, target_stats: dict) -> int:
     return dropped
 
 
+SYNC_CHECK_STEP = 3  # the step run under CUDA's sync debug mode (after the guard's warm-up steps)
+
+
+def profiled_step(trainer, batch, first_step_s, job) -> None:
+    """Train one step under the profiler: the startup report (backend that ran, memory, compile and caches),
+    printed by the leader and written to <run_dir>/startup_report.json; graph breaks named."""
+    topo, device = job.dist.topo, job.dist.device
+    b_, s_pad, q_len = batch_shape(batch)
+    rep = startup_report(lambda: trainer.train_step(batch), trainer.model,
+                         {"b": b_, "S_pad": s_pad, "Q": q_len, "first_step_s": first_step_s, "guard": trainer.guard},
+                         device, print_fn=log.info if topo.is_leader else log.debug)
+    if topo.is_leader:
+        with open(os.path.join(job.run_dir, "startup_report.json"), "w") as f:
+            json.dump(rep, f, indent=1, default=str)
+    breaks = report_graph_breaks(raise_on_break=False)
+    if breaks:
+        log.warning("graph breaks in compiled regions: %s", list(breaks)[:5])
+
+
+def log_host_syncs(step_fn, step: int, device) -> None:
+    """Build and train one step under CUDA's sync debug mode and name every host sync it made (none expected:
+    each one makes the host wait for the queued step, and for the receive it waits on, before queuing more)."""
+    _, syncs = host_syncs(step_fn, device)
+    if syncs is None:  # CPU: nothing to check
+        return
+    where = f" at {', '.join(sorted(set(syncs)))}" if syncs else ""
+    (log.warning if syncs else log.info)("host syncs in one training step (step %d, CUDA sync debug mode): %d%s",
+                                         step, len(syncs), where)
+
+
 def run_drafter(job) -> None:
     cfg, d = job.cfg, job.dist
     topo = d.topo
@@ -297,8 +327,7 @@ def run_drafter(job) -> None:
     if job.auto_split is not None:  # topology.target_ranks=auto: the measured rates and the split, once
         from .plan import plan_record
         writer.log(job.start_step, plan_record(job.auto_split), kind="plan")
-    channel = Channel(d.ctrl, d.data, d.device, timeout_s=cfg.topology.warmup_timeout_s, check=life.check,
-                      store=d.store if use_rendezvous(cfg.topology.rendezvous_sends, d.data) else None)
+    channel = job_channel(d, cfg.topology, check=life.check)
     rx = Receiver(channel, d.rank)
     mine = list(topo.drafter_messages(run_messages))
     pending = rx.post(topo.target_for(mine[0]), job.start_cursor + mine[0]) if mine else None
@@ -336,21 +365,13 @@ def run_drafter(job) -> None:
             if nxt < run_messages:
                 pending = rx.post(topo.target_for(nxt), job.start_cursor + nxt)
         t1 = time.monotonic()
-        batch = trainer.build(msg, job.start_cursor + j)
+        k = job.start_cursor + j
         if s == 1:  # one profiled step after the warm-up step: what really ran, memory, compile/cache
-            b_, s_pad, q_len = batch_shape(batch)
-            rep = startup_report(lambda: trainer.train_step(batch), trainer.model,
-                                 {"b": b_, "S_pad": s_pad, "Q": q_len, "first_step_s": first_step_s,
-                                  "guard": trainer.guard}, d.device,
-                                 print_fn=log.info if topo.is_leader else log.debug)
-            if topo.is_leader:
-                with open(os.path.join(job.run_dir, "startup_report.json"), "w") as f:
-                    json.dump(rep, f, indent=1, default=str)
-            breaks = report_graph_breaks(raise_on_break=False)
-            if breaks:
-                log.warning("graph breaks in compiled regions: %s", list(breaks)[:5])
+            profiled_step(trainer, trainer.build(msg, k), first_step_s, job)
+        elif s == SYNC_CHECK_STEP:  # after warm-up: does a step make the host wait for the GPU?
+            log_host_syncs(lambda: trainer.train_step(trainer.build(msg, k)), trainer.step, d.device)
         else:
-            trainer.train_step(batch)
+            trainer.train_step(trainer.build(msg, k))
         if s == 0:
             first_step_s = time.monotonic() - t1
         if msg is not None:

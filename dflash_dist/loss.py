@@ -34,8 +34,7 @@ def slot_weights(block_size: int, gamma: float, device=None) -> Tensor:
     """[B] fp32: 0 for slot 0, exp(-(k-1)/gamma) for slot k >= 1."""
     k = torch.arange(block_size, dtype=torch.float32, device=device)
     w = torch.exp(-(k - 1.0) / float(gamma))
-    w[0] = 0.0
-    return w
+    return torch.where(k == 0, torch.zeros_like(w), w)  # not w[0] = 0.0: a scalar copy that syncs on CUDA
 
 
 @dataclass

@@ -14,9 +14,12 @@ score matrix (matmul/softmax on score-shaped operands); on CPU it reports what r
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+import traceback
+import warnings
 from collections import Counter
 from typing import Any, Callable, Optional
 
@@ -303,3 +306,39 @@ def format_startup_report(r: dict) -> str:
     for p in r.get("problems", []):
         lines.append(f"  PROBLEM           : {p}")
     return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def sync_warnings_recorded():
+    """Collect the "synchronizing CUDA operation" warnings of CUDA's sync debug mode raised inside the block:
+    yields a list that gets one entry per sync, where it happened and the innermost project frame that led
+    there, e.g. ``clip_grad.py:101 <- drafter_loop.py:189``."""
+    where: list[str] = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        ours = [f for f in traceback.extract_stack()[:-1] if f"{os.sep}dflash_dist{os.sep}" in f.filename]
+        via = f"{os.path.basename(ours[-1].filename)}:{ours[-1].lineno}" if ours else ""
+        at = f"{os.path.basename(filename)}:{lineno}"
+        where.append(at + (f" <- {via}" if via and via != at else ""))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        yield where
+
+
+def host_syncs(fn: Callable[[], Any], device) -> tuple[Any, Optional[list[str]]]:
+    """Run ``fn`` under CUDA's sync debug mode: returns (its result, one entry per host sync it made, see
+    ``sync_warnings_recorded``); None on CPU. A training step should make none: each one makes the host wait
+    for the queued GPU work (and for the receive that work waits on) before it can queue the next step."""
+    if torch.device(device).type != "cuda":
+        return fn(), None
+    with sync_warnings_recorded() as where:
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return out, where

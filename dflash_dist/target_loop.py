@@ -16,7 +16,7 @@ from .eval_loop import TargetEval, eval_enabled, expected_evals
 from .faults import apply_target_fault, fault_for
 from .target import (FeatureCapture, build_target_model, head_weights, resolve_compile, resolve_packing,
                      resolve_source)
-from .transport import Channel, Message, Sender, use_rendezvous
+from .transport import Message, Sender, job_channel
 
 log = logging.getLogger("dflash_dist")
 
@@ -91,11 +91,10 @@ def run_target(job) -> None:
     log.info("target capture: %s", capture.describe())
     flops_per_batch = capture_flops_fn(model, job, packed)
     dataset = TokenizedDataset.load(job.dataset_path)
-    channel = Channel(d.ctrl, d.data, d.device, timeout_s=cfg.topology.warmup_timeout_s, check=job.life.check,
-                      store=d.store if use_rendezvous(cfg.topology.rendezvous_sends, d.data) else None)
+    channel = job_channel(d, cfg.topology, check=job.life.check)
     tx = Sender(channel, d.rank, cfg.topology.max_in_flight)
-    log.info("target sends: %s", "rendezvous (each payload posted once the drafter posted its receive)"
-             if channel.store is not None else "posted at once")
+    log.info("target sends: %s, %s", "rendezvous (each payload posted once the drafter posted its receive)"
+             if channel.store is not None else "posted at once", channel.describe())
 
     run_messages = job.total_messages - job.start_cursor
     busy_s, stall_s, tokens, samples, sent, flops = 0.0, 0.0, 0, 0, 0, 0.0

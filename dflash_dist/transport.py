@@ -23,10 +23,19 @@ the receiver adds 1 to a per-link counter in the rendezvous store after posting 
 posts staged payloads up to that count whenever it polls (``Sender.pump``: between captures, while it waits
 for its GPU, while it waits on backpressure). NCCL matches the two sides' point-to-point operations per
 pair in posting order, and both sides count the same payloads, so the counter is all they share.
+
+Communication streams (``Channel.stream``, CUDA; ``topology.comm_streams``, experimental, off by default): NCCL starts an operation only after the work queued on the
+stream it is posted from. Posted from the compute stream, a drafter's receive began on its GPU only after the
+training step queued before it (a send waiting for it spun on the target's GPU meanwhile), and a staged send
+posted while the target's next capture was queued waited for that capture. So payloads are posted from a stream
+of their own: a send waits only for the event recorded when its features were ready, a receive for nothing;
+received buffers are allocated on that stream and marked used by the compute stream that consumes them
+(``record_stream``), so the allocator does not hand them to the next receive while a step still reads them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from datetime import timedelta
@@ -157,6 +166,14 @@ def use_rendezvous(setting: Optional[bool], data_group) -> bool:
     return dist.get_backend(data_group) == "nccl"
 
 
+def job_channel(d, topology, check: Optional[Callable[[], None]] = None) -> "Channel":
+    """The channel of a training job's rank: ``d`` its distributed setup (groups, device, store), ``topology``
+    the TopologyConfig (warm-up timeout first, rendezvous sends, communication streams)."""
+    return Channel(d.ctrl, d.data, d.device, timeout_s=topology.warmup_timeout_s, check=check,
+                   store=d.store if use_rendezvous(topology.rendezvous_sends, d.data) else None,
+                   comm_stream=topology.comm_streams)
+
+
 def posted_key(src: int, dst: int) -> str:
     """Store counter: payload receives that rank ``dst`` has posted for rank ``src`` (rendezvous sends)."""
     return f"dflash/recv_posted/{src}-{dst}"
@@ -166,12 +183,23 @@ class Channel:
     """The two groups one link uses, how long to wait on a peer and, for rendezvous sends, the store."""
 
     def __init__(self, ctrl_group, data_group, device: torch.device, timeout_s: float = 60.0,
-                 check: Optional[Callable[[], None]] = None, store=None):
+                 check: Optional[Callable[[], None]] = None, store=None, comm_stream: bool = False):
         self.ctrl_group, self.data_group = ctrl_group, data_group
         self.device = torch.device(device)
         self.timeout_s = timeout_s
         self.check = check
         self.store = store  # None: payloads are sent at once
+        # payload sends/receives posted from here (CUDA only): None posts them from the current stream
+        self.stream = torch.cuda.Stream(self.device) if comm_stream and self.device.type == "cuda" else None
+
+    def posting(self):
+        """Context for posting payload operations (and allocating receive buffers): the communication stream."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def describe(self) -> str:
+        if self.device.type != "cuda":
+            return "posted from the host (no CUDA streams)"
+        return "on their own CUDA stream" if self.stream is not None else "on the compute stream"
 
     def _pollable(self, group) -> bool:
         return dist.get_backend(group) != "gloo"
@@ -208,8 +236,12 @@ class Sender:
         return h
 
     def _post_payload(self, dst: int, entry: list) -> None:
-        meta, feats = entry[2]
-        entry[0] += [(w, self.ch.data_group) for w in _batched(dist.isend, (meta, feats), dst, self.ch.data_group)]
+        meta, feats, ready = entry[2]
+        if ready is not None:  # the communication stream waits for these features only, not for later captures
+            self.ch.stream.wait_event(ready)
+        with self.ch.posting():
+            works = _batched(dist.isend, (meta, feats), dst, self.ch.data_group)
+        entry[0] += [(w, self.ch.data_group) for w in works]
         entry[2] = None
         self._staged[dst] -= 1
         self._posted[dst] = self._posted.get(dst, 0) + 1
@@ -285,7 +317,8 @@ class Sender:
         ctrl = self.ch.ctrl_group
         works = [(dist.isend(h, dst, group=ctrl), ctrl), (dist.isend(cu_host, dst, group=ctrl), ctrl)]
         t0 = time.monotonic()
-        entry = [works, (h, cu_host, meta, feats), (meta, feats)]  # buffers kept alive until sent
+        ready = torch.cuda.current_stream(self.ch.device).record_event() if self.ch.stream is not None else None
+        entry = [works, (h, cu_host, meta, feats), (meta, feats, ready)]  # buffers kept alive until sent
         self._inflight[dst].append(entry)
         self._staged[dst] = self._staged.get(dst, 0) + 1
         if self.ch.store is None:
@@ -364,9 +397,10 @@ class PendingMessage:
             raise TransportError(f"rank {self.src}: header meta length {h[H_METALEN]} != {2 * n + 1 + 2 * t}")
         self.cu_host = torch.empty(n + 1, dtype=torch.int64)
         self.cu_work = dist.irecv(self.cu_host, self.src, group=ch.ctrl_group)  # right behind the header
-        meta = torch.empty(h[H_METALEN], dtype=torch.int64, device=ch.device)
-        feats = torch.empty((t, width), dtype=CODE_DTYPES[h[H_DTYPE]], device=ch.device)
-        works = _batched(dist.irecv, (meta, feats), self.src, ch.data_group)
+        with ch.posting():  # a receive posted from the compute stream would start after the queued step
+            meta = torch.empty(h[H_METALEN], dtype=torch.int64, device=ch.device)
+            feats = torch.empty((t, width), dtype=CODE_DTYPES[h[H_DTYPE]], device=ch.device)
+            works = _batched(dist.irecv, (meta, feats), self.src, ch.data_group)
         if ch.store is not None:  # rendezvous: the sender posts this payload once it reads the new count
             ch.store.add(posted_key(self.src, self.rx.rank), 1)
         self.payload = (h, meta, feats, works)
@@ -387,6 +421,11 @@ class PendingMessage:
         for w in works:
             self.rx.ch.wait(w, f"payload of message {h[H_INDEX]} from rank {self.src}", host=False,
                             group=self.rx.ch.data_group)
+        if self.rx.ch.stream is not None:
+            # allocated on the communication stream, read on this one: not reusable before this stream's reads
+            compute = torch.cuda.current_stream(self.rx.ch.device)
+            meta.record_stream(compute)
+            feats.record_stream(compute)
         n, t = h[H_NSAMPLES], h[H_NTOKENS]
         sample_ids, _, ids, mask = unpack_meta(meta, n, t)
         self.result = Message(h[H_INDEX], sample_ids, self.cu_host, ids, mask, feats, self.src, h[H_STATS:])

@@ -120,3 +120,20 @@ def test_make_batch_ctx_bucket_and_no_padding_visible():
         has = lab != -100
         assert torch.equal(lab[has], ids[lo + pos[has]])
         assert lm[lo + pos[has]].all()
+
+
+def test_make_batch_draws_the_keys_sample_anchors_would():
+    """make_batch draws every sample's anchor keys up front (one device copy, no host sync on CUDA): the anchors
+    must be exactly those of sample_anchors drawing per sample from the same generator, in sample order."""
+    g = torch.Generator().manual_seed(5)
+    lens = [37, 1, 0, 64, 12]
+    mask = torch.rand(sum(lens), generator=g) > 0.3
+    cu = torch.tensor([0] + lens).cumsum(0)
+    ids = torch.randint(0, 1000, (sum(lens),), generator=g)
+    batch = make_batch(ids, mask, cu, torch.randn(sum(lens), 4), num_anchors=8, block_size=4, mask_token_id=MASK,
+                       ctx_bucket=16, generator=torch.Generator().manual_seed(11))
+    ref = torch.Generator().manual_seed(11)
+    for i in range(len(lens)):
+        a, v = sample_anchors(mask[cu[i]:cu[i + 1]], 8, ref)
+        assert torch.equal(batch.anchors[i], a) and torch.equal(batch.valid[i], v), f"sample {i}"
+    assert batch.valid[0].sum() > 0 and batch.valid[3].sum() > 0
