@@ -10,6 +10,7 @@
 #   2. the target-bound job (calls 12/14/15), rendezvous on and off;
 #   3. the drafter-bound job (calls 13/13b: 256 anchors, packed + compiled target), rendezvous on and off;
 #   4. if time is left: the in-training evaluation job of call 14, whose drafter rank failed there (its log kept).
+# (comm_streams was the default when this ran; it is off now, so the jobs ask for it.)
 # Usage: bash bench/gpu_session16.sh OUT_DIR     (carry .whl)
 source bench/gpu_env.sh "$@"   # strict mode, OUT (first argument), environment, helpers
 for v in "comm" "comm_norecord --break-record-stream" "nocomm --no-comm-streams"; do
@@ -19,9 +20,10 @@ for v in "comm" "comm_norecord --break-record-stream" "nocomm --no-comm-streams"
     "$@" 2>&1 | grep -v "^W1" > "$OUT/transport_$name.log"
   echo "exit ${PIPESTATUS[0]}"; grep -E "^\| (on|posted)" "$OUT/transport_$name.log"
 done
-rendezvous_pair ${PIPE_T:-120} target_bound "${TARGET_BOUND_JOB[@]}"
+rendezvous_pair ${PIPE_T:-120} target_bound "${TARGET_BOUND_JOB[@]}" --override topology.comm_streams=true
 grep -h "host syncs" "$OUT"/target_bound_rv_*_e2e.log
-rendezvous_pair ${PIPE_T:-115} drafter_bound --steps 50 --warmup-steps 15 --override drafter.num_anchors=256
+rendezvous_pair ${PIPE_T:-115} drafter_bound --steps 50 --warmup-steps 15 --override drafter.num_anchors=256 \
+  --override topology.comm_streams=true
 if [ "$(el)" -lt 470 ]; then
   echo "=== eval job at $(el) s"
   traced_e2e 100 eval_16 /tmp/pipe_eval_16 --steps 30 --warmup-steps 10 --override drafter.num_anchors=256 \

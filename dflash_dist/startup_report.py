@@ -314,17 +314,18 @@ def sync_warnings_recorded():
     yields a list that gets one entry per sync, where it happened and the innermost project frame that led
     there, e.g. ``clip_grad.py:101 <- drafter_loop.py:189``."""
     where: list[str] = []
+    show = warnings.showwarning
 
     def record(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" not in str(message):
-            return
+            return show(message, category, filename, lineno, file, line)
         ours = [f for f in traceback.extract_stack()[:-1] if f"{os.sep}dflash_dist{os.sep}" in f.filename]
         via = f"{os.path.basename(ours[-1].filename)}:{ours[-1].lineno}" if ours else ""
         at = f"{os.path.basename(filename)}:{lineno}"
         where.append(at + (f" <- {via}" if via and via != at else ""))
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
+    with warnings.catch_warnings():  # only the sync warnings change filter: the compile guard's stay in force
+        warnings.filterwarnings("always", message=r".*synchroniz")
         warnings.showwarning = record
         yield where
 
