@@ -106,3 +106,18 @@ rendezvous_pair() {
     grep -o '"drafter_wait_frac": [0-9.e-]*' "$OUT/${name}_rv_${rv}_metrics.jsonl" | tail -2
   done
 }
+
+# transport_checks BOX [transport_check.py args]: bench/transport_check.py in its three variants (payloads on their
+# own stream; the same without record_stream, which must report corruption; on the compute stream), each in at
+# most BOX seconds; keeps $OUT/transport_<variant>.{json,log}, prints the table row or where a rank hung
+transport_checks() {
+  local box=$1 spec name args; shift
+  for spec in "comm:" "comm_norecord:--break-record-stream" "nocomm:--no-comm-streams"; do
+    name=${spec%%:*}; args=${spec#*:}
+    echo "=== transport check $name at $(el) s"
+    timeout -k 5 "$box" torchrun --standalone --nproc-per-node 2 bench/transport_check.py \
+      --out "$OUT/transport_$name.json" $args "$@" 2>&1 | grep -v "^W1" > "$OUT/transport_$name.log"
+    echo "exit ${PIPESTATUS[0]}"
+    grep -E "^\| (on|posted)|received at|^Thread|File .*(dflash_dist|transport_check)" "$OUT/transport_$name.log" | head -12
+  done
+}

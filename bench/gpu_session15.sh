@@ -11,13 +11,7 @@
 #      rendezvous on (call 14's slow configuration, same machine as the two before).
 # Usage: bash bench/gpu_session15.sh OUT_DIR     (carry .whl)
 source bench/gpu_env.sh "$@"   # strict mode, OUT (first argument), environment, helpers
-for v in "comm" "comm_norecord --break-record-stream" "nocomm --no-comm-streams"; do
-  set -- $v; name=$1; shift
-  echo "=== transport check $name at $(el) s"
-  timeout -k 5 60 torchrun --standalone --nproc-per-node 2 bench/transport_check.py --out "$OUT/transport_$name.json" \
-    "$@" 2>&1 | grep -v "^W1" > "$OUT/transport_$name.log"
-  echo "exit ${PIPESTATUS[0]}"; grep -E "^\| (on|posted)" "$OUT/transport_$name.log"
-done
+transport_checks 60
 rendezvous_pair ${PIPE_T:-140} target_bound_comm "${TARGET_BOUND_JOB[@]}" --override topology.comm_streams=true
 echo "=== target_bound: comm_streams=false, rendezvous_sends=true at $(el) s"
 traced_e2e ${PIPE_T:-150} target_bound_nocomm_rv_true /tmp/pipe_nocomm "${TARGET_BOUND_JOB[@]}" \

@@ -13,13 +13,7 @@
 # (comm_streams was the default when this ran; it is off now, so the jobs ask for it.)
 # Usage: bash bench/gpu_session16.sh OUT_DIR     (carry .whl)
 source bench/gpu_env.sh "$@"   # strict mode, OUT (first argument), environment, helpers
-for v in "comm" "comm_norecord --break-record-stream" "nocomm --no-comm-streams"; do
-  set -- $v; name=$1; shift
-  echo "=== transport check $name at $(el) s"
-  timeout -k 5 50 torchrun --standalone --nproc-per-node 2 bench/transport_check.py --out "$OUT/transport_$name.json" \
-    "$@" 2>&1 | grep -v "^W1" > "$OUT/transport_$name.log"
-  echo "exit ${PIPESTATUS[0]}"; grep -E "^\| (on|posted)" "$OUT/transport_$name.log"
-done
+transport_checks 50
 rendezvous_pair ${PIPE_T:-120} target_bound "${TARGET_BOUND_JOB[@]}" --override topology.comm_streams=true
 grep -h "host syncs" "$OUT"/target_bound_rv_*_e2e.log
 rendezvous_pair ${PIPE_T:-115} drafter_bound --steps 50 --warmup-steps 15 --override drafter.num_anchors=256 \

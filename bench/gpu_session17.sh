@@ -10,13 +10,7 @@
 #      call 14; the logs and the ranks' error lines are kept now).
 # Usage: bash bench/gpu_session17.sh OUT_DIR     (carry .whl)
 source bench/gpu_env.sh "$@"   # strict mode, OUT (first argument), environment, helpers
-for v in "comm" "comm_norecord --break-record-stream" "nocomm --no-comm-streams"; do
-  set -- $v; name=$1; shift
-  echo "=== transport check $name at $(el) s"
-  timeout -k 5 45 torchrun --standalone --nproc-per-node 2 bench/transport_check.py --hang-s 35 \
-    --out "$OUT/transport_$name.json" "$@" 2>&1 | grep -v "^W1" > "$OUT/transport_$name.log"
-  echo "exit ${PIPESTATUS[0]}"; grep -E "^\| (on|posted)|received at|^Thread|File .*dflash_dist" "$OUT/transport_$name.log" | head -12
-done
+transport_checks 45 --hang-s 35
 rendezvous_pair ${PIPE_T:-125} target_bound "${TARGET_BOUND_JOB[@]}"
 grep -h "host syncs" "$OUT"/target_bound_rv_*_e2e.log
 EVAL=(--steps 40 --warmup-steps 10 --override drafter.num_anchors=256 --override data.source=builtin)
