@@ -60,3 +60,22 @@ def test_rendezvous_setting(monkeypatch):
     monkeypatch.setattr(transport.dist, "get_backend", lambda group: group)  # the "group" names its backend here
     assert transport.use_rendezvous(None, "nccl") and not transport.use_rendezvous(None, "gloo")
     assert transport.use_rendezvous(True, "gloo") and not transport.use_rendezvous(False, "nccl")
+
+
+def test_job_channel_from_topology_config(monkeypatch):
+    """A job's channel: the warm-up timeout first, rendezvous as configured (null: by backend), payload streams only
+    where there is CUDA (on CPU the setting changes nothing and the log says so)."""
+    from types import SimpleNamespace
+
+    from dflash_dist import transport
+    from dflash_dist.config import TopologyConfig
+    monkeypatch.setattr(transport.dist, "get_backend", lambda group: group)
+    d = SimpleNamespace(ctrl="gloo", data="nccl", device=torch.device("cpu"), store="the store")
+    for comm in (False, True):
+        ch = transport.job_channel(d, TopologyConfig(comm_streams=comm, warmup_timeout_s=123.0))
+        assert ch.store == "the store" and ch.timeout_s == 123.0
+        assert ch.stream is None and ch.describe() == "posted from the host (no CUDA streams)"
+    d.data = "gloo"
+    assert transport.job_channel(d, TopologyConfig()).store is None
+    assert transport.job_channel(d, TopologyConfig(rendezvous_sends=True)).store == "the store"
+    assert TopologyConfig().comm_streams is False  # experimental: off unless asked for
