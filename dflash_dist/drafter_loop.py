@@ -30,6 +30,7 @@ from .masks import dense_mask, flex_block_mask
 from .metrics import MetricsWriter, RateMeter, target_window_metrics
 from .target import load_head_from_checkpoint, resolve_dtype, resolve_source, text_config
 from .distributed import shorten_timeouts
+from .faults import fault_for, stall_if_due
 from .eval_loop import LeaderEval, eval_enabled, eval_record, eval_steps
 from .transport import EndOfStream, Receiver, job_channel
 
@@ -344,6 +345,7 @@ def run_drafter(job) -> None:
     if cfg.logging.record_sample_ids:
         os.makedirs(os.path.join(job.run_dir, "sample_log"), exist_ok=True)
         sample_log = open(os.path.join(job.run_dir, "sample_log", f"rank{d.rank}.jsonl"), "a", buffering=1)
+    fault = fault_for(d.rank)  # failure tests only
     leader_eval = LeaderEval(job, trainer.model) if eval_enabled(job) and topo.is_leader else None
     eval_at = set(eval_steps(job)) if leader_eval is not None else set()
     last_window = None
@@ -366,6 +368,7 @@ def run_drafter(job) -> None:
                 pending = rx.post(topo.target_for(nxt), job.start_cursor + nxt)
         t1 = time.monotonic()
         k = job.start_cursor + j
+        stall_if_due(fault, s)
         if s == 1:  # one profiled step after the warm-up step: what really ran, memory, compile/cache
             profiled_step(trainer, trainer.build(msg, k), first_step_s, job)
         elif s == SYNC_CHECK_STEP:  # after warm-up: does a step make the host wait for the GPU?

@@ -3,12 +3,15 @@
 ``DFLASH_INJECT_FAULT=<rank>:<message>:<kind>`` makes global rank <rank> misbehave at its <message>-th
 message (counting from 0): ``raise`` (an exception, as a bad sample or an OOM would), ``nan`` (non-finite
 hidden states in that message), ``nan_all`` (from that message on), ``narrow`` (features one column short
-in that message: a wrongly shaped hidden state), ``exit`` (os._exit(3), a hard crash).
+in that message: a wrongly shaped hidden state), ``exit`` (os._exit(3), a hard crash), ``stall`` (a target or
+drafter rank that sleeps ``DFLASH_INJECT_STALL_S`` seconds, default 5, before that message's work, as a long
+first compile does).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from typing import Optional
 
 
@@ -19,9 +22,15 @@ def fault_for(rank: int) -> Optional[tuple[int, str]]:
     r, at, kind = spec.split(":")
     if int(r) != rank:
         return None
-    if kind not in ("raise", "nan", "nan_all", "narrow", "exit"):
-        raise ValueError(f"DFLASH_INJECT_FAULT kind {kind!r}: use raise, nan, nan_all, narrow or exit")
+    if kind not in ("raise", "nan", "nan_all", "narrow", "exit", "stall"):
+        raise ValueError(f"DFLASH_INJECT_FAULT kind {kind!r}: use raise, nan, nan_all, narrow, exit or stall")
     return int(at), kind
+
+
+def stall_if_due(fault, count: int) -> None:
+    """Called by a rank before its count-th message's work: the ``stall`` fault sleeps there."""
+    if fault is not None and fault == (count, "stall"):
+        time.sleep(float(os.environ.get("DFLASH_INJECT_STALL_S", "5")))
 
 
 def apply_target_fault(fault, count: int, features):

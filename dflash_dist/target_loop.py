@@ -13,7 +13,7 @@ import torch.distributed as dist
 from .data import TokenizedDataset
 from .distributed import shorten_timeouts
 from .eval_loop import TargetEval, eval_enabled, expected_evals
-from .faults import apply_target_fault, fault_for
+from .faults import apply_target_fault, fault_for, stall_if_due
 from .target import (FeatureCapture, build_target_model, head_weights, resolve_compile, resolve_packing,
                      resolve_source)
 from .transport import Message, Sender, job_channel
@@ -75,6 +75,12 @@ def open_trace(job):
     return open(os.path.join(path, f"rank{job.dist.rank}.jsonl"), "a", buffering=1)
 
 
+# A drafter takes its third message only after its first two steps (first compile, the profiled step), and switches
+# to the steady-state timeout after them: until each of this target's drafters has taken that many, a slow drafter
+# is warming up, not dead (counting sends posted instead let a first compile over timeout_s kill the job).
+WARM_MESSAGES = 3
+
+
 def run_target(job) -> None:
     cfg, d = job.cfg, job.dist
     topo = d.topo
@@ -99,7 +105,7 @@ def run_target(job) -> None:
     run_messages = job.total_messages - job.start_cursor
     busy_s, stall_s, tokens, samples, sent, flops = 0.0, 0.0, 0, 0, 0, 0.0
     start = time.monotonic()
-    stopped = False
+    stopped = steady = False
     fault = fault_for(d.rank)
     evaluator = TargetEval(job, model) if eval_enabled(job) and topo.index == 0 else None
     trace = open_trace(job) if cfg.logging.trace_target else None
@@ -120,6 +126,7 @@ def run_target(job) -> None:
             stall_s += time.monotonic() - t_stall
         t_busy = time.monotonic()
         stall_msg = t_busy - t_stall if d.device.type == "cuda" else 0.0
+        stall_if_due(fault, sent)
         ids, lengths, packed_ids, packed_mask = pad_batch(batch, d.device, packed)
         feats = apply_target_fault(fault, sent, capture(ids, lengths))
         if d.device.type == "cuda":  # busy time = real forward time; ready payloads are posted meanwhile
@@ -143,7 +150,8 @@ def run_target(job) -> None:
                                     "tokens": int(lengths.sum()), "t_s": round(wall, 4),
                                     "stall_ms": round(stall_msg * 1e3, 3), "capture_ms": round(capture_msg * 1e3, 3),
                                     "backpressure_ms": round((tx.wait_s - waited) * 1e3, 3)}) + "\n")
-        if sent == 2:  # model warm, drafters compiled their first shapes: steady-state timeout from here
+        if not steady and tx.all_took(WARM_MESSAGES):  # drafters past warm-up: steady-state timeout from here
+            steady = True
             channel.timeout_s = cfg.topology.timeout_s
             shorten_timeouts(d, cfg.topology.timeout_s)
     for dr in topo.drafter_ranks:

@@ -221,8 +221,10 @@ class Sender:
 
     def __init__(self, channel: Channel, rank: int, max_in_flight: int = 4):
         self.ch, self.rank, self.max_in_flight = channel, rank, max_in_flight
-        # per destination, oldest first: [works, buffers, staged payload (meta, feats) or None once posted]
+        # per destination, oldest first: [works, buffers, staged payload (meta, feats, ready) or None once posted,
+        # data message?]
         self._inflight: dict[int, deque] = {}
+        self.taken: dict[int, int] = {}  # data messages each destination is known to have received
         self._staged: dict[int, int] = {}  # payloads staged, not yet posted, per destination
         self._posted: dict[int, int] = {}  # payloads posted so far, per destination
         self.wait_s = 0.0  # time spent blocked on backpressure
@@ -276,15 +278,24 @@ class Sender:
         if self.ch.store is not None:
             self.pump()
         while q and q[0][2] is None and all(self.ch.done(w, g) for w, g in q[0][0]):
-            q.popleft()
+            self._count_taken(dst, q.popleft())
         t0 = time.monotonic()
         while len(q) >= limit:
             if q[0][2] is not None:
                 self._await_receive(dst, q[0])
-            works, _, _ = q.popleft()
-            for w, g in works:
+            entry = q.popleft()
+            for w, g in entry[0]:
                 self.ch.wait(w, f"drafter rank {dst} to take a message from target rank {self.rank}", group=g)
+            self._count_taken(dst, entry)
         self.wait_s += time.monotonic() - t0
+
+    def _count_taken(self, dst: int, entry: list) -> None:
+        if entry[3]:
+            self.taken[dst] = self.taken.get(dst, 0) + 1
+
+    def all_took(self, n: int) -> bool:
+        """Every destination sent to so far is known to have received at least ``n`` data messages."""
+        return bool(self._inflight) and all(self.taken.get(d, 0) >= n for d in self._inflight)
 
     def _await_receive(self, dst: int, entry: list, grace_s: Optional[float] = None) -> None:
         """Poll the store until the drafter has posted the receive of a staged payload (backpressure: up to the
@@ -318,7 +329,7 @@ class Sender:
         works = [(dist.isend(h, dst, group=ctrl), ctrl), (dist.isend(cu_host, dst, group=ctrl), ctrl)]
         t0 = time.monotonic()
         ready = torch.cuda.current_stream(self.ch.device).record_event() if self.ch.stream is not None else None
-        entry = [works, (h, cu_host, meta, feats), (meta, feats, ready)]  # buffers kept alive until sent
+        entry = [works, (h, cu_host, meta, feats), (meta, feats, ready), True]  # buffers kept alive until sent
         self._inflight[dst].append(entry)
         self._staged[dst] = self._staged.get(dst, 0) + 1
         if self.ch.store is None:
@@ -334,7 +345,7 @@ class Sender:
         self._throttle(dst, self.max_in_flight)
         h = self._header(KIND_END, -1, stats)
         ctrl = self.ch.ctrl_group
-        self._inflight[dst].append([[(dist.isend(h, dst, group=ctrl), ctrl)], (h,), None])
+        self._inflight[dst].append([[(dist.isend(h, dst, group=ctrl), ctrl)], (h,), None, False])
 
     def send_error(self, dst: int, text: str, timeout_s: float = 5.0) -> bool:
         """Best effort: tell a peer why this rank is failing. Returns False if it could not be delivered."""

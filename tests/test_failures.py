@@ -139,3 +139,29 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, caplog):
         assert find_latest(str(tmp_path)) == good
     assert "step_00000004" in caplog.text and "truncated" in caplog.text
     assert "step_00000003" in caplog.text and "meta.json" in caplog.text
+
+
+_SHORT = ["-m", "dflash_dist.train", "train.max_steps=12", "logging.log_every=2", "logging.progress_bar=false",
+          "logging.wandb.mode=disabled", "train.eval_prompts=0", "topology.timeout_s=2"]
+
+
+def test_slow_first_steps_are_warm_up_not_a_dead_drafter(tmp_path):
+    """A drafter whose second step starts 6 s late (as a long first compile or the profiled step can) outlasts the
+    2 s steady-state timeout: the target must still be on the warm-up timeout then (it switches once the drafter
+    has taken its third message, not once the target has posted two)."""
+    p = torchrun(2, _SHORT + [f"train.output_dir={tmp_path}"], timeout=240,
+                 env={"DFLASH_INJECT_FAULT": "0:1:stall", "DFLASH_INJECT_STALL_S": "6"})
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    assert "done: 12 steps" in out
+
+
+def test_a_drafter_silent_after_warm_up_is_dead_within_the_timeout(tmp_path):
+    """The same stall at step 6 (after warm-up) ends the job with the steady 2 s timeout, naming the drafter."""
+    t0 = time.time()
+    p = torchrun(2, _SHORT + [f"train.output_dir={tmp_path}"], timeout=240,
+                 env={"DFLASH_INJECT_FAULT": "0:6:stall", "DFLASH_INJECT_STALL_S": "60"})
+    out = p.stdout + p.stderr
+    assert p.returncode != 0
+    assert "drafter rank 0 to take a message from target rank 1" in out, out[-3000:]
+    assert time.time() - t0 < 55, "ended by the timeout, not by the 60 s stall"
