@@ -27,7 +27,7 @@ from .drafter import DFlashDrafter, DrafterModelConfig
 from .flops import attention_flops_per_pair, drafter_step_flops, nominal_peak_tflops
 from .loss import decayed_ce
 from .masks import dense_mask, flex_block_mask
-from .metrics import MetricsWriter, RateMeter, target_window_metrics
+from .metrics import MetricsWriter, RateMeter, StreamWaitMeter, target_window_metrics
 from .target import load_head_from_checkpoint, resolve_dtype, resolve_source, text_config
 from .distributed import shorten_timeouts
 from .faults import fault_for, stall_if_due
@@ -338,7 +338,8 @@ def run_drafter(job) -> None:
     target_stats, prev_target_stats = {}, {}
     ends_seen: set = set()
     wait_s = busy_s = 0.0
-    seen_time = (0.0, 0.0, 0.0)  # (wait, busy, wall) at the last logged window: fractions are per window
+    seen_time = (0.0, 0.0, 0.0, 0.0)  # (wait, busy, wall, stream wait) at the last logged window: per window
+    stream_wait = StreamWaitMeter(d.device)
     stopped = False
     stop_at = None
     sample_log = None
@@ -356,7 +357,9 @@ def run_drafter(job) -> None:
         t0 = time.monotonic()
         msg = None
         if j < run_messages:
+            before = stream_wait.mark()
             msg = pending.complete()
+            stream_wait.add(before, stream_wait.mark())
             pending = None
             if isinstance(msg, EndOfStream):
                 raise RuntimeError(f"target rank {msg.src} ended its stream before message {job.start_cursor + j}")
@@ -415,16 +418,18 @@ def run_drafter(job) -> None:
             sps, tps, link = rates.tolist()
             wall = time.monotonic() - t_start
             dwall = max(wall - seen_time[2], 1e-9)
+            stream_wait_s = stream_wait.seconds()
             window.update({"samples_per_s": sps, "tokens_per_s": tps, "link_gb_per_s": link / 1e9,
                            "drafter_samples_per_s": sps / topo.num_drafters,
                            "drafter_wait_frac": (wait_s - seen_time[0]) / dwall,
                            "drafter_busy_frac": (busy_s - seen_time[1]) / dwall,
+                           "drafter_stream_wait_frac": (stream_wait_s - seen_time[3]) / dwall,
                            "epoch_progress": trainer.cursor / max(job.total_messages, 1)})
             if peak:  # model FLOPs of all drafters over the window / (drafters x window x peak)
                 window["drafter_mfu"] = window["model_flops"] / (topo.num_drafters * r["window_s"] * peak * 1e12)
             window.update(target_window_metrics(target_stats, prev_target_stats, peak))
             prev_target_stats = dict(target_stats)
-            seen_time = (wait_s, busy_s, wall)
+            seen_time = (wait_s, busy_s, wall, stream_wait_s)
             last_window = window
             if leader_eval is not None:
                 for at, res in leader_eval.ready():

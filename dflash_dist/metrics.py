@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import time
+from collections import deque
 from typing import Optional
 
 log = logging.getLogger("dflash_dist")
@@ -97,6 +98,54 @@ class RateMeter:
         out = {"samples_per_s": self.samples / dt, "tokens_per_s": self.tokens / dt, "window_s": dt}
         self.t0, self.samples, self.tokens = time.monotonic(), 0, 0
         return out
+
+
+class _HostMark:
+    """CPU stand-in for a CUDA timing event: on CPU the host is the compute stream."""
+
+    def __init__(self):
+        self.t = time.monotonic()
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: "_HostMark") -> float:
+        return (end.t - self.t) * 1e3
+
+
+def _cuda_mark():
+    import torch
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
+
+
+class StreamWaitMeter:
+    """How long the drafter's compute stream stood waiting in the receive of its messages.
+
+    The host-side wait misses most of it on GPU: a payload receive only makes the stream wait (no host block), so a
+    drafter starved by its targets reads busy on the host. A timing event before the receive completes when the
+    previous step's work does, one after it when the stream may go on with the payload; their distance is the
+    stream's wait (and the host's, if the host was later). Read without a sync: pairs are summed once complete.
+    """
+
+    def __init__(self, device):
+        self._mark = _cuda_mark if getattr(device, "type", device) == "cuda" else _HostMark
+        self._open: deque = deque()
+        self._done_ms = 0.0
+
+    def mark(self):
+        return self._mark()
+
+    def add(self, before, after) -> None:
+        self._open.append((before, after))
+
+    def seconds(self) -> float:
+        """Total wait of the pairs complete so far (a pair still in flight counts in a later read)."""
+        while self._open and self._open[0][1].query():
+            before, after = self._open.popleft()
+            self._done_ms += before.elapsed_time(after)
+        return self._done_ms / 1e3
 
 
 def target_window_metrics(now: dict, prev: dict, peak_tflops) -> dict:

@@ -80,6 +80,10 @@ def test_two_targets_one_drafter(tmp_path):
     assert out.count("target sends: rendezvous") == 2  # chosen in config, reported by each target
     for t in (1, 2):
         assert 0 <= recs[-1][f"target{t}_busy_frac"] <= 1 and 0 <= recs[-1][f"target{t}_wait_frac"] <= 1
+    # the drafter's stream wait: on CPU the host time inside the receives, a part of its wait
+    for r in recs:
+        assert 0 <= r["drafter_stream_wait_frac"] <= r["drafter_wait_frac"] + 1e-6 <= 1
+    assert sum(r["drafter_stream_wait_frac"] for r in recs) > 0
     # the per-message trace of each target: every message it sent, where its time went
     traced = {}
     for t in (1, 2):
