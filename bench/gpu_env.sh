@@ -97,13 +97,13 @@ pack_results() {
 }
 
 # rendezvous_pair BOX NAME [job args]: traced_e2e twice, topology.rendezvous_sends=true then false, as
-# NAME_rv_true / NAME_rv_false; also prints the drafter's last wait fractions of each
+# NAME_rv_true / NAME_rv_false; also prints the drafter's last host and stream wait fractions of each
 rendezvous_pair() {
   local box=$1 name=$2 rv; shift 2
   for rv in true false; do
     echo "=== $name: 1 + 1 job, rendezvous_sends=$rv at $(el) s"
     traced_e2e "$box" "${name}_rv_$rv" "/tmp/pipe_${name}_$rv" "$@" --override topology.rendezvous_sends=$rv
-    grep -o '"drafter_wait_frac": [0-9.e-]*' "$OUT/${name}_rv_${rv}_metrics.jsonl" | tail -2
+    grep -oE '"drafter_(stream_)?wait_frac": [0-9.e-]*' "$OUT/${name}_rv_${rv}_metrics.jsonl" | tail -4
   done
 }
 
