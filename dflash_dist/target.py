@@ -236,18 +236,20 @@ def packing_problem(model) -> Optional[str]:
     return _config_packing_problem(model.config)
 
 
-def check_packing_config(tcfg: TargetConfig, hf_config) -> None:
-    """Refuse target.packing=on for a hybrid (or sliding-window) target from its config, before weights load."""
-    problem = _config_packing_problem(hf_config)
+def _refuse_packing_on(tcfg: TargetConfig, problem: Optional[str]) -> None:
     if tcfg.packing == "on" and problem:
         raise ConfigError(f"target.packing=on: {problem}. Use target.packing=auto or off for this model.")
+
+
+def check_packing_config(tcfg: TargetConfig, hf_config) -> None:
+    """Refuse target.packing=on for a hybrid (or sliding-window) target from its config, before weights load."""
+    _refuse_packing_on(tcfg, _config_packing_problem(hf_config))
 
 
 def resolve_packing(tcfg: TargetConfig, model, device_type: str) -> bool:
     """target.packing -> whether the capture runs packed: auto = on CUDA for attention-only models."""
     problem = packing_problem(model)
-    if tcfg.packing == "on" and problem:
-        raise ConfigError(f"target.packing=on: {problem}. Use target.packing=auto or off for this model.")
+    _refuse_packing_on(tcfg, problem)
     return tcfg.packing == "on" or (tcfg.packing == "auto" and device_type == "cuda" and problem is None)
 
 

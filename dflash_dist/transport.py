@@ -216,14 +216,21 @@ class Channel:
         return self._pollable(group) and work.is_completed()
 
 
+@dataclass
+class _Outgoing:
+    """One message on its way to a destination."""
+    works: list                      # (Work, group) pairs: header and cu_seqlens, then the payload once posted
+    buffers: tuple                   # every tensor the works read, kept alive until they complete
+    staged: Optional[tuple] = None   # (meta, feats, ready event) until the payload is posted
+    data: bool = True                # a data message (END is not): counts as taken once complete
+
+
 class Sender:
     """Target side: bounded in-flight isends to any number of destinations."""
 
     def __init__(self, channel: Channel, rank: int, max_in_flight: int = 4):
         self.ch, self.rank, self.max_in_flight = channel, rank, max_in_flight
-        # per destination, oldest first: [works, buffers, staged payload (meta, feats, ready) or None once posted,
-        # data message?]
-        self._inflight: dict[int, deque] = {}
+        self._inflight: dict[int, deque] = {}  # per destination, oldest first: _Outgoing
         self.taken: dict[int, int] = {}  # data messages each destination is known to have received
         self._staged: dict[int, int] = {}  # payloads staged, not yet posted, per destination
         self._posted: dict[int, int] = {}  # payloads posted so far, per destination
@@ -237,14 +244,14 @@ class Sender:
             h[H_STATS + i] = int(v)
         return h
 
-    def _post_payload(self, dst: int, entry: list) -> None:
-        meta, feats, ready = entry[2]
+    def _post_payload(self, dst: int, out: _Outgoing) -> None:
+        meta, feats, ready = out.staged
         if ready is not None:  # the communication stream waits for these features only, not for later captures
             self.ch.stream.wait_event(ready)
         with self.ch.posting():
             works = _batched(dist.isend, (meta, feats), dst, self.ch.data_group)
-        entry[0] += [(w, self.ch.data_group) for w in works]
-        entry[2] = None
+        out.works += [(w, self.ch.data_group) for w in works]
+        out.staged = None
         self._staged[dst] -= 1
         self._posted[dst] = self._posted.get(dst, 0) + 1
 
@@ -253,12 +260,12 @@ class Sender:
         for dst, n in self._staged.items():
             if n == 0:
                 continue
-            ready = self.ch.store.add(posted_key(self.rank, dst), 0)
-            for entry in self._inflight[dst]:
-                if self._posted.get(dst, 0) >= ready:
+            receives = self.ch.store.add(posted_key(self.rank, dst), 0)
+            for out in self._inflight[dst]:
+                if self._posted.get(dst, 0) >= receives:
                     break
-                if entry[2] is not None:
-                    self._post_payload(dst, entry)
+                if out.staged is not None:
+                    self._post_payload(dst, out)
 
     def wait_event(self, event) -> None:
         """Wait for a CUDA event (the end of a capture) and keep posting ready payloads meanwhile, so that a
@@ -277,33 +284,33 @@ class Sender:
         q = self._inflight.setdefault(dst, deque())
         if self.ch.store is not None:
             self.pump()
-        while q and q[0][2] is None and all(self.ch.done(w, g) for w, g in q[0][0]):
+        while q and q[0].staged is None and all(self.ch.done(w, g) for w, g in q[0].works):
             self._count_taken(dst, q.popleft())
         t0 = time.monotonic()
         while len(q) >= limit:
-            if q[0][2] is not None:
+            if q[0].staged is not None:
                 self._await_receive(dst, q[0])
-            entry = q.popleft()
-            for w, g in entry[0]:
+            out = q.popleft()
+            for w, g in out.works:
                 self.ch.wait(w, f"drafter rank {dst} to take a message from target rank {self.rank}", group=g)
-            self._count_taken(dst, entry)
+            self._count_taken(dst, out)
         self.wait_s += time.monotonic() - t0
 
-    def _count_taken(self, dst: int, entry: list) -> None:
-        if entry[3]:
+    def _count_taken(self, dst: int, out: _Outgoing) -> None:
+        if out.data:
             self.taken[dst] = self.taken.get(dst, 0) + 1
 
     def all_took(self, n: int) -> bool:
         """Every destination sent to so far is known to have received at least ``n`` data messages."""
         return bool(self._inflight) and all(self.taken.get(d, 0) >= n for d in self._inflight)
 
-    def _await_receive(self, dst: int, entry: list, grace_s: Optional[float] = None) -> None:
+    def _await_receive(self, dst: int, out: _Outgoing, grace_s: Optional[float] = None) -> None:
         """Poll the store until the drafter has posted the receive of a staged payload (backpressure: up to the
         channel's timeout, then an error), or for at most ``grace_s`` (right after a header: a drafter that is
         waiting for the message answers within a millisecond; a busy one is not waited for)."""
         def posted() -> bool:
             self.pump()
-            return entry[2] is None
+            return out.staged is None
         if grace_s is not None:
             _poll(posted, grace_s, max_sleep=2e-4)
         elif not _poll(posted, self.ch.timeout_s, self.ch.check):
@@ -329,15 +336,15 @@ class Sender:
         works = [(dist.isend(h, dst, group=ctrl), ctrl), (dist.isend(cu_host, dst, group=ctrl), ctrl)]
         t0 = time.monotonic()
         ready = torch.cuda.current_stream(self.ch.device).record_event() if self.ch.stream is not None else None
-        entry = [works, (h, cu_host, meta, feats), (meta, feats, ready), True]  # buffers kept alive until sent
-        self._inflight[dst].append(entry)
+        out = _Outgoing(works, (h, cu_host, meta, feats), staged=(meta, feats, ready))
+        self._inflight[dst].append(out)
         self._staged[dst] = self._staged.get(dst, 0) + 1
         if self.ch.store is None:
-            self._post_payload(dst, entry)
+            self._post_payload(dst, out)
         else:
             # a drafter that waits for this message posts its receive at once: post the payload now rather
             # than after this rank's next forward (whose launch can take tens of ms of host time)
-            self._await_receive(dst, entry, grace_s=RENDEZVOUS_GRACE_S)
+            self._await_receive(dst, out, grace_s=RENDEZVOUS_GRACE_S)
             self.wait_s += time.monotonic() - t0
         self.bytes_sent += meta.numel() * 8 + feats.numel() * feats.element_size()
 
@@ -345,7 +352,7 @@ class Sender:
         self._throttle(dst, self.max_in_flight)
         h = self._header(KIND_END, -1, stats)
         ctrl = self.ch.ctrl_group
-        self._inflight[dst].append([[(dist.isend(h, dst, group=ctrl), ctrl)], (h,), None, False])
+        self._inflight[dst].append(_Outgoing([(dist.isend(h, dst, group=ctrl), ctrl)], (h,), data=False))
 
     def send_error(self, dst: int, text: str, timeout_s: float = 5.0) -> bool:
         """Best effort: tell a peer why this rank is failing. Returns False if it could not be delivered."""
