@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# Device call 17 on 2x H200 (< 9 min) — PREPARED, NOT YET RUN (no device time was left in the session that
-# wrote it):
-#   1. bench/transport_check.py, which printed nothing within 50-60 s in calls 15-16: now it dumps every thread's
-#      stack after --hang-s (a hang names where it waits) and prints progress; comm streams, comm streams without
-#      record_stream (must report corruption), no comm streams;
-#   2. the target-bound job (calls 12, 14-16), rendezvous on and off, with the drafter's host syncs of call 16
-#      reduced to the one in a torch __init__.py (the log now names the project frame behind each sync);
-#   3. the drafter-bound job of calls 13/16 with rendezvous sends (the default): rate and host syncs.
-# Call 18 (gpu_session18.sh) has the in-training evaluation jobs.
+# Device call 17 on 2x H200 (< 10 min):
+#   1. bench/packed_short_rows.py: the packed compiled capture on rows under 128 tokens, the trainer's rule (pad to
+#      256) against no padding (the rule of call 14, whose jobs on the builtin corpus died in the target's compile);
+#   2. goal 4 on a launch-bound job: Qwen3-0.6B-shaped target (eager, padded, as in the replaced design) + its
+#      5-layer drafter (512 anchors), multi-process then threaded, same job;
+#   3. the target-bound job of calls 12/14-16 with rendezvous sends on and off, the drafter's step now free of
+#      the host syncs call 16 named (the log names any left).
 # Usage: bash bench/gpu_session17.sh OUT_DIR     (carry .whl)
 source bench/gpu_env.sh "$@"   # strict mode, OUT (first argument), environment, helpers
-transport_checks 40 --hang-s 30
-rendezvous_pair ${PIPE_T:-125} target_bound "${TARGET_BOUND_JOB[@]}"
-grep -h "host syncs" "$OUT"/target_bound_rv_*_e2e.log
-echo "=== drafter-bound job (256 anchors, packed + compiled target), rendezvous sends (default) at $(el) s"
-traced_e2e ${PIPE_T:-115} drafter_bound_rv /tmp/pipe_db_rv --steps 50 --warmup-steps 15 --override drafter.num_anchors=256
+echo "=== packed short rows at $(el) s"
+timeout -k 5 150 python3 bench/packed_short_rows.py --timeout 70 --out "$OUT/short_rows.json" > "$OUT/short_rows.log" 2>&1
+echo "exit $?"; grep -E "^\|" "$OUT/short_rows.log"; grep -B2 -A12 "no result" "$OUT/short_rows.log" | head -30
+SMALL=(--target qwen3_0p6b_random --steps 80 --warmup-steps 20 --override target.packing=off
+       --override target.compile=false)
+echo "=== goal 4, launch-bound job (0.6B-shaped target): multi-process at $(el) s"
+traced_e2e 100 small_mp /tmp/pipe_small "${SMALL[@]}"
+echo "=== the same job threaded at $(el) s"
+threaded_vs 100 small_threaded small_mp "${SMALL[@]}"
+rendezvous_pair 110 target_bound "${TARGET_BOUND_JOB[@]}"
+grep -h "host syncs" "$OUT"/target_bound_rv_*_e2e.log "$OUT"/small_mp_e2e.log
 pack_results

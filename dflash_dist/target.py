@@ -149,7 +149,7 @@ matches names by substring: one containing "flash", "flex_attention" or "sdpa" w
 # Module-level compiled kernels, shared by every capture. flex_attention must never run uncompiled (its eager path
 # materialises the [h, T, T] score matrix), hence fullgraph (which also turns dynamo's recompile limit into an
 # error instead of an eager fallback). CUDA: dynamic shapes, one kernel for every packed length T. CPU: static,
-# one kernel per row length (``cpu_row_tokens`` keeps those few): inductor's C++ flex template compiled for dynamic
+# one kernel per row length (``packed_row_tokens`` keeps those few): inductor's C++ flex template compiled for dynamic
 # lengths fails to build once rows are seen on both sides of 128 tokens (torch 2.13).
 _flex_static = torch.compile(flex_attention, fullgraph=True, dynamic=False)
 _flex_dynamic = torch.compile(flex_attention, fullgraph=True, dynamic=True)
@@ -159,10 +159,16 @@ _block_mask_static = torch.compile(create_block_mask, dynamic=False)
 _block_mask_dynamic = torch.compile(create_block_mask, dynamic=True)
 
 
-def cpu_row_tokens(total: int) -> int:
-    """CPU only: the packed row is padded to a power of two >= 256 tokens (the pad is one more sample that nothing
-    else sees), so the static CPU kernels see a few lengths only, all on the same side of 128."""
-    return max(256, 1 << (total - 1).bit_length())
+def packed_row_tokens(total: int, device_type: str) -> int:
+    """Tokens of the packed row for ``total`` real tokens; the pad is one more sample that nothing else sees.
+    CPU: a power of two >= 256, so the static CPU kernels see a few lengths only, all on the same side of 128.
+    CUDA: at least 256, so the dynamic kernels never meet a row of one 128-token mask block: dynamic shapes
+    specialise a size of 1, and the compile of the flex kernel for that block mask failed in inductor (2x H200, torch
+    2.11, call 14: the builtin corpus's short samples, a 4-sample message under 128 tokens). Longer rows are
+    not padded."""
+    if device_type == "cpu":
+        return max(256, 1 << (total - 1).bit_length())
+    return max(256, total)
 
 
 packed_stats = {"flex_calls": 0, "block_masks": 0}
@@ -363,8 +369,8 @@ class FeatureCapture:
         if self.packing:
             input_ids = input_ids.reshape(1, -1)
             total = input_ids.shape[1]
-            if input_ids.device.type == "cpu" and cpu_row_tokens(total) > total:
-                pad = cpu_row_tokens(total) - total
+            pad = packed_row_tokens(total, input_ids.device.type) - total
+            if pad:
                 input_ids = torch.nn.functional.pad(input_ids, (0, pad))
                 lengths = torch.cat([lengths.cpu(), torch.tensor([pad])])
             mask, positions = document_causal_block_mask(lengths, input_ids.shape[1], input_ids.device)

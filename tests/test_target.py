@@ -136,6 +136,14 @@ def test_packed_capture_equals_padded(qwen3, monkeypatch):
     assert cap.describe() == "packed (flex document-causal), compiled layers: no"
 
 
+def test_packed_row_tokens():
+    """The packed row is padded (with one more sample) so the compiled flex kernels never meet a one-block row:
+    CPU to a power of two >= 256, CUDA to at least 256 tokens and no further."""
+    from dflash_dist.target import packed_row_tokens
+    assert [packed_row_tokens(t, "cpu") for t in (1, 100, 256, 257, 3000)] == [256, 256, 256, 512, 4096]
+    assert [packed_row_tokens(t, "cuda") for t in (1, 100, 128, 256, 257, 3000)] == [256, 256, 256, 256, 257, 3000]
+
+
 def test_compiled_layers_equal_uncompiled(qwen3):
     """target.compile: the decoder layers that run are compiled (packed: flex traced into the layer graph; padded:
     sdpa) and give the same features, for a second batch too; the layers get their own forward back after."""
