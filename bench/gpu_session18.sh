@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# Device call 18 on 2x H200 (< 6 min) — PREPARED, NOT YET RUN: idle target capacity doing useful work. The
-# in-training acceptance evaluation runs on the target rank between messages; the drafter-bound 1 + 1 job on the
-# builtin data (it has held-out prompts), 256 anchors, with train.eval_prompts=16 train.eval_every=10, then without
-# evaluation: samples/s with / without. In call 14 the drafter rank of both variants failed within 30 s of its
-# build, its error not kept; the logs (eval_<n>_e2e.log) and the ranks' error lines (eval_<n>.json) are kept now.
+# Device call 18 on 2x H200 (< 10 min):
+#   1. goal 4 on a launch-bound job (call 17's boxes were too short for its first compile): Qwen3-0.6B-shaped
+#      target (eager, padded, as in the replaced design) + its 5-layer drafter (512 anchors), multi-process, then
+#      the same job threaded;
+#   2. idle target capacity doing useful work: the drafter-bound 1 + 1 job on the builtin corpus (it has held-out
+#      prompts; 8B-shaped target, 16-sample messages, 256 anchors), the in-training evaluation (16 prompts every 30
+#      steps) run a verify step at a time on the target's waits (train.eval_in_slices=true, the default).
+# Call 19 (gpu_session19.sh) runs the same evaluation job without evaluation and with whole evaluations.
 # Usage: bash bench/gpu_session18.sh OUT_DIR     (carry .whl)
 source bench/gpu_env.sh "$@"   # strict mode, OUT (first argument), environment, helpers
-EVAL=(--steps 40 --warmup-steps 10 --override drafter.num_anchors=256 --override data.source=builtin)
-for ev in 16 0; do
-  echo "=== eval job, train.eval_prompts=$ev at $(el) s"
-  traced_e2e ${PIPE_T:-150} eval_$ev /tmp/pipe_eval_$ev "${EVAL[@]}" --override train.eval_prompts=$ev \
-    --override train.eval_every=10
-  grep -E "evaluation at step|acceptance at|Error|host syncs" "$OUT/eval_${ev}_e2e.log" | head -8
-done
+SMALL=(--target qwen3_0p6b_random --steps 80 --warmup-steps 20 --override target.packing=off
+       --override target.compile=false)
+echo "=== goal 4, launch-bound job (0.6B-shaped target): multi-process at $(el) s"
+traced_e2e 180 small_mp /tmp/pipe_small "${SMALL[@]}"
+echo "=== the same job threaded at $(el) s"
+threaded_vs 150 small_threaded small_mp "${SMALL[@]}"
+eval_job 200 eval_slices true
 pack_results

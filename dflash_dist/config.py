@@ -326,6 +326,13 @@ class TrainConfig:
     eval_max_new_tokens: int = 64
     """Tokens generated per evaluation prompt."""
 
+    eval_in_slices: bool = True
+    """Run an in-training evaluation one verify step at a time while the target waits for its drafters to take
+    messages (its idle time in a drafter-bound job), so it does not delay the features. An evaluation still running
+    when the next one is due makes the leader skip that one (logged); the last one runs whole after the stream.
+    Needs waits the target can poll (NCCL, or rendezvous sends); else, and with false, each evaluation runs whole
+    between two messages and the drafters wait for it."""
+
     def __post_init__(self) -> None:
         _require(self.max_steps == -1 or self.max_steps > 0, f"train.max_steps={self.max_steps}: -1 or > 0")
         _require(self.epochs >= 1, f"train.epochs={self.epochs}: must be >= 1")

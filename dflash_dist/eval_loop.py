@@ -114,15 +114,18 @@ class LeaderEval:
 
 
 class TargetEval:
-    """First target rank: serve evaluation requests between messages and after its stream ends."""
+    """First target rank: serve evaluation requests. ``slices``: an evaluation is started between messages and
+    advanced one verify step per :meth:`work` call (the Sender calls it while waiting for the drafters);
+    otherwise each runs whole when :meth:`poll` finds it."""
 
-    def __init__(self, job, model):
+    def __init__(self, job, model, slices: bool = False):
         from transformers import AutoTokenizer
         from .data import DataError
         from .evaluate import encode_prompts, eos_token_ids, prompts_from_jsonl
-        self.job, self.model = job, model
+        self.job, self.model, self.slices = job, model, slices
         self.store = job.dist.store
-        self.n = 0
+        self.n = 0  # requests taken
+        self.running = None  # [request number, step, generator, slices run, taken at, weights seconds]
         c = job.cfg
         self.drafter = DFlashDrafter(_model_config(job), "sdpa").to(job.dist.device).eval()
         self.numel = sum(v.numel() for v in self.drafter.state_dict().values())
@@ -136,8 +139,10 @@ class TargetEval:
         if not self.prompts:
             log.warning("evaluation requested but there are no held-out prompts (data.holdout=0?)")
 
-    def poll(self, wait_s: float = 0.0) -> bool:
-        """Serve the next request if it is there (or arrives within wait_s). True if one was served."""
+    def poll(self, wait_s: float = 0.0, whole: bool = False) -> bool:
+        """Take the next request if it is there (or arrives within wait_s): a skipped one is counted; a real one
+        is started (slices) or run whole (no slices, or ``whole``). True if one was taken. While one is running the
+        leader only posts skips."""
         key = f"{REQ}{self.n}"
         if wait_s > 0:
             try:
@@ -146,34 +151,63 @@ class TargetEval:
                 return False
         elif not self.store.check([key]):
             return False
-        from .spec_decode import evaluate_prompts, unpack_state_
+        from .spec_decode import evaluate_steps, unpack_state_
         value = self.store.get(key).decode()
         if value == SKIP:
             self.n += 1
             return True
+        if self.running is not None:  # the leader sends weights only after the previous result
+            raise RuntimeError(f"evaluation request {self.n} came while request {self.running[0]} is still running")
         step = int(value)
+        t0 = time.monotonic()
         flat = torch.empty(self.numel, dtype=torch.float32)  # host: the weights travel on the gloo channel
         dist.recv(flat, self.job.dist.topo.drafter_ranks[0], group=self.job.dist.ctrl, tag=EVAL_TAG)
         unpack_state_(self.drafter, flat)
-        t0 = time.monotonic()
         c = self.job.cfg
-        res = {"step": step, "n_prompts": 0}
+        gen = evaluate_steps(self.model, self.drafter, None, None, self.prompts, self.job.layer_ids,
+                             self.job.mask_token_id, c.drafter.block_size, c.train.eval_max_new_tokens, self.eos,
+                             check_lossless=False)
+        self.running = [self.n, step, gen, 0, t0, time.monotonic() - t0]
+        self.n += 1
+        if whole or not self.slices:
+            self.finish()
+        return True
+
+    def work(self) -> bool:
+        """One verify step of the running evaluation; False if none is running."""
+        if self.running is None:
+            return False
+        self.running[3] += 1
+        try:
+            next(self.running[2])
+        except StopIteration as e:
+            self._post(e.value)
+        return True
+
+    def finish(self) -> None:
+        """Run the evaluation in progress (if any) to its end."""
+        from .spec_decode import run_to_end
+        if self.running is not None:
+            self._post(run_to_end(self.running[2]))
+
+    def _post(self, r: dict) -> None:
+        n, step, _, slices, t0, recv_s = self.running
+        self.running = None
+        res = {"step": step, "n_prompts": 0, "seconds": r["wall_s"], "weights_s": recv_s,
+               "span_s": time.monotonic() - t0, "slices": slices}
         if self.prompts:
-            r = evaluate_prompts(self.model, self.drafter, None, None, self.prompts, self.job.layer_ids,
-                                 self.job.mask_token_id, c.drafter.block_size, c.train.eval_max_new_tokens,
-                                 self.eos, check_lossless=False)
             res.update({"tau": r["tau"], "n_prompts": r["n_prompts"],
                         "per_position_acceptance": r["per_position_acceptance"]})
-        res["seconds"] = time.monotonic() - t0
-        self.store.set(f"{RES}{self.n}", json.dumps(res))
-        log.info("evaluation at step %d: tau %.3f on %d held-out prompts (%.1f s)", step, res.get("tau", float("nan")),
-                 res["n_prompts"], res["seconds"])
-        self.n += 1
-        return True
+        self.store.set(f"{RES}{n}", json.dumps(res))
+        log.info("evaluation at step %d: tau %.3f on %d held-out prompts (%.1f s of target time%s; weights "
+                 "received in %.1f s)", step, res.get("tau", float("nan")), res["n_prompts"], res["seconds"],
+                 f" in {slices} slices over {res['span_s']:.1f} s" if slices else "", recv_s)
 
 
 def eval_record(result: dict, train_window: dict | None) -> dict:
-    rec = {"tau": result.get("tau"), "n_prompts": result.get("n_prompts"), "eval_seconds": result.get("seconds")}
+    rec = {"tau": result.get("tau"), "n_prompts": result.get("n_prompts"), "eval_seconds": result.get("seconds"),
+           "eval_span_s": result.get("span_s"), "eval_slices": result.get("slices"),
+           "eval_weights_s": result.get("weights_s")}
     for k, v in enumerate(result.get("per_position_acceptance") or [], start=1):
         rec[f"accept_pos_{k}"] = v
     if train_window:

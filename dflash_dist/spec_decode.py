@@ -21,7 +21,8 @@ full-attention targets) or, with ``use_cache=False``, a full forward over the ac
 
 Statistics follow the DFlash paper/benchmark: the acceptance length of a verify step is ``acc + 1`` (tokens
 it emits, counting the target's own token), τ is its mean. Nothing here touches torch.distributed, so the
-target ranks can call :func:`evaluate_prompts` during training.
+target ranks can call :func:`evaluate_prompts` during training, or advance :func:`evaluate_steps` (a generator)
+a slice at a time between their other forwards.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import contextlib
 import inspect
 import math
 import time
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Generator, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +40,9 @@ from torch import Tensor, nn
 from .masks import dense_mask
 from .target import decoder_layers, head_weights, text_config
 
-__all__ = ["TargetRunner", "make_dflash_draft_fn", "speculative_generate", "target_greedy", "evaluate_prompts",
-           "summarize_acceptance", "format_table", "cache_supported", "pack_state", "unpack_state_", "DraftFn"]
+__all__ = ["TargetRunner", "make_dflash_draft_fn", "speculative_generate", "speculative_steps", "target_greedy",
+           "evaluate_prompts", "evaluate_steps", "run_to_end", "summarize_acceptance", "format_table",
+           "cache_supported", "pack_state", "unpack_state_", "DraftFn"]
 
 DraftFn = Callable[[Tensor, Tensor, int], Tensor]
 """``draft_fn(context_features [1, p, n*H], block_ids [1, B], p) -> draft ids [B-1]`` (slots 1..B-1)."""
@@ -258,24 +260,54 @@ def _resolve_use_cache(target, use_cache: Optional[bool]) -> bool:
     return bool(use_cache)
 
 
-@torch.inference_mode()
-def speculative_generate(target, drafter: Union[nn.Module, DraftFn], embed: Optional[Tensor], lm_head: Optional[Tensor],
-                         prompt_ids: Union[Tensor, Sequence[int]], layer_ids: Sequence[int], mask_token_id: int,
-                         block_size: int, max_new_tokens: int, eos_ids: Iterable[int] = (),
-                         use_cache: Optional[bool] = None, runner: Optional[TargetRunner] = None
-                         ) -> tuple[list[int], dict]:
-    """Greedy DFlash speculative decoding of one prompt. Returns (new token ids, stats).
+def run_to_end(gen: Generator) -> Any:
+    """Advance ``gen`` until it finishes; returns its return value."""
+    while True:
+        try:
+            next(gen)
+        except StopIteration as e:
+            return e.value
 
-    ``drafter``: a DFlashDrafter (optionally DDP-wrapped) or a ``DraftFn``. ``embed``/``lm_head``: the target's
-    [V, H] weights (None: taken from ``target``). Generation stops after ``max_new_tokens`` tokens or on the
-    first token in ``eos_ids`` (included). stats: ``acceptance_lengths`` (acc+1 per verify step, not cut by
-    max_new_tokens/EOS), ``steps``, ``tau`` (None without a verify step), ``accepted_per_position`` (length B-1:
-    in how many steps draft slot k = 1..B-1 was accepted), ``new_tokens``, ``prompt_tokens``, ``stop``
-    (``eos`` or ``max_new_tokens``), ``wall_s``.
-    """
+
+class _Clock:
+    """Running time of a generator: stopped while it is suspended, so sliced and unsliced runs report alike."""
+
+    def __init__(self):
+        self.total = 0.0
+        self._t: Optional[float] = time.monotonic()
+
+    def stop(self) -> None:
+        self.total += time.monotonic() - self._t
+        self._t = None
+
+    def start(self) -> None:
+        self._t = time.monotonic()
+
+    def pause(self):
+        """``yield from clock.pause()``: one yield to the caller, not counted."""
+        self.stop()
+        yield
+        self.start()
+
+    def seconds(self) -> float:
+        return self.total + (time.monotonic() - self._t if self._t is not None else 0.0)
+
+
+# inference_mode on a generator function is entered on each resume and left at each yield (torch wraps it), so
+# the caller's own forwards between slices run in its grad mode
+@torch.inference_mode()
+def speculative_steps(target, drafter: Union[nn.Module, DraftFn], embed: Optional[Tensor], lm_head: Optional[Tensor],
+                      prompt_ids: Union[Tensor, Sequence[int]], layer_ids: Sequence[int], mask_token_id: int,
+                      block_size: int, max_new_tokens: int, eos_ids: Iterable[int] = (),
+                      use_cache: Optional[bool] = None, runner: Optional[TargetRunner] = None
+                      ) -> Generator[None, None, tuple[list[int], dict]]:
+    """:func:`speculative_generate` as a generator: yields None after the prefill and after each verify step,
+    returns its (new token ids, stats). The runner's hooks are attached only around each target forward, so the
+    caller may run the target (e.g. through a FeatureCapture) between slices; ``wall_s`` excludes the time spent
+    suspended."""
     if block_size < 2:
         raise ValueError(f"block_size={block_size}: must be >= 2")
-    t0 = time.monotonic()
+    clock = _Clock()
     dev = _target_device(target)
     if embed is None or lm_head is None:
         e, h = head_weights(target)
@@ -307,47 +339,69 @@ def speculative_generate(target, drafter: Union[nn.Module, DraftFn], embed: Opti
         return False
 
     if max_new_tokens <= 0:
-        return [], _stats(acc_lens, per_pos, out, n_prompt, stop, t0)
+        return [], _stats(acc_lens, per_pos, out, n_prompt, stop, clock.seconds())
+    # the cache lives across slices; the hooks do not (the caller's forwards between slices need their own)
+    cache = _new_cache(target) if use_cache else None
     with runner.attached():
-        cache = _new_cache(target) if use_cache else None
         logits, ctx = runner(ids, 0, cache, keep=1)
-        bonus = int(logits[0, -1].argmax())
-        seq = ids  # accepted tokens whose features are in ctx (positions 0..p-1); the bonus is at p
-        done = emit([bonus])
-        while not done:
-            p = seq.shape[1]
-            block = torch.full((1, B), int(mask_token_id), dtype=torch.long, device=dev)
-            block[0, 0] = bonus
-            drafts = draft_fn(ctx, block, p).to(dev).reshape(-1)
-            if drafts.numel() != B - 1:
-                raise RuntimeError(f"draft function returned {drafts.numel()} tokens, expected {B - 1}")
-            block[0, 1:] = drafts
+    bonus = int(logits[0, -1].argmax())
+    seq = ids  # accepted tokens whose features are in ctx (positions 0..p-1); the bonus is at p
+    done = emit([bonus])
+    yield from clock.pause()
+    while not done:
+        p = seq.shape[1]
+        block = torch.full((1, B), int(mask_token_id), dtype=torch.long, device=dev)
+        block[0, 0] = bonus
+        drafts = draft_fn(ctx, block, p).to(dev).reshape(-1)
+        if drafts.numel() != B - 1:
+            raise RuntimeError(f"draft function returned {drafts.numel()} tokens, expected {B - 1}")
+        block[0, 1:] = drafts
+        with runner.attached():
             if use_cache:
                 logits, feats = runner(block, p, cache, keep=B)
             else:
                 logits, feats = runner(torch.cat([seq, block], dim=1), 0, None, keep=B)
-            posterior = logits[0].argmax(-1)                                    # [B]: prediction for p+1..p+B
-            match = (drafts == posterior[:-1]).long().cumprod(0)
-            acc = int(match.sum())
-            per_pos = [c + int(k < acc) for k, c in enumerate(per_pos)]
-            acc_lens.append(acc + 1)
-            new = block[0, 1:acc + 1].tolist() + [int(posterior[acc])]
-            if use_cache:
-                _crop_cache(cache, p + acc + 1)
-                ctx = torch.cat([ctx, feats[:, :acc + 1]], dim=1)
-            else:
-                ctx = feats[:, :p + acc + 1]
-            seq = torch.cat([seq, block[:, :acc + 1]], dim=1)
-            bonus = new[-1]
-            done = emit(new)
-    return out, _stats(acc_lens, per_pos, out, n_prompt, stop, t0)
+        posterior = logits[0].argmax(-1)                                    # [B]: prediction for p+1..p+B
+        match = (drafts == posterior[:-1]).long().cumprod(0)
+        acc = int(match.sum())
+        per_pos = [c + int(k < acc) for k, c in enumerate(per_pos)]
+        acc_lens.append(acc + 1)
+        new = block[0, 1:acc + 1].tolist() + [int(posterior[acc])]
+        if use_cache:
+            _crop_cache(cache, p + acc + 1)
+            ctx = torch.cat([ctx, feats[:, :acc + 1]], dim=1)
+        else:
+            ctx = feats[:, :p + acc + 1]
+        seq = torch.cat([seq, block[:, :acc + 1]], dim=1)
+        bonus = new[-1]
+        done = emit(new)
+        yield from clock.pause()
+    return out, _stats(acc_lens, per_pos, out, n_prompt, stop, clock.seconds())
 
 
-def _stats(acc_lens, per_pos, out, n_prompt, stop, t0) -> dict:
+def speculative_generate(target, drafter: Union[nn.Module, DraftFn], embed: Optional[Tensor], lm_head: Optional[Tensor],
+                         prompt_ids: Union[Tensor, Sequence[int]], layer_ids: Sequence[int], mask_token_id: int,
+                         block_size: int, max_new_tokens: int, eos_ids: Iterable[int] = (),
+                         use_cache: Optional[bool] = None, runner: Optional[TargetRunner] = None
+                         ) -> tuple[list[int], dict]:
+    """Greedy DFlash speculative decoding of one prompt. Returns (new token ids, stats).
+
+    ``drafter``: a DFlashDrafter (optionally DDP-wrapped) or a ``DraftFn``. ``embed``/``lm_head``: the target's
+    [V, H] weights (None: taken from ``target``). Generation stops after ``max_new_tokens`` tokens or on the
+    first token in ``eos_ids`` (included). stats: ``acceptance_lengths`` (acc+1 per verify step, not cut by
+    max_new_tokens/EOS), ``steps``, ``tau`` (None without a verify step), ``accepted_per_position`` (length B-1:
+    in how many steps draft slot k = 1..B-1 was accepted), ``new_tokens``, ``prompt_tokens``, ``stop``
+    (``eos`` or ``max_new_tokens``), ``wall_s``. Runs :func:`speculative_steps` to the end.
+    """
+    return run_to_end(speculative_steps(target, drafter, embed, lm_head, prompt_ids, layer_ids, mask_token_id,
+                                        block_size, max_new_tokens, eos_ids, use_cache=use_cache, runner=runner))
+
+
+def _stats(acc_lens, per_pos, out, n_prompt, stop, wall_s) -> dict:
     return {"acceptance_lengths": list(acc_lens), "steps": len(acc_lens),
             "tau": (sum(acc_lens) / len(acc_lens)) if acc_lens else None,
             "accepted_per_position": list(per_pos), "new_tokens": len(out), "prompt_tokens": int(n_prompt),
-            "stop": stop, "wall_s": time.monotonic() - t0}
+            "stop": stop, "wall_s": wall_s}
 
 
 @torch.inference_mode()
@@ -418,20 +472,16 @@ def _first_mismatch(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-@torch.inference_mode()
-def evaluate_prompts(target, drafter: Union[nn.Module, DraftFn], embed: Optional[Tensor], lm_head: Optional[Tensor],
-                     prompts: Sequence[Union[Tensor, Sequence[int]]], layer_ids: Sequence[int], mask_token_id: int,
-                     block_size: int, max_new_tokens: int, eos_ids: Iterable[int] = (), check_lossless: bool = True,
-                     use_cache: Optional[bool] = None, keep_outputs: bool = False) -> dict:
-    """Speculative decoding over ``prompts`` (token-id lists); no torch.distributed, safe on any rank.
-
-    Returns ``tau``, ``tau_pooled``, ``per_position_acceptance``, ``per_position_conditional``,
-    ``acceptance_histogram``, ``lossless_fraction`` (fraction of prompts whose output equals
-    :func:`target_greedy`; None when ``check_lossless`` is False), ``n_prompts``, ``total_steps``,
-    ``mean_new_tokens``, ``tokens_per_s`` (speculative path, this implementation), ``wall_s`` and
-    ``per_prompt`` (steps, tau, new tokens, lossless, first mismatch index; token ids with ``keep_outputs``).
-    """
-    t0 = time.monotonic()
+@torch.inference_mode()  # entered per resume, left at each yield (see speculative_steps)
+def evaluate_steps(target, drafter: Union[nn.Module, DraftFn], embed: Optional[Tensor], lm_head: Optional[Tensor],
+                   prompts: Sequence[Union[Tensor, Sequence[int]]], layer_ids: Sequence[int], mask_token_id: int,
+                   block_size: int, max_new_tokens: int, eos_ids: Iterable[int] = (), check_lossless: bool = True,
+                   use_cache: Optional[bool] = None, keep_outputs: bool = False) -> Generator[None, None, dict]:
+    """:func:`evaluate_prompts` as a generator: yields None wherever :func:`speculative_steps` does (after each
+    target forward of the speculative path; the :func:`target_greedy` reference runs whole inside one slice) and
+    returns the same summary; ``wall_s`` and ``tokens_per_s`` exclude the time spent suspended. The drafter's
+    train/eval mode is restored when the generator finishes or is closed."""
+    clock = _Clock()
     eos = [int(i) for i in eos_ids]
     was_training = drafter.training if isinstance(drafter, nn.Module) else None
     if isinstance(drafter, nn.Module):
@@ -441,8 +491,13 @@ def evaluate_prompts(target, drafter: Union[nn.Module, DraftFn], embed: Optional
     spec_s, spec_tokens = 0.0, 0
     try:
         for prompt in prompts:
-            toks, st = speculative_generate(target, drafter, embed, lm_head, prompt, layer_ids, mask_token_id,
-                                            block_size, max_new_tokens, eos, use_cache=use_cache, runner=runner)
+            # the per-prompt generator times its own running segments: add them instead of our suspended span
+            clock.stop()
+            toks, st = yield from speculative_steps(target, drafter, embed, lm_head, prompt, layer_ids,
+                                                    mask_token_id, block_size, max_new_tokens, eos,
+                                                    use_cache=use_cache, runner=runner)
+            clock.start()
+            clock.total += st["wall_s"]
             spec_s += st["wall_s"]
             spec_tokens += len(toks)
             row = {"prompt_tokens": st["prompt_tokens"], "new_tokens": st["new_tokens"], "steps": st["steps"],
@@ -469,10 +524,28 @@ def evaluate_prompts(target, drafter: Union[nn.Module, DraftFn], embed: Optional
         "lossless_fraction": (sum(r["lossless"] for r in per_prompt) / n if n else None) if check_lossless else None,
         "mean_new_tokens": (sum(r["new_tokens"] for r in per_prompt) / n) if n else 0.0,
         "tokens_per_s": spec_tokens / spec_s if spec_s > 0 else None,
-        "wall_s": time.monotonic() - t0,
+        "wall_s": clock.seconds(),
         "per_prompt": per_prompt,
     })
     return summary
+
+
+def evaluate_prompts(target, drafter: Union[nn.Module, DraftFn], embed: Optional[Tensor], lm_head: Optional[Tensor],
+                     prompts: Sequence[Union[Tensor, Sequence[int]]], layer_ids: Sequence[int], mask_token_id: int,
+                     block_size: int, max_new_tokens: int, eos_ids: Iterable[int] = (), check_lossless: bool = True,
+                     use_cache: Optional[bool] = None, keep_outputs: bool = False) -> dict:
+    """Speculative decoding over ``prompts`` (token-id lists); no torch.distributed, safe on any rank.
+
+    Returns ``tau``, ``tau_pooled``, ``per_position_acceptance``, ``per_position_conditional``,
+    ``acceptance_histogram``, ``lossless_fraction`` (fraction of prompts whose output equals
+    :func:`target_greedy`; None when ``check_lossless`` is False), ``n_prompts``, ``total_steps``,
+    ``mean_new_tokens``, ``tokens_per_s`` (speculative path, this implementation), ``wall_s`` and
+    ``per_prompt`` (steps, tau, new tokens, lossless, first mismatch index; token ids with ``keep_outputs``).
+    Runs :func:`evaluate_steps` to the end.
+    """
+    return run_to_end(evaluate_steps(target, drafter, embed, lm_head, prompts, layer_ids, mask_token_id, block_size,
+                                     max_new_tokens, eos_ids, check_lossless=check_lossless, use_cache=use_cache,
+                                     keep_outputs=keep_outputs))
 
 
 def format_table(result: dict) -> str:

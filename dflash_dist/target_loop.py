@@ -107,7 +107,16 @@ def run_target(job) -> None:
     start = time.monotonic()
     stopped = steady = False
     fault = fault_for(d.rank)
-    evaluator = TargetEval(job, model) if eval_enabled(job) and topo.index == 0 else None
+    evaluator = None
+    if eval_enabled(job) and topo.index == 0:
+        slices = cfg.train.eval_in_slices and channel.can_idle()
+        evaluator = TargetEval(job, model, slices=slices)
+        if slices:
+            tx.idle_work = evaluator.work
+        log.info("in-training evaluation: %s", "one verify step at a time while waiting for the drafters"
+                 if slices else "whole, between two messages" + (
+                     "" if not cfg.train.eval_in_slices else " (train.eval_in_slices needs waits this target can "
+                     "poll: NCCL or rendezvous sends; gloo sends block)"))
     trace = open_trace(job) if cfg.logging.trace_target else None
     for j in topo.target_messages(run_messages):
         job.life.stop_requested()  # posts this rank's own signal, if it got one
@@ -161,14 +170,16 @@ def run_target(job) -> None:
     tx.flush()
     wall = time.monotonic() - start
     if evaluator is not None and not stopped:
+        evaluator.finish()
         # serve what the leader still asks for (its last request comes after the final step)
-        while evaluator.poll(wait_s=cfg.topology.warmup_timeout_s if evaluator.n == 0 else 120.0):
+        while evaluator.poll(wait_s=cfg.topology.warmup_timeout_s if evaluator.n == 0 else 120.0, whole=True):
             if evaluator.n >= expected_evals(job):
                 break
     capture.close()
     if trace is not None:
         trace.close()
     log.info("target %s: %d messages, %d samples, %d tokens in %.1f s (%.0f tok/s, busy %.0f%%, "
-             "backpressure wait %.0f%%, stream stall before a capture %.0f%%)", "stopped" if stopped else "done", sent,
-             samples, tokens, wall, tokens / max(wall, 1e-9), 100 * busy_s / max(wall, 1e-9),
-             100 * tx.wait_s / max(wall, 1e-9), 100 * stall_s / max(wall, 1e-9))
+             "backpressure wait %.0f%%, stream stall before a capture %.0f%%, evaluation while waiting %.0f%%)",
+             "stopped" if stopped else "done", sent, samples, tokens, wall, tokens / max(wall, 1e-9),
+             100 * busy_s / max(wall, 1e-9), 100 * tx.wait_s / max(wall, 1e-9), 100 * stall_s / max(wall, 1e-9),
+             100 * tx.idle_work_s / max(wall, 1e-9))

@@ -100,7 +100,8 @@ class EndOfStream:
     sender_stats: list = field(default_factory=list)
 
 
-def _wait(work, what: str, timeout_s: float, check: Optional[Callable[[], None]], pollable: bool = True) -> None:
+def _wait(work, what: str, timeout_s: float, check: Optional[Callable[[], None]], pollable: bool = True,
+          idle: Optional[Callable[[], bool]] = None) -> None:
     """Block on a Work so that a dead or silent peer becomes an error that names it, not a hang.
 
     NCCL works can be polled (``is_completed`` queries a CUDA event), so we poll and run ``check`` (the
@@ -114,15 +115,16 @@ def _wait(work, what: str, timeout_s: float, check: Optional[Callable[[], None]]
         except RuntimeError as e:
             raise TransportError(f"while waiting for {what}: {str(e).splitlines()[0][:300]}") from e
         return
-    if not _poll(work.is_completed, timeout_s, check):
+    if not _poll(work.is_completed, timeout_s, check, idle=idle):
         raise TransportError(f"timed out after {timeout_s:.0f} s waiting for {what}")
     work.wait()
 
 
 def _poll(done: Callable[[], bool], timeout_s: float, check: Optional[Callable[[], None]] = None,
-          max_sleep: float = 2e-3) -> bool:
+          max_sleep: float = 2e-3, idle: Optional[Callable[[], bool]] = None) -> bool:
     """Call ``done`` until it says True, sleeping 10 us growing to ``max_sleep`` in between and running ``check``
-    (the liveness probe) every half second. False once ``timeout_s`` has passed."""
+    (the liveness probe) every half second. ``idle``: called instead of sleeping; it does one short piece of other
+    work and says whether there was any. False once ``timeout_s`` has passed."""
     start = last_check = time.monotonic()
     sleep = 1e-5
     while not done():
@@ -132,6 +134,8 @@ def _poll(done: Callable[[], bool], timeout_s: float, check: Optional[Callable[[
         if check is not None and now - last_check > 0.5:
             check()
             last_check = now
+        if idle is not None and idle():
+            continue
         time.sleep(sleep)
         sleep = min(sleep * 2, max_sleep)
     return True
@@ -204,12 +208,18 @@ class Channel:
     def _pollable(self, group) -> bool:
         return dist.get_backend(group) != "gloo"
 
-    def wait(self, work, what: str, host: bool = True, group=None) -> None:
-        """host=False on CUDA: only make the current stream wait (no host block) for payload receives."""
+    def wait(self, work, what: str, host: bool = True, group=None, idle: Optional[Callable[[], bool]] = None) -> None:
+        """host=False on CUDA: only make the current stream wait (no host block) for payload receives. ``idle``:
+        other work to do in pieces meanwhile (only where the wait can be polled)."""
         if not host and self.device.type == "cuda":
             work.wait()
         else:
-            _wait(work, what, self.timeout_s, self.check, self._pollable(group))
+            _wait(work, what, self.timeout_s, self.check, self._pollable(group), idle=idle)
+
+    def can_idle(self) -> bool:
+        """Whether a sender's backpressure waits can be polled (and so do other work meanwhile): rendezvous sends
+        poll the store; NCCL works answer is_completed; gloo works block."""
+        return self.store is not None or self._pollable(self.data_group)
 
     def done(self, work, group) -> bool:
         """Non-blocking completion test; gloo point-to-point works cannot answer it, so they say False."""
@@ -234,8 +244,19 @@ class Sender:
         self.taken: dict[int, int] = {}  # data messages each destination is known to have received
         self._staged: dict[int, int] = {}  # payloads staged, not yet posted, per destination
         self._posted: dict[int, int] = {}  # payloads posted so far, per destination
-        self.wait_s = 0.0  # time spent blocked on backpressure
+        self.wait_s = 0.0  # time spent blocked on backpressure (less the idle work done meanwhile)
         self.bytes_sent = 0
+        # other work done in pieces while blocked on backpressure (the in-training evaluation); says whether it did
+        # any. Only there: right after a header or during a capture the GPU is not idle.
+        self.idle_work: Optional[Callable[[], bool]] = None
+        self.idle_work_s = 0.0
+
+    def _idle(self) -> bool:
+        t0 = time.monotonic()
+        did = self.idle_work is not None and self.idle_work()
+        if did:
+            self.idle_work_s += time.monotonic() - t0
+        return did
 
     def _header(self, kind: int, index: int = -1, stats=()) -> torch.Tensor:
         h = torch.zeros(HEADER_LEN, dtype=torch.int64)
@@ -286,15 +307,16 @@ class Sender:
             self.pump()
         while q and q[0].staged is None and all(self.ch.done(w, g) for w, g in q[0].works):
             self._count_taken(dst, q.popleft())
-        t0 = time.monotonic()
+        t0, idle0 = time.monotonic(), self.idle_work_s
         while len(q) >= limit:
             if q[0].staged is not None:
                 self._await_receive(dst, q[0])
             out = q.popleft()
             for w, g in out.works:
-                self.ch.wait(w, f"drafter rank {dst} to take a message from target rank {self.rank}", group=g)
+                self.ch.wait(w, f"drafter rank {dst} to take a message from target rank {self.rank}", group=g,
+                             idle=self._idle)
             self._count_taken(dst, out)
-        self.wait_s += time.monotonic() - t0
+        self.wait_s += time.monotonic() - t0 - (self.idle_work_s - idle0)
 
     def _count_taken(self, dst: int, out: _Outgoing) -> None:
         if out.data:
@@ -313,7 +335,7 @@ class Sender:
             return out.staged is None
         if grace_s is not None:
             _poll(posted, grace_s, max_sleep=2e-4)
-        elif not _poll(posted, self.ch.timeout_s, self.ch.check):
+        elif not _poll(posted, self.ch.timeout_s, self.ch.check, idle=self._idle):
             raise TransportError(f"timed out after {self.ch.timeout_s:.0f} s waiting for drafter rank {dst} "
                                  f"to post the receive of a message from target rank {self.rank}")
 

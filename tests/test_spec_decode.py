@@ -2,15 +2,16 @@
 train/eval feature and mask parity, τ arithmetic, and the dflash-eval CLI end to end."""
 
 import json
-
+import time
 
 import pytest
 import torch
 
 from dflash_dist.drafter import DFlashDrafter, DrafterModelConfig, RMSNorm
 from dflash_dist.masks import dense_mask
-from dflash_dist.spec_decode import (TargetRunner, evaluate_prompts, make_dflash_draft_fn, pack_state,
-                                     speculative_generate, summarize_acceptance, target_greedy, unpack_state_)
+from dflash_dist.spec_decode import (TargetRunner, evaluate_prompts, evaluate_steps, make_dflash_draft_fn, pack_state,
+                                     run_to_end, speculative_generate, speculative_steps, summarize_acceptance,
+                                     target_greedy, unpack_state_)
 from dflash_dist.target import FeatureCapture, head_weights
 
 V, H, L, B, MASK = 96, 32, 5, 4, 95
@@ -175,6 +176,109 @@ def test_evaluate_prompts_with_capture_attached(target):
     ids = torch.tensor([[1, 2, 3]])
     assert cap(ids, torch.tensor([3])).shape == (3, len(LAYER_IDS) * H)
     cap.close()
+
+
+def _same_result(a, b):
+    """Everything but timings."""
+    strip = lambda r: {k: v for k, v in r.items() if k not in ("wall_s", "tokens_per_s")}  # noqa: E731
+    return strip(a) == strip(b)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_sliced_evaluation_equals_unsliced(target, use_cache):
+    """evaluate_steps advanced one slice at a time == evaluate_prompts; it yields after the prefill and after each
+    verify step of every prompt, and the drafter's mode is restored when it finishes."""
+    drafter = tiny_drafter(target, seed=5).train()
+    ps = prompts(3, seed=11)
+    args = (target, drafter, None, None, ps, LAYER_IDS, MASK, B, 14, [0])
+    ref = evaluate_prompts(*args, use_cache=use_cache, keep_outputs=True)
+    assert drafter.training
+    gen = evaluate_steps(*args, use_cache=use_cache, keep_outputs=True)
+    slices = 0
+    while True:
+        try:
+            next(gen)
+        except StopIteration as e:
+            res = e.value
+            break
+        slices += 1
+        assert not drafter.training and not torch.is_inference_mode_enabled()  # caller's mode between slices
+    assert drafter.training
+    assert res["tau"] == ref["tau"] and res["lossless_fraction"] == 1.0 and _same_result(res, ref)
+    assert [r["tokens"] for r in res["per_prompt"]] == [r["tokens"] for r in ref["per_prompt"]]
+    assert [r["acceptance_lengths"] for r in res["per_prompt"]] == [r["acceptance_lengths"] for r in ref["per_prompt"]]
+    assert slices == sum(r["steps"] + 1 for r in ref["per_prompt"]) > len(ps)
+
+    toks, st = run_to_end(speculative_steps(target, drafter, None, None, ps[0], LAYER_IDS, MASK, B, 14, [0],
+                                            use_cache=use_cache))
+    assert toks == ref["per_prompt"][0]["tokens"] and st["acceptance_lengths"] == ref["per_prompt"][0][
+        "acceptance_lengths"]
+
+
+def test_sliced_evaluation_closed_early_restores_drafter(target):
+    drafter = tiny_drafter(target, seed=5).train()
+    gen = evaluate_steps(target, drafter, None, None, prompts(2, seed=11), LAYER_IDS, MASK, B, 14, [0])
+    next(gen)
+    next(gen)
+    assert not drafter.training
+    gen.close()
+    assert drafter.training
+
+
+def test_capture_forward_between_slices(target):
+    """A training FeatureCapture stays registered and works between slices (the evaluator's hooks are not held
+    across a yield), and the evaluation's result is unchanged by those forwards."""
+    drafter = tiny_drafter(target, seed=6)
+    ps = prompts(2, seed=13)
+    args = (target, drafter, None, None, ps, LAYER_IDS, MASK, B, 12, [0])
+    ref = evaluate_prompts(*args, keep_outputs=True)
+    cap = FeatureCapture(target, LAYER_IDS)
+    try:
+        ids = torch.tensor([prompts(1, seed=14)[0] + [7, 8, 9]])
+        lens = torch.tensor([ids.shape[1]])
+        alone = cap(ids, lens).clone()              # no generator alive
+        gen = evaluate_steps(*args, keep_outputs=True)
+        captures = 0
+        while True:
+            try:
+                next(gen)
+            except StopIteration as e:
+                res = e.value
+                break
+            if captures < 6:                        # the same forward a training step would run
+                assert torch.equal(cap(ids, lens), alone)
+                captures += 1
+        assert captures == 6
+        assert _same_result(res, ref) and res["lossless_fraction"] == 1.0
+        assert torch.equal(cap(ids, lens), alone)
+    finally:
+        cap.close()
+
+
+def test_sliced_wall_time_excludes_suspension(target):
+    drafter = tiny_drafter(target, seed=7)
+    args = (target, drafter, None, None, prompts(1, seed=15), LAYER_IDS, MASK, B, 8, [])
+    ref = evaluate_prompts(*args, check_lossless=False)
+    gen = evaluate_steps(*args, check_lossless=False)
+    slept = False
+    while True:
+        try:
+            next(gen)
+        except StopIteration as e:
+            res = e.value
+            break
+        if not slept:
+            time.sleep(0.5)
+            slept = True
+    assert slept and _same_result(res, ref)
+    assert res["wall_s"] < ref["wall_s"] + 0.4
+    spec_s = res["mean_new_tokens"] * res["n_prompts"] / res["tokens_per_s"]   # speculative running time
+    assert spec_s < ref["wall_s"] + 0.4
+    spec = speculative_steps(target, drafter, None, None, prompts(1, seed=15)[0], LAYER_IDS, MASK, B, 8, [])
+    next(spec)
+    time.sleep(0.5)
+    _, st = run_to_end(spec)
+    assert st["wall_s"] < 0.4 + ref["wall_s"]
 
 
 def test_dflash_eval_cli(tmp_path):

@@ -79,3 +79,13 @@ def test_job_channel_from_topology_config(monkeypatch):
     assert transport.job_channel(d, TopologyConfig()).store is None
     assert transport.job_channel(d, TopologyConfig(rendezvous_sends=True)).store == "the store"
     assert TopologyConfig().comm_streams is False  # experimental: off unless asked for
+
+
+def test_poll_does_idle_work_instead_of_sleeping():
+    """A wait with other work does that work a piece at a time until the awaited thing happens, checking it
+    between pieces; without work (idle says False) it sleeps as before; the timeout still holds."""
+    from dflash_dist.transport import _poll
+    pieces, checks = [], iter([False, False, False, True])
+    assert _poll(lambda: next(checks), 5.0, idle=lambda: pieces.append(1) or True)
+    assert len(pieces) == 3  # one piece per unanswered check, none after the answer
+    assert not _poll(lambda: False, 0.05, idle=lambda: False)  # nothing to do: sleeps, then times out
