@@ -122,14 +122,18 @@ transport_checks() {
   done
 }
 
-# eval_job BOX NAME SLICES: the drafter-bound 1 + 1 job on the builtin corpus (8B-shaped target, 16-sample messages,
-# 256 anchors, 120 steps) with the in-training evaluation (16 held-out prompts every 30 steps) run in slices on the
-# target's waits (SLICES=true), whole between messages (false), or no evaluation (none); prints its evaluation lines
+# eval_job BOX NAME SLICES STEPS EVERY PROMPTS TOKENS: the drafter-bound 1 + 1 job on the builtin corpus (8B-shaped
+# target, 16-sample messages, 256 anchors, STEPS steps) with the in-training evaluation (PROMPTS held-out prompts,
+# TOKENS new tokens each, every EVERY steps) run in slices on the target's waits (SLICES=true), whole between
+# messages (false), or no evaluation (none); prints its evaluation lines
 eval_job() {
-  local box=$1 name=$2 slices=$3 ev=(--override train.eval_prompts=16 --override train.eval_every=30)
-  [ "$slices" = none ] && ev=(--override train.eval_prompts=0) || ev+=(--override train.eval_in_slices=$slices)
+  local box=$1 name=$2 slices=$3 steps=$4 every=$5 prompts=$6 tokens=$7 ev
+  ev=(--override train.eval_prompts=$prompts --override train.eval_every=$every
+      --override train.eval_max_new_tokens=$tokens --override train.eval_in_slices=$slices)
+  [ "$slices" = none ] && ev=(--override train.eval_prompts=0)
   echo "=== evaluation job $name (eval_in_slices=$slices) at $(el) s"
-  traced_e2e "$box" "$name" "/tmp/pipe_$name" --steps 120 --warmup-steps 20 --max-batch-samples 16 \
+  traced_e2e "$box" "$name" "/tmp/pipe_$name" --steps "$steps" --warmup-steps 20 --max-batch-samples 16 \
     --override drafter.num_anchors=256 --override data.source=builtin "${ev[@]}"
-  grep -E "in-training evaluation|evaluation at step|skipped: the one|host syncs" "$OUT/${name}_e2e.log" | cut -c1-220
+  grep -E "in-training evaluation|evaluation at step|skipped: the one|host syncs|target (done|stopped)" \
+    "$OUT/${name}_e2e.log" | cut -c1-240
 }

@@ -6,7 +6,8 @@
 #   2. idle target capacity doing useful work: the drafter-bound 1 + 1 job on the builtin corpus (it has held-out
 #      prompts; 8B-shaped target, 16-sample messages, 256 anchors), the in-training evaluation (16 prompts every 30
 #      steps) run a verify step at a time on the target's waits (train.eval_in_slices=true, the default).
-# Call 19 (gpu_session19.sh) runs the same evaluation job without evaluation and with whole evaluations.
+# Run at 243bc4e+1 (37be68d): the evaluation's weights then went over gloo in fp32 (4.2 GB through the host). Call 19
+# (gpu_session19.sh) runs a shorter evaluation job three ways, with the weights over NCCL in bf16.
 # Usage: bash bench/gpu_session18.sh OUT_DIR     (carry .whl)
 source bench/gpu_env.sh "$@"   # strict mode, OUT (first argument), environment, helpers
 SMALL=(--target qwen3_0p6b_random --steps 80 --warmup-steps 20 --override target.packing=off
@@ -15,5 +16,5 @@ echo "=== goal 4, launch-bound job (0.6B-shaped target): multi-process at $(el) 
 traced_e2e 180 small_mp /tmp/pipe_small "${SMALL[@]}"
 echo "=== the same job threaded at $(el) s"
 threaded_vs 150 small_threaded small_mp "${SMALL[@]}"
-eval_job 200 eval_slices true
+eval_job 200 eval_slices true 120 30 16 64
 pack_results

@@ -5,7 +5,10 @@ Groups are created on every rank in the same order, members or not (torch requir
 2. ``ctrl``: a gloo group over all ranks for transport headers (host-side, never touches a CUDA stream);
    created before the split is known (data preparation waits on its barrier; ``target_ranks=auto``
    measures the split after that);
-3. ``drafters``: the drafter data-parallel group (DDP, metric all-reduces), once the split is known.
+3. ``drafters``: the drafter data-parallel group (DDP, metric all-reduces), once the split is known;
+4. ``evals``: the leader drafter and the first target, for the drafter weights of in-training evaluations. A group
+   of their own: NCCL orders point-to-point operations per pair of ranks and group, so weights sent on the data
+   group would queue in front of feature receives (a deadlock on GPU).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class Dist:
     data: object
     drafters: object
     store: object
+    evals: object = None
 
     @property
     def rank(self) -> int:
@@ -65,9 +69,11 @@ def make_groups(topo: Topology, device: torch.device, timeout_s: float, ctrl=Non
     if ctrl is None:
         ctrl = make_ctrl_group(timeout_s)
     drafters = dist.new_group(ranks=topo.drafter_ranks, timeout=timeout)
+    evals = dist.new_group(ranks=sorted([topo.drafter_ranks[0], topo.target_ranks[0]]), timeout=timeout)
     store = dist.distributed_c10d._get_default_store()
     log.info("process groups ready (rank %d, %s)", topo.rank, topo.role)
-    return Dist(topo=topo, device=device, ctrl=ctrl, data=dist.group.WORLD, drafters=drafters, store=store)
+    return Dist(topo=topo, device=device, ctrl=ctrl, data=dist.group.WORLD, drafters=drafters, store=store,
+                evals=evals)
 
 
 def shorten_timeouts(d: Dist, timeout_s: float) -> None:

@@ -441,8 +441,10 @@ def run_drafter(job) -> None:
                 if not cfg.logging.progress_bar:
                     log.info("step %d/%d loss %.4f acc %.3f lr %.2e %.1f samples/s", trainer.step, total_steps,
                              window["loss"], window["acc"], window["lr"], window["samples_per_s"])
-        if leader_eval is not None and trainer.step in eval_at:
-            leader_eval.request(trainer.step)
+        if leader_eval is not None:
+            leader_eval.pump()  # the weights of a requested evaluation, once the target has posted their receive
+            if trainer.step in eval_at:
+                leader_eval.request(trainer.step)
         if stop_now:
             stopped = True
             break

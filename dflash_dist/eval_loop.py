@@ -1,10 +1,13 @@
 """Acceptance-length evaluation during training, on the target rank that is already loaded.
 
-The leader (drafter rank 0) posts ``dflash/eval_req/<n>`` in the store and sends the drafter weights (one flat
-tensor) to the first target rank. That target checks for requests between messages, receives the weights,
-runs real greedy speculative decoding on held-out prompts (spec_decode.evaluate_prompts) and posts the result
-as JSON under ``dflash/eval_res/<n>``; the leader logs it when it appears, next to the training accuracy and
-the tau that accuracy predicts, so the train/serve gap is on the dashboard. No extra engine, no extra GPU.
+The leader (drafter rank 0) posts ``dflash/eval_req/<n>`` in the store and keeps the drafter weights ready (one flat
+tensor on its device: bf16 on GPU). The first target takes the request between messages, posts its receive on the
+``evals`` group and says so under ``dflash/eval_ready/<n>``; the leader sends at its next step (a rendezvous: no
+send waits on either GPU for a receive that is not there). The target then runs real greedy speculative decoding
+on held-out prompts (spec_decode.evaluate_steps), a verify step at a time while it waits for its drafters
+(``train.eval_in_slices``) or whole, and posts the result as JSON under ``dflash/eval_res/<n>``; the leader logs it
+when it appears, next to the training accuracy and the tau that accuracy predicts, so the train/serve gap is on
+the dashboard. No extra engine, no extra GPU.
 """
 
 from __future__ import annotations
@@ -22,9 +25,22 @@ from .drafter import DFlashDrafter, DrafterModelConfig
 from .target import text_config
 
 log = logging.getLogger("dflash_dist")
-REQ, RES = "dflash/eval_req/", "dflash/eval_res/"
+REQ, READY, RES = "dflash/eval_req/", "dflash/eval_ready/", "dflash/eval_res/"
 SKIP = "skip"  # request value of an evaluation the leader skipped
-EVAL_TAG = 17  # gloo tag of the weights sent for evaluation (headers and errors use tag 0)
+
+
+def wire_dtype(device: torch.device) -> torch.dtype:
+    """dtype of the weights on their way to the evaluator: bf16 on GPU (half the bytes of fp32; a drafter is served
+    in bf16), fp32 on CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def _completed(work, device: torch.device) -> bool:
+    """gloo point-to-point works cannot say they are done before wait(): on CPU a wait is the answer."""
+    if device.type == "cuda":
+        return work.is_completed()
+    work.wait()
+    return True
 
 
 def _model_config(job) -> DrafterModelConfig:
@@ -60,6 +76,17 @@ def expected_evals(job) -> int:
     return len(eval_steps(job))
 
 
+def connect(job, leader: bool) -> None:
+    """One small message on the ``evals`` group at startup, both ends at once: NCCL creates a group's
+    communicator at its first operation, blocking until the peer joins, so a receive posted first during training
+    would block the target until the leader's next step."""
+    t = torch.ones(1, device=job.dist.device)
+    if leader:
+        dist.send(t, job.dist.topo.target_ranks[0], group=job.dist.evals)
+    else:
+        dist.recv(t, job.dist.topo.drafter_ranks[0], group=job.dist.evals)
+
+
 class LeaderEval:
     """Drafter rank 0: request evaluations and collect their results without blocking training."""
 
@@ -67,49 +94,65 @@ class LeaderEval:
         self.job, self.model = job, model
         self.store = job.dist.store
         self.dst = job.dist.topo.target_ranks[0]
-        self.sent: list[int] = []      # request numbers sent, results not yet logged
+        self.sent: list[int] = []      # requests made, results not yet logged
         self.steps: dict[int, int] = {}
         self.n = 0
-        self._inflight = None
+        self._inflight = None  # [request number, flat weights, send Work or None until the target is ready]
+        self.last_step = max(eval_steps(job))
+        self._deferred = None  # the last step's evaluation, while the one before it still runs: never skipped
+        connect(job, leader=True)
 
     def request(self, step: int) -> None:
-        """Send the current weights for evaluation, unless the previous evaluation is still running (then skip:
-        never block training on it). The weights go over the host (gloo) channel with their own tag, never over
-        the NCCL data group: an NCCL send there would queue in front of the next feature receives on the same
-        communicator while the target waits for the drafter to take those features (a deadlock on GPU)."""
+        """Request an evaluation of the current weights, unless the previous one is still running (then skip:
+        never block training on it)."""
         from .spec_decode import pack_state
         if self._inflight is not None:
-            prev = self._inflight[2]
+            prev = self._inflight[0]
             if not self.store.check([f"{RES}{prev}"]):
+                if step == self.last_step:
+                    self._deferred = step  # requested by ready() once the running one is done
+                    return
                 log.warning("evaluation at step %d skipped: the one of step %d is still running", step,
                             self.steps[prev])
                 self.store.set(f"{REQ}{self.n}", SKIP)  # the target counts it and expects no weights
                 self.n += 1
                 return
-            self._inflight[0].wait()  # the target took the weights (its result exists): returns at once
-        flat = pack_state(self.model).cpu()
+            self._inflight = None  # its weights arrived (the result exists)
+        flat = pack_state(self.model, wire_dtype(self.job.dist.device))
         self.store.set(f"{REQ}{self.n}", str(step))
-        self._inflight = (dist.isend(flat, self.dst, group=self.job.dist.ctrl, tag=EVAL_TAG), flat, self.n)
+        self._inflight = [self.n, flat, None]
         self.sent.append(self.n)
         self.steps[self.n] = step
         self.n += 1
+        self.pump()
+
+    def pump(self) -> None:
+        """Send the requested weights once the target has posted its receive (called every step). Over gloo they
+        go at once: a pending gloo send holds no GPU, and a target that blocks on the receive gets them."""
+        immediate = dist.get_backend(self.job.dist.evals) == "gloo"
+        if self._inflight is not None and self._inflight[2] is None \
+                and (immediate or self.store.check([f"{READY}{self._inflight[0]}"])):
+            self._inflight[2] = dist.isend(self._inflight[1], self.dst, group=self.job.dist.evals)
 
     def ready(self, block_s: float = 0.0) -> list[tuple[int, dict]]:
-        """Results that have arrived (optionally waiting up to block_s for all outstanding ones)."""
+        """Results that have arrived (optionally waiting up to block_s for all outstanding ones, sending the
+        weights the target asks for meanwhile)."""
         out = []
         deadline = time.monotonic() + block_s
-        for n in list(self.sent):
-            key = f"{RES}{n}"
-            if block_s > 0:
-                try:
-                    self.store.wait([key], timedelta(seconds=max(1.0, deadline - time.monotonic())))
-                except Exception:
-                    log.warning("evaluation %d (step %d) did not finish in time", n, self.steps[n])
-                    continue
-            elif not self.store.check([key]):
-                continue
-            self.sent.remove(n)
-            out.append((self.steps[n], json.loads(self.store.get(key).decode())))
+        while True:
+            self.pump()
+            for n in list(self.sent):
+                if self.store.check([f"{RES}{n}"]):
+                    self.sent.remove(n)
+                    out.append((self.steps[n], json.loads(self.store.get(f"{RES}{n}").decode())))
+            if self._deferred is not None and not self.sent:
+                step, self._deferred = self._deferred, None
+                self.request(step)
+            if not self.sent or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        for n in self.sent if block_s > 0 else []:
+            log.warning("evaluation %d (step %d) did not finish in time", n, self.steps[n])
         return out
 
 
@@ -125,8 +168,10 @@ class TargetEval:
         self.job, self.model, self.slices = job, model, slices
         self.store = job.dist.store
         self.n = 0  # requests taken
+        self.receiving = None  # [request number, step, flat weights, receive Work, taken at]
         self.running = None  # [request number, step, generator, slices run, taken at, weights seconds]
         c = job.cfg
+        connect(job, leader=False)
         self.drafter = DFlashDrafter(_model_config(job), "sdpa").to(job.dist.device).eval()
         self.numel = sum(v.numel() for v in self.drafter.state_dict().values())
         tok = AutoTokenizer.from_pretrained(job.tokenizer_path)
@@ -140,9 +185,22 @@ class TargetEval:
             log.warning("evaluation requested but there are no held-out prompts (data.holdout=0?)")
 
     def poll(self, wait_s: float = 0.0, whole: bool = False) -> bool:
-        """Take the next request if it is there (or arrives within wait_s): a skipped one is counted; a real one
-        is started (slices) or run whole (no slices, or ``whole``). True if one was taken. While one is running the
-        leader only posts skips."""
+        """Between messages: take the next request if it is there (or arrives within wait_s; True if one was
+        taken). Without slices, an evaluation whose weights are in runs whole here; ``whole`` (after the stream,
+        while the leader waits for results) also waits for the weights. With slices, :meth:`work` runs it."""
+        took = self._take(wait_s)
+        if whole:
+            self.finish()
+        elif not self.slices:
+            if self.receiving is not None and _completed(self.receiving[3], self.job.dist.device):
+                self._start()
+            if self.running is not None:  # never waits here for weights: the leader may be waiting for a message
+                self.finish()
+        return took
+
+    def _take(self, wait_s: float) -> bool:
+        """A skipped request is counted; for a real one the weights' receive is posted and announced (the leader
+        sends once it sees that). While one is running the leader only posts skips."""
         key = f"{REQ}{self.n}"
         if wait_s > 0:
             try:
@@ -151,30 +209,40 @@ class TargetEval:
                 return False
         elif not self.store.check([key]):
             return False
-        from .spec_decode import evaluate_steps, unpack_state_
         value = self.store.get(key).decode()
         if value == SKIP:
             self.n += 1
             return True
-        if self.running is not None:  # the leader sends weights only after the previous result
-            raise RuntimeError(f"evaluation request {self.n} came while request {self.running[0]} is still running")
-        step = int(value)
-        t0 = time.monotonic()
-        flat = torch.empty(self.numel, dtype=torch.float32)  # host: the weights travel on the gloo channel
-        dist.recv(flat, self.job.dist.topo.drafter_ranks[0], group=self.job.dist.ctrl, tag=EVAL_TAG)
+        if self.running is not None or self.receiving is not None:  # the leader waits for the previous result
+            raise RuntimeError(f"evaluation request {self.n} came while another is still running")
+        flat = torch.empty(self.numel, dtype=wire_dtype(self.job.dist.device), device=self.job.dist.device)
+        work = dist.irecv(flat, self.job.dist.topo.drafter_ranks[0], group=self.job.dist.evals)
+        self.store.set(f"{READY}{self.n}", "1")
+        self.receiving = [self.n, int(value), flat, work, time.monotonic()]
+        self.n += 1
+        return True
+
+    def _start(self) -> None:
+        from .spec_decode import evaluate_steps, unpack_state_
+        n, step, flat, work, t0 = self.receiving
+        self.receiving = None
+        if flat.device.type == "cuda":
+            work.wait()  # the current stream waits for the receive (complete on the host's view; gloo: waited)
         unpack_state_(self.drafter, flat)
         c = self.job.cfg
         gen = evaluate_steps(self.model, self.drafter, None, None, self.prompts, self.job.layer_ids,
                              self.job.mask_token_id, c.drafter.block_size, c.train.eval_max_new_tokens, self.eos,
                              check_lossless=False)
-        self.running = [self.n, step, gen, 0, t0, time.monotonic() - t0]
-        self.n += 1
-        if whole or not self.slices:
-            self.finish()
-        return True
+        self.running = [n, step, gen, 0, t0, time.monotonic() - t0]
 
     def work(self) -> bool:
-        """One verify step of the running evaluation; False if none is running."""
+        """One piece of the evaluation in progress: start it once its weights are in, or run one verify step.
+        False if there was nothing to do."""
+        if self.receiving is not None:
+            if not _completed(self.receiving[3], self.job.dist.device):
+                return False
+            self._start()
+            return True
         if self.running is None:
             return False
         self.running[3] += 1
@@ -185,8 +253,13 @@ class TargetEval:
         return True
 
     def finish(self) -> None:
-        """Run the evaluation in progress (if any) to its end."""
+        """Run the evaluation in progress (if any) to its end, waiting for its weights first (only where the leader
+        sends them without waiting for this rank: gloo, or the leader waiting for results)."""
         from .spec_decode import run_to_end
+        if self.receiving is not None:
+            while not _completed(self.receiving[3], self.job.dist.device):
+                time.sleep(1e-3)  # the leader sends at its next step
+            self._start()
         if self.running is not None:
             self._post(run_to_end(self.running[2]))
 
@@ -200,7 +273,7 @@ class TargetEval:
                         "per_position_acceptance": r["per_position_acceptance"]})
         self.store.set(f"{RES}{n}", json.dumps(res))
         log.info("evaluation at step %d: tau %.3f on %d held-out prompts (%.1f s of target time%s; weights "
-                 "received in %.1f s)", step, res.get("tau", float("nan")), res["n_prompts"], res["seconds"],
+                 "in after %.1f s)", step, res.get("tau", float("nan")), res["n_prompts"], res["seconds"],
                  f" in {slices} slices over {res['span_s']:.1f} s" if slices else "", recv_s)
 
 

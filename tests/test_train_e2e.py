@@ -69,9 +69,10 @@ def test_default_job_one_target_two_drafters(tmp_path):
 def test_evaluation_in_slices_on_idle_target_time(tmp_path):
     """train.eval_in_slices with rendezvous sends (waits the target can poll): the evaluation runs one verify step
     at a time while the target waits for the drafter to take a message, every requested evaluation is either
-    logged or skipped (said so), the last one runs after the stream, and no sample is lost."""
+    logged or skipped (said so), the last one is never skipped and runs after the stream, and no sample is lost.
+    The evaluations are long enough (16 prompts x 64 tokens) that a request comes while one is still running."""
     r = torchrun(2, ["-m", "dflash_dist.train", f"train.output_dir={tmp_path}", "train.max_steps=16",
-                     "train.eval_every=4", "train.eval_prompts=4", "train.eval_max_new_tokens=16",
+                     "train.eval_every=4", "train.eval_prompts=16", "train.eval_max_new_tokens=64",
                      "topology.rendezvous_sends=true", "topology.max_in_flight=1", "logging.log_every=4",
                      "logging.progress_bar=false", "logging.wandb.mode=disabled"], timeout=300)
     out = r.stdout + r.stderr
@@ -80,7 +81,7 @@ def test_evaluation_in_slices_on_idle_target_time(tmp_path):
     evals = [x for x in metrics(tmp_path) if x["kind"] == "eval"]
     skipped = out.count(" skipped: the one of step")
     assert len(evals) + skipped == 4, (evals, skipped)  # requested at 4, 8, 12 and after the last step (16)
-    assert evals[-1]["step"] == 16 and evals[-1]["n_prompts"] == 4 and evals[-1]["tau"] >= 1.0
+    assert evals[-1]["step"] == 16 and evals[-1]["n_prompts"] == 16 and evals[-1]["tau"] >= 1.0
     sliced = [x for x in evals if x["eval_slices"]]
     assert sliced, evals  # at least one ran on the target's waits, a verify step per slice
     assert all(x["eval_span_s"] >= x["eval_seconds"] > 0 for x in sliced)
