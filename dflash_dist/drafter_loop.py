@@ -451,6 +451,8 @@ def run_drafter(job) -> None:
         if cfg.train.checkpoint_every and trainer.step % cfg.train.checkpoint_every == 0 and not last:
             trainer.save()
     if stopped:
+        if leader_eval is not None:
+            leader_eval.close()
         # samples of messages after the cursor were not trained: the checkpoint's cursor excludes them
         trainer.save(final=False, reason="signal")
         if topo.is_leader:

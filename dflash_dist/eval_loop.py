@@ -26,6 +26,7 @@ from .target import text_config
 
 log = logging.getLogger("dflash_dist")
 REQ, READY, RES = "dflash/eval_req/", "dflash/eval_ready/", "dflash/eval_res/"
+CLOSED = "dflash/eval_closed"  # the target stopped early and takes no more requests
 SKIP = "skip"  # request value of an evaluation the leader skipped
 
 
@@ -33,6 +34,13 @@ def wire_dtype(device: torch.device) -> torch.dtype:
     """dtype of the weights on their way to the evaluator: bf16 on GPU (half the bytes of fp32; a drafter is served
     in bf16), fp32 on CPU."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def _await(done, job, what: str) -> None:
+    """Poll ``done`` up to topology.timeout_s, running the liveness check (a dead peer ends the wait, named)."""
+    from .transport import _poll
+    if not _poll(done, job.cfg.topology.timeout_s, job.life.check, max_sleep=1e-2):
+        raise RuntimeError(f"timed out after {job.cfg.topology.timeout_s:.0f} s waiting for {what}")
 
 
 def _completed(work, device: torch.device) -> bool:
@@ -155,6 +163,16 @@ class LeaderEval:
             log.warning("evaluation %d (step %d) did not finish in time", n, self.steps[n])
         return out
 
+    def close(self) -> None:
+        """The job stops early: a receive the target posted for requested weights must not be left unmatched
+        (NCCL would hold it at exit). Wait until the target has either posted it (then send) or closed."""
+        if self._inflight is None or self._inflight[2] is not None:
+            return
+        n = self._inflight[0]
+        _await(lambda: self.store.check([f"{READY}{n}"]) or self.store.check([CLOSED]), self.job,
+               "the first target to take or drop the evaluation request")
+        self.pump()
+
 
 class TargetEval:
     """First target rank: serve evaluation requests. ``slices``: an evaluation is started between messages and
@@ -257,11 +275,20 @@ class TargetEval:
         sends them without waiting for this rank: gloo, or the leader waiting for results)."""
         from .spec_decode import run_to_end
         if self.receiving is not None:
-            while not _completed(self.receiving[3], self.job.dist.device):
-                time.sleep(1e-3)  # the leader sends at its next step
+            _await(lambda: _completed(self.receiving[3], self.job.dist.device), self.job,
+                   "the leader drafter's weights for an evaluation")
             self._start()
         if self.running is not None:
             self._post(run_to_end(self.running[2]))
+
+    def close(self) -> None:
+        """The job stops early: take no more requests, and let a posted receive complete (its READY came before
+        CLOSED, so the leader sends), so no NCCL receive is left unmatched at exit. The evaluation is dropped."""
+        self.store.set(CLOSED, "1")
+        if self.receiving is not None:
+            _await(lambda: _completed(self.receiving[3], self.job.dist.device), self.job,
+                   "the leader drafter's weights for an evaluation")
+        self.receiving = self.running = None
 
     def _post(self, r: dict) -> None:
         n, step, _, slices, t0, recv_s = self.running

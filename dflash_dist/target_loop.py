@@ -169,6 +169,8 @@ def run_target(job) -> None:
                                int(wall * 1e6), int(flops / 1e6)))
     tx.flush()
     wall = time.monotonic() - start
+    if evaluator is not None and stopped:
+        evaluator.close()
     if evaluator is not None and not stopped:
         evaluator.finish()
         # serve what the leader still asks for (its last request comes after the final step)

@@ -169,3 +169,28 @@ def test_sigterm_then_resume_with_another_split(tmp_path):
     second = train_records(tmp_path)[len(first_losses):]
     assert second[0]["step"] > meta["step"]
     assert second[-1]["loss"] < first_losses[0]
+
+
+def test_sigterm_while_an_evaluation_runs(tmp_path):
+    """SIGTERM while the target runs an in-training evaluation in slices (one every step, each longer than a
+    step): the evaluation is dropped, both ranks stop after the same step with one checkpoint and exit 0."""
+    p = torchrun(2, ["-m", "dflash_dist.train", f"train.output_dir={tmp_path}", "train.max_steps=400",
+                     "train.eval_every=1", "train.eval_prompts=16", "train.eval_max_new_tokens=64",
+                     "topology.rendezvous_sends=true", "topology.max_in_flight=1", "logging.log_every=2",
+                     "logging.progress_bar=false", "logging.wandb.mode=disabled"], popen=True)
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        if os.path.exists(tmp_path / "metrics.jsonl") and any(r["kind"] == "eval" for r in metrics(tmp_path)) \
+                and train_records(tmp_path)[-1]["step"] >= 8:
+            break
+        time.sleep(0.5)
+    else:
+        p.kill()
+        pytest.fail("no evaluation logged by step 8:\n" + p.communicate()[0][-3000:])
+    for w in _workers_of(p.pid):
+        os.kill(w, signal.SIGTERM)
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 0, out[-4000:]
+    assert "stopped on request" in out and " skipped: the one of step" in out  # one was running at each request
+    assert len(glob.glob(str(tmp_path / "checkpoints" / "step_*"))) == 1
+    check_accounting(accounting(tmp_path))
