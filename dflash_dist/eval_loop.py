@@ -152,6 +152,8 @@ class LeaderEval:
             for n in list(self.sent):
                 if self.store.check([f"{RES}{n}"]):
                     self.sent.remove(n)
+                    if self._inflight is not None and self._inflight[0] == n:
+                        self._inflight[1] = None  # the target has the weights: free the copy (2 GB at 1B bf16)
                     out.append((self.steps[n], json.loads(self.store.get(f"{RES}{n}").decode())))
             if self._deferred is not None and not self.sent:
                 step, self._deferred = self._deferred, None
