@@ -137,3 +137,14 @@ eval_job() {
   grep -E "in-training evaluation|evaluation at step|skipped: the one|host syncs|target (done|stopped)" \
     "$OUT/${name}_e2e.log" | cut -c1-240
 }
+
+# launch_bound_pair BOX_MP BOX_THREADED: goal 4 on a launch-bound job (Qwen3-0.6B-shaped target, eager and padded
+# as in the replaced design, its 5-layer drafter, 512 anchors, 80 steps): multi-process (small_mp), then threaded
+launch_bound_pair() {
+  local small=(--target qwen3_0p6b_random --steps 80 --warmup-steps 20 --override target.packing=off
+               --override target.compile=false)
+  echo "=== goal 4, launch-bound job (0.6B-shaped target): multi-process at $(el) s"
+  traced_e2e "$1" small_mp /tmp/pipe_small "${small[@]}"
+  echo "=== the same job threaded at $(el) s"
+  threaded_vs "$2" small_threaded small_mp "${small[@]}"
+}

@@ -11,12 +11,7 @@ source bench/gpu_env.sh "$@"   # strict mode, OUT (first argument), environment,
 echo "=== packed short rows at $(el) s"
 timeout -k 5 150 python3 bench/packed_short_rows.py --timeout 70 --out "$OUT/short_rows.json" > "$OUT/short_rows.log" 2>&1
 echo "exit $?"; grep -E "^\|" "$OUT/short_rows.log"; grep -B2 -A12 "no result" "$OUT/short_rows.log" | head -30
-SMALL=(--target qwen3_0p6b_random --steps 80 --warmup-steps 20 --override target.packing=off
-       --override target.compile=false)
-echo "=== goal 4, launch-bound job (0.6B-shaped target): multi-process at $(el) s"
-traced_e2e 100 small_mp /tmp/pipe_small "${SMALL[@]}"
-echo "=== the same job threaded at $(el) s"
-threaded_vs 100 small_threaded small_mp "${SMALL[@]}"
+launch_bound_pair 100 100
 rendezvous_pair 110 target_bound "${TARGET_BOUND_JOB[@]}"
 grep -h "host syncs" "$OUT"/target_bound_rv_*_e2e.log "$OUT"/small_mp_e2e.log
 pack_results

@@ -10,11 +10,6 @@
 # (gpu_session19.sh) runs a shorter evaluation job three ways, with the weights over NCCL in bf16.
 # Usage: bash bench/gpu_session18.sh OUT_DIR     (carry .whl)
 source bench/gpu_env.sh "$@"   # strict mode, OUT (first argument), environment, helpers
-SMALL=(--target qwen3_0p6b_random --steps 80 --warmup-steps 20 --override target.packing=off
-       --override target.compile=false)
-echo "=== goal 4, launch-bound job (0.6B-shaped target): multi-process at $(el) s"
-traced_e2e 180 small_mp /tmp/pipe_small "${SMALL[@]}"
-echo "=== the same job threaded at $(el) s"
-threaded_vs 150 small_threaded small_mp "${SMALL[@]}"
+launch_bound_pair 180 150
 eval_job 200 eval_slices true 120 30 16 64
 pack_results

@@ -120,8 +120,9 @@ class LeaderEval:
                 if step == self.last_step:
                     self._deferred = step  # requested by ready() once the running one is done
                     return
-                log.warning("evaluation at step %d skipped: the one of step %d is still running", step,
-                            self.steps[prev])
+                log.warning("evaluation at step %d skipped: the one of step %d is still running%s", step,
+                            self.steps[prev], " (on the target's idle time; train.eval_in_slices=false runs each "
+                            "whole, pausing training)" if self.job.cfg.train.eval_in_slices else "")
                 self.store.set(f"{REQ}{self.n}", SKIP)  # the target counts it and expects no weights
                 self.n += 1
                 return

@@ -184,6 +184,19 @@ def _same_result(a, b):
     return strip(a) == strip(b)
 
 
+def run_sliced(gen, between=lambda k: None):
+    """Advance an evaluation generator to its end, calling ``between(k)`` after its k-th slice (k = 0, 1, ...);
+    returns (its result, slices)."""
+    k = 0
+    while True:
+        try:
+            next(gen)
+        except StopIteration as e:
+            return e.value, k
+        between(k)
+        k += 1
+
+
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_sliced_evaluation_equals_unsliced(target, use_cache):
     """evaluate_steps advanced one slice at a time == evaluate_prompts; it yields after the prefill and after each
@@ -193,16 +206,9 @@ def test_sliced_evaluation_equals_unsliced(target, use_cache):
     args = (target, drafter, None, None, ps, LAYER_IDS, MASK, B, 14, [0])
     ref = evaluate_prompts(*args, use_cache=use_cache, keep_outputs=True)
     assert drafter.training
-    gen = evaluate_steps(*args, use_cache=use_cache, keep_outputs=True)
-    slices = 0
-    while True:
-        try:
-            next(gen)
-        except StopIteration as e:
-            res = e.value
-            break
-        slices += 1
+    def between(_):
         assert not drafter.training and not torch.is_inference_mode_enabled()  # caller's mode between slices
+    res, slices = run_sliced(evaluate_steps(*args, use_cache=use_cache, keep_outputs=True), between)
     assert drafter.training
     assert res["tau"] == ref["tau"] and res["lossless_fraction"] == 1.0 and _same_result(res, ref)
     assert [r["tokens"] for r in res["per_prompt"]] == [r["tokens"] for r in ref["per_prompt"]]
@@ -237,18 +243,14 @@ def test_capture_forward_between_slices(target):
         ids = torch.tensor([prompts(1, seed=14)[0] + [7, 8, 9]])
         lens = torch.tensor([ids.shape[1]])
         alone = cap(ids, lens).clone()              # no generator alive
-        gen = evaluate_steps(*args, keep_outputs=True)
-        captures = 0
-        while True:
-            try:
-                next(gen)
-            except StopIteration as e:
-                res = e.value
-                break
-            if captures < 6:                        # the same forward a training step would run
+        captures = []
+
+        def between(k):
+            if k < 6:                               # the same forward a training step would run
                 assert torch.equal(cap(ids, lens), alone)
-                captures += 1
-        assert captures == 6
+                captures.append(k)
+        res, _ = run_sliced(evaluate_steps(*args, keep_outputs=True), between)
+        assert len(captures) == 6
         assert _same_result(res, ref) and res["lossless_fraction"] == 1.0
         assert torch.equal(cap(ids, lens), alone)
     finally:
@@ -259,18 +261,8 @@ def test_sliced_wall_time_excludes_suspension(target):
     drafter = tiny_drafter(target, seed=7)
     args = (target, drafter, None, None, prompts(1, seed=15), LAYER_IDS, MASK, B, 8, [])
     ref = evaluate_prompts(*args, check_lossless=False)
-    gen = evaluate_steps(*args, check_lossless=False)
-    slept = False
-    while True:
-        try:
-            next(gen)
-        except StopIteration as e:
-            res = e.value
-            break
-        if not slept:
-            time.sleep(0.5)
-            slept = True
-    assert slept and _same_result(res, ref)
+    res, slices = run_sliced(evaluate_steps(*args, check_lossless=False), lambda k: k == 0 and time.sleep(0.5))
+    assert slices >= 1 and _same_result(res, ref)
     assert res["wall_s"] < ref["wall_s"] + 0.4
     spec_s = res["mean_new_tokens"] * res["n_prompts"] / res["tokens_per_s"]   # speculative running time
     assert spec_s < ref["wall_s"] + 0.4

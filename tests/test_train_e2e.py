@@ -129,6 +129,20 @@ def _workers_of(pid):
     return [int(x) for x in out]
 
 
+def sigterm_workers_when(p, ready, run_dir, what: str, within_s: float = 240) -> str:
+    """Once ``ready()`` holds (metrics exist), SIGTERM the workers of torchrun ``p`` (as SLURM does); returns the
+    job's output after it exits. Fails with ``what`` if it does not hold within ``within_s``."""
+    deadline = time.time() + within_s
+    while not (os.path.exists(run_dir / "metrics.jsonl") and ready()):
+        if time.time() > deadline:
+            p.kill()
+            pytest.fail(what + ":\n" + p.communicate()[0][-3000:])
+        time.sleep(0.5)
+    for w in _workers_of(p.pid):
+        os.kill(w, signal.SIGTERM)
+    return p.communicate(timeout=120)[0]
+
+
 def test_sigterm_then_resume_with_another_split(tmp_path):
     """SIGTERM to every rank (as SLURM does): one checkpoint, exit 0. Resume with 2+1 instead of 1+2: every
     sample of the plan is trained exactly once across the two runs and the loss curve continues."""
@@ -136,17 +150,8 @@ def test_sigterm_then_resume_with_another_split(tmp_path):
               "train.epochs=1", "logging.log_every=2", "logging.progress_bar=false", "logging.record_sample_ids=true",
               "target.max_batch_samples=8", "logging.wandb.mode=disabled"]
     p = torchrun(3, common + ["topology.target_ranks=1"], popen=True)
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        if os.path.exists(tmp_path / "metrics.jsonl") and any(r["step"] >= 6 for r in train_records(tmp_path)):
-            break
-        time.sleep(0.5)
-    else:
-        p.kill()
-        pytest.fail("first run did not reach step 6:\n" + p.communicate()[0][-3000:])
-    for w in _workers_of(p.pid):
-        os.kill(w, signal.SIGTERM)
-    out1, _ = p.communicate(timeout=120)
+    out1 = sigterm_workers_when(p, lambda: any(r["step"] >= 6 for r in train_records(tmp_path)),
+                                tmp_path, "first run did not reach step 6")
     assert p.returncode == 0, out1[-4000:]
     assert "stopped on request" in out1
     ckpts = sorted(glob.glob(str(tmp_path / "checkpoints" / "step_*")))
@@ -178,18 +183,8 @@ def test_sigterm_while_an_evaluation_runs(tmp_path):
                      "train.eval_every=1", "train.eval_prompts=16", "train.eval_max_new_tokens=64",
                      "topology.rendezvous_sends=true", "topology.max_in_flight=1", "logging.log_every=2",
                      "logging.progress_bar=false", "logging.wandb.mode=disabled"], popen=True)
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        if os.path.exists(tmp_path / "metrics.jsonl") and any(r["kind"] == "eval" for r in metrics(tmp_path)) \
-                and train_records(tmp_path)[-1]["step"] >= 8:
-            break
-        time.sleep(0.5)
-    else:
-        p.kill()
-        pytest.fail("no evaluation logged by step 8:\n" + p.communicate()[0][-3000:])
-    for w in _workers_of(p.pid):
-        os.kill(w, signal.SIGTERM)
-    out, _ = p.communicate(timeout=120)
+    out = sigterm_workers_when(p, lambda: any(r["kind"] == "eval" for r in metrics(tmp_path))
+                               and train_records(tmp_path)[-1]["step"] >= 8, tmp_path, "no evaluation by step 8")
     assert p.returncode == 0, out[-4000:]
     assert "stopped on request" in out and " skipped: the one of step" in out  # one was running at each request
     assert len(glob.glob(str(tmp_path / "checkpoints" / "step_*"))) == 1
