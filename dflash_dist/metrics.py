@@ -151,7 +151,7 @@ class StreamWaitMeter:
 def target_window_metrics(now: dict, prev: dict, peak_tflops) -> dict:
     """Per-target-rank metrics of one logging window from the cumulative sender statistics that ride on every
     message header (transport.H_STATS: busy us, wait us (backpressure + compute-stream stall before a capture),
-    tokens, samples, wall us, MFLOP).
+    tokens, samples, wall us, MFLOP, idle-work us).
 
     ``now``/``prev``: {rank: stats} at this and the previous window (prev may lack a rank: from its start).
     Everything is over the window: the sender's time between the two messages whose stamps arrived last (the
@@ -171,4 +171,6 @@ def target_window_metrics(now: dict, prev: dict, peak_tflops) -> dict:
         out[f"target{src}_samples_per_s"] = (st[3] - p[3]) / dt
         if len(st) > 5 and peak_tflops:
             out[f"target{src}_mfu"] = (st[5] - p[5]) * 1e6 / dt / (peak_tflops * 1e12)
+        if len(st) > 6:  # the share of the window it ran the in-training evaluation while waiting (not in wait)
+            out[f"target{src}_eval_frac"] = (st[6] - p[6]) / 1e6 / dt
     return out

@@ -118,6 +118,11 @@ def run_target(job) -> None:
                      "" if not cfg.train.eval_in_slices else " (train.eval_in_slices needs waits this target can "
                      "poll: NCCL or rendezvous sends; gloo sends block)"))
     trace = open_trace(job) if cfg.logging.trace_target else None
+
+    def stats() -> tuple:
+        """The cumulative statistics each header carries (transport.H_STATS), wall time up to now."""
+        return (int(busy_s * 1e6), int((tx.wait_s + stall_s) * 1e6), tokens, samples,
+                int((time.monotonic() - start) * 1e6), int(flops / 1e6), int(tx.idle_work_s * 1e6))
     for j in topo.target_messages(run_messages):
         job.life.stop_requested()  # posts this rank's own signal, if it got one
         stop_at = job.life.stop_step()
@@ -148,25 +153,21 @@ def run_target(job) -> None:
         tokens += int(lengths.sum())
         samples += len(batch)
         flops += flops_per_batch(lengths.tolist())
-        wall = time.monotonic() - start
-        waited = tx.wait_s
-        tx.send(topo.drafter_for(j), msg,
-                stats=(int(busy_s * 1e6), int((tx.wait_s + stall_s) * 1e6), tokens, samples, int(wall * 1e6),
-                       int(flops / 1e6)))
+        waited, evaluated, wall = tx.wait_s, tx.idle_work_s, time.monotonic() - start
+        tx.send(topo.drafter_for(j), msg, stats=stats())
         sent += 1
         if trace is not None:
             trace.write(json.dumps({"message": k, "to": topo.drafter_for(j), "samples": len(batch),
                                     "tokens": int(lengths.sum()), "t_s": round(wall, 4),
                                     "stall_ms": round(stall_msg * 1e3, 3), "capture_ms": round(capture_msg * 1e3, 3),
-                                    "backpressure_ms": round((tx.wait_s - waited) * 1e3, 3)}) + "\n")
+                                    "backpressure_ms": round((tx.wait_s - waited) * 1e3, 3),
+                                    "eval_ms": round((tx.idle_work_s - evaluated) * 1e3, 3)}) + "\n")
         if not steady and tx.all_took(WARM_MESSAGES):  # drafters past warm-up: steady-state timeout from here
             steady = True
             channel.timeout_s = cfg.topology.timeout_s
             shorten_timeouts(d, cfg.topology.timeout_s)
     for dr in topo.drafter_ranks:
-        wall = time.monotonic() - start
-        tx.send_end(dr, stats=(int(busy_s * 1e6), int((tx.wait_s + stall_s) * 1e6), tokens, samples,
-                               int(wall * 1e6), int(flops / 1e6)))
+        tx.send_end(dr, stats=stats())
     tx.flush()
     wall = time.monotonic() - start
     if evaluator is not None and stopped:

@@ -46,12 +46,13 @@ import torch
 import torch.distributed as dist
 
 MAGIC = 0x44464C53  # "DFLS"
-HEADER_LEN = 16
+HEADER_LEN = 17
 KIND_DATA, KIND_END, KIND_ERROR = 1, 2, 3
 
 # header slots
 H_MAGIC, H_KIND, H_INDEX, H_NSAMPLES, H_NTOKENS, H_WIDTH, H_DTYPE, H_METALEN, H_SRC, H_ERRLEN = range(10)
-H_STATS = 10  # 10..15: sender statistics (cumulative busy us, wait us, tokens, samples, wall us, MFLOP)
+H_STATS = 10  # 10..16: sender statistics (cumulative busy us, wait us, tokens, samples, wall us, MFLOP,
+#              idle-work us: the in-training evaluation run while waiting)
 
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}

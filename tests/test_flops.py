@@ -56,12 +56,13 @@ def test_trainer_step_flops_matches_the_formula():
 
 
 def test_target_window_metrics_rates_and_mfu():
-    prev = {3: [1_000_000, 0, 100, 10, 2_000_000, 4_000]}
-    now = {3: [2_000_000, 500_000, 400, 40, 4_000_000, 10_000], 4: [0, 0, 0, 0, 0, 0]}
+    prev = {3: [1_000_000, 0, 100, 10, 2_000_000, 4_000, 0]}
+    now = {3: [2_000_000, 500_000, 400, 40, 4_000_000, 10_000, 300_000], 4: [0, 0, 0, 0, 0, 0, 0]}
     out = target_window_metrics(now, prev, peak_tflops=3e-3)   # peak 3 GFLOP/s
     assert out["target3_busy_frac"] == 0.5 and out["target3_wait_frac"] == 0.25       # over the window
     assert out["target3_tokens_per_s"] == 150 and out["target3_samples_per_s"] == 15   # over the 2 s window
     assert out["target3_mfu"] == pytest.approx(1.0)                 # 6,000 MFLOP in 2 s = 3 GFLOP/s
+    assert out["target3_eval_frac"] == pytest.approx(0.15)         # 0.3 s of evaluation on its waits in 2 s
     assert not any(k.startswith("target4") for k in out)                              # no wall time yet
     assert "target3_mfu" not in target_window_metrics(now, prev, peak_tflops=None)
 

@@ -86,6 +86,8 @@ def test_evaluation_in_slices_on_idle_target_time(tmp_path):
     assert sliced, evals  # at least one ran on the target's waits, a verify step per slice
     assert all(x["eval_span_s"] >= x["eval_seconds"] > 0 for x in sliced)
     assert "evaluation while waiting 0%)" not in out  # the target's closing line counts that time
+    windows = train_records(tmp_path)
+    assert all(0 <= w["target1_eval_frac"] <= 1 for w in windows) and any(w["target1_eval_frac"] > 0 for w in windows)
     check_accounting(accounting(tmp_path))
 
 
