@@ -13,13 +13,14 @@ import json
 import statistics
 import sys
 
-PARTS = ("stall_ms", "capture_ms", "backpressure_ms")
+PARTS = ("stall_ms", "capture_ms", "backpressure_ms", "eval_ms")  # eval_ms: traces written after call 19
 
 
 def summarize(rows: list[dict]) -> dict:
-    total = sum(r[k] for r in rows for k in PARTS) or 1.0
+    parts = [k for k in PARTS if all(k in r for r in rows)]
+    total = sum(r[k] for r in rows for k in parts) or 1.0
     return {k: {"median": statistics.median(r[k] for r in rows), "max": max(r[k] for r in rows),
-                "share": sum(r[k] for r in rows) / total} for k in PARTS}
+                "share": sum(r[k] for r in rows) / total} for k in parts}
 
 
 def main(argv=None) -> int:
