@@ -81,6 +81,21 @@ def open_trace(job):
 WARM_MESSAGES = 3
 
 
+def serve_last_evaluations(job, evaluator, stopped: bool) -> None:
+    """After this rank's stream: finish the running evaluation and serve what the leader still asks for (its
+    last request comes after the final step), unless the job stops early (now or meanwhile: a stop announced
+    after this rank sent its last message); then drop it (TargetEval.close)."""
+    if not stopped:
+        evaluator.finish()
+        patience = job.cfg.topology.warmup_timeout_s if evaluator.n == 0 else 120.0
+        deadline = time.monotonic() + patience
+        while evaluator.n < expected_evals(job) and job.life.stop_step() is None and time.monotonic() < deadline:
+            if evaluator.poll(wait_s=1.0, whole=True):
+                deadline = time.monotonic() + 120.0
+    if evaluator.n < expected_evals(job):
+        evaluator.close()
+
+
 def run_target(job) -> None:
     cfg, d = job.cfg, job.dist
     topo = d.topo
@@ -170,14 +185,8 @@ def run_target(job) -> None:
         tx.send_end(dr, stats=stats())
     tx.flush()
     wall = time.monotonic() - start
-    if evaluator is not None and stopped:
-        evaluator.close()
-    if evaluator is not None and not stopped:
-        evaluator.finish()
-        # serve what the leader still asks for (its last request comes after the final step)
-        while evaluator.poll(wait_s=cfg.topology.warmup_timeout_s if evaluator.n == 0 else 120.0, whole=True):
-            if evaluator.n >= expected_evals(job):
-                break
+    if evaluator is not None:
+        serve_last_evaluations(job, evaluator, stopped)
     capture.close()
     if trace is not None:
         trace.close()
