@@ -16,7 +16,9 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -95,6 +97,35 @@ def connect(job, leader: bool) -> None:
         dist.recv(t, job.dist.topo.drafter_ranks[0], group=job.dist.evals)
 
 
+@dataclass
+class _Request:
+    """Leader side: an evaluation requested, its weights until the result is in, their send once posted."""
+    n: int
+    flat: Optional[torch.Tensor]
+    send: Any = None
+
+
+@dataclass
+class _Receiving:
+    """Target side: a request taken, its weights' receive posted."""
+    n: int
+    step: int
+    flat: torch.Tensor
+    work: Any
+    taken_at: float
+
+
+@dataclass
+class _Running:
+    """Target side: an evaluation under way (a generator of verify steps)."""
+    n: int
+    step: int
+    steps: Any
+    taken_at: float
+    weights_s: float
+    slices: int = 0
+
+
 class LeaderEval:
     """Drafter rank 0: request evaluations and collect their results without blocking training."""
 
@@ -105,7 +136,8 @@ class LeaderEval:
         self.sent: list[int] = []      # requests made, results not yet logged
         self.steps: dict[int, int] = {}
         self.n = 0
-        self._inflight = None  # [request number, flat weights, send Work or None until the target is ready]
+        self._inflight: Optional[_Request] = None  # the last request (None before the first)
+        self._immediate = dist.get_backend(job.dist.evals) == "gloo"  # see pump
         self.last_step = max(eval_steps(job))
         self._deferred = None  # the last step's evaluation, while the one before it still runs: never skipped
         connect(job, leader=True)
@@ -115,7 +147,7 @@ class LeaderEval:
         never block training on it)."""
         from .spec_decode import pack_state
         if self._inflight is not None:
-            prev = self._inflight[0]
+            prev = self._inflight.n
             if not self.store.check([f"{RES}{prev}"]):
                 if step == self.last_step:
                     self._deferred = step  # requested by ready() once the running one is done
@@ -129,7 +161,7 @@ class LeaderEval:
             self._inflight = None  # its weights arrived (the result exists)
         flat = pack_state(self.model, wire_dtype(self.job.dist.device))
         self.store.set(f"{REQ}{self.n}", str(step))
-        self._inflight = [self.n, flat, None]
+        self._inflight = _Request(self.n, flat)
         self.sent.append(self.n)
         self.steps[self.n] = step
         self.n += 1
@@ -138,10 +170,9 @@ class LeaderEval:
     def pump(self) -> None:
         """Send the requested weights once the target has posted its receive (called every step). Over gloo they
         go at once: a pending gloo send holds no GPU, and a target that blocks on the receive gets them."""
-        immediate = dist.get_backend(self.job.dist.evals) == "gloo"
-        if self._inflight is not None and self._inflight[2] is None \
-                and (immediate or self.store.check([f"{READY}{self._inflight[0]}"])):
-            self._inflight[2] = dist.isend(self._inflight[1], self.dst, group=self.job.dist.evals)
+        r = self._inflight
+        if r is not None and r.send is None and (self._immediate or self.store.check([f"{READY}{r.n}"])):
+            r.send = dist.isend(r.flat, self.dst, group=self.job.dist.evals)
 
     def ready(self, block_s: float = 0.0) -> list[tuple[int, dict]]:
         """Results that have arrived (optionally waiting up to block_s for all outstanding ones, sending the
@@ -153,8 +184,8 @@ class LeaderEval:
             for n in list(self.sent):
                 if self.store.check([f"{RES}{n}"]):
                     self.sent.remove(n)
-                    if self._inflight is not None and self._inflight[0] == n:
-                        self._inflight[1] = None  # the target has the weights: free the copy (2 GB at 1B bf16)
+                    if self._inflight is not None and self._inflight.n == n:
+                        self._inflight.flat = None  # the target has the weights: free the copy (2 GB at 1B bf16)
                     out.append((self.steps[n], json.loads(self.store.get(f"{RES}{n}").decode())))
             if self._deferred is not None and not self.sent:
                 step, self._deferred = self._deferred, None
@@ -169,9 +200,9 @@ class LeaderEval:
     def close(self) -> None:
         """The job stops early: a receive the target posted for requested weights must not be left unmatched
         (NCCL would hold it at exit). Wait until the target has either posted it (then send) or closed."""
-        if self._inflight is None or self._inflight[2] is not None:
+        if self._inflight is None or self._inflight.send is not None:
             return
-        n = self._inflight[0]
+        n = self._inflight.n
         _await(lambda: self.store.check([f"{READY}{n}"]) or self.store.check([CLOSED]), self.job,
                "the first target to take or drop the evaluation request")
         self.pump()
@@ -189,8 +220,8 @@ class TargetEval:
         self.job, self.model, self.slices = job, model, slices
         self.store = job.dist.store
         self.n = 0  # requests taken
-        self.receiving = None  # [request number, step, flat weights, receive Work, taken at]
-        self.running = None  # [request number, step, generator, slices run, taken at, weights seconds]
+        self.receiving: Optional[_Receiving] = None
+        self.running: Optional[_Running] = None
         c = job.cfg
         connect(job, leader=False)
         self.drafter = DFlashDrafter(_model_config(job), "sdpa").to(job.dist.device).eval()
@@ -213,7 +244,7 @@ class TargetEval:
         if whole:
             self.finish()
         elif not self.slices:
-            if self.receiving is not None and _completed(self.receiving[3], self.job.dist.device):
+            if self.receiving is not None and _completed(self.receiving.work, self.job.dist.device):
                 self._start()
             if self.running is not None:  # never waits here for weights: the leader may be waiting for a message
                 self.finish()
@@ -239,36 +270,35 @@ class TargetEval:
         flat = torch.empty(self.numel, dtype=wire_dtype(self.job.dist.device), device=self.job.dist.device)
         work = dist.irecv(flat, self.job.dist.topo.drafter_ranks[0], group=self.job.dist.evals)
         self.store.set(f"{READY}{self.n}", "1")
-        self.receiving = [self.n, int(value), flat, work, time.monotonic()]
+        self.receiving = _Receiving(self.n, int(value), flat, work, time.monotonic())
         self.n += 1
         return True
 
     def _start(self) -> None:
         from .spec_decode import evaluate_steps, unpack_state_
-        n, step, flat, work, t0 = self.receiving
-        self.receiving = None
-        if flat.device.type == "cuda":
-            work.wait()  # the current stream waits for the receive (complete on the host's view; gloo: waited)
-        unpack_state_(self.drafter, flat)
+        r, self.receiving = self.receiving, None
+        if r.flat.device.type == "cuda":
+            r.work.wait()  # the current stream waits for the receive (complete on the host's view; gloo: waited)
+        unpack_state_(self.drafter, r.flat)
         c = self.job.cfg
-        gen = evaluate_steps(self.model, self.drafter, None, None, self.prompts, self.job.layer_ids,
-                             self.job.mask_token_id, c.drafter.block_size, c.train.eval_max_new_tokens, self.eos,
-                             check_lossless=False)
-        self.running = [n, step, gen, 0, t0, time.monotonic() - t0]
+        steps = evaluate_steps(self.model, self.drafter, None, None, self.prompts, self.job.layer_ids,
+                               self.job.mask_token_id, c.drafter.block_size, c.train.eval_max_new_tokens, self.eos,
+                               check_lossless=False)
+        self.running = _Running(r.n, r.step, steps, r.taken_at, time.monotonic() - r.taken_at)
 
     def work(self) -> bool:
         """One piece of the evaluation in progress: start it once its weights are in, or run one verify step.
         False if there was nothing to do."""
         if self.receiving is not None:
-            if not _completed(self.receiving[3], self.job.dist.device):
+            if not _completed(self.receiving.work, self.job.dist.device):
                 return False
             self._start()
             return True
         if self.running is None:
             return False
-        self.running[3] += 1
+        self.running.slices += 1
         try:
-            next(self.running[2])
+            next(self.running.steps)
         except StopIteration as e:
             self._post(e.value)
         return True
@@ -278,26 +308,28 @@ class TargetEval:
         sends them without waiting for this rank: gloo, or the leader waiting for results)."""
         from .spec_decode import run_to_end
         if self.receiving is not None:
-            _await(lambda: _completed(self.receiving[3], self.job.dist.device), self.job,
-                   "the leader drafter's weights for an evaluation")
+            self._await_weights()
             self._start()
         if self.running is not None:
-            self._post(run_to_end(self.running[2]))
+            self._post(run_to_end(self.running.steps))
 
     def close(self) -> None:
         """The job stops early: take no more requests, and let a posted receive complete (its READY came before
         CLOSED, so the leader sends), so no NCCL receive is left unmatched at exit. The evaluation is dropped."""
         self.store.set(CLOSED, "1")
         if self.receiving is not None:
-            _await(lambda: _completed(self.receiving[3], self.job.dist.device), self.job,
-                   "the leader drafter's weights for an evaluation")
+            self._await_weights()
         self.receiving = self.running = None
 
+    def _await_weights(self) -> None:
+        _await(lambda: _completed(self.receiving.work, self.job.dist.device), self.job,
+               "the leader drafter's weights for an evaluation")
+
     def _post(self, r: dict) -> None:
-        n, step, _, slices, t0, recv_s = self.running
-        self.running = None
+        run, self.running = self.running, None
+        n, step, slices, recv_s = run.n, run.step, run.slices, run.weights_s
         res = {"step": step, "n_prompts": 0, "seconds": r["wall_s"], "weights_s": recv_s,
-               "span_s": time.monotonic() - t0, "slices": slices}
+               "span_s": time.monotonic() - run.taken_at, "slices": slices}
         if self.prompts:
             res.update({"tau": r["tau"], "n_prompts": r["n_prompts"],
                         "per_position_acceptance": r["per_position_acceptance"]})

@@ -79,6 +79,8 @@ def open_trace(job):
 # to the steady-state timeout after them: until each of this target's drafters has taken that many, a slow drafter
 # is warming up, not dead (counting sends posted instead let a first compile over timeout_s kill the job).
 WARM_MESSAGES = 3
+# how long the target waits for the leader's next evaluation request after its stream (each request restarts it)
+EVAL_REQUEST_PATIENCE_S = 120.0
 
 
 def serve_last_evaluations(job, evaluator, stopped: bool) -> None:
@@ -87,11 +89,11 @@ def serve_last_evaluations(job, evaluator, stopped: bool) -> None:
     after this rank sent its last message); then drop it (TargetEval.close)."""
     if not stopped:
         evaluator.finish()
-        patience = job.cfg.topology.warmup_timeout_s if evaluator.n == 0 else 120.0
+        patience = job.cfg.topology.warmup_timeout_s if evaluator.n == 0 else EVAL_REQUEST_PATIENCE_S
         deadline = time.monotonic() + patience
         while evaluator.n < expected_evals(job) and job.life.stop_step() is None and time.monotonic() < deadline:
             if evaluator.poll(wait_s=1.0, whole=True):
-                deadline = time.monotonic() + 120.0
+                deadline = time.monotonic() + EVAL_REQUEST_PATIENCE_S
     if evaluator.n < expected_evals(job):
         evaluator.close()
 
@@ -128,10 +130,14 @@ def run_target(job) -> None:
         evaluator = TargetEval(job, model, slices=slices)
         if slices:
             tx.idle_work = evaluator.work
-        log.info("in-training evaluation: %s", "one verify step at a time while waiting for the drafters"
-                 if slices else "whole, between two messages" + (
-                     "" if not cfg.train.eval_in_slices else " (train.eval_in_slices needs waits this target can "
-                     "poll: NCCL or rendezvous sends; gloo sends block)"))
+        if slices:
+            how = "one verify step at a time while waiting for the drafters"
+        elif cfg.train.eval_in_slices:
+            how = ("whole, between two messages (train.eval_in_slices needs waits this target can poll: NCCL or "
+                   "rendezvous sends; gloo sends block)")
+        else:
+            how = "whole, between two messages (train.eval_in_slices=false)"
+        log.info("in-training evaluation: %s", how)
     trace = open_trace(job) if cfg.logging.trace_target else None
 
     def stats() -> tuple:
