@@ -138,13 +138,15 @@ eval_job() {
     "$OUT/${name}_e2e.log" | cut -c1-240
 }
 
-# launch_bound_pair BOX_MP BOX_THREADED: goal 4 on a launch-bound job (Qwen3-0.6B-shaped target, eager and padded
-# as in the replaced design, its 5-layer drafter, 512 anchors, 80 steps): multi-process (small_mp), then threaded
+# launch_bound_pair BOX_MP BOX_THREADED [NAME [job args]]: goal 4 on a launch-bound job (Qwen3-0.6B-shaped target,
+# eager and padded as in the replaced design, its 5-layer drafter; default 512 anchors, 80 steps; job args are
+# added after these and override them): multi-process (NAME_mp), then threaded (NAME_threaded); NAME default small
 launch_bound_pair() {
+  local box_mp=$1 box_thr=$2 name=${3:-small}; shift 3 2>/dev/null || shift $#
   local small=(--target qwen3_0p6b_random --steps 80 --warmup-steps 20 --override target.packing=off
-               --override target.compile=false)
-  echo "=== goal 4, launch-bound job (0.6B-shaped target): multi-process at $(el) s"
-  traced_e2e "$1" small_mp /tmp/pipe_small "${small[@]}"
+               --override target.compile=false "$@")
+  echo "=== goal 4, launch-bound job $name (0.6B-shaped target): multi-process at $(el) s"
+  traced_e2e "$box_mp" "${name}_mp" "/tmp/pipe_$name" "${small[@]}"
   echo "=== the same job threaded at $(el) s"
-  threaded_vs "$2" small_threaded small_mp "${small[@]}"
+  threaded_vs "$box_thr" "${name}_threaded" "${name}_mp" "${small[@]}"
 }
