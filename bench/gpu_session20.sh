@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device call 20 on 2x H200 (< 9 min):
+# Device call 20 on 2x H200 (run; 213 s; the multi-process job of part 1 stopped at its startup check: see call 21):
 #   1. goal 4 where BOTH roles are launch-bound: the 0.6B-shaped target eager and padded on 1-sample messages
 #      (~550 tokens), its 5-layer drafter at 64 anchors; multi-process then threaded, 400 steps, rates over
 #      steps 100..400 (calls 7-18 measured five configurations where at least one role was compute-bound);

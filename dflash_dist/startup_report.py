@@ -87,14 +87,17 @@ def dense_attention_bytes(b: int, heads: int, q_len: int, k_len: int, num_layers
             "total_estimate": one * int(num_layers) + one}
 
 
-def _is_score_shape(shape, q_len: int, k_len: int) -> bool:
-    return isinstance(shape, (list, tuple)) and len(shape) >= 2 and tuple(shape[-2:]) in ((q_len, k_len),
-                                                                                          (k_len, q_len))
+def _is_score_shape(shape, q_len: int, k_len: int, min_dims: int = 3) -> bool:
+    """``min_dims``: a multi-head score matrix carries a (batch x) head dimension, so 3 by default. A 2-D
+    [tokens, features] operand can have a [Q, K] shape by coincidence: 64 anchors x 16 = 1,024 queries over
+    512 + 1,024 keys against a [1,536, 1,024] k_proj of a model whose kv width is 1,024 (call 20)."""
+    return isinstance(shape, (list, tuple)) and len(shape) >= min_dims and tuple(shape[-2:]) in ((q_len, k_len),
+                                                                                                 (k_len, q_len))
 
 
-def _forms_scores(shapes, q_len: int, k_len: int) -> bool:
+def _forms_scores(shapes, q_len: int, k_len: int, min_dims: int = 3) -> bool:
     """A matmul [.., Q, x] @ [.., x, K] (or transposed) produces a score matrix without any input having it."""
-    mats = [s for s in shapes if isinstance(s, (list, tuple)) and len(s) >= 2]
+    mats = [s for s in shapes if isinstance(s, (list, tuple)) and len(s) >= min_dims]
     for a in mats:
         for c in mats:
             if a is c:
@@ -104,7 +107,7 @@ def _forms_scores(shapes, q_len: int, k_len: int) -> bool:
     return False
 
 
-def _scan_events(events, q_len: int, k_len: int, cuda: bool) -> dict:
+def _scan_events(events, q_len: int, k_len: int, cuda: bool, min_dims: int = 3) -> dict:
     kernels: Counter = Counter()
     cpu_ops: Counter = Counter()
     attn_ops: Counter = Counter()
@@ -122,10 +125,10 @@ def _scan_events(events, q_len: int, k_len: int, cuda: bool) -> dict:
         if any(w in name for w in _ATTN_OP_WORDS):
             attn_ops[name] += 1
         shapes = getattr(e, "input_shapes", None) or []
-        if name in _MATMUL_OPS and (any(_is_score_shape(s, q_len, k_len) for s in shapes)
-                                    or _forms_scores(shapes, q_len, k_len)):
+        if name in _MATMUL_OPS and (any(_is_score_shape(s, q_len, k_len, min_dims) for s in shapes)
+                                    or _forms_scores(shapes, q_len, k_len, min_dims)):
             dense.append({"op": name, "kind": "matmul", "shapes": [list(s) for s in shapes if s]})
-        elif name in _SOFTMAX_OPS and any(_is_score_shape(s, q_len, k_len) for s in shapes):
+        elif name in _SOFTMAX_OPS and any(_is_score_shape(s, q_len, k_len, min_dims) for s in shapes):
             dense.append({"op": name, "kind": "softmax", "shapes": [list(s) for s in shapes if s]})
     return {"kernels": kernels, "cpu_ops": cpu_ops, "attn_ops": attn_ops, "dense": dense}
 
@@ -195,7 +198,8 @@ def startup_report(step_fn: Callable[[], Any], model: torch.nn.Module, batch_met
         if cuda:
             torch.cuda.synchronize(device)
     step_s = time.perf_counter() - t0
-    scan = _scan_events(prof.events(), q_len, k_len, cuda)
+    # one head: its scores may be plain 2-D matrices; more heads: they carry a head dimension
+    scan = _scan_events(prof.events(), q_len, k_len, cuda, min_dims=3 if heads > 1 else 2)
     counters1 = dynamo_counters()
     calls1 = dict(getattr(m, "attention_calls", {}))
     calls = {k: calls1.get(k, 0) - calls0.get(k, 0) for k in calls1}

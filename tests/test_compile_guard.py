@@ -266,3 +266,22 @@ def test_cuda_flex_assertions_on_fake_kernel_events():
     fwd, bwd = sr.flex_kernels(scan["kernels"])
     problems = sr.flex_problems("flex", fwd, bwd, scan["dense"], {"flex_compiled": 0}, 2, 12, 44)
     assert len(problems) == 4 and "dense [Q=12, K=44]" in problems[2]
+
+
+def test_projection_with_a_score_like_shape_is_not_a_score_matrix():
+    """Call 20 (H200): 64 anchors x 16 = 1,024 queries, 512 + 1,024 keys, and a kv width of 1,024 give the k_proj
+    of [context | block] rows the shapes [1536, 1024] @ [1024, 1024]: 2-D, no head dimension, not scores. The
+    same shapes with a head dimension, or a one-head model, still are."""
+    from types import SimpleNamespace
+    from dflash_dist import startup_report as sr
+    cpu = torch.autograd.DeviceType.CPU
+
+    def ev(name, shapes):
+        return SimpleNamespace(name=name, device_type=cpu, input_shapes=shapes)
+
+    projection = [ev("aten::mm", [[1536, 1024], [1024, 1024], [1536, 1024]]),
+                  ev("aten::mm", [[1024, 1536], [1536, 1024]])]
+    assert sr._scan_events(projection, 1024, 1536, cuda=True)["dense"] == []
+    assert len(sr._scan_events(projection, 1024, 1536, cuda=True, min_dims=2)["dense"]) == 2
+    per_head = [ev("aten::bmm", [[16, 1024, 128], [16, 128, 1536]]), ev("aten::_softmax", [[1, 16, 1024, 1536], []])]
+    assert [d["kind"] for d in sr._scan_events(per_head, 1024, 1536, cuda=True)["dense"]] == ["matmul", "softmax"]
