@@ -109,10 +109,10 @@ rendezvous_pair() {
 
 # transport_checks BOX [transport_check.py args]: bench/transport_check.py in its three variants (payloads on their
 # own stream; the same without record_stream, which must report corruption; on the compute stream), each in at
-# most BOX seconds; keeps $OUT/transport_<variant>.{json,log}, prints the table row or where a rank hung
+# most BOX seconds (TRANSPORT_EXTRA: more "name:args" variants); keeps $OUT/transport_<variant>.{json,log}, prints the table row or where a rank hung
 transport_checks() {
   local box=$1 spec name args; shift
-  for spec in "comm:" "comm_norecord:--break-record-stream" "nocomm:--no-comm-streams"; do
+  for spec in "comm:" "comm_norecord:--break-record-stream" "nocomm:--no-comm-streams" ${TRANSPORT_EXTRA:-}; do
     name=${spec%%:*}; args=${spec#*:}
     echo "=== transport check $name at $(el) s"
     timeout -k 5 "$box" torchrun --standalone --nproc-per-node 2 bench/transport_check.py \

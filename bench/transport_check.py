@@ -67,6 +67,8 @@ def main(argv=None) -> int:
     p.add_argument("--comm-streams", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--break-record-stream", action="store_true",
                    help="make Tensor.record_stream a no-op (the race this check exists to catch)")
+    p.add_argument("--connect", action=argparse.BooleanOptionalAction, default=True,
+                   help="connect the pair before the first message, as the trainer does (Channel.connect)")
     p.add_argument("--hang-s", type=float, default=40.0,
                    help="a rank still running after this many seconds prints every thread's stack and exits")
     p.add_argument("--out", default=None)
@@ -92,6 +94,8 @@ def main(argv=None) -> int:
     ctrl = dist.new_group(backend="gloo")
     store = dist.distributed_c10d._get_default_store() if args.rendezvous else None
     ch = Channel(ctrl, dist.group.WORLD, dev, timeout_s=120, store=store, comm_stream=args.comm_streams)
+    if args.connect:  # as the trainer does (without it the first payload receive hung, call 21)
+        ch.connect([1 - rank], sending=rank == 1)
     res = {"bench": "transport_check", "env": C.env_info(dev), "args": vars(args), "transport": ch.describe()}
     t0 = time.monotonic()
     if rank == 1:  # target

@@ -329,6 +329,7 @@ def run_drafter(job) -> None:
         from .plan import plan_record
         writer.log(job.start_step, plan_record(job.auto_split), kind="plan")
     channel = job_channel(d, cfg.topology, check=life.check)
+    channel.connect(topo.target_ranks, sending=False)  # before any payload: see Channel.connect
     rx = Receiver(channel, d.rank)
     mine = list(topo.drafter_messages(run_messages))
     pending = rx.post(topo.target_for(mine[0]), job.start_cursor + mine[0]) if mine else None

@@ -115,6 +115,7 @@ def run_target(job) -> None:
     flops_per_batch = capture_flops_fn(model, job, packed)
     dataset = TokenizedDataset.load(job.dataset_path)
     channel = job_channel(d, cfg.topology, check=job.life.check)
+    channel.connect(topo.drafter_ranks, sending=True)  # before any payload: see Channel.connect
     tx = Sender(channel, d.rank, cfg.topology.max_in_flight)
     log.info("target sends: %s, %s", "rendezvous (each payload posted once the drafter posted its receive)"
              if channel.store is not None else "posted at once", channel.describe())

@@ -201,6 +201,28 @@ class Channel:
         """Context for posting payload operations (and allocating receive buffers): the communication stream."""
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
+    def connect(self, peers, sending: bool) -> list[int]:
+        """A one-element batched exchange with every peer on the payloads' group, made by both ends at startup
+        (targets ``sending`` to all their drafters, drafters receiving from all their targets; one batch each,
+        so any order of arrival pairs up). A pair's first NCCL point-to-point call can block until the peer
+        makes its own: then a drafter's first payload receive blocks before it can post its rendezvous count,
+        while the sender waits for that count (call 21: bench/transport_check.py hung so on 2x H200, in all
+        three variants). The trainer's jobs ran without it, their ranks having exchanged weights point to
+        point first (not isolated); connecting here makes the first payload depend on nothing else. Returns the
+        peers, in order."""
+        peers = sorted(int(p) for p in peers)
+        if not peers:
+            return peers
+        op = dist.isend if sending else dist.irecv
+        with self.posting():
+            bufs = [torch.full((1,), float(sending), device=self.device) for _ in peers]
+            works = dist.batch_isend_irecv([dist.P2POp(op, b, p, self.data_group) for b, p in zip(bufs, peers)])
+        for w, p in zip(works, peers):
+            self.wait(w, f"rank {p} to connect ({'send' if sending else 'receive'} side)", group=self.data_group)
+        if self.stream is not None:
+            self.stream.synchronize()
+        return peers
+
     def describe(self) -> str:
         if self.device.type != "cuda":
             return "posted from the host (no CUDA streams)"

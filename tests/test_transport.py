@@ -23,6 +23,9 @@ def test_stream_every_split(tmp_path, targets, drafters, rendezvous):
     reports = [json.load(open(tmp_path / f"rank{i}.json")) for i in range(world)]
     drafter_reports = [x for x in reports if x["role"] == "drafter"]
     assert len(drafter_reports) == drafters
+    for x in reports:  # every target connected to every drafter first, and the other way round
+        want = [y["rank"] for y in reports if y["role"] != x["role"]]
+        assert x["connected"] == want, (x["rank"], x["connected"])
     got = sorted(j for x in drafter_reports for j in x["received"])
     assert got == list(range(messages)), "every message exactly once"
     for x in drafter_reports:

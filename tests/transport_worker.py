@@ -49,6 +49,8 @@ def main():
     ch = Channel(ctrl, None, torch.device("cpu"), timeout_s=60, store=store)
     report = {"rank": topo.rank, "role": topo.role, "received": [], "ends": 0, "errors": [], "early_posts": 0,
               "max_staged": 0}
+    target = topo.role == "target"
+    report["connected"] = ch.connect(topo.drafter_ranks if target else topo.target_ranks, sending=target)
     t0 = time.time()
     if topo.role == "target":
         tx = Sender(ch, topo.rank, args.max_in_flight)
