@@ -128,6 +128,7 @@ def drafter_alone(args) -> int:
           f"{out['tokens_per_message']:.0f} tokens per message, backend {trainer.backend}, device {dev}")
     topo = job.dist.topo
     steps = topo.num_steps(job.total_messages - job.start_cursor)
+    out["precompile_s"] = trainer.precompile()  # as the trainer does before its first message
     meter = S.WindowMeter(trainer, cfg.logging.log_every, dev)
     C.reset_peak(dev)
     for s in range(steps):

@@ -140,6 +140,7 @@ def main(argv=None) -> int:
                 torch.cuda.set_device(dev_d)
             trainer = S.make_trainer(job)
             state["backend"] = trainer.backend
+            state["precompile_s"] = trainer.precompile()  # as the trainer does before its first message
             meter = S.WindowMeter(trainer, cfg.logging.log_every, dev_d)
             state["meter"] = meter
             C.reset_peak(dev_d)

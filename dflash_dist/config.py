@@ -134,6 +134,11 @@ class DrafterConfig:
     """torch.compile the per-chunk softmax / CE / logit gradient of the fused loss (one fused pass over the
     bf16 logits instead of ~10 eager passes over an fp32 copy). None: on with the flex backend, off with sdpa."""
 
+    precompile: bool = True
+    """Flex backend: before the first message, a dry step (forward and backward of a synthetic batch, nothing
+    updated, no collective) of each planned batch shape that would compile (one sample / several, the first
+    two context lengths of each), so that no compile stalls training later. The time is logged."""
+
     flex_kernel_options: Optional[dict] = None
     """Triton tile options passed to every flex_attention call (``kernel_options``), e.g. the backward tiles
     ``{bwd_BLOCK_M1: 64, bwd_BLOCK_N1: 128, bwd_BLOCK_M2: 128, bwd_BLOCK_N2: 64, bwd_num_warps: 8,

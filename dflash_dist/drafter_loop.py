@@ -7,6 +7,7 @@ so every supervised slot counts the same whichever drafter trained it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -20,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .blocks import make_batch
 from .checkpoint import load_checkpoint, save_checkpoint
 from .compile_guard import (batch_shape, dynamo_counters, expected_shapes, install_guard, plan_step_lengths,
-                            report_graph_breaks)
+                            precompile_steps, report_graph_breaks)
 from .startup_report import host_syncs, startup_report
 from .config import cosine_lr, resolve_backend
 from .drafter import DFlashDrafter, DrafterModelConfig
@@ -127,8 +128,11 @@ class DrafterTrainer:
         steps = plan_step_lengths(job.plan, lens, job.start_cursor, run_messages, self.topo.num_drafters,
                                   self.topo.index) if lens is not None else []
         shapes = expected_shapes(list(steps) + [[2]], dc.ctx_bucket, dc.num_anchors * dc.block_size)  # + empty
-        # dynamo: static, then dynamic b, dynamic S_pad, b == 1 specialised -> at most ~4 variants per function
-        return install_guard(num_shape_buckets=min(len(shapes), 4), margin=2, warmup_steps=2,
+        self.precompile_plan = precompile_steps(steps, dc.ctx_bucket) if dc.precompile else []
+        # dynamo: static, then dynamic b, dynamic S_pad, b == 1 specialised -> at most ~4 variants per function;
+        # the dry steps of precompile() are warm-up steps too
+        return install_guard(num_shape_buckets=min(len(shapes), 4), margin=2,
+                             warmup_steps=2 + len(self.precompile_plan),
                              expected_shapes=shapes if lens is not None else None)
 
     # ------------------------------------------------------------------ one step
@@ -170,18 +174,53 @@ class DrafterTrainer:
         with self.guard.step(batch_shape(batch)):
             self._train_step(batch)
 
-    def _train_step(self, batch) -> None:
-        cfg = self.cfg
-        B = cfg.drafter.block_size
-        mult = cosine_lr(self.cursor, self.job.total_messages, cfg.train.warmup_ratio, cfg.train.min_lr_ratio)
-        for g in self.opt.param_groups:
-            g["lr"] = cfg.train.lr * mult
+    def _loss_parts(self, batch):
+        """Forward and loss of one batch (what a training step and a dry step share)."""
+        dc = self.cfg.drafter
         mask = self.attention_mask(batch)
         block_embeds = F.embedding(batch.block_ids, self.embed)
         with self.autocast:
             hidden = self.ddp(block_embeds, batch.features, batch.ctx_positions, batch.block_positions, mask)
-            parts = decayed_ce(hidden, self.lm_head, batch.labels, B, cfg.drafter.gamma, cfg.drafter.loss_chunk_rows,
-                               compiled=self.compile_loss)
+            return decayed_ce(hidden, self.lm_head, batch.labels, dc.block_size, dc.gamma, dc.loss_chunk_rows,
+                              compiled=self.compile_loss)
+
+    def precompile(self) -> float:
+        """Dry steps of ``precompile_plan`` (see compile_guard.precompile_steps): forward and backward of a
+        synthetic batch with each step's sample lengths, under the guard as warm-up steps; no update, gradients
+        dropped, no collective (DDP's no_sync), the optimizer and the step counters untouched. Returns seconds."""
+        plan = getattr(self, "precompile_plan", [])
+        if not plan:
+            return 0.0
+        t0 = time.monotonic()
+        dc = self.cfg.drafter
+        gen = torch.Generator().manual_seed(0)
+        vocab = self.lm_head.shape[0]
+        for lens in plan:
+            t = sum(lens)
+            cu = torch.zeros(len(lens) + 1, dtype=torch.long)
+            cu[1:] = torch.tensor(lens).cumsum(0)
+            ids = torch.randint(0, vocab, (t,), generator=gen).to(self.device)
+            sup = torch.ones(t, dtype=torch.bool, device=self.device)
+            feats = torch.zeros(t, self.feature_width, dtype=self.lm_head.dtype, device=self.device)
+            batch = make_batch(ids, sup, cu, feats, num_anchors=dc.num_anchors, block_size=dc.block_size,
+                               mask_token_id=self.job.mask_token_id, ctx_bucket=dc.ctx_bucket, generator=gen)
+            no_sync = self.ddp.no_sync() if self.ddp is not self.model else contextlib.nullcontext()
+            guard = self.guard.step(batch_shape(batch)) if self.guard is not None else contextlib.nullcontext()
+            with guard, no_sync:
+                parts = self._loss_parts(batch)
+                (parts.loss_sum / parts.weight_sum.detach().clamp_min(1e-6)).backward()
+            self.opt.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.monotonic() - t0
+
+    def _train_step(self, batch) -> None:
+        cfg = self.cfg
+        mult = cosine_lr(self.cursor, self.job.total_messages, cfg.train.warmup_ratio, cfg.train.min_lr_ratio)
+        for g in self.opt.param_groups:
+            g["lr"] = cfg.train.lr * mult
+        B = cfg.drafter.block_size
+        parts = self._loss_parts(batch)
         wsum = parts.weight_sum.detach().float().clone()
         if self.d.drafters is not None:
             dist.all_reduce(wsum, group=self.d.drafters)
@@ -352,6 +391,11 @@ def run_drafter(job) -> None:
     eval_at = set(eval_steps(job)) if leader_eval is not None else set()
     last_window = None
     t_start = time.monotonic()
+    if trainer.guard is not None and getattr(trainer, "precompile_plan", None):
+        took = trainer.precompile()  # the compiles of the planned shapes now, not when training reaches them
+        log.info("precompiled %d planned batch shapes in %.1f s before training (dry steps, nothing updated): %s",
+                 len(trainer.precompile_plan), took,
+                 ", ".join(f"{len(x)} sample(s) up to {max(x)} tokens" for x in trainer.precompile_plan))
     first_step_s = None
     for s in range(steps):
         j = s * topo.num_drafters + topo.index

@@ -285,3 +285,13 @@ def test_projection_with_a_score_like_shape_is_not_a_score_matrix():
     assert len(sr._scan_events(projection, 1024, 1536, cuda=True, min_dims=2)["dense"]) == 2
     per_head = [ev("aten::bmm", [[16, 1024, 128], [16, 128, 1536]]), ev("aten::_softmax", [[1, 16, 1024, 1536], []])]
     assert [d["kind"] for d in sr._scan_events(per_head, 1024, 1536, cuda=True)["dense"]] == ["matmul", "softmax"]
+
+
+def test_precompile_steps_pick_one_and_several_samples_two_lengths_each():
+    """One-sample and several-sample batches apart (dynamo specialises a size of 1), the first two context
+    lengths of each, in plan order; the steps after them compile nothing new."""
+    from dflash_dist.compile_guard import precompile_steps
+    plan = [[100, 90], [80, 70, 60], [300, 10], [120], [700, 5], [260], [900], [2]]
+    # S_pad at bucket 256: 256, 256, 512, 256, 768, 512, 1024, 256
+    assert precompile_steps(plan, 256) == [[100, 90], [300, 10], [120], [260]]
+    assert precompile_steps([], 256) == []

@@ -1,0 +1,41 @@
+"""DrafterTrainer pieces that run without a pipeline: the dry steps of precompile (CPU, sdpa backend)."""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from dflash_dist.compile_guard import plan_step_lengths, precompile_steps
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+
+
+def test_precompile_dry_steps_update_nothing(tmp_path):
+    """precompile runs forward and backward of each planned shape it was given (the attention ran), and leaves
+    the weights, the gradients, the optimizer and the step counters as they were."""
+    sys.path.insert(0, BENCH)
+    import _standalone as S
+    cpu = torch.device("cpu")
+    S.init_single_process_group(cpu)
+    try:
+        cfg = S.compose_job_config(S.job_overrides(True, None, None, 48, 40, 256, 4, 6, 2, str(tmp_path), []))
+        job, _ = S.make_job(cfg, 2, cpu, str(tmp_path))
+        trainer = S.make_trainer(job)
+        steps = list(plan_step_lengths(job.plan, job.sample_lengths, 0, job.total_messages, 1, 0))
+        trainer.precompile_plan = precompile_steps(steps + [[300]], cfg.drafter.ctx_bucket)
+        sizes = [len(x) for x in trainer.precompile_plan]
+        assert sizes[0] == len(steps[0]) > 1 and 1 in sizes and len(sizes) <= 4, trainer.precompile_plan
+        before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        calls = dict(trainer.model.attention_calls)
+        took = trainer.precompile()
+        assert took > 0
+        ran = trainer.model.attention_calls["sdpa"] - calls.get("sdpa", 0)
+        assert ran == cfg.drafter.num_layers * len(trainer.precompile_plan)
+        after = trainer.model.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        assert all(p.grad is None for p in trainer.model.parameters())
+        assert not trainer.opt.state
+        assert (trainer.step, trainer.cursor) == (0, 0)
+    finally:
+        dist.destroy_process_group()
