@@ -117,23 +117,32 @@ class DrafterTrainer:
         self.i_flops = 2 + 2 * B + 2
         self.acc = torch.zeros(self.i_flops + 1 + self.topo.num_targets, dtype=torch.float64, device=self.device)
         self.nonfinite_by_target = [0] * self.topo.num_targets
+        self.planned_steps = self._planned_steps()
+        dc = cfg.drafter
+        self.precompile_plan = (precompile_steps(self.planned_steps, dc.ctx_bucket)
+                                if self.backend == "flex" and dc.precompile and self.planned_steps else [])
         self.guard = self.make_guard() if self.backend == "flex" else None
+
+    def _planned_steps(self):
+        """Sample lengths of each of this drafter's steps, in order (a list; None when the lengths are unknown)."""
+        job = self.job
+        if job.sample_lengths is None:
+            return None
+        return list(plan_step_lengths(job.plan, job.sample_lengths, job.start_cursor,
+                                      job.total_messages - job.start_cursor, self.topo.num_drafters,
+                                      self.topo.index))
 
     def make_guard(self):
         """Compile guard (flex backend): eager flex -> error, recompiles bounded, none after warm-up unless the
         step's shape is one the plan says this drafter will see (see compile_guard)."""
-        job, dc = self.job, self.cfg.drafter
-        run_messages = job.total_messages - job.start_cursor
-        lens = job.sample_lengths
-        steps = plan_step_lengths(job.plan, lens, job.start_cursor, run_messages, self.topo.num_drafters,
-                                  self.topo.index) if lens is not None else []
-        shapes = expected_shapes(list(steps) + [[2]], dc.ctx_bucket, dc.num_anchors * dc.block_size)  # + empty
-        self.precompile_plan = precompile_steps(steps, dc.ctx_bucket) if dc.precompile else []
+        dc = self.cfg.drafter
+        steps = self.planned_steps or []
+        shapes = expected_shapes(steps + [[2]], dc.ctx_bucket, dc.num_anchors * dc.block_size)  # + empty
         # dynamo: static, then dynamic b, dynamic S_pad, b == 1 specialised -> at most ~4 variants per function;
         # the dry steps of precompile() are warm-up steps too
         return install_guard(num_shape_buckets=min(len(shapes), 4), margin=2,
                              warmup_steps=2 + len(self.precompile_plan),
-                             expected_shapes=shapes if lens is not None else None)
+                             expected_shapes=shapes if self.planned_steps is not None else None)
 
     # ------------------------------------------------------------------ one step
     def build(self, msg, k: int):
@@ -188,7 +197,7 @@ class DrafterTrainer:
         """Dry steps of ``precompile_plan`` (see compile_guard.precompile_steps): forward and backward of a
         synthetic batch with each step's sample lengths, under the guard as warm-up steps; no update, gradients
         dropped, no collective (DDP's no_sync), the optimizer and the step counters untouched. Returns seconds."""
-        plan = getattr(self, "precompile_plan", [])
+        plan = self.precompile_plan
         if not plan:
             return 0.0
         t0 = time.monotonic()
@@ -391,7 +400,7 @@ def run_drafter(job) -> None:
     eval_at = set(eval_steps(job)) if leader_eval is not None else set()
     last_window = None
     t_start = time.monotonic()
-    if trainer.guard is not None and getattr(trainer, "precompile_plan", None):
+    if trainer.precompile_plan:
         took = trainer.precompile()  # the compiles of the planned shapes now, not when training reaches them
         log.info("precompiled %d planned batch shapes in %.1f s before training (dry steps, nothing updated): %s",
                  len(trainer.precompile_plan), took,
