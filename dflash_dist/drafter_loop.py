@@ -121,6 +121,7 @@ class DrafterTrainer:
         dc = cfg.drafter
         self.precompile_plan = (precompile_steps(self.planned_steps, dc.ctx_bucket)
                                 if self.backend == "flex" and dc.precompile and self.planned_steps else [])
+        self.precompile_s: float | None = None  # seconds of the dry steps, once run
         self.guard = self.make_guard() if self.backend == "flex" else None
 
     def _planned_steps(self):
@@ -221,7 +222,8 @@ class DrafterTrainer:
             self.opt.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return time.monotonic() - t0
+        self.precompile_s = time.monotonic() - t0
+        return self.precompile_s
 
     def _train_step(self, batch) -> None:
         cfg = self.cfg
@@ -331,7 +333,8 @@ def profiled_step(trainer, batch, first_step_s, job) -> None:
     topo, device = job.dist.topo, job.dist.device
     b_, s_pad, q_len = batch_shape(batch)
     rep = startup_report(lambda: trainer.train_step(batch), trainer.model,
-                         {"b": b_, "S_pad": s_pad, "Q": q_len, "first_step_s": first_step_s, "guard": trainer.guard},
+                         {"b": b_, "S_pad": s_pad, "Q": q_len, "first_step_s": first_step_s, "guard": trainer.guard,
+                          "precompile_s": trainer.precompile_s},
                          device, print_fn=log.info if topo.is_leader else log.debug)
     if topo.is_leader:
         with open(os.path.join(job.run_dir, "startup_report.json"), "w") as f:

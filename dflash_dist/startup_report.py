@@ -168,7 +168,8 @@ def startup_report(step_fn: Callable[[], Any], model: torch.nn.Module, batch_met
     """Run ``step_fn()`` (one real training step) under torch.profiler and report what ran.
 
     ``model``: the DFlashDrafter (or its DDP wrapper). ``batch_meta``: b, S_pad, Q of the step's batch;
-    optional first_step_s (wall time of the warm-up step, measured by the caller), dtype_bytes (default: 2 on
+    optional first_step_s (wall time of the warm-up step, measured by the caller), precompile_s (the dry steps
+    run before it, ``DrafterTrainer.precompile``), dtype_bytes (default: 2 on
     CUDA (bf16 autocast), 4 on CPU), guard (a CompileGuard, for its summary). ``strict``: on CUDA with the flex
     backend, raise ``StartupCheckError`` if the flex kernels are missing or a dense score matrix appeared.
     ``print_fn``: where the formatted report goes (default: log.info)."""
@@ -225,6 +226,7 @@ def startup_report(step_fn: Callable[[], Any], model: torch.nn.Module, batch_met
     miss = counters1["fx_graph_cache_miss"] + counters1["aot_autograd_cache_miss"]
     report["compile"] = {
         "first_step_s": batch_meta.get("first_step_s"),
+        "precompile_s": batch_meta.get("precompile_s"),
         "compile_s": counters1["compile_s"],
         "backward_compile_s": counters1["backward_compile_s"],
         "from_cache": ("n/a (nothing compiled)" if hit + miss == 0 else
@@ -296,8 +298,9 @@ def format_startup_report(r: dict) -> str:
                  f"{_gib(d['scores_plus_probs_per_layer'])} scores+probs per layer, "
                  f"{_gib(d['total_estimate'])} with every layer's probs saved")
     c = r["compile"]
-    fs = c["first_step_s"]
-    lines.append(f"  compile           : first step {'n/a' if fs is None else f'{fs:.1f} s'}, dynamo+inductor "
+    fs, ps = c["first_step_s"], c.get("precompile_s")
+    dry = "" if ps is None else f"dry steps before training {ps:.1f} s, "
+    lines.append(f"  compile           : {dry}first step {'n/a' if fs is None else f'{fs:.1f} s'}, dynamo+inductor "
                  f"{c['compile_s']:.1f} s fwd + {c['backward_compile_s']:.1f} s bwd, from cache: {c['from_cache']}")
     dy = r["dynamo"]
     lines.append(f"  dynamo            : frames {dy['frames']}, graphs {dy['unique_graphs']}, graph breaks "

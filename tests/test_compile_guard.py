@@ -217,9 +217,10 @@ def test_startup_report_names_sdpa_backend_on_cpu():
     step()  # warm-up
     shape = cg.batch_shape(batch)
     lines = []
-    rep = startup_report(step, model, {"b": shape[0], "S_pad": shape[1], "Q": shape[2], "first_step_s": 0.1},
-                         "cpu", print_fn=lines.append)
+    rep = startup_report(step, model, {"b": shape[0], "S_pad": shape[1], "Q": shape[2], "first_step_s": 0.1,
+                                       "precompile_s": 12.5}, "cpu", print_fn=lines.append)
     assert rep["backend"] == "sdpa" and rep["ok"]
+    assert "dry steps before training 12.5 s, first step 0.1 s" in "\n".join(lines)
     assert rep["attention_calls"]["sdpa"] == model.config.num_layers
     assert any("scaled_dot_product" in k for k in rep["attention_ops"])
     assert rep["peak_memory_bytes"] is None
