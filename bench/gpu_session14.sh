@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Device call 14 on 2x H200 (< 10 min) — PREPARED, NOT YET RUN (no device time was left in the session that
-# wrote it; its parts were rehearsed on CPU with --tiny):
+# Device call 14 on 2x H200 (< 10 min; prepared in one session, run as call 14 in the next: results *_call14.*;
+# its parts were rehearsed on CPU with --tiny):
 #   1. the target-bound job of call 12 (64 anchors, eager padded target, 120 steps) with rendezvous sends, now
 #      with the 5 ms grace poll after each header, then with rendezvous_sends=false: samples/s (call 12 without
 #      the grace poll: 33.03 vs 33.69) and the drafter's wait fraction (0.5-0.9% there: hidden in its GPU stream);
