@@ -74,7 +74,12 @@ def main(argv=None) -> int:
     steps = topo.num_steps(job.total_messages - job.start_cursor)
     q: queue.Queue = queue.Queue(maxsize=cfg.topology.max_in_flight)
     stop = threading.Event()
-    state: dict = {"target_busy_s": 0.0, "target_put_wait_s": 0.0, "drafter_get_wait_s": 0.0, "steps_done": 0}
+    state: dict = {"target_busy_s": 0.0, "target_put_wait_s": 0.0, "drafter_get_wait_s": 0.0, "steps_done": 0,
+                   # exposure to the other thread's compiles (bench/compile_race.py: torch.compiler.is_compiling()
+                   # is process-wide, and eager code such as the optimizer takes compile-only branches under it):
+                   # captures and optimizer steps that began while the flag was set by the other thread
+                   "captures": 0, "captures_while_other_compiles": 0, "opt_steps": 0,
+                   "opt_steps_while_other_compiles": 0}
     lock = threading.Lock()
 
     def record(where: str, e: BaseException) -> None:
@@ -118,6 +123,8 @@ def main(argv=None) -> int:
                 samples = [ds[i] for i in job.plan[k]]
                 t0 = time.monotonic()
                 ids, lengths, packed_ids, packed_mask = pad_batch(samples, dev_t, packed)
+                state["captures"] += 1
+                state["captures_while_other_compiles"] += torch.compiler.is_compiling()  # eager here: not ours
                 feats = capture(ids, lengths)
                 C.sync(dev_t)
                 state["target_busy_s"] += time.monotonic() - t0
@@ -141,6 +148,13 @@ def main(argv=None) -> int:
             trainer = S.make_trainer(job)
             state["backend"] = trainer.backend
             state["precompile_s"] = trainer.precompile()  # as the trainer does before its first message
+            opt_step = trainer.opt.step
+
+            def counted_step(*a, **kw):  # the flag seen at the start of each step: a lower bound on exposure
+                state["opt_steps"] += 1
+                state["opt_steps_while_other_compiles"] += torch.compiler.is_compiling()
+                return opt_step(*a, **kw)
+            trainer.opt.step = counted_step
             meter = S.WindowMeter(trainer, cfg.logging.log_every, dev_d)
             state["meter"] = meter
             C.reset_peak(dev_d)
@@ -222,7 +236,10 @@ def main(argv=None) -> int:
     print()
     print(C.table(rows, [("what", "design"), ("samples_per_s", "samples/s (or ratio)"), ("note", "errors")],
                   title=f"threaded baseline (target {dev_t}, drafter {dev_d}, backend {state.get('backend')}; "
-                        f"compile errors: {'YES' if result['hit_compile_error'] else 'no'})"))
+                        f"compile errors: {'YES' if result['hit_compile_error'] else 'no'}; begun while the other "
+                        f"thread compiled: {result['opt_steps_while_other_compiles']} of {result['opt_steps']} "
+                        f"optimizer steps, {result['captures_while_other_compiles']} of {result['captures']} "
+                        f"captures)"))
     C.write_json(args.out, result)
     if hung:
         C.log(f"threads still running after {args.timeout:.0f} s: {hung}; exiting hard")

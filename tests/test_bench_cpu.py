@@ -144,6 +144,8 @@ def test_threaded(runs):
     assert d["samples_per_s"] > 0 and d["steps_done"] == 4
     assert d["compare"]["threaded_over_pipeline"] > 0
     assert d["hit_compile_error"] is False
+    assert d["opt_steps"] == 4 and d["captures"] >= 4  # the exposure counters saw every step and capture
+    assert 0 <= d["opt_steps_while_other_compiles"] <= 4
 
 
 def test_plan_split(runs):
@@ -213,3 +215,21 @@ def test_transport_check_verifies_every_message(tmp_path, rendezvous):
     res = json.load(open(out))
     assert res["received"] == 30 and res["corrupted"] == 0 and res["end_of_stream"]
     assert res["transport"] == "posted from the host (no CUDA streams)" and "| posted from the host" in r.stdout
+
+
+def test_compile_race_window(tmp_path):
+    """bench/compile_race.py part 1 (deterministic): while one thread holds a compile session open, a thread
+    that compiles nothing reads is_compiling() True and its AdamW runs take compile-only branches (their result
+    differs from the same run before); the target's capture does not change. If a torch release makes the flag
+    thread-local, this fails and docs/benchmarks.md's section on it must change."""
+    out = tmp_path / "cr.json"
+    r = subprocess.run(_cmd("compile_race.py", "--window-only", "--out", out), cwd=REPO, capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    w = json.load(open(out))["window"]
+    assert w["is_compiling_before"] is False and w["is_compiling_after"] is False
+    assert w["is_compiling_in_other_thread_during"] is True
+    rows = w["workloads"]
+    assert rows["adamw_single"]["differ"] + rows["adamw_single"]["errors"] == 1
+    assert rows["adamw_foreach"]["differ"] + rows["adamw_foreach"]["errors"] == 1
+    assert rows["target_capture"] == {"runs": 1, "differ": 0, "max_abs_diff": 0.0, "errors": 0, "first_error": None}
