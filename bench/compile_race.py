@@ -6,7 +6,8 @@ keeps some of its state process-wide: ``torch.compiler.is_compiling()`` reads a 
 session holds True for its whole length (torch 2.13: ``torch.compiler._compile_session_context``). Eager code
 in any other thread then takes its compile-only branches; ``torch.optim`` has several (``_get_value`` returns a
 tensor instead of a Python number, device grouping is skipped, the foreach fallback check runs). This script
-measures it on the drafter's own kind of work, an AdamW run, and on the target's, a feature capture:
+measures it on the drafter's work (AdamW runs, and three steps of the real ``DrafterTrainer``) and on the
+target's (a feature capture):
 
 1. ``window`` (deterministic): thread A compiles a function whose backend waits for an event, so its compile
    session stays open; meanwhile the main thread reads ``is_compiling()`` and runs the workloads, each compared
@@ -39,11 +40,11 @@ import torch  # noqa: E402
 
 def adamw_run(variant: str, device: str) -> torch.Tensor:
     """20 AdamW steps on four 64x64 parameters with fixed gradients: the parameters after them."""
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(64, 64, device=device)) for _ in range(4)]
+    # explicit generators only: the global one is shared by the threads (thread A draws from it too)
+    g = torch.Generator(device=device).manual_seed(1)
+    params = [torch.nn.Parameter(torch.randn(64, 64, generator=g, device=device)) for _ in range(4)]
     kw = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[variant]
     opt = torch.optim.AdamW(params, lr=1e-3, **kw)
-    g = torch.Generator(device=device).manual_seed(1)
     for _ in range(20):
         for p in params:
             p.grad = torch.randn(p.shape, generator=g, device=device)
@@ -67,9 +68,41 @@ def make_capture(device: str):
     return run
 
 
+def make_drafter_steps(device: str, steps: int = 3):
+    """The real ``DrafterTrainer`` (tiny drafter of the embedded default, synthetic messages): ``steps`` training
+    steps from the same weights and optimizer state each run; the weights after them."""
+    import copy
+    import tempfile
+    import _standalone as S
+    dev = torch.device(device)
+    S.init_single_process_group(dev)  # the DDP group of a job with one drafter rank
+    run_dir = tempfile.mkdtemp(prefix="compile_race_")
+    cfg = S.compose_job_config(S.job_overrides(True, None, None, 48, 64, 256, 4, steps, steps, run_dir, []))
+    job, ds = S.make_job(cfg, 2, dev, run_dir)
+    trainer = S.make_trainer(job)
+    mine = S.my_messages(job)[:steps]
+    g = torch.Generator(device=device).manual_seed(0)
+    msgs = [S.make_message(job, ds, j, dev, torch.randn(S.message_tokens(job, ds, j), trainer.feature_width,
+                                                        generator=g, device=device).to(trainer.lm_head.dtype))
+            for j in mine]
+    weights0 = copy.deepcopy(trainer.model.state_dict())
+    opt0 = copy.deepcopy(trainer.opt.state_dict())
+
+    def run() -> torch.Tensor:
+        trainer.model.load_state_dict(weights0)
+        trainer.opt.load_state_dict(copy.deepcopy(opt0))
+        trainer.step = trainer.cursor = 0
+        for s, (j, msg) in enumerate(zip(mine, msgs)):
+            trainer.train_step(trainer.build(msg, job.start_cursor + j))
+            trainer.cursor = s + 1
+        return torch.cat([p.detach().float().flatten().cpu() for p in trainer.model.parameters()])
+    return run
+
+
 def workloads(device: str) -> dict:
     runs = {f"adamw_{v}": (lambda v=v: adamw_run(v, device))
             for v in (["single", "foreach"] + (["fused"] if device == "cuda" else []))}
+    runs["drafter_steps"] = make_drafter_steps(device)
     runs["target_capture"] = make_capture(device)
     return runs
 
@@ -99,10 +132,11 @@ class Tally:
 def fresh_compiles(n: int, device: str, done: threading.Event | None = None) -> int:
     """Compile n functions that no cache has seen (inductor, forward and backward), one after the other."""
     salt = random.randint(10**3, 10**9)
+    g = torch.Generator(device=device).manual_seed(salt)
     for i in range(n):
         ns: dict = {}
         exec(f"def f_{i}(a):\n    return (a * {salt + i} + 1).sin().cos() @ a.T\n", ns)  # a new graph each
-        x = torch.randn(8, 8, device=device, requires_grad=True)
+        x = torch.randn(8, 8, generator=g, device=device).requires_grad_()
         torch.compile(ns[f"f_{i}"])(x).sum().backward()
     if done is not None:
         done.set()

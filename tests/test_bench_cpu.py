@@ -219,8 +219,8 @@ def test_transport_check_verifies_every_message(tmp_path, rendezvous):
 
 def test_compile_race_window(tmp_path):
     """bench/compile_race.py part 1 (deterministic): while one thread holds a compile session open, a thread
-    that compiles nothing reads is_compiling() True and its AdamW runs take compile-only branches (their result
-    differs from the same run before); the target's capture does not change. If a torch release makes the flag
+    that compiles nothing reads is_compiling() True and its AdamW runs and DrafterTrainer steps take compile-only
+    branches (their result differs from the same run before); the target's capture does not change. If a torch release makes the flag
     thread-local, this fails and docs/benchmarks.md's section on it must change."""
     out = tmp_path / "cr.json"
     r = subprocess.run(_cmd("compile_race.py", "--window-only", "--out", out), cwd=REPO, capture_output=True,
@@ -232,4 +232,5 @@ def test_compile_race_window(tmp_path):
     rows = w["workloads"]
     assert rows["adamw_single"]["differ"] + rows["adamw_single"]["errors"] == 1
     assert rows["adamw_foreach"]["differ"] + rows["adamw_foreach"]["errors"] == 1
+    assert rows["drafter_steps"]["differ"] + rows["drafter_steps"]["errors"] == 1  # the real DrafterTrainer too
     assert rows["target_capture"] == {"runs": 1, "differ": 0, "max_abs_diff": 0.0, "errors": 0, "first_error": None}
