@@ -41,3 +41,16 @@ def test_precompile_dry_steps_update_nothing(tmp_path):
         assert (trainer.step, trainer.cursor) == (0, 0)
     finally:
         dist.destroy_process_group()
+
+
+def test_precompile_makes_no_collective_under_ddp(tmp_path):
+    """Two drafter ranks of one DDP group run 2 and 1 dry steps, then a training step each: no hang, no error,
+    and the same weights on both after the step (its all-reduce paired up: the dry steps made none)."""
+    import json
+    from launch_util import torchrun
+    r = torchrun(2, ["tests/precompile_ddp_worker.py", "--out", tmp_path], timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    reps = [json.load(open(tmp_path / f"rank{i}.json")) for i in range(2)]
+    assert [x["dry_steps"] for x in reps] == [2, 1]
+    assert reps[0]["checksum"] == reps[1]["checksum"]
+    assert not any(x["grads_left"] for x in reps)
