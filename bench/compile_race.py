@@ -233,7 +233,7 @@ def main(argv=None) -> int:
     if not args.window_only:
         C.log(f"part 2: {args.compiles} fresh compiles in thread A, the workloads looping in thread B")
         res["threads"] = part_threads(device, args.compiles)
-        C.log(f"part 3: the same in two processes")
+        C.log("part 3: the same in two processes")
         res["processes"] = part_processes(device, args.compiles)
     rows = []
     for part in ("window", "threads", "processes"):

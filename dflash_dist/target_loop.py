@@ -131,7 +131,6 @@ def run_target(job) -> None:
         evaluator = TargetEval(job, model, slices=slices)
         if slices:
             tx.idle_work = evaluator.work
-        if slices:
             how = "one verify step at a time while waiting for the drafters"
         elif cfg.train.eval_in_slices:
             how = ("whole, between two messages (train.eval_in_slices needs waits this target can poll: NCCL or "
