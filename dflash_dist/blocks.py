@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["DrafterBatch", "sample_anchors", "make_batch", "IGNORE_INDEX"]
+__all__ = ["DrafterBatch", "sample_anchors", "make_batch", "split_anchors", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
 
@@ -36,10 +36,34 @@ class DrafterBatch:
     valid: Tensor            # [b, N] bool
     num_samples: int         # b
     num_tokens: int          # real (unpadded) context tokens in the step, sum of sample lengths
+    src: Optional[int] = None  # the target rank whose message this is (None: a dry step); loss_on_target asks it
+    index: int = -1            # that message's plan index
 
     @property
     def ctx_len(self) -> int:
         return self.features.shape[1]
+
+
+def split_anchors(batch: DrafterBatch, groups: int) -> list[DrafterBatch]:
+    """``groups`` batches of N/groups consecutive blocks each, sharing the context (drafter.micro_batches). A block
+    attends to the context before its anchor and to its own block only, so each block's output is the same as in
+    the whole batch; only the context's projections run once per group."""
+    if groups == 1:
+        return [batch]
+    b, n = batch.anchors.shape
+    if n % groups:
+        raise ValueError(f"{n} blocks per sample do not split into {groups} groups")
+    nb = n // groups
+    q = batch.block_ids.shape[1] // n * nb
+    out = []
+    for i in range(groups):
+        rows, blocks = slice(i * q, (i + 1) * q), slice(i * nb, (i + 1) * nb)
+        part = {name: getattr(batch, name)[:, rows].contiguous() for name in ("block_ids", "block_positions", "labels")}
+        part.update({name: getattr(batch, name)[:, blocks].contiguous() for name in ("anchors", "valid")})
+        out.append(DrafterBatch(features=batch.features, ctx_positions=batch.ctx_positions, **part,
+                                num_samples=batch.num_samples,
+                                num_tokens=batch.num_tokens, src=batch.src, index=batch.index))
+    return out
 
 
 def to_device_async(t: Tensor, dev: torch.device) -> Tensor:

@@ -154,6 +154,20 @@ class DrafterConfig:
     ctx_bucket: int = 256
     """Context lengths are padded up to a multiple of this, so the number of compiled shapes stays small."""
 
+    micro_batches: int = 1
+    """Split each step's anchors into this many groups, each its own forward (same context, a mask for its blocks:
+    the numbers do not change, each block sees what it saw); one backward for all. With ``loss_on_target`` the
+    target computes one group's loss while the drafter runs the next group's forward. Costs one more pass of the
+    context through fc and k/v_proj per extra group (+2-5% FLOPs at Qwen3-8B shapes). num_anchors must divide."""
+
+    loss_on_target: bool = False
+    """Run the frozen lm_head and the decayed CE of each training step on the target rank that sent its message
+    (dflash_dist/head_offload.py): the drafter sends its final hidden rows and labels [rows, H] and gets back the
+    loss sum, the argmax and the gradient with respect to those rows. Moves ~28% of a drafter step's FLOPs (550
+    tokens, 256 anchors) onto targets that would otherwise idle in a drafter-bound job. Use micro_batches >= 2 so
+    the drafter does not wait for the reply. Needs target ranks that can serve while they wait: rendezvous sends
+    (forced on)."""
+
     leaky_mask_demo: bool = False
     """DEMONSTRATION ONLY, a bug on purpose: let blocks see the target state at their own anchor (kv <= a), the
     classic leak of other trainers. Training accuracy soars, served acceptance does not (scripts/leak_demo.sh)."""
@@ -162,6 +176,9 @@ class DrafterConfig:
         _require(self.num_layers >= 1, f"drafter.num_layers={self.num_layers}: must be >= 1")
         _require(self.block_size >= 2, f"drafter.block_size={self.block_size}: must be >= 2 (slot 0 is the anchor)")
         _require(self.num_anchors > 0, f"drafter.num_anchors={self.num_anchors}: must be > 0")
+        _require(self.micro_batches >= 1 and self.num_anchors % self.micro_batches == 0,
+                 f"drafter.micro_batches={self.micro_batches}: must be >= 1 and divide drafter.num_anchors="
+                 f"{self.num_anchors}")
         _require(self.attention_backend in ("auto", "flex", "sdpa"),
                  f"drafter.attention_backend={self.attention_backend!r}: use flex, sdpa or auto")
         _require(self.loss_gamma is None or self.loss_gamma > 0, "drafter.loss_gamma must be > 0")
@@ -458,6 +475,9 @@ def validate_job(cfg: JobConfig, world_size: Optional[int], num_target_layers: i
     else:
         _require(world_size >= 2, f"topology.target_ranks=auto needs at least 2 processes (one target, one "
                                   f"drafter), got a world of {world_size}: start more processes")
+    _require(not (cfg.drafter.loss_on_target and cfg.topology.rendezvous_sends is False),
+             "drafter.loss_on_target needs rendezvous sends (a target serves head requests while it waits for its "
+             "drafters): remove topology.rendezvous_sends=false")
     layer_ids = cfg.target.layer_ids or default_layer_ids(num_target_layers, cfg.target.num_feature_layers)
     _require(len(set(layer_ids)) == len(layer_ids),
              f"the default layer ids {layer_ids} of a {num_target_layers}-layer target repeat: set target.layer_ids "

@@ -8,7 +8,9 @@ Groups are created on every rank in the same order, members or not (torch requir
 3. ``drafters``: the drafter data-parallel group (DDP, metric all-reduces), once the split is known;
 4. ``evals``: the leader drafter and the first target, for the drafter weights of in-training evaluations. A group
    of their own: NCCL orders point-to-point operations per pair of ranks and group, so weights sent on the data
-   group would queue in front of feature receives (a deadlock on GPU).
+   group would queue in front of feature receives (a deadlock on GPU);
+5. ``heads`` (only with ``drafter.loss_on_target``): all ranks, for the hidden rows and the loss replies between
+   drafters and targets (head_offload.py), apart from the features for the same reason.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Dist:
     drafters: object
     store: object
     evals: object = None
+    heads: object = None
 
     @property
     def rank(self) -> int:
@@ -63,17 +66,19 @@ def make_ctrl_group(timeout_s: float):
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
-def make_groups(topo: Topology, device: torch.device, timeout_s: float, ctrl=None) -> Dist:
-    """The groups of a split. ``ctrl``: the group from ``make_ctrl_group`` (made here first if None)."""
+def make_groups(topo: Topology, device: torch.device, timeout_s: float, ctrl=None, heads: bool = False) -> Dist:
+    """The groups of a split. ``ctrl``: the group from ``make_ctrl_group`` (made here first if None). ``heads``:
+    also the group of ``drafter.loss_on_target`` (same value on every rank: it comes from the job's config)."""
     timeout = timedelta(seconds=timeout_s)
     if ctrl is None:
         ctrl = make_ctrl_group(timeout_s)
     drafters = dist.new_group(ranks=topo.drafter_ranks, timeout=timeout)
     evals = dist.new_group(ranks=sorted([topo.drafter_ranks[0], topo.target_ranks[0]]), timeout=timeout)
+    head_group = dist.new_group(timeout=timeout) if heads else None
     store = dist.distributed_c10d._get_default_store()
     log.info("process groups ready (rank %d, %s)", topo.rank, topo.role)
     return Dist(topo=topo, device=device, ctrl=ctrl, data=dist.group.WORLD, drafters=drafters, store=store,
-                evals=evals)
+                evals=evals, heads=head_group)
 
 
 def shorten_timeouts(d: Dist, timeout_s: float) -> None:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .blocks import make_batch
+from .blocks import make_batch, split_anchors
 from .checkpoint import load_checkpoint, save_checkpoint
 from .compile_guard import (batch_shape, dynamo_counters, expected_shapes, install_guard, plan_step_lengths,
                             precompile_steps, report_graph_breaks)
@@ -26,14 +26,15 @@ from .startup_report import host_syncs, startup_report
 from .config import cosine_lr, resolve_backend
 from .drafter import DFlashDrafter, DrafterModelConfig
 from .flops import attention_flops_per_pair, drafter_step_flops, nominal_peak_tflops
-from .loss import decayed_ce
+from .loss import LossParts, decayed_ce
 from .masks import dense_mask, flex_block_mask
 from .metrics import MetricsWriter, RateMeter, StreamWaitMeter, target_window_metrics
 from .target import load_head_from_checkpoint, resolve_dtype, resolve_source, text_config
 from .distributed import shorten_timeouts
 from .faults import fault_for, stall_if_due
 from .eval_loop import LeaderEval, eval_enabled, eval_record, eval_steps
-from .transport import EndOfStream, Receiver, job_channel
+from .head_offload import HeadLossClient
+from .transport import Channel, EndOfStream, Receiver, job_channel
 
 log = logging.getLogger("dflash_dist")
 
@@ -117,6 +118,8 @@ class DrafterTrainer:
         self.i_flops = 2 + 2 * B + 2
         self.acc = torch.zeros(self.i_flops + 1 + self.topo.num_targets, dtype=torch.float64, device=self.device)
         self.nonfinite_by_target = [0] * self.topo.num_targets
+        self.micro_batches = cfg.drafter.micro_batches
+        self.heads = None  # head_offload.HeadLossClient, set by run_drafter with drafter.loss_on_target
         self.planned_steps = self._planned_steps()
         dc = cfg.drafter
         self.precompile_plan = (precompile_steps(self.planned_steps, dc.ctx_bucket)
@@ -151,6 +154,7 @@ class DrafterTrainer:
         and zeroed features (device ops, no sync); they are counted per source target."""
         cfg = self.cfg.drafter
         gen = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + k)  # topology-independent
+        src = msg.src if msg is not None else None  # its target expects head requests even for a skipped message
         if msg is not None and msg.features.shape[1] != self.feature_width:
             log.warning("message %d from rank %d has features of width %d, expected %d: skipped (%d samples)",
                         k, msg.src, msg.features.shape[1], self.feature_width, msg.num_samples)
@@ -168,6 +172,7 @@ class DrafterTrainer:
         if msg is not None:
             slot = self.i_flops + 1 + (msg.src - self.topo.num_drafters)
             self.acc[slot] += bad.sum()
+        batch.src, batch.index = src, k
         return batch
 
     def attention_mask(self, batch):
@@ -185,14 +190,28 @@ class DrafterTrainer:
             self._train_step(batch)
 
     def _loss_parts(self, batch):
-        """Forward and loss of one batch (what a training step and a dry step share)."""
+        """Forward and loss of one batch (what a training step and a dry step share): drafter.micro_batches groups
+        of anchors, each its own forward; their losses here, or (loss_on_target, a batch from a target) on the
+        target that sent it, which computes one group's while this rank runs the next group's forward."""
         dc = self.cfg.drafter
-        mask = self.attention_mask(batch)
-        block_embeds = F.embedding(batch.block_ids, self.embed)
-        with self.autocast:
-            hidden = self.ddp(block_embeds, batch.features, batch.ctx_positions, batch.block_positions, mask)
-            return decayed_ce(hidden, self.lm_head, batch.labels, dc.block_size, dc.gamma, dc.loss_chunk_rows,
-                              compiled=self.compile_loss)
+        remote = self.heads is not None and batch.src is not None
+        groups = split_anchors(batch, self.micro_batches)
+        parts, pending = [], []
+        for i, group in enumerate(groups):
+            # one backward for every group: DDP's reducer is armed by the last forward only
+            later = i < len(groups) - 1 and self.ddp is not self.model
+            with self.ddp.no_sync() if later else contextlib.nullcontext():
+                mask = self.attention_mask(group)
+                block_embeds = F.embedding(group.block_ids, self.embed)
+                with self.autocast:
+                    hidden = self.ddp(block_embeds, batch.features, batch.ctx_positions, group.block_positions, mask)
+                    if remote:
+                        pending.append(self.heads.request(batch.src, batch.index, hidden, group.labels))
+                    else:
+                        parts.append(decayed_ce(hidden, self.lm_head, group.labels, dc.block_size, dc.gamma,
+                                                dc.loss_chunk_rows, compiled=self.compile_loss))
+        parts += [self.heads.complete(p, batch.src) for p in pending]
+        return LossParts.total(parts)
 
     def precompile(self) -> float:
         """Dry steps of ``precompile_plan`` (see compile_guard.precompile_steps): forward and backward of a
@@ -253,7 +272,8 @@ class DrafterTrainer:
         integers, the attention term needs the anchors (visible pairs), summed on the device (no sync)."""
         B = self.cfg.drafter.block_size
         b, n = batch.anchors.shape
-        fixed = drafter_step_flops(self.mcfg, b, batch.ctx_len, n, self.lm_head.shape[0], 0.0)["model"]
+        vocab = 0 if self.heads is not None and batch.src is not None else self.lm_head.shape[0]  # head on target
+        fixed = drafter_step_flops(self.mcfg, b, batch.ctx_len, n, vocab, 0.0)["model"]
         pairs = (B * (batch.anchors + B) * batch.valid).sum(dtype=torch.float64)
         return pairs * attention_flops_per_pair(self.mcfg) + fixed
 
@@ -332,6 +352,7 @@ def profiled_step(trainer, batch, first_step_s, job) -> None:
     printed by the leader and written to <run_dir>/startup_report.json; graph breaks named."""
     topo, device = job.dist.topo, job.dist.device
     b_, s_pad, q_len = batch_shape(batch)
+    q_len //= trainer.micro_batches  # the queries of one forward
     rep = startup_report(lambda: trainer.train_step(batch), trainer.model,
                          {"b": b_, "S_pad": s_pad, "Q": q_len, "first_step_s": first_step_s, "guard": trainer.guard,
                           "precompile_s": trainer.precompile_s},
@@ -379,8 +400,20 @@ def run_drafter(job) -> None:
     if job.auto_split is not None:  # topology.target_ranks=auto: the measured rates and the split, once
         from .plan import plan_record
         writer.log(job.start_step, plan_record(job.auto_split), kind="plan")
-    channel = job_channel(d, cfg.topology, check=life.check)
+    channel = job_channel(d, cfg.topology, check=life.check, serve_heads=cfg.drafter.loss_on_target)
     channel.connect(topo.target_ranks, sending=False)  # before any payload: see Channel.connect
+    head_channel = None
+    if cfg.drafter.loss_on_target:
+        head_channel = Channel(d.ctrl, d.heads, d.device, timeout_s=cfg.topology.warmup_timeout_s, check=life.check,
+                               store=d.store)
+        head_channel.connect(topo.target_ranks, sending=True)
+        trainer.heads = HeadLossClient(head_channel, d.rank, trainer.lm_head.dtype, cfg.drafter.block_size,
+                                       cfg.drafter.gamma)
+    if trainer.micro_batches > 1 or head_channel is not None:
+        log.info("drafter step: %d group(s) of %d anchors, each its own forward; lm_head and loss %s",
+                 trainer.micro_batches, cfg.drafter.num_anchors // trainer.micro_batches,
+                 "on the target that sent the message (drafter.loss_on_target)" if head_channel is not None
+                 else "on this rank")
     rx = Receiver(channel, d.rank)
     mine = list(topo.drafter_messages(run_messages))
     pending = rx.post(topo.target_for(mine[0]), job.start_cursor + mine[0]) if mine else None
@@ -450,6 +483,8 @@ def run_drafter(job) -> None:
         busy_s += time.monotonic() - t1
         if s == 1:
             channel.timeout_s = cfg.topology.timeout_s
+            if head_channel is not None:
+                head_channel.timeout_s = cfg.topology.timeout_s
             shorten_timeouts(d, cfg.topology.timeout_s)
         last = s == steps - 1
         # graceful stop: the leader fixes a step two ahead; drafters are in lockstep (DDP), so all see it in time

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["slot_weights", "LossParts", "decayed_ce"]
+__all__ = ["slot_weights", "LossParts", "decayed_ce", "frozen_head_ce", "loss_rows", "row_weights", "slot_stats"]
 
 IGNORE_INDEX = -100
 
@@ -45,6 +45,14 @@ class LossParts:
     weight_sum: Tensor
     slot_correct: Tensor
     slot_count: Tensor
+
+    @staticmethod
+    def total(parts: list["LossParts"]) -> "LossParts":
+        """The sums of several parts (the micro-batches of one step)."""
+        if len(parts) == 1:
+            return parts[0]
+        return LossParts(*(sum(getattr(p, f) for p in parts)
+                           for f in ("loss_sum", "weight_sum", "slot_correct", "slot_count")))
 
     def loss(self) -> Tensor:
         """Local normalisation, sum(w*CE)/sum(w) (0 when nothing is supervised)."""
@@ -102,26 +110,35 @@ def _chunks(rows: int, chunk_rows: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def frozen_head_ce(h: Tensor, weight: Tensor, labels: Tensor, w: Tensor, chunk_rows: int, compiled: bool
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    """Weighted CE sum of rows ``h`` [R, H] through a frozen head [V, H], chunk by chunk: (loss sum fp32 [],
+    argmax [R], d(loss sum)/dh [R, H] in the head's dtype). No autograd; what the drafter's fused loss runs,
+    and what a target rank runs for it with ``drafter.loss_on_target`` (head_offload.py)."""
+    hc = h.to(weight.dtype)
+    grad_h = torch.empty_like(hc)
+    sums, preds = [], []
+    chunk_fn = _ce_and_logit_grad_compiled if compiled else _ce_and_logit_grad_eager
+    for lo, hi in _chunks(hc.shape[0], chunk_rows):
+        logits = hc[lo:hi] @ weight.t()                                         # [r, V], the head's dtype
+        loss, pred, g = chunk_fn(logits, labels[lo:hi], w[lo:hi])
+        sums.append(loss)
+        preds.append(pred)
+        grad_h[lo:hi] = g @ weight
+        del logits, g
+    loss_sum = torch.stack(sums).sum() if sums else h.new_zeros((), dtype=torch.float32)
+    pred = torch.cat(preds) if preds else labels.clone()
+    return loss_sum, pred, grad_h
+
+
 class _FrozenHeadCE(torch.autograd.Function):
     """Weighted CE sum over row chunks through a frozen head, gradient wrt the rows computed in forward."""
 
     @staticmethod
     def forward(ctx, h: Tensor, weight: Tensor, labels: Tensor, w: Tensor, chunk_rows: int, compiled: bool):
-        hc = h.detach().to(weight.dtype)
-        grad_h = torch.empty_like(hc)
-        sums, preds = [], []
-        chunk_fn = _ce_and_logit_grad_compiled if compiled else _ce_and_logit_grad_eager
-        for lo, hi in _chunks(hc.shape[0], chunk_rows):
-            logits = hc[lo:hi] @ weight.t()                                     # [r, V], the head's dtype
-            loss, pred, g = chunk_fn(logits, labels[lo:hi], w[lo:hi])
-            sums.append(loss)
-            preds.append(pred)
-            grad_h[lo:hi] = g @ weight
-            del logits, g
+        loss_sum, pred, grad_h = frozen_head_ce(h.detach(), weight, labels, w, chunk_rows, compiled)
         ctx.save_for_backward(grad_h)
         ctx.h_dtype = h.dtype
-        loss_sum = torch.stack(sums).sum() if sums else h.new_zeros((), dtype=torch.float32)
-        pred = torch.cat(preds) if preds else labels.clone()
         ctx.mark_non_differentiable(pred)
         return loss_sum, pred
 
@@ -142,19 +159,7 @@ def decayed_ce(hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, block_siz
     a gradient; see the module docstring). ``compiled``: the fused path's per-chunk softmax/CE/gradient runs
     through torch.compile (``drafter.compile_loss``; same math as the eager chain, fewer passes over the logits).
     """
-    b, q, h_dim = hidden.shape
-    bsz = block_size
-    if q % bsz:
-        raise ValueError(f"hidden has {q} rows per sample, not a multiple of block_size={bsz}")
-    if labels.shape != (b, q):
-        raise ValueError(f"labels {tuple(labels.shape)} must be [b, N*B] = {(b, q)}")
-    dev = hidden.device
-    rows_h = hidden.reshape(b, q // bsz, bsz, h_dim)[:, :, 1:].reshape(-1, h_dim)   # slots 1..B-1
-    rows_y = labels.reshape(b, q // bsz, bsz)[:, :, 1:].reshape(-1)
-    has = rows_y != IGNORE_INDEX
-    w_slot = slot_weights(bsz, gamma, device=dev)[1:]
-    rows_w = w_slot.repeat(b * (q // bsz)) * has
-
+    rows_h, rows_y, rows_w = loss_rows(hidden, labels, block_size, gamma)
     if mode not in ("auto", "fused", "checkpoint"):
         raise ValueError(f"mode={mode!r}: use auto, fused or checkpoint")
     grad = torch.is_grad_enabled() and (hidden.requires_grad or lm_head_weight.requires_grad)
@@ -181,11 +186,40 @@ def decayed_ce(hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, block_siz
         loss_sum = hidden.sum().float() * 0.0
         pred = rows_y.clone()
 
-    nblk = b * (q // bsz)
+    return slot_stats(loss_sum, pred, rows_y, rows_w, block_size)
+
+
+def loss_rows(hidden: Tensor, labels: Tensor, block_size: int, gamma: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The rows that can carry a loss: slots 1..B-1 of every block. hidden [b, N*B, H], labels [b, N*B] ->
+    (rows [b*N*(B-1), H], labels [rows], weights [rows] fp32: the slot's decay weight, 0 where ignored).
+    Static slicing: no host sync."""
+    b, q, h_dim = hidden.shape
+    bsz = block_size
+    if q % bsz:
+        raise ValueError(f"hidden has {q} rows per sample, not a multiple of block_size={bsz}")
+    if labels.shape != (b, q):
+        raise ValueError(f"labels {tuple(labels.shape)} must be [b, N*B] = {(b, q)}")
+    rows_h = hidden.reshape(b, q // bsz, bsz, h_dim)[:, :, 1:].reshape(-1, h_dim)
+    rows_y = labels.reshape(b, q // bsz, bsz)[:, :, 1:].reshape(-1)
+    return rows_h, rows_y, row_weights(rows_y, block_size, gamma)
+
+
+def row_weights(rows_y: Tensor, block_size: int, gamma: float) -> Tensor:
+    """Decay weight of each loss row (rows in block order, B-1 per block), 0 where the label is ignored."""
+    w_slot = slot_weights(block_size, gamma, device=rows_y.device)[1:]
+    return w_slot.repeat(rows_y.numel() // (block_size - 1)) * (rows_y != IGNORE_INDEX)
+
+
+def slot_stats(loss_sum: Tensor, pred: Tensor, rows_y: Tensor, rows_w: Tensor, block_size: int) -> LossParts:
+    """LossParts from a loss sum and the argmax of every loss row (``loss_rows`` order): weight sum and per-slot
+    correct / label counts, on the device, no sync."""
+    bsz = block_size
+    has = rows_y != IGNORE_INDEX
+    nblk = rows_y.numel() // (bsz - 1)
     with torch.no_grad():
         correct = ((pred == rows_y) & has).view(nblk, bsz - 1).sum(0)
         count = has.view(nblk, bsz - 1).sum(0)
-        zero = torch.zeros(1, dtype=torch.long, device=dev)
+        zero = torch.zeros(1, dtype=torch.long, device=rows_y.device)
         slot_correct = torch.cat([zero, correct.long()])
         slot_count = torch.cat([zero, count.long()])
         weight_sum = rows_w.sum()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
 import traceback
@@ -87,17 +88,22 @@ def dense_attention_bytes(b: int, heads: int, q_len: int, k_len: int, num_layers
             "total_estimate": one * int(num_layers) + one}
 
 
-def _is_score_shape(shape, q_len: int, k_len: int, min_dims: int = 3) -> bool:
+def _is_score_shape(shape, q_len: int, k_len: int, min_dims: int = 3, lead: Optional[set] = None) -> bool:
     """``min_dims``: a multi-head score matrix carries a (batch x) head dimension, so 3 by default. A 2-D
     [tokens, features] operand can have a [Q, K] shape by coincidence: 64 anchors x 16 = 1,024 queries over
-    512 + 1,024 keys against a [1,536, 1,024] k_proj of a model whose kv width is 1,024 (call 20)."""
-    return isinstance(shape, (list, tuple)) and len(shape) >= min_dims and tuple(shape[-2:]) in ((q_len, k_len),
-                                                                                                 (k_len, q_len))
+    512 + 1,024 keys against a [1,536, 1,024] k_proj of a model whose kv width is 1,024 (call 20). ``lead``: the
+    products of the leading dimensions a score matrix can have (heads, b x heads): a [b, S+Q, H] activation
+    whose hidden size equals the queries of a micro-batch (drafter.micro_batches) has [K, Q]'s last two."""
+    if not (isinstance(shape, (list, tuple)) and len(shape) >= min_dims
+            and tuple(shape[-2:]) in ((q_len, k_len), (k_len, q_len))):
+        return False
+    return lead is None or math.prod(shape[:-2]) in lead
 
 
-def _forms_scores(shapes, q_len: int, k_len: int, min_dims: int = 3) -> bool:
+def _forms_scores(shapes, q_len: int, k_len: int, min_dims: int = 3, lead: Optional[set] = None) -> bool:
     """A matmul [.., Q, x] @ [.., x, K] (or transposed) produces a score matrix without any input having it."""
-    mats = [s for s in shapes if isinstance(s, (list, tuple)) and len(s) >= min_dims]
+    mats = [s for s in shapes if isinstance(s, (list, tuple)) and len(s) >= min_dims
+            and (lead is None or math.prod(s[:-2]) in lead)]
     for a in mats:
         for c in mats:
             if a is c:
@@ -107,7 +113,7 @@ def _forms_scores(shapes, q_len: int, k_len: int, min_dims: int = 3) -> bool:
     return False
 
 
-def _scan_events(events, q_len: int, k_len: int, cuda: bool, min_dims: int = 3) -> dict:
+def _scan_events(events, q_len: int, k_len: int, cuda: bool, min_dims: int = 3, lead: Optional[set] = None) -> dict:
     kernels: Counter = Counter()
     cpu_ops: Counter = Counter()
     attn_ops: Counter = Counter()
@@ -125,10 +131,10 @@ def _scan_events(events, q_len: int, k_len: int, cuda: bool, min_dims: int = 3) 
         if any(w in name for w in _ATTN_OP_WORDS):
             attn_ops[name] += 1
         shapes = getattr(e, "input_shapes", None) or []
-        if name in _MATMUL_OPS and (any(_is_score_shape(s, q_len, k_len, min_dims) for s in shapes)
-                                    or _forms_scores(shapes, q_len, k_len, min_dims)):
+        if name in _MATMUL_OPS and (any(_is_score_shape(s, q_len, k_len, min_dims, lead) for s in shapes)
+                                    or _forms_scores(shapes, q_len, k_len, min_dims, lead)):
             dense.append({"op": name, "kind": "matmul", "shapes": [list(s) for s in shapes if s]})
-        elif name in _SOFTMAX_OPS and any(_is_score_shape(s, q_len, k_len, min_dims) for s in shapes):
+        elif name in _SOFTMAX_OPS and any(_is_score_shape(s, q_len, k_len, min_dims, lead) for s in shapes):
             dense.append({"op": name, "kind": "softmax", "shapes": [list(s) for s in shapes if s]})
     return {"kernels": kernels, "cpu_ops": cpu_ops, "attn_ops": attn_ops, "dense": dense}
 
@@ -200,7 +206,8 @@ def startup_report(step_fn: Callable[[], Any], model: torch.nn.Module, batch_met
             torch.cuda.synchronize(device)
     step_s = time.perf_counter() - t0
     # one head: its scores may be plain 2-D matrices; more heads: they carry a head dimension
-    scan = _scan_events(prof.events(), q_len, k_len, cuda, min_dims=3 if heads > 1 else 2)
+    scan = _scan_events(prof.events(), q_len, k_len, cuda, min_dims=3 if heads > 1 else 2,
+                        lead={heads, b * heads} if heads > 1 else None)
     counters1 = dynamo_counters()
     calls1 = dict(getattr(m, "attention_calls", {}))
     calls = {k: calls1.get(k, 0) - calls0.get(k, 0) for k in calls1}

@@ -16,7 +16,9 @@ from .eval_loop import TargetEval, eval_enabled, expected_evals
 from .faults import apply_target_fault, fault_for, stall_if_due
 from .target import (FeatureCapture, build_target_model, head_weights, resolve_compile, resolve_packing,
                      resolve_source)
-from .transport import Message, Sender, job_channel
+from .config import resolve_backend
+from .head_offload import HeadLossServer
+from .transport import Channel, Message, Sender, job_channel
 
 log = logging.getLogger("dflash_dist")
 
@@ -64,6 +66,25 @@ def capture_flops_fn(model, job, packed: bool = False):
     if packed:
         return lambda lengths: target_forward_flops(tc, run_params, attn_layers, [(1, int(n)) for n in lengths])
     return lambda lengths: target_forward_flops(tc, run_params, attn_layers, [(len(lengths), int(max(lengths)))])
+
+
+def head_server(job, model, tx):
+    """drafter.loss_on_target: connect the head group and build this rank's HeadLossServer (None when off). Its
+    requests are served first whenever the Sender waits on a drafter."""
+    cfg, d = job.cfg, job.dist
+    if not cfg.drafter.loss_on_target:
+        return None
+    ch = Channel(d.ctrl, d.heads, d.device, timeout_s=cfg.topology.warmup_timeout_s, check=job.life.check,
+                 store=d.store)
+    ch.connect(d.topo.drafter_ranks, sending=False)  # after the data group's, as the drafters do
+    dc = cfg.drafter
+    compiled = dc.compile_loss if dc.compile_loss is not None else resolve_backend(cfg, d.device.type) == "flex"
+    server = HeadLossServer(ch, d.rank, head_weights(model)[1], dc.block_size, dc.gamma, dc.loss_chunk_rows,
+                            bool(compiled), dc.micro_batches)
+    tx.serve = server.poll
+    log.info("lm_head and loss of the drafters' steps run here (drafter.loss_on_target): %d request(s) per "
+             "message, %s loss", dc.micro_batches, "compiled" if compiled else "eager")
+    return server
 
 
 def open_trace(job):
@@ -114,9 +135,10 @@ def run_target(job) -> None:
     log.info("target capture: %s", capture.describe())
     flops_per_batch = capture_flops_fn(model, job, packed)
     dataset = TokenizedDataset.load(job.dataset_path)
-    channel = job_channel(d, cfg.topology, check=job.life.check)
+    channel = job_channel(d, cfg.topology, check=job.life.check, serve_heads=cfg.drafter.loss_on_target)
     channel.connect(topo.drafter_ranks, sending=True)  # before any payload: see Channel.connect
     tx = Sender(channel, d.rank, cfg.topology.max_in_flight)
+    heads = head_server(job, model, tx)
     log.info("target sends: %s, %s", "rendezvous (each payload posted once the drafter posted its receive)"
              if channel.store is not None else "posted at once", channel.describe())
 
@@ -141,15 +163,27 @@ def run_target(job) -> None:
     trace = open_trace(job) if cfg.logging.trace_target else None
 
     def stats() -> tuple:
-        """The cumulative statistics each header carries (transport.H_STATS), wall time up to now."""
-        return (int(busy_s * 1e6), int((tx.wait_s + stall_s) * 1e6), tokens, samples,
-                int((time.monotonic() - start) * 1e6), int(flops / 1e6), int(tx.idle_work_s * 1e6))
+        """The cumulative statistics each header carries (transport.H_STATS), wall time up to now; served head
+        requests count as busy time and FLOPs."""
+        served_s, served_flops = (heads.busy_s, heads.flops) if heads is not None else (0.0, 0.0)
+        return (int((busy_s + served_s) * 1e6), int((tx.wait_s + stall_s) * 1e6), tokens, samples,
+                int((time.monotonic() - start) * 1e6), int((flops + served_flops) / 1e6), int(tx.idle_work_s * 1e6))
+
+    def stop_limit():
+        """The first run message the drafters will not train, once a graceful stop is announced."""
+        at = job.life.stop_step()
+        return None if at is None else (at - job.start_step) * topo.num_drafters
     for j in topo.target_messages(run_messages):
         job.life.stop_requested()  # posts this rank's own signal, if it got one
         stop_at = job.life.stop_step()
         if stop_at is not None and j >= (stop_at - job.start_step) * topo.num_drafters:
             stopped = True  # the drafters stop after step stop_at: nothing later will be trained
             break
+        if heads is not None:  # this rank's messages of two rounds back are trained before this one is captured
+            t_serve = time.monotonic()
+            eval0 = tx.idle_work_s
+            heads.serve_through(j - 2 * topo.num_drafters, idle=tx.idle_between, stop_limit=stop_limit)
+            tx.wait_s += time.monotonic() - t_serve - (tx.idle_work_s - eval0)
         if evaluator is not None:
             evaluator.poll()
         k = job.start_cursor + j
@@ -177,6 +211,8 @@ def run_target(job) -> None:
         waited, evaluated, wall = tx.wait_s, tx.idle_work_s, time.monotonic() - start
         tx.send(topo.drafter_for(j), msg, stats=stats())
         sent += 1
+        if heads is not None:
+            heads.expect(j, k, topo.drafter_for(j))
         if trace is not None:
             trace.write(json.dumps({"message": k, "to": topo.drafter_for(j), "samples": len(batch),
                                     "tokens": int(lengths.sum()), "t_s": round(wall, 4),
@@ -186,7 +222,11 @@ def run_target(job) -> None:
         if not steady and tx.all_took(WARM_MESSAGES):  # drafters past warm-up: steady-state timeout from here
             steady = True
             channel.timeout_s = cfg.topology.timeout_s
+            if heads is not None:
+                heads.ch.timeout_s = cfg.topology.timeout_s
             shorten_timeouts(d, cfg.topology.timeout_s)
+    if heads is not None:  # the replies of the last steps (none of a stopped job's untrained messages)
+        heads.finish(idle=tx.idle_between, stop_limit=stop_limit)
     for dr in topo.drafter_ranks:
         tx.send_end(dr, stats=stats())
     tx.flush()
@@ -197,7 +237,8 @@ def run_target(job) -> None:
     if trace is not None:
         trace.close()
     log.info("target %s: %d messages, %d samples, %d tokens in %.1f s (%.0f tok/s, busy %.0f%%, "
-             "backpressure wait %.0f%%, stream stall before a capture %.0f%%, evaluation while waiting %.0f%%)",
+             "backpressure wait %.0f%%, stream stall before a capture %.0f%%, evaluation while waiting %.0f%%)%s",
              "stopped" if stopped else "done", sent, samples, tokens, wall, tokens / max(wall, 1e-9),
              100 * busy_s / max(wall, 1e-9), 100 * tx.wait_s / max(wall, 1e-9), 100 * stall_s / max(wall, 1e-9),
-             100 * tx.idle_work_s / max(wall, 1e-9))
+             100 * tx.idle_work_s / max(wall, 1e-9),
+             f"; {heads.describe()} = {100 * heads.busy_s / max(wall, 1e-9):.0f}% of the time" if heads else "")

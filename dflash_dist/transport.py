@@ -171,12 +171,14 @@ def use_rendezvous(setting: Optional[bool], data_group) -> bool:
     return dist.get_backend(data_group) == "nccl"
 
 
-def job_channel(d, topology, check: Optional[Callable[[], None]] = None) -> "Channel":
+def job_channel(d, topology, check: Optional[Callable[[], None]] = None, serve_heads: bool = False) -> "Channel":
     """The channel of a training job's rank: ``d`` its distributed setup (groups, device, store), ``topology``
-    the TopologyConfig (warm-up timeout first, rendezvous sends, communication streams)."""
+    the TopologyConfig (warm-up timeout first, rendezvous sends, communication streams). ``serve_heads``
+    (drafter.loss_on_target): rendezvous sends whatever the backend, so a target can serve head requests
+    while it waits for its drafters (a waiting gloo send cannot be polled)."""
+    rendezvous = serve_heads or use_rendezvous(topology.rendezvous_sends, d.data)
     return Channel(d.ctrl, d.data, d.device, timeout_s=topology.warmup_timeout_s, check=check,
-                   store=d.store if use_rendezvous(topology.rendezvous_sends, d.data) else None,
-                   comm_stream=topology.comm_streams)
+                   store=d.store if rendezvous else None, comm_stream=topology.comm_streams)
 
 
 def posted_key(src: int, dst: int) -> str:
@@ -273,9 +275,22 @@ class Sender:
         # any. Only there: right after a header or during a capture the GPU is not idle.
         self.idle_work: Optional[Callable[[], bool]] = None
         self.idle_work_s = 0.0
+        # served first while blocked: the drafters' head requests (drafter.loss_on_target), timed by their server
+        self.serve: Optional[Callable[[], bool]] = None
+        self.serve_s = 0.0
 
-    def _idle(self) -> bool:
+    def idle_between(self) -> bool:
+        """One piece of idle work while the caller waits on something else (a target waiting for head requests):
+        post the staged payloads whose receives are posted, then a piece of ``idle_work``."""
+        if self.ch.store is not None:
+            self.pump()
+        return self._idle(serve=False)
+
+    def _idle(self, serve: bool = True) -> bool:
         t0 = time.monotonic()
+        if serve and self.serve is not None and self.serve():
+            self.serve_s += time.monotonic() - t0
+            return True
         did = self.idle_work is not None and self.idle_work()
         if did:
             self.idle_work_s += time.monotonic() - t0
@@ -330,7 +345,7 @@ class Sender:
             self.pump()
         while q and q[0].staged is None and all(self.ch.done(w, g) for w, g in q[0].works):
             self._count_taken(dst, q.popleft())
-        t0, idle0 = time.monotonic(), self.idle_work_s
+        t0, idle0 = time.monotonic(), self.idle_work_s + self.serve_s
         while len(q) >= limit:
             if q[0].staged is not None:
                 self._await_receive(dst, q[0])
@@ -339,7 +354,7 @@ class Sender:
                 self.ch.wait(w, f"drafter rank {dst} to take a message from target rank {self.rank}", group=g,
                              idle=self._idle)
             self._count_taken(dst, out)
-        self.wait_s += time.monotonic() - t0 - (self.idle_work_s - idle0)
+        self.wait_s += time.monotonic() - t0 - (self.idle_work_s + self.serve_s - idle0)
 
     def _count_taken(self, dst: int, out: _Outgoing) -> None:
         if out.data:

@@ -296,3 +296,23 @@ def test_precompile_steps_pick_one_and_several_samples_two_lengths_each():
     # S_pad at bucket 256: 256, 256, 512, 256, 768, 512, 1024, 256
     assert precompile_steps(plan, 256) == [[100, 90], [300, 10], [120], [260]]
     assert precompile_steps([], 256) == []
+
+
+def test_activation_whose_width_equals_the_micro_batch_queries_is_not_a_score_matrix():
+    """drafter.micro_batches=2 on the embedded default (CPU): 8 anchors x 16 = 128 queries per forward, 128 + 128
+    keys, hidden size 128: the k_proj input [b=15, S+Q=256, H=128] has [K, Q]'s last two dimensions. Its leading
+    dimension is the batch, not heads or batch x heads; a real [b, heads, Q, K] or [b*heads, Q, K] still counts."""
+    from types import SimpleNamespace
+    from dflash_dist import startup_report as sr
+    cpu = torch.autograd.DeviceType.CPU
+
+    def ev(name, shapes):
+        return SimpleNamespace(name=name, device_type=cpu, input_shapes=shapes)
+
+    lead = {4, 15 * 4}
+    activation = [ev("aten::matmul", [[15, 256, 128], [128, 64]])]
+    assert len(sr._scan_events(activation, 128, 256, cuda=False)["dense"]) == 1  # the rule without heads
+    assert sr._scan_events(activation, 128, 256, cuda=False, lead=lead)["dense"] == []
+    scores = [ev("aten::matmul", [[15, 4, 128, 32], [15, 4, 32, 256]]), ev("aten::bmm", [[60, 128, 32], [60, 32, 256]]),
+              ev("aten::_softmax", [[15, 4, 128, 256], []])]
+    assert len(sr._scan_events(scores, 128, 256, cuda=False, lead=lead)["dense"]) == 3
