@@ -83,6 +83,7 @@ def parse_args(argv):
     p.add_argument("--e2e-timeout", type=float, default=420, help="seconds for (b), start-up included")
     p.add_argument("--grace-s", type=float, default=3.0, help="wait after the last window before stopping (b)")
     p.add_argument("--skip-alone", action="store_true")
+    p.add_argument("--profile-step", type=int, default=-1, help="(a): profile this step, print the top kernels")
     p.add_argument("--skip-e2e", action="store_true")
     p.add_argument("--goal", type=float, default=0.97)
     p.add_argument("--_alone", action="store_true", help=argparse.SUPPRESS)
@@ -136,7 +137,12 @@ def drafter_alone(args) -> int:
         j = s * topo.num_drafters + topo.index
         msg = msgs[s] if s < len(msgs) else None
         batch = trainer.build(msg, job.start_cursor + j)
-        trainer.train_step(batch)
+        if s == args.profile_step:
+            out["profile_top"] = profiled(lambda: trainer.train_step(batch), dev)
+            C.log("step %d, top CUDA kernels by time:\n%s" % (s, "\n".join(
+                f"  {k['ms']:9.2f} ms  x{k['calls']:<4d} {k['name']}" for k in out["profile_top"])))
+        else:
+            trainer.train_step(batch)
         if s == 0:
             C.sync(dev)
             out["first_step_s"] = time.monotonic() - t1
@@ -156,6 +162,24 @@ def drafter_alone(args) -> int:
         out["compile_guard"] = trainer.guard.summary()
     C.write_json(args.alone_out, out)
     return 0
+
+
+def profiled(step_fn, dev, top: int = 15) -> list:
+    """Run one step under torch.profiler; the ``top`` kernels (CUDA; CPU ops on CPU) by total device time."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    C.sync(dev)
+    with profile(activities=acts) as prof:
+        step_fn()
+        C.sync(dev)
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", 0) if dev.type == "cuda" else e.self_cpu_time_total
+        if t > 0 and (dev.type != "cuda" or getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA):
+            rows.append({"name": e.key[:120], "ms": t / 1e3, "calls": int(e.count)})
+    rows.sort(key=lambda r: -r["ms"])
+    total = sum(r["ms"] for r in rows)
+    return [{"name": "TOTAL", "ms": total, "calls": sum(r["calls"] for r in rows)}] + rows[:top]
 
 
 # ---------------------------------------------------------------------------------------------- (b)

@@ -135,12 +135,18 @@ class HeadLossServer:
     """Target side: the requests this rank expects (M per message it sent, in sending order) and their service."""
 
     def __init__(self, channel: Channel, rank: int, weight: Tensor, block_size: int, gamma: float,
-                 chunk_rows: int, compiled: bool, micro_batches: int):
+                 chunk_rows: int, compiled: bool, micro_batches: int,
+                 before_serve: Optional[Callable[[], None]] = None):
         if channel.store is None:
             raise ValueError("drafter.loss_on_target needs the rendezvous store")
         self.ch, self.rank, self.weight = channel, rank, weight.detach()
         self.block_size, self.gamma, self.chunk_rows, self.compiled = block_size, gamma, chunk_rows, compiled
         self.micro_batches = micro_batches
+        # posts the feature payloads whose receives are posted (Sender.pump), before a request's receive is queued:
+        # a payload posted later from the compute stream would wait behind the request's receive, which waits for
+        # the drafter's forward of that payload (call 25: that cycle hung the first step). The drafter counts its
+        # payload receive in the store before it writes the request's key, so reading the key first sees the count.
+        self.before_serve = before_serve
         self._timing: deque = deque()           # CUDA (start, end) events of served requests, not yet read
         self.expected: deque = deque()          # (run index j, plan index k, drafter rank), oldest first
         self.served_per: dict[int, int] = {}    # requests served per drafter
@@ -191,6 +197,8 @@ class HeadLossServer:
         if h != self.weight.shape[1] or code not in CODE_DTYPES or r % (bsz - 1):
             raise TransportError(f"drafter rank {drafter}: head rows [{r}, {h}] dtype code {code} do not fit a head "
                                  f"of width {self.weight.shape[1]} and blocks of {bsz}")
+        if self.before_serve is not None:
+            self.before_serve()
         dev = self.weight.device
         rows = torch.empty(r, h, dtype=CODE_DTYPES[code], device=dev)
         labels = torch.empty(r, dtype=torch.int64, device=dev)
