@@ -45,6 +45,7 @@ log = logging.getLogger("dflash_dist")
 __all__ = ["request_key", "HeadLossClient", "HeadLossServer", "head_flops"]
 
 
+FIRST_LOGGED = 2  # the first requests are logged on both sides (where a hung first step stopped)
 MAX_REPLIES_KEPT = 4  # replies whose sends a target keeps in flight before it waits for the oldest
 
 
@@ -119,6 +120,8 @@ class HeadLossClient:
         self.ch.store.set(request_key(self.rank, target, n), f"{index},{r},{h},{DTYPE_CODES[self.dtype]}")
         self.sent[target] = n + 1
         self.requests += 1
+        if self.requests <= FIRST_LOGGED:
+            log.info("head request %d posted to target rank %d: message %d, %d rows", self.requests, target, index, r)
         surrogate = _ReceivedGrad.apply(rows_h, grad)
         return _Pending(rows_y, rows_w, surrogate, loss, pred, recvs, (sends, send_h, send_y))
 
@@ -224,6 +227,8 @@ class HeadLossServer:
         else:
             self.busy_s += time.monotonic() - t0
         self.served += 1
+        if self.served <= FIRST_LOGGED:
+            log.info("head request of message %d from drafter rank %d served (%d rows)", k, drafter, r)
         self.rows += r
         self.flops += head_flops(r, h, self.weight.shape[0])
 

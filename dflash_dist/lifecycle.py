@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -58,6 +59,8 @@ class Lifecycle:
         if install_handlers:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, self._on_signal)
+            # a job that hangs: `pkill -USR1 -f dflash_dist.train` prints where every rank's Python is, to stderr
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     def dead_peers(self) -> list[str]:
         """Ranks on this host whose process no longer exists (a kill -9, an OOM kill), e.g. 'rank 2 (target)'."""
