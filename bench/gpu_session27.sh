@@ -9,7 +9,7 @@ source bench/gpu_env.sh "$@"   # strict mode, OUT (first argument), environment,
 JOB=(--steps 50 --warmup-steps 20 --override drafter.num_anchors=256)
 stacks_if_stuck() {  # stacks_if_stuck SECONDS LOG: dump the ranks' stacks if LOG has no step 5 by then
   sleep "$1"
-  if ! grep -q "step 5/" "$2" 2>/dev/null; then echo "no step 5 after $1 s: stacks"; pkill -USR1 -f dflash_dist.train; fi
+  if ! grep -q "step 5/" "$2" 2>/dev/null; then echo "no step 5 after $1 s: stacks"; pkill -USR1 -f -- "-u -m dflash_dist.train"; fi
 }
 run_one() {
   local box=$1 name=$2; shift 2

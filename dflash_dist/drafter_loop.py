@@ -406,7 +406,10 @@ def run_drafter(job) -> None:
     if cfg.drafter.loss_on_target:
         head_channel = Channel(d.ctrl, d.heads, d.device, timeout_s=cfg.topology.warmup_timeout_s, check=life.check,
                                store=d.store)
+        # both directions: NCCL connects each direction of a pair on its first operation, which can block until
+        # the peer makes its own (call 27: the first reply's receive blocked before the request reached the store)
         head_channel.connect(topo.target_ranks, sending=True)
+        head_channel.connect(topo.target_ranks, sending=False)
         trainer.heads = HeadLossClient(head_channel, d.rank, trainer.lm_head.dtype, cfg.drafter.block_size,
                                        cfg.drafter.gamma)
     if trainer.micro_batches > 1 or head_channel is not None:

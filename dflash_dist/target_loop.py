@@ -76,7 +76,8 @@ def head_server(job, model, tx):
         return None
     ch = Channel(d.ctrl, d.heads, d.device, timeout_s=cfg.topology.warmup_timeout_s, check=job.life.check,
                  store=d.store)
-    ch.connect(d.topo.drafter_ranks, sending=False)  # after the data group's, as the drafters do
+    ch.connect(d.topo.drafter_ranks, sending=False)  # after the data group's, as the drafters do; both directions
+    ch.connect(d.topo.drafter_ranks, sending=True)
     dc = cfg.drafter
     compiled = dc.compile_loss if dc.compile_loss is not None else resolve_backend(cfg, d.device.type) == "flex"
     server = HeadLossServer(ch, d.rank, head_weights(model)[1], dc.block_size, dc.gamma, dc.loss_chunk_rows,
