@@ -168,6 +168,13 @@ class DrafterConfig:
     the drafter does not wait for the reply. Needs target ranks that can serve while they wait: rendezvous sends
     (forced on)."""
 
+    local_loss_groups: int = 0
+    """With ``loss_on_target``: the last this many anchor groups keep their loss on the drafter, computed while the
+    target serves the first ones. The target serves a message's groups one after another and the drafter's
+    single backward waits for all of them, so when serving takes longer than the drafter's remaining forwards
+    the drafter idles (2x H200, 8B shapes, 256 anchors, 2 groups both on the target: 1.06x); keeping the last
+    group local fills that wait with the drafter's own work. Must be < micro_batches."""
+
     leaky_mask_demo: bool = False
     """DEMONSTRATION ONLY, a bug on purpose: let blocks see the target state at their own anchor (kv <= a), the
     classic leak of other trainers. Training accuracy soars, served acceptance does not (scripts/leak_demo.sh)."""
@@ -179,6 +186,9 @@ class DrafterConfig:
         _require(self.micro_batches >= 1 and self.num_anchors % self.micro_batches == 0,
                  f"drafter.micro_batches={self.micro_batches}: must be >= 1 and divide drafter.num_anchors="
                  f"{self.num_anchors}")
+        _require(0 <= self.local_loss_groups < self.micro_batches,
+                 f"drafter.local_loss_groups={self.local_loss_groups}: must be >= 0 and < drafter.micro_batches="
+                 f"{self.micro_batches} (at least one group's loss goes to the target)")
         _require(self.attention_backend in ("auto", "flex", "sdpa"),
                  f"drafter.attention_backend={self.attention_backend!r}: use flex, sdpa or auto")
         _require(self.loss_gamma is None or self.loss_gamma > 0, "drafter.loss_gamma must be > 0")

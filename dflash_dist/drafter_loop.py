@@ -205,7 +205,7 @@ class DrafterTrainer:
                 block_embeds = F.embedding(group.block_ids, self.embed)
                 with self.autocast:
                     hidden = self.ddp(block_embeds, batch.features, batch.ctx_positions, group.block_positions, mask)
-                    if remote:
+                    if remote and i < len(groups) - dc.local_loss_groups:
                         pending.append(self.heads.request(batch.src, batch.index, hidden, group.labels))
                     else:
                         parts.append(decayed_ce(hidden, self.lm_head, group.labels, dc.block_size, dc.gamma,
@@ -272,8 +272,11 @@ class DrafterTrainer:
         integers, the attention term needs the anchors (visible pairs), summed on the device (no sync)."""
         B = self.cfg.drafter.block_size
         b, n = batch.anchors.shape
-        vocab = 0 if self.heads is not None and batch.src is not None else self.lm_head.shape[0]  # head on target
-        fixed = drafter_step_flops(self.mcfg, b, batch.ctx_len, n, vocab, 0.0)["model"]
+        fixed = drafter_step_flops(self.mcfg, b, batch.ctx_len, n, self.lm_head.shape[0], 0.0)
+        if self.heads is not None and batch.src is not None:  # the head's FLOPs of the served groups: the target's
+            dc = self.cfg.drafter
+            fixed["model"] -= fixed["lm_head"] * (dc.micro_batches - dc.local_loss_groups) / dc.micro_batches
+        fixed = fixed["model"]
         pairs = (B * (batch.anchors + B) * batch.valid).sum(dtype=torch.float64)
         return pairs * attention_flops_per_pair(self.mcfg) + fixed
 
@@ -413,10 +416,11 @@ def run_drafter(job) -> None:
         trainer.heads = HeadLossClient(head_channel, d.rank, trainer.lm_head.dtype, cfg.drafter.block_size,
                                        cfg.drafter.gamma)
     if trainer.micro_batches > 1 or head_channel is not None:
+        served = trainer.micro_batches - cfg.drafter.local_loss_groups
         log.info("drafter step: %d group(s) of %d anchors, each its own forward; lm_head and loss %s",
                  trainer.micro_batches, cfg.drafter.num_anchors // trainer.micro_batches,
-                 "on the target that sent the message (drafter.loss_on_target)" if head_channel is not None
-                 else "on this rank")
+                 f"of {served} group(s) on the target that sent the message (drafter.loss_on_target), of "
+                 f"{cfg.drafter.local_loss_groups} on this rank" if head_channel is not None else "on this rank")
     rx = Receiver(channel, d.rank)
     mine = list(topo.drafter_messages(run_messages))
     pending = rx.post(topo.target_for(mine[0]), job.start_cursor + mine[0]) if mine else None

@@ -138,13 +138,13 @@ class HeadLossServer:
     """Target side: the requests this rank expects (M per message it sent, in sending order) and their service."""
 
     def __init__(self, channel: Channel, rank: int, weight: Tensor, block_size: int, gamma: float,
-                 chunk_rows: int, compiled: bool, micro_batches: int,
+                 chunk_rows: int, compiled: bool, requests_per_message: int,
                  before_serve: Optional[Callable[[], None]] = None):
         if channel.store is None:
             raise ValueError("drafter.loss_on_target needs the rendezvous store")
         self.ch, self.rank, self.weight = channel, rank, weight.detach()
         self.block_size, self.gamma, self.chunk_rows, self.compiled = block_size, gamma, chunk_rows, compiled
-        self.micro_batches = micro_batches
+        self.requests_per_message = requests_per_message
         # posts the feature payloads whose receives are posted (Sender.pump), before a request's receive is queued:
         # a payload posted later from the compute stream would wait behind the request's receive, which waits for
         # the drafter's forward of that payload (call 25: that cycle hung the first step). The drafter counts its
@@ -160,8 +160,8 @@ class HeadLossServer:
         self.flops = 0.0
 
     def expect(self, j: int, k: int, drafter: int) -> None:
-        """Message j (plan index k) was sent to ``drafter``: its M requests will come, in order."""
-        for _ in range(self.micro_batches):
+        """Message j (plan index k) was sent to ``drafter``: its requests will come, in order."""
+        for _ in range(self.requests_per_message):
             self.expected.append((j, k, drafter))
 
     def drop_from(self, j_limit: int) -> int:

@@ -81,10 +81,10 @@ def head_server(job, model, tx):
     dc = cfg.drafter
     compiled = dc.compile_loss if dc.compile_loss is not None else resolve_backend(cfg, d.device.type) == "flex"
     server = HeadLossServer(ch, d.rank, head_weights(model)[1], dc.block_size, dc.gamma, dc.loss_chunk_rows,
-                            bool(compiled), dc.micro_batches, before_serve=tx.pump)
+                            bool(compiled), dc.micro_batches - dc.local_loss_groups, before_serve=tx.pump)
     tx.serve = server.poll
     log.info("lm_head and loss of the drafters' steps run here (drafter.loss_on_target): %d request(s) per "
-             "message, %s loss", dc.micro_batches, "compiled" if compiled else "eager")
+             "message, %s loss", dc.micro_batches - dc.local_loss_groups, "compiled" if compiled else "eager")
     return server
 
 

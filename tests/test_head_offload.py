@@ -129,13 +129,14 @@ def test_loss_on_target_trains_the_same_weights(tmp_path):
 
 
 def test_loss_on_target_two_targets_one_drafter_sigterm(tmp_path):
-    """Two targets feed one drafter (each message's loss goes back to the target that sent it), SIGTERM mid-run:
-    both targets drop the requests of messages that will not be trained, every rank exits 0 after one checkpoint,
-    and the accounting closes."""
+    """Two targets feed one drafter (each message's loss goes back to the target that sent it), 4 anchor groups of
+    which the last keeps its loss on the drafter, SIGTERM mid-run: both targets drop the requests of messages that
+    will not be trained, every rank exits 0 after one checkpoint, and the accounting closes."""
     from test_train_e2e import accounting, check_accounting, sigterm_workers_when, train_records
     p = torchrun(3, ["-m", "dflash_dist.train", f"train.output_dir={tmp_path}", "data.source=synthetic:40:400",
                      "train.epochs=1", "topology.target_ranks=2", "drafter.loss_on_target=true",
-                     "drafter.micro_batches=2", "target.max_batch_samples=8", "logging.log_every=2",
+                     "drafter.micro_batches=4", "drafter.local_loss_groups=1", "target.max_batch_samples=8",
+                     "logging.log_every=2",
                      "logging.progress_bar=false", "logging.wandb.mode=disabled"], popen=True)
     out = sigterm_workers_when(p, lambda: any(r["step"] >= 6 for r in train_records(tmp_path)), tmp_path,
                                "did not reach step 6")
@@ -146,5 +147,5 @@ def test_loss_on_target_two_targets_one_drafter_sigterm(tmp_path):
               for line in out.splitlines() if " head requests served" in line]
     assert len(served) == 2 and all(n > 0 for n in served), served
     last = train_records(tmp_path)[-1]["step"]
-    assert sum(served) == 2 * last  # every trained step's two groups, nothing more
+    assert sum(served) == 3 * last  # every trained step's three served groups, nothing more
     check_accounting(accounting(tmp_path))
