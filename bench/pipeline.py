@@ -203,14 +203,13 @@ def _kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=30)
+    except (subprocess.TimeoutExpired, ProcessLookupError):
+        pass
+    try:  # always: ranks stuck in NCCL outlive their torchrun agent and spin on the GPUs (calls 25-26)
+        os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    proc.wait(timeout=30)
 
 
 def supervise(cmd: list, log_path: str, timeout_s: float, env: dict, done=None, grace_s: float = 0.0):

@@ -10,13 +10,13 @@ import time
 import torch
 import torch.distributed as dist
 
+from .config import resolve_backend
 from .data import TokenizedDataset
 from .distributed import shorten_timeouts
 from .eval_loop import TargetEval, eval_enabled, expected_evals
 from .faults import apply_target_fault, fault_for, stall_if_due
 from .target import (FeatureCapture, build_target_model, head_weights, resolve_compile, resolve_packing,
                      resolve_source)
-from .config import resolve_backend
 from .head_offload import HeadLossServer
 from .transport import Channel, Message, Sender, job_channel
 
@@ -182,9 +182,11 @@ def run_target(job) -> None:
             break
         if heads is not None:  # this rank's messages of two rounds back are trained before this one is captured
             t_serve = time.monotonic()
-            eval0 = tx.idle_work_s
+            eval0, served0 = tx.idle_work_s, heads.busy_s
             heads.serve_through(j - 2 * topo.num_drafters, idle=tx.idle_between, stop_limit=stop_limit)
-            tx.wait_s += time.monotonic() - t_serve - (tx.idle_work_s - eval0)
+            # waiting = this time less the evaluation and the GPU time of the requests served meanwhile (read as
+            # their events complete: a little can land in a later wait)
+            tx.wait_s += max(0.0, time.monotonic() - t_serve - (tx.idle_work_s - eval0) - (heads.busy_s - served0))
         if evaluator is not None:
             evaluator.poll()
         k = job.start_cursor + j

@@ -156,12 +156,44 @@ def test_slow_first_steps_are_warm_up_not_a_dead_drafter(tmp_path):
     assert "done: 12 steps" in out
 
 
-def test_a_drafter_silent_after_warm_up_is_dead_within_the_timeout(tmp_path):
-    """The same stall at step 6 (after warm-up) ends the job with the steady 2 s timeout, naming the drafter."""
+def _drafter_silent_at_step_6(tmp_path, *overrides) -> str:
+    """Drafter 0 stalls 60 s at step 6 (after warm-up): the job must fail well before the stall ends (steady
+    2 s timeout). Returns the job's output."""
     t0 = time.time()
-    p = torchrun(2, _SHORT + [f"train.output_dir={tmp_path}"], timeout=240,
+    p = torchrun(2, _SHORT + [f"train.output_dir={tmp_path}", *overrides], timeout=240,
                  env={"DFLASH_INJECT_FAULT": "0:6:stall", "DFLASH_INJECT_STALL_S": "60"})
     out = p.stdout + p.stderr
-    assert p.returncode != 0
-    assert "drafter rank 0 to take a message from target rank 1" in out, out[-3000:]
+    assert p.returncode != 0, out[-3000:]
     assert time.time() - t0 < 55, "ended by the timeout, not by the 60 s stall"
+    return out
+
+
+def test_a_drafter_silent_after_warm_up_is_dead_within_the_timeout(tmp_path):
+    """The same stall at step 6 (after warm-up) ends the job with the steady 2 s timeout, naming the drafter."""
+    out = _drafter_silent_at_step_6(tmp_path)
+    assert "drafter rank 0 to take a message from target rank 1" in out, out[-3000:]
+
+
+def test_a_drafter_silent_with_the_loss_on_the_target_is_dead_within_the_timeout(tmp_path):
+    """drafter.loss_on_target: the target waits for head rows before it captures further; a drafter silent after
+    warm-up ends the job within the steady timeout there too, and the target names what it waited for."""
+    out = _drafter_silent_at_step_6(tmp_path, "drafter.loss_on_target=true", "drafter.micro_batches=2")
+    assert "waiting for drafter rank 0 to send the head rows of message" in out, out[-3000:]
+
+
+def test_sigusr1_prints_every_ranks_stacks(tmp_path):
+    """A job that seems stuck: SIGUSR1 to the workers prints each one's Python stacks (faulthandler) and the job
+    goes on to finish."""
+    from test_train_e2e import _workers_of, train_records
+    p = torchrun(2, ["-m", "dflash_dist.train", f"train.output_dir={tmp_path}", "train.max_steps=40",
+                     "train.eval_prompts=0", "logging.log_every=2", "logging.progress_bar=false",
+                     "logging.wandb.mode=disabled"], popen=True)
+    deadline = time.time() + 200
+    while not (os.path.exists(tmp_path / "metrics.jsonl") and train_records(tmp_path)):
+        assert time.time() < deadline and p.poll() is None, "no training step"
+        time.sleep(0.5)
+    for w in _workers_of(p.pid):
+        os.kill(w, signal.SIGUSR1)
+    out = p.communicate(timeout=200)[0]
+    assert p.returncode == 0, out[-3000:]
+    assert out.count("most recent call first") >= 2 and "dflash_dist/train.py" in out, out[-3000:]

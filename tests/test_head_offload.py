@@ -93,9 +93,10 @@ def _final_weights(run_dir):
     return load_file(os.path.join(run_dir, "checkpoints", ck, "model.safetensors"))
 
 
-def _job(tmp_path, name, *overrides):
+def _job(tmp_path, name, *overrides, eval_prompts=0):
     run = tmp_path / name
-    r = torchrun(3, ["-m", "dflash_dist.train", f"train.output_dir={run}", "train.max_steps=8", "train.eval_prompts=0",
+    r = torchrun(3, ["-m", "dflash_dist.train", f"train.output_dir={run}", "train.max_steps=8",
+                     f"train.eval_prompts={eval_prompts}",
                      "logging.log_every=4", "logging.progress_bar=false", "logging.wandb.mode=disabled",
                      *overrides], timeout=300)
     out = r.stdout + r.stderr
@@ -111,7 +112,7 @@ def test_loss_on_target_trains_the_same_weights(tmp_path):
     offload, out = _job(tmp_path, "offload", "drafter.micro_batches=2", "drafter.loss_on_target=true",
                         "logging.peak_tflops=0.001")
     whole, _ = _job(tmp_path, "whole")
-    assert "lm_head and loss on the target that sent the message" in out
+    assert "lm_head and loss of 2 group(s) on the target that sent the message" in out
     assert "lm_head and loss of the drafters' steps run here" in out
     assert "target sends: rendezvous" in out  # forced on over gloo: the target serves while it waits
     # 8 steps x 2 drafters = 16 messages, 2 requests each
@@ -149,3 +150,17 @@ def test_loss_on_target_two_targets_one_drafter_sigterm(tmp_path):
     last = train_records(tmp_path)[-1]["step"]
     assert sum(served) == 3 * last  # every trained step's three served groups, nothing more
     check_accounting(accounting(tmp_path))
+
+
+def test_loss_on_target_with_the_evaluation_in_slices(tmp_path):
+    """The target's waits serve head requests first and run the in-training evaluation's verify steps otherwise:
+    both happen in one job, every requested evaluation is logged or skipped (said so), nothing is lost."""
+    from test_train_e2e import accounting, check_accounting, metrics
+    run, out = _job(tmp_path, "eval", "drafter.micro_batches=2", "drafter.loss_on_target=true",
+                    "train.eval_every=4", "train.eval_max_new_tokens=32", eval_prompts=8)
+    assert "in-training evaluation: one verify step at a time while waiting for the drafters" in out
+    assert "32 head requests served" in out, out[-3000:]  # 8 steps x 2 drafters x 2 groups
+    evals = [x for x in metrics(run) if x["kind"] == "eval"]
+    assert evals and evals[-1]["step"] == 8 and evals[-1]["tau"] >= 1.0, evals
+    assert len(evals) + out.count(" skipped: the one of step") == 2  # requested at 4 and after the last step
+    check_accounting(accounting(run))
