@@ -166,7 +166,8 @@ class DrafterConfig:
     loss sum, the argmax and the gradient with respect to those rows. Moves ~28% of a drafter step's FLOPs (550
     tokens, 256 anchors) onto targets that would otherwise idle in a drafter-bound job. Use micro_batches >= 2 so
     the drafter does not wait for the reply. Needs target ranks that can serve while they wait: rendezvous sends
-    (forced on)."""
+    (forced on). Measured on 2x H200 (8B shapes, 256 anchors, 2 groups): 1.06x the local loss, same loss curve.
+    ``topology.target_ranks=auto`` and dflash-plan still measure the drafter with its loss local."""
 
     local_loss_groups: int = 0
     """With ``loss_on_target``: the last this many anchor groups keep their loss on the drafter, computed while the

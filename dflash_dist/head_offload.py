@@ -10,8 +10,10 @@ A step on the drafter (``drafter.micro_batches`` = M groups of anchors): for eac
 rows and labels are posted to the target that sent the message, with the receives of the reply; the next
 group's forward runs while the target computes. Then the compute stream waits for the replies (the host does
 not), the loss is the sum of the replies, and one backward runs, each group's rows taking their received
-gradient (``_ReceivedGrad``). The numbers are those of the local fused loss (``loss.frozen_head_ce`` on both
-sides; bit for bit on CPU, ``tests/test_head_offload.py``).
+gradient (``_ReceivedGrad``). ``drafter.local_loss_groups``: the last groups' loss stays on the drafter. The
+numbers are those of the local fused loss (``loss.frozen_head_ce`` on both sides; bit for bit on CPU,
+``tests/test_head_offload.py``). Measured on 2x H200 (docs/benchmarks.md, call 28): 1.06x, because the single
+backward waits for every served group and the target serves them one after the other (~45 ms each at 8B shapes).
 
 On a target (``HeadLossServer``): it serves the requests of the messages it sent, in the order it sent them,
 between captures and whenever it waits on its drafters, and captures its message j only once the requests of
@@ -19,7 +21,10 @@ its messages up to j - 2D are served (D drafters: message j's drafter sends them
 two rounds ahead never holds a reply up, and nothing waits in a cycle: see ``target_loop.run_target``).
 
 Wire: a request's index, rows, width and dtype go through the rendezvous store under a per-link key (its
-appearance also says the rows were posted, so the target never leaves a receive pending on its GPU); the rows
+appearance also says the rows were posted, so the target never leaves a receive pending on its GPU; before it
+queues the receive it posts the feature payloads whose receives are posted, which the rows may depend on); the
+group is connected in both directions at startup (NCCL connects a direction on first use and can block there
+until the peer makes its own: calls 25-27 hung in their first step without these two); the rows
 and labels one way and the loss sum, argmax and gradient the other travel over the group ``heads`` (NCCL on
 GPU, gloo on CPU): a group of its own, as NCCL orders point-to-point operations per pair and group and the
 replies would otherwise queue against the feature sends of the data group.
