@@ -88,8 +88,8 @@ class _Pending:
     surrogate: Tensor      # 0 with the received gradient behind it
     loss: Tensor           # [1] fp32, received
     pred: Tensor           # [R] int64, received
-    works: list            # receives of the reply (the sends' works ride along to keep their buffers)
-    sends: tuple
+    works: list            # the receives of the reply
+    sends: tuple           # (works, rows, labels) of the request: kept alive until the reply is in
 
 
 class HeadLossClient:
