@@ -234,3 +234,16 @@ def test_compile_race_window(tmp_path):
     assert rows["adamw_foreach"]["differ"] + rows["adamw_foreach"]["errors"] == 1
     assert rows["drafter_steps"]["differ"] + rows["drafter_steps"]["errors"] == 1  # the real DrafterTrainer too
     assert rows["target_capture"] == {"runs": 1, "differ": 0, "max_abs_diff": 0.0, "errors": 0, "first_error": None}
+
+
+def test_head_serve(tmp_path):
+    """bench/head_serve.py --tiny: every (rows, chunk) row timed, rows cut to whole blocks, FLOPs 4 x R x H x V."""
+    out = tmp_path / "hs.json"
+    r = subprocess.run(_cmd("head_serve.py", "--tiny", "--out", out), cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.load(open(out))
+    assert [(x["rows"], x["chunk_rows"]) for x in res["rows"]] == [(150, 64), (150, 128), (300, 64), (300, 128)]
+    assert all(x["ms"] > 0 and x["tflops"] == pytest.approx(4 * x["rows"] * 64 * 1000 / (x["ms"] / 1e3) / 1e12)
+               for x in res["rows"])
+    assert "| 300 | 128 | no |" in r.stdout
