@@ -253,13 +253,14 @@ class HeadLossServer:
         """Serve until no expected request belongs to a message j <= j_max; ``idle``: other work while no request
         is posted (say whether it did any); ``stop_limit``: the first message the drafters will not train, once a
         graceful stop is announced (its requests are dropped)."""
-        last_stop_check = [0.0]
+        last_stop_check = 0.0
 
         def done() -> bool:
+            nonlocal last_stop_check
             while self.poll():
                 pass
-            if stop_limit is not None and time.monotonic() - last_stop_check[0] > 0.2:
-                last_stop_check[0] = time.monotonic()
+            if stop_limit is not None and time.monotonic() - last_stop_check > 0.2:  # a store read: not every poll
+                last_stop_check = time.monotonic()
                 limit = stop_limit()
                 if limit is not None:
                     self.drop_from(limit)
