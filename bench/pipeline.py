@@ -36,6 +36,8 @@ import _standalone as S  # noqa: E402
 
 import torch  # noqa: E402
 
+from dflash_dist.step_trace import format_timeline, traced_step  # noqa: E402
+
 
 def add_job_args(p: argparse.ArgumentParser) -> None:
     """Options that define the job (shared with bench/threaded_baseline.py)."""
@@ -138,9 +140,11 @@ def drafter_alone(args) -> int:
         msg = msgs[s] if s < len(msgs) else None
         batch = trainer.build(msg, job.start_cursor + j)
         if s == args.profile_step:
-            out["profile_top"] = profiled(lambda: trainer.train_step(batch), dev)
+            trace = os.path.join(args.workdir, f"alone_trace_step{s}.json")
+            out["profile_top"], out["timeline"] = profiled(lambda: trainer.train_step(batch), dev, trace)
             C.log("step %d, top CUDA kernels by time:\n%s" % (s, "\n".join(
                 f"  {k['ms']:9.2f} ms  x{k['calls']:<4d} {k['name']}" for k in out["profile_top"])))
+            C.log(format_timeline(out["timeline"], f"step {s} (trace {trace})"))
         else:
             trainer.train_step(batch)
         if s == 0:
@@ -164,14 +168,10 @@ def drafter_alone(args) -> int:
     return 0
 
 
-def profiled(step_fn, dev, top: int = 15) -> list:
-    """Run one step under torch.profiler; the ``top`` kernels (CUDA; CPU ops on CPU) by total device time."""
-    from torch.profiler import ProfilerActivity, profile
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    C.sync(dev)
-    with profile(activities=acts) as prof:
-        step_fn()
-        C.sync(dev)
+def profiled(step_fn, dev, trace_path: str, top: int = 15) -> tuple[list, dict]:
+    """Run one step under torch.profiler, its Chrome trace written to ``trace_path``: the ``top`` kernels (CUDA;
+    CPU ops on CPU) by total device time, and the step's phase timeline (dflash_dist.step_trace)."""
+    tl, prof = traced_step(step_fn, trace_path, dev)
     rows = []
     for e in prof.key_averages():
         t = getattr(e, "self_device_time_total", 0) if dev.type == "cuda" else e.self_cpu_time_total
@@ -179,7 +179,7 @@ def profiled(step_fn, dev, top: int = 15) -> list:
             rows.append({"name": e.key[:120], "ms": t / 1e3, "calls": int(e.count)})
     rows.sort(key=lambda r: -r["ms"])
     total = sum(r["ms"] for r in rows)
-    return [{"name": "TOTAL", "ms": total, "calls": sum(r["calls"] for r in rows)}] + rows[:top]
+    return [{"name": "TOTAL", "ms": total, "calls": sum(r["calls"] for r in rows)}] + rows[:top], tl
 
 
 # ---------------------------------------------------------------------------------------------- (b)

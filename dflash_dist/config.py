@@ -423,10 +423,19 @@ class LoggingConfig:
     tokens, and where its time went (stream stall before the capture, the capture itself, backpressure wait
     before the send), for finding which side of the pipeline is slow and why."""
 
+    profile_step: int = -1
+    """Drafter ranks train this step (0-based, counted in this run) under torch.profiler, write its Chrome trace
+    to <output_dir>/profile/drafter_rank<r>_step<N>.json and log its phase timeline: each anchor group's forward,
+    its loss or head request, the wait for the head replies, backward, optimizer (``bench/profile_timeline.py``
+    prints a written trace). The device is synchronized around that step. -1: off."""
+
     def __post_init__(self) -> None:
         if isinstance(self.wandb, dict):
             self.wandb = WandbConfig(**self.wandb)
         _require(self.log_every >= 1, "logging.log_every must be >= 1")
+        _require(self.profile_step == -1 or self.profile_step >= 4,
+                 f"logging.profile_step={self.profile_step}: use -1 (off) or a step >= 4 (steps 0-3 compile, run "
+                 "the startup report's profile and the host-sync check)")
         _require(self.peak_tflops is None or self.peak_tflops > 0, "logging.peak_tflops must be > 0 (or null)")
 
 

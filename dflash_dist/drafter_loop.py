@@ -23,6 +23,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .compile_guard import (batch_shape, dynamo_counters, expected_shapes, install_guard, plan_step_lengths,
                             precompile_steps, report_graph_breaks)
 from .startup_report import host_syncs, startup_report
+from .step_trace import format_timeline, phase, traced_step
 from .config import cosine_lr, resolve_backend
 from .drafter import DFlashDrafter, DrafterModelConfig
 from .flops import attention_flops_per_pair, drafter_step_flops, nominal_peak_tflops
@@ -201,16 +202,23 @@ class DrafterTrainer:
             # one backward for every group: DDP's reducer is armed by the last forward only
             later = i < len(groups) - 1 and self.ddp is not self.model
             with self.ddp.no_sync() if later else contextlib.nullcontext():
-                mask = self.attention_mask(group)
-                block_embeds = F.embedding(group.block_ids, self.embed)
+                with phase(f"group{i} forward"):
+                    mask = self.attention_mask(group)
+                    block_embeds = F.embedding(group.block_ids, self.embed)
+                    with self.autocast:
+                        hidden = self.ddp(block_embeds, batch.features, batch.ctx_positions, group.block_positions,
+                                          mask)
                 with self.autocast:
-                    hidden = self.ddp(block_embeds, batch.features, batch.ctx_positions, group.block_positions, mask)
                     if remote and i < len(groups) - dc.local_loss_groups:
-                        pending.append(self.heads.request(batch.src, batch.index, hidden, group.labels))
+                        with phase(f"group{i} head request"):
+                            pending.append(self.heads.request(batch.src, batch.index, hidden, group.labels))
                     else:
-                        parts.append(decayed_ce(hidden, self.lm_head, group.labels, dc.block_size, dc.gamma,
-                                                dc.loss_chunk_rows, compiled=self.compile_loss))
-        parts += [self.heads.complete(p, batch.src) for p in pending]
+                        with phase(f"group{i} loss"):
+                            parts.append(decayed_ce(hidden, self.lm_head, group.labels, dc.block_size, dc.gamma,
+                                                    dc.loss_chunk_rows, compiled=self.compile_loss))
+        if pending:
+            with phase("head replies"):
+                parts += [self.heads.complete(p, batch.src) for p in pending]
         return LossParts.total(parts)
 
     def precompile(self) -> float:
@@ -255,10 +263,12 @@ class DrafterTrainer:
         if self.d.drafters is not None:
             dist.all_reduce(wsum, group=self.d.drafters)
         loss = parts.loss_sum * (self.topo.num_drafters / wsum.clamp_min(1e-6))
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.train.grad_clip)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        with phase("backward"):
+            loss.backward()
+        with phase("clip and optimizer"):
+            gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.train.grad_clip)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
         with torch.no_grad():
             self.acc[:4 + 2 * B] += torch.cat([parts.loss_sum.detach().double().view(1), parts.weight_sum.double().view(1),
                                    parts.slot_correct.double(), parts.slot_count.double(),
@@ -368,6 +378,16 @@ def profiled_step(trainer, batch, first_step_s, job) -> None:
         log.warning("graph breaks in compiled regions: %s", list(breaks)[:5])
 
 
+def trace_step(trainer, batch, s: int, job) -> None:
+    """logging.profile_step: train step ``s`` under torch.profiler, write its Chrome trace to
+    <run_dir>/profile/drafter_rank<r>_step<s>.json and log its phase timeline (step_trace.timeline)."""
+    r = job.dist.rank
+    path = os.path.join(job.run_dir, "profile", f"drafter_rank{r}_step{s}.json")
+    tl, _ = traced_step(lambda: trainer.train_step(batch), path, job.dist.device)
+    log.info("%s\ntrace: %s", format_timeline(tl, f"drafter rank {r}, step {s} (traced alone: "
+                                                  "device synchronized before and after)"), path)
+
+
 def log_host_syncs(step_fn, step: int, device) -> None:
     """Build and train one step under CUDA's sync debug mode and name every host sync it made (none expected:
     each one makes the host wait for the queued step, and for the receive it waits on, before queuing more)."""
@@ -473,6 +493,8 @@ def run_drafter(job) -> None:
             profiled_step(trainer, trainer.build(msg, k), first_step_s, job)
         elif s == SYNC_CHECK_STEP:  # after warm-up: does a step make the host wait for the GPU?
             log_host_syncs(lambda: trainer.train_step(trainer.build(msg, k)), trainer.step, d.device)
+        elif s == cfg.logging.profile_step:  # a step's phases on the GPU timeline, asked for
+            trace_step(trainer, trainer.build(msg, k), s, job)
         else:
             trainer.train_step(trainer.build(msg, k))
         if s == 0:

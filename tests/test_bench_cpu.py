@@ -27,7 +27,8 @@ def runs(tmp_path_factory):
     p = {name: str(out / f"{name}.json") for name in
          ("drafter_step", "target_capture", "hybrid", "pipeline", "threaded", "plan_split")}
     chains = [
-        [("pipeline", _cmd("pipeline.py", "--tiny", "--steps", 4, "--out", p["pipeline"], "--workdir", out / "pw")),
+        [("pipeline", _cmd("pipeline.py", "--tiny", "--steps", 4, "--profile-step", 3, "--out", p["pipeline"],
+                           "--workdir", out / "pw")),
          ("threaded", _cmd("threaded_baseline.py", "--tiny", "--steps", 4, "--out", p["threaded"], "--workdir",
                            out / "tw", "--compare", p["pipeline"]))],
         [("drafter_step", _cmd("drafter_step.py", "--tiny", "--configs", "40x8", "--repeats", 2, "--peak-n", 128,
@@ -136,6 +137,13 @@ def test_pipeline(runs):
     assert "error" not in d["e2e"], d["e2e"].get("log_tail")
     # same job: (a) saw the messages the real job trained
     assert d["alone"]["total_messages"] == 4
+    # (a)'s step 3 traced: its phases, and bench/profile_timeline.py reads the written trace back
+    phases = ["group0 forward", "group0 loss", "backward", "clip and optimizer"]
+    assert [x["name"] for x in d["alone"]["timeline"]["phases"]] == phases
+    trace = runs["out"] / "pw" / "alone_trace_step3.json"
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "profile_timeline.py"), str(trace)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "| group0 loss |" in r.stdout and "(host clock)" in r.stdout, r.stdout + r.stderr
 
 
 def test_threaded(runs):

@@ -43,6 +43,7 @@ def test_default_layer_ids_match_dflash():
     ("train", {"warmup_ratio": 1.5}, "warmup_ratio"),
     ("train", {"device": "tpu"}, "device"),
     ("logging", {"wandb": {"mode": "sometimes"}}, "wandb.mode"),
+    ("logging", {"profile_step": 1}, "profile_step"),
 ])
 def test_field_validation(section, values, needle):
     with pytest.raises(ConfigError, match=needle):

@@ -15,6 +15,7 @@ from dflash_dist.drafter import DFlashDrafter, DrafterModelConfig
 from dflash_dist.head_offload import _ReceivedGrad, head_flops, request_key
 from dflash_dist.loss import LossParts, decayed_ce, frozen_head_ce, loss_rows, row_weights, slot_stats
 from dflash_dist.masks import dense_mask
+from dflash_dist.step_trace import timeline
 
 
 def _batch(seed=0, b=3, anchors=8, bsz=4):
@@ -110,7 +111,7 @@ def test_loss_on_target_trains_the_same_weights(tmp_path):
     The target says what it served, and its FLOPs count them."""
     local, _ = _job(tmp_path, "local", "drafter.micro_batches=2")
     offload, out = _job(tmp_path, "offload", "drafter.micro_batches=2", "drafter.loss_on_target=true",
-                        "logging.peak_tflops=0.001")
+                        "logging.peak_tflops=0.001", "logging.profile_step=5")
     whole, _ = _job(tmp_path, "whole")
     assert "lm_head and loss of 2 group(s) on the target that sent the message" in out
     assert "lm_head and loss of the drafters' steps run here" in out
@@ -127,6 +128,13 @@ def test_loss_on_target_trains_the_same_weights(tmp_path):
     assert train[-1]["step"] == 8 and train[-1]["target2_mfu"] > 0
     acc = [x for x in recs if x["kind"] == "accounting"][-1]
     assert acc["samples_sent"] == acc["samples_trained"] > 0
+    # step 5 traced on both drafters (weights unchanged: the comparison above), its phases in order
+    for r in (0, 1):
+        with open(offload / "profile" / f"drafter_rank{r}_step5.json") as f:
+            names = [p["name"] for p in timeline(json.load(f))["phases"]]
+        assert names == ["group0 forward", "group0 head request", "group1 forward", "group1 head request",
+                         "head replies", "backward", "clip and optimizer"], names
+    assert "drafter rank 0, step 5 (traced alone" in out and "| head replies |" in out
 
 
 def test_loss_on_target_two_targets_one_drafter_sigterm(tmp_path):

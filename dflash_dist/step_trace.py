@@ -1,0 +1,110 @@
+"""One training step under torch.profiler, written as a Chrome trace, and its phase timeline.
+
+The drafter's step marks its phases (``phase``): each anchor group's forward, its loss here or its head request
+to a target, the wait for the targets' replies, the backward, the optimizer. ``timeline`` reads a trace back and
+says, per phase, when its GPU work ran (offsets from the step's first kernel), how long its kernels were busy, and
+how long the GPU sat idle inside it: where a step's time goes, e.g. whether splitting the anchors into groups
+costs more than the loss the targets take over. On CPU (no GPU timeline) the phases' host spans are given.
+
+    logging.profile_step=N   a training job's drafter ranks trace step N -> <output_dir>/profile/
+    python bench/profile_timeline.py TRACE.json   the table of a written trace
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, Optional
+
+import torch
+
+PREFIX = "dflash/"
+
+
+def phase(name: str):
+    """A named phase of the step in a profile (a no-op costing microseconds when no profiler runs)."""
+    return torch.profiler.record_function(PREFIX + name)
+
+
+def traced_step(step_fn: Callable[[], None], path: str, device):
+    """Run ``step_fn()`` under torch.profiler (CPU and, on CUDA, GPU activity), write the Chrome trace to
+    ``path``; returns (its ``timeline``, the profiler). Synchronizes the device before and after: the step runs
+    alone."""
+    from torch.profiler import ProfilerActivity, profile
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize(device)
+    with profile(activities=acts) as prof:
+        step_fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        return timeline(json.load(f)), prof
+
+
+def _merged_busy(spans: list[tuple[float, float]]) -> float:
+    """Total length of the union of (start, end) spans."""
+    busy, end = 0.0, float("-inf")
+    for s, e in sorted(spans):
+        if e <= end:
+            continue
+        busy += e - max(s, end)
+        end = e
+    return busy
+
+
+def timeline(trace: dict | list) -> dict:
+    """Phases of a traced step (events named ``dflash/...``), in start order, in ms from the step's start.
+
+    Returns {"clock": "gpu" | "host", "step_ms", "busy_ms" (kernels' union), "phases": [{"name", "start_ms",
+    "ms", "busy_ms", "idle_ms"}], "waits": kernels of collectives and p2p (NCCL) by total ms}. "gpu": phase spans
+    are the GPU annotations (when the phase's kernels ran), busy is the union of all kernels inside; "host": CPU
+    spans of the annotations, no busy figure."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    gpu_marks = [e for e in events if e.get("cat") == "gpu_user_annotation" and e.get("name", "").startswith(PREFIX)]
+    host_marks = [e for e in events if e.get("cat") == "user_annotation" and e.get("name", "").startswith(PREFIX)]
+    kernels = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
+               if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "ts" in e]
+    waits: dict[str, float] = {}
+    for e in events:
+        if e.get("cat") == "kernel" and "nccl" in e.get("name", "").lower():
+            key = e["name"].split("(")[0][:60]
+            waits[key] = waits.get(key, 0.0) + float(e.get("dur", 0)) / 1e3
+    clock = "gpu" if gpu_marks and kernels else "host"
+    marks = gpu_marks if clock == "gpu" else host_marks
+    if not marks:
+        return {"clock": clock, "step_ms": 0.0, "busy_ms": None, "phases": [], "waits": waits}
+    t0 = min([float(e["ts"]) for e in marks] + ([k[0] for k in kernels] if clock == "gpu" else []))
+    t1 = max([float(e["ts"]) + float(e.get("dur", 0)) for e in marks] + ([k[1] for k in kernels]
+                                                                         if clock == "gpu" else []))
+    phases = []
+    for e in sorted(marks, key=lambda e: float(e["ts"])):
+        s, d = float(e["ts"]), float(e.get("dur", 0))
+        row = {"name": e["name"][len(PREFIX):], "start_ms": (s - t0) / 1e3, "ms": d / 1e3, "busy_ms": None,
+               "idle_ms": None}
+        if clock == "gpu":
+            inside = [(max(a, s), min(b, s + d)) for a, b in kernels if b > s and a < s + d]
+            busy = _merged_busy(inside) / 1e3
+            row.update(busy_ms=busy, idle_ms=max(d / 1e3 - busy, 0.0))
+        phases.append(row)
+    return {"clock": clock, "step_ms": (t1 - t0) / 1e3,
+            "busy_ms": _merged_busy(kernels) / 1e3 if clock == "gpu" else None, "phases": phases,
+            "waits": dict(sorted(waits.items(), key=lambda kv: -kv[1]))}
+
+
+def format_timeline(tl: dict, title: Optional[str] = None) -> str:
+    """The timeline as a markdown table (what bench/profile_timeline.py prints and the trainer logs)."""
+    busy = f", kernels busy {tl['busy_ms']:.1f} ms" if tl.get("busy_ms") is not None else ""
+    lines = [f"{title or 'step'}: {tl['step_ms']:.1f} ms ({tl['clock']} clock){busy}",
+             "| phase | start ms | ms | kernels busy ms | idle ms |", "| --- | --- | --- | --- | --- |"]
+    for p in tl["phases"]:
+        busy_ms = "-" if p["busy_ms"] is None else f"{p['busy_ms']:.1f}"
+        idle_ms = "-" if p["idle_ms"] is None else f"{p['idle_ms']:.1f}"
+        lines.append(f"| {p['name']} | {p['start_ms']:.1f} | {p['ms']:.1f} | {busy_ms} | {idle_ms} |")
+    if tl.get("waits"):
+        lines.append("NCCL kernels (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in tl["waits"].items()))
+    return "\n".join(lines)
