@@ -9,8 +9,10 @@ Groups are created on every rank in the same order, members or not (torch requir
 4. ``evals``: the leader drafter and the first target, for the drafter weights of in-training evaluations. A group
    of their own: NCCL orders point-to-point operations per pair of ranks and group, so weights sent on the data
    group would queue in front of feature receives (a deadlock on GPU);
-5. ``heads`` (only with ``drafter.loss_on_target``): all ranks, for the hidden rows and the loss replies between
-   drafters and targets (head_offload.py), apart from the features for the same reason.
+5. ``heads`` and ``head_replies`` (only with ``drafter.loss_on_target``): all ranks, the hidden rows from drafters
+   to targets and the loss replies back (head_offload.py), apart from the features for the same reason, and apart
+   from each other: a drafter posts a reply's receive only right before that group's backward, after its later
+   groups' rows, so on one group the rows would queue behind a reply the target cannot send yet.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Dist:
     store: object
     evals: object = None
     heads: object = None
+    head_replies: object = None
 
     @property
     def rank(self) -> int:
@@ -75,10 +78,11 @@ def make_groups(topo: Topology, device: torch.device, timeout_s: float, ctrl=Non
     drafters = dist.new_group(ranks=topo.drafter_ranks, timeout=timeout)
     evals = dist.new_group(ranks=sorted([topo.drafter_ranks[0], topo.target_ranks[0]]), timeout=timeout)
     head_group = dist.new_group(timeout=timeout) if heads else None
+    reply_group = dist.new_group(timeout=timeout) if heads else None
     store = dist.distributed_c10d._get_default_store()
     log.info("process groups ready (rank %d, %s)", topo.rank, topo.role)
     return Dist(topo=topo, device=device, ctrl=ctrl, data=dist.group.WORLD, drafters=drafters, store=store,
-                evals=evals, heads=head_group)
+                evals=evals, heads=head_group, head_replies=reply_group)
 
 
 def shorten_timeouts(d: Dist, timeout_s: float) -> None:

@@ -190,16 +190,17 @@ class DrafterTrainer:
         with self.guard.step(batch_shape(batch)):
             self._train_step(batch)
 
-    def _loss_parts(self, batch):
-        """Forward and loss of one batch (what a training step and a dry step share): drafter.micro_batches groups
-        of anchors, each its own forward; their losses here, or (loss_on_target, a batch from a target) on the
-        target that sent it, which computes one group's while this rank runs the next group's forward."""
+    def _group_losses(self, batch) -> list:
+        """Forward of one batch (what a training step and a dry step share), drafter.micro_batches groups of
+        anchors, each its own forward; per group in order its LossParts (loss here) or, with loss_on_target and a
+        batch from a target, its posted head request (the target that sent the batch computes one group's loss
+        while this rank runs the next group's forward; ``_backward`` collects the reply)."""
         dc = self.cfg.drafter
         remote = self.heads is not None and batch.src is not None
         groups = split_anchors(batch, self.micro_batches)
-        parts, pending = [], []
+        out = []
         for i, group in enumerate(groups):
-            # one backward for every group: DDP's reducer is armed by the last forward only
+            # DDP's reducer is armed by the last forward only (see _backward)
             later = i < len(groups) - 1 and self.ddp is not self.model
             with self.ddp.no_sync() if later else contextlib.nullcontext():
                 with phase(f"group{i} forward"):
@@ -211,14 +212,37 @@ class DrafterTrainer:
                 with self.autocast:
                     if remote and i < len(groups) - dc.local_loss_groups:
                         with phase(f"group{i} head request"):
-                            pending.append(self.heads.request(batch.src, batch.index, hidden, group.labels))
+                            out.append(self.heads.request(batch.src, batch.index, hidden, group.labels))
                     else:
                         with phase(f"group{i} loss"):
-                            parts.append(decayed_ce(hidden, self.lm_head, group.labels, dc.block_size, dc.gamma,
-                                                    dc.loss_chunk_rows, compiled=self.compile_loss))
-        if pending:
-            with phase("head replies"):
-                parts += [self.heads.complete(p, batch.src) for p in pending]
+                            out.append(decayed_ce(hidden, self.lm_head, group.labels, dc.block_size, dc.gamma,
+                                                  dc.loss_chunk_rows, compiled=self.compile_loss))
+        return out
+
+    def _backward(self, groups: list, src, scale) -> LossParts:
+        """Backward of each group in order, each once its own reply is in (``HeadLossClient.complete`` makes the
+        stream wait for that reply only): the targets' last replies arrive while the earlier groups' backward
+        runs. The earlier groups' gradients come from autograd.grad, kept out of .grad (DDP's hooks would take
+        them for the step's), and are put in .grad before the last group's backward, which accumulates onto them
+        where DDP's reducer, armed by the last forward, sees the sum and all-reduces it as usual. ``scale``
+        multiplies each loss sum. Returns the step's LossParts."""
+        parts = []
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        held = None
+        for i, g in enumerate(groups):
+            with phase(f"group{i} backward"):
+                part = g if isinstance(g, LossParts) else self.heads.complete(g, src)
+                parts.append(part)
+                loss = part.loss_sum * scale
+                if i == len(groups) - 1:
+                    for p, h in zip(params, held or ()):
+                        if h is not None:
+                            p.grad = h if p.grad is None else p.grad.add_(h)
+                    loss.backward()
+                    continue
+                grads = torch.autograd.grad(loss, params, allow_unused=True)
+                held = list(grads) if held is None else [h if x is None else (x if h is None else h.add_(x))
+                                                         for h, x in zip(held, grads)]
         return LossParts.total(parts)
 
     def precompile(self) -> float:
@@ -244,8 +268,9 @@ class DrafterTrainer:
             no_sync = self.ddp.no_sync() if self.ddp is not self.model else contextlib.nullcontext()
             guard = self.guard.step(batch_shape(batch)) if self.guard is not None else contextlib.nullcontext()
             with guard, no_sync:
-                parts = self._loss_parts(batch)
-                (parts.loss_sum / parts.weight_sum.detach().clamp_min(1e-6)).backward()
+                groups = self._group_losses(batch)
+                wsum = sum(g.weight_sum for g in groups).detach().float()
+                self._backward(groups, batch.src, 1.0 / wsum.clamp_min(1e-6))
             self.opt.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -258,13 +283,11 @@ class DrafterTrainer:
         for g in self.opt.param_groups:
             g["lr"] = cfg.train.lr * mult
         B = cfg.drafter.block_size
-        parts = self._loss_parts(batch)
-        wsum = parts.weight_sum.detach().float().clone()
+        groups = self._group_losses(batch)
+        wsum = sum(g.weight_sum for g in groups).detach().float().clone()  # known before the replies
         if self.d.drafters is not None:
             dist.all_reduce(wsum, group=self.d.drafters)
-        loss = parts.loss_sum * (self.topo.num_drafters / wsum.clamp_min(1e-6))
-        with phase("backward"):
-            loss.backward()
+        parts = self._backward(groups, batch.src, self.topo.num_drafters / wsum.clamp_min(1e-6))
         with phase("clip and optimizer"):
             gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.train.grad_clip)
             self.opt.step()
@@ -427,14 +450,15 @@ def run_drafter(job) -> None:
     channel.connect(topo.target_ranks, sending=False)  # before any payload: see Channel.connect
     head_channel = None
     if cfg.drafter.loss_on_target:
-        head_channel = Channel(d.ctrl, d.heads, d.device, timeout_s=cfg.topology.warmup_timeout_s, check=life.check,
-                               store=d.store)
-        # both directions: NCCL connects each direction of a pair on its first operation, which can block until
-        # the peer makes its own (call 27: the first reply's receive blocked before the request reached the store)
+        head_channel, reply_channel = (Channel(d.ctrl, g, d.device, timeout_s=cfg.topology.warmup_timeout_s,
+                                               check=life.check, store=d.store) for g in (d.heads, d.head_replies))
+        # rows one way, replies the other, each group connected at startup: NCCL connects a direction of a pair on
+        # its first operation, which can block until the peer makes its own (call 27: the first reply's receive
+        # blocked before the request reached the store)
         head_channel.connect(topo.target_ranks, sending=True)
-        head_channel.connect(topo.target_ranks, sending=False)
-        trainer.heads = HeadLossClient(head_channel, d.rank, trainer.lm_head.dtype, cfg.drafter.block_size,
-                                       cfg.drafter.gamma)
+        reply_channel.connect(topo.target_ranks, sending=False)
+        trainer.heads = HeadLossClient(head_channel, reply_channel, d.rank, trainer.lm_head.dtype,
+                                       cfg.drafter.block_size, cfg.drafter.gamma)
     if trainer.micro_batches > 1 or head_channel is not None:
         served = trainer.micro_batches - cfg.drafter.local_loss_groups
         log.info("drafter step: %d group(s) of %d anchors, each its own forward; lm_head and loss %s",
@@ -513,7 +537,7 @@ def run_drafter(job) -> None:
         if s == 1:
             channel.timeout_s = cfg.topology.timeout_s
             if head_channel is not None:
-                head_channel.timeout_s = cfg.topology.timeout_s
+                head_channel.timeout_s = reply_channel.timeout_s = cfg.topology.timeout_s
             shorten_timeouts(d, cfg.topology.timeout_s)
         last = s == steps - 1
         # graceful stop: the leader fixes a step two ahead; drafters are in lockstep (DDP), so all see it in time

@@ -51,7 +51,10 @@ __all__ = ["request_key", "HeadLossClient", "HeadLossServer", "head_flops"]
 
 
 FIRST_LOGGED = 2  # the first requests are logged on both sides (where a hung first step stopped)
-MAX_REPLIES_KEPT = 4  # replies whose sends a target keeps in flight before it waits for the oldest
+# replies whose sends a target keeps in flight before it waits for the oldest: a drafter takes a reply right
+# before that group's backward, so up to a step's served groups per drafter wait (2 x [rows, H] each: ~126 MB at
+# 7,680 rows of Qwen3-8B width)
+MAX_REPLIES_KEPT = 16
 
 
 def request_key(drafter: int, target: int, n: int) -> str:
@@ -88,24 +91,31 @@ class _Pending:
     surrogate: Tensor      # 0 with the received gradient behind it
     loss: Tensor           # [1] fp32, received
     pred: Tensor           # [R] int64, received
-    works: list            # the receives of the reply
+    grad: Tensor           # [R, H] received: what ``surrogate``'s backward hands the rows
+    works: list            # the receives of the reply, once posted (complete)
     sends: tuple           # (works, rows, labels) of the request: kept alive until the reply is in
+
+    @property
+    def weight_sum(self) -> Tensor:
+        """The group's loss weight sum: local, known before the reply (the step's normalisation needs it first)."""
+        return self.rows_w.sum()
 
 
 class HeadLossClient:
     """Drafter side: post a group's rows to a target, then collect the replies as LossParts."""
 
-    def __init__(self, channel: Channel, rank: int, head_dtype: torch.dtype, block_size: int, gamma: float):
+    def __init__(self, channel: Channel, replies: Channel, rank: int, head_dtype: torch.dtype, block_size: int,
+                 gamma: float):
         if channel.store is None:
             raise ValueError("drafter.loss_on_target needs the rendezvous store")
-        self.ch, self.rank, self.dtype = channel, rank, head_dtype
+        self.ch, self.replies, self.rank, self.dtype = channel, replies, rank, head_dtype
         self.block_size, self.gamma = block_size, gamma
         self.sent: dict[int, int] = {}   # requests posted per target
         self.requests = 0
 
     def request(self, target: int, index: int, hidden: Tensor, labels: Tensor) -> _Pending:
         """Post the loss rows of one group (hidden [b, N*B, H] with its graph, labels [b, N*B]) to ``target`` for
-        plan message ``index``; returns without waiting."""
+        plan message ``index``; returns without waiting. The reply's receives are posted by ``complete``."""
         rows_h, rows_y, rows_w = loss_rows(hidden, labels, self.block_size, self.gamma)
         send_h = rows_h.detach().to(self.dtype).contiguous()
         send_y = rows_y.contiguous()
@@ -115,12 +125,8 @@ class HeadLossClient:
         pred = torch.empty(r, dtype=torch.int64, device=dev)
         grad = torch.empty(r, h, dtype=self.dtype, device=dev)
         g = self.ch.data_group
-        # two calls: NCCL runs them in order on this pair's stream, the reply's receives once the rows are taken
         sends = dist.batch_isend_irecv([dist.P2POp(dist.isend, send_h, target, g),
                                         dist.P2POp(dist.isend, send_y, target, g)])
-        recvs = dist.batch_isend_irecv([dist.P2POp(dist.irecv, loss, target, g),
-                                        dist.P2POp(dist.irecv, pred, target, g),
-                                        dist.P2POp(dist.irecv, grad, target, g)])
         n = self.sent.get(target, 0)
         self.ch.store.set(request_key(self.rank, target, n), f"{index},{r},{h},{DTYPE_CODES[self.dtype]}")
         self.sent[target] = n + 1
@@ -128,12 +134,19 @@ class HeadLossClient:
         if self.requests <= FIRST_LOGGED:
             log.info("head request %d posted to target rank %d: message %d, %d rows", self.requests, target, index, r)
         surrogate = _ReceivedGrad.apply(rows_h, grad)
-        return _Pending(rows_y, rows_w, surrogate, loss, pred, recvs, (sends, send_h, send_y))
+        return _Pending(rows_y, rows_w, surrogate, loss, pred, grad, [], (sends, send_h, send_y))
 
     def complete(self, p: _Pending, target: int) -> LossParts:
-        """Make the compute stream wait for the reply (CUDA; CPU: the host waits) and return its LossParts."""
+        """Post the reply's receives (on the reply group) and make the compute stream wait for them (CUDA; CPU:
+        the host waits); returns the group's LossParts. Posted this late, right before the group's backward, a
+        receive never sits on the GPU while the target computes: a pending NCCL receive holds 16 SMs spinning
+        (call 31: the next group's forward ran 27% slower beside one)."""
+        g = self.replies.data_group
+        p.works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, p.loss, target, g),
+                                          dist.P2POp(dist.irecv, p.pred, target, g),
+                                          dist.P2POp(dist.irecv, p.grad, target, g)])
         for w in p.works:
-            self.ch.wait(w, f"the head reply of target rank {target}", host=False, group=self.ch.data_group)
+            self.replies.wait(w, f"the head reply of target rank {target}", host=False, group=g)
         for w in p.sends[0]:
             self.ch.wait(w, f"target rank {target} to take head rows", host=False, group=self.ch.data_group)
         return slot_stats(p.surrogate + p.loss[0], p.pred, p.rows_y, p.rows_w, self.block_size)
@@ -142,12 +155,12 @@ class HeadLossClient:
 class HeadLossServer:
     """Target side: the requests this rank expects (M per message it sent, in sending order) and their service."""
 
-    def __init__(self, channel: Channel, rank: int, weight: Tensor, block_size: int, gamma: float,
-                 chunk_rows: int, compiled: bool, requests_per_message: int,
+    def __init__(self, channel: Channel, replies: Channel, rank: int, weight: Tensor, block_size: int,
+                 gamma: float, chunk_rows: int, compiled: bool, requests_per_message: int,
                  before_serve: Optional[Callable[[], None]] = None):
         if channel.store is None:
             raise ValueError("drafter.loss_on_target needs the rendezvous store")
-        self.ch, self.rank, self.weight = channel, rank, weight.detach()
+        self.ch, self.replies, self.rank, self.weight = channel, replies, rank, weight.detach()
         self.block_size, self.gamma, self.chunk_rows, self.compiled = block_size, gamma, chunk_rows, compiled
         self.requests_per_message = requests_per_message
         # posts the feature payloads whose receives are posted (Sender.pump), before a request's receive is queued:
@@ -222,9 +235,10 @@ class HeadLossServer:
                                                   self.compiled)
             loss = loss_sum.float().reshape(1)
             grad = grad.to(rows.dtype)
-        replies = dist.batch_isend_irecv([dist.P2POp(dist.isend, loss, drafter, g),
-                                          dist.P2POp(dist.isend, pred, drafter, g),
-                                          dist.P2POp(dist.isend, grad, drafter, g)])
+        gr = self.replies.data_group  # the drafter posts their receives right before that group's backward
+        replies = dist.batch_isend_irecv([dist.P2POp(dist.isend, loss, drafter, gr),
+                                          dist.P2POp(dist.isend, pred, drafter, gr),
+                                          dist.P2POp(dist.isend, grad, drafter, gr)])
         self._replies.append((replies, (loss, pred, grad, rows, labels)))
         if cuda:  # busy = the GPU's time on it, read once done (never a host wait here)
             self._timing.append((start, torch.cuda.current_stream(dev).record_event(
@@ -238,12 +252,12 @@ class HeadLossServer:
         self.flops += head_flops(r, h, self.weight.shape[0])
 
     def _reap(self) -> None:
-        g = self.ch.data_group
-        while self._replies and all(self.ch.done(w, g) for w in self._replies[0][0]):
+        g = self.replies.data_group
+        while self._replies and all(self.replies.done(w, g) for w in self._replies[0][0]):
             self._replies.popleft()
-        while len(self._replies) > MAX_REPLIES_KEPT:  # gloo cannot say done: its receive is posted, wait
+        while len(self._replies) > MAX_REPLIES_KEPT:  # gloo cannot say done; beyond this many, wait for the oldest
             for w in self._replies.popleft()[0]:
-                self.ch.wait(w, "a drafter to take a head reply", group=g)
+                self.replies.wait(w, "a drafter to take a head reply", group=g)
         while self._timing and self._timing[0][1].query():
             start, end = self._timing.popleft()
             self.busy_s += start.elapsed_time(end) / 1e3
@@ -276,7 +290,7 @@ class HeadLossServer:
         self.serve_through(float("inf"), idle=idle, stop_limit=stop_limit)
         for works, _ in self._replies:
             for w in works:
-                self.ch.wait(w, "a drafter to take a head reply", group=self.ch.data_group)
+                self.replies.wait(w, "a drafter to take a head reply", group=self.replies.data_group)
         self._replies.clear()
         for _, end in self._timing:
             end.synchronize()

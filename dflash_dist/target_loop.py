@@ -74,13 +74,13 @@ def head_server(job, model, tx):
     cfg, d = job.cfg, job.dist
     if not cfg.drafter.loss_on_target:
         return None
-    ch = Channel(d.ctrl, d.heads, d.device, timeout_s=cfg.topology.warmup_timeout_s, check=job.life.check,
-                 store=d.store)
-    ch.connect(d.topo.drafter_ranks, sending=False)  # after the data group's, as the drafters do; both directions
-    ch.connect(d.topo.drafter_ranks, sending=True)
+    ch, replies = (Channel(d.ctrl, g, d.device, timeout_s=cfg.topology.warmup_timeout_s, check=job.life.check,
+                           store=d.store) for g in (d.heads, d.head_replies))
+    ch.connect(d.topo.drafter_ranks, sending=False)  # after the data group's, as the drafters do
+    replies.connect(d.topo.drafter_ranks, sending=True)
     dc = cfg.drafter
     compiled = dc.compile_loss if dc.compile_loss is not None else resolve_backend(cfg, d.device.type) == "flex"
-    server = HeadLossServer(ch, d.rank, head_weights(model)[1], dc.block_size, dc.gamma, dc.loss_chunk_rows,
+    server = HeadLossServer(ch, replies, d.rank, head_weights(model)[1], dc.block_size, dc.gamma, dc.loss_chunk_rows,
                             bool(compiled), dc.micro_batches - dc.local_loss_groups, before_serve=tx.pump)
     tx.serve = server.poll
     log.info("lm_head and loss of the drafters' steps run here (drafter.loss_on_target): %d request(s) per "
@@ -226,7 +226,7 @@ def run_target(job) -> None:
             steady = True
             channel.timeout_s = cfg.topology.timeout_s
             if heads is not None:
-                heads.ch.timeout_s = cfg.topology.timeout_s
+                heads.ch.timeout_s = heads.replies.timeout_s = cfg.topology.timeout_s
             shorten_timeouts(d, cfg.topology.timeout_s)
     if heads is not None:  # the replies of the last steps (none of a stopped job's untrained messages)
         heads.finish(idle=tx.idle_between, stop_limit=stop_limit)

@@ -138,7 +138,7 @@ def test_pipeline(runs):
     # same job: (a) saw the messages the real job trained
     assert d["alone"]["total_messages"] == 4
     # (a)'s step 3 traced: its phases, and bench/profile_timeline.py reads the written trace back
-    phases = ["group0 forward", "group0 loss", "backward", "clip and optimizer"]
+    phases = ["group0 forward", "group0 loss", "group0 backward", "clip and optimizer"]
     assert [x["name"] for x in d["alone"]["timeline"]["phases"]] == phases
     trace = runs["out"] / "pw" / "alone_trace_step3.json"
     r = subprocess.run([sys.executable, os.path.join(BENCH, "profile_timeline.py"), str(trace)], capture_output=True,
