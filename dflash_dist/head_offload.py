@@ -7,13 +7,17 @@ the loss sum, the argmax (accuracy) and the gradient with respect to its final h
 ~34 MB per sample at 256 anchors, a fraction of a millisecond over NVLink. The target already holds the head.
 
 A step on the drafter (``drafter.micro_batches`` = M groups of anchors): for each group, the forward, then its
-rows and labels are posted to the target that sent the message, with the receives of the reply; the next
-group's forward runs while the target computes. Then the compute stream waits for the replies (the host does
-not), the loss is the sum of the replies, and one backward runs, each group's rows taking their received
-gradient (``_ReceivedGrad``). ``drafter.local_loss_groups``: the last groups' loss stays on the drafter. The
-numbers are those of the local fused loss (``loss.frozen_head_ce`` on both sides; bit for bit on CPU,
-``tests/test_head_offload.py``). Measured on 2x H200 (docs/benchmarks.md, call 28): 1.06x, because the single
-backward waits for every served group and the target serves them one after the other (~45 ms each at 8B shapes).
+rows and labels are posted to the target that sent the message; the next group's forward runs while the target
+computes. Then each group's backward in order, each once its own reply is in: the drafter posts the reply's
+receives right before that backward (a receive pending on the GPU holds 16 SMs spinning: in call 31 the second
+group's forward took 33.8 ms of kernel time beside one, the first 28.4) and its stream waits for them there (the
+host does not), the rows taking their received gradient (``_ReceivedGrad``); the last reply arrives while the
+earlier groups' backward runs.
+``drafter.local_loss_groups``: the last groups' loss stays on the drafter. The numbers are those of the local
+fused loss (``loss.frozen_head_ce`` on both sides; bit for bit on CPU, ``tests/test_head_offload.py``). Measured
+on 2x H200 (docs/benchmarks.md, call 32, drafter-bound 1 + 1 job, 8B shapes): 2 groups 1.18x the local loss, 4
+groups 1.10x. With one backward for all groups waiting for every reply, and the receives posted with the requests
+(call 28): 1.06x.
 
 On a target (``HeadLossServer``): it serves the requests of the messages it sent, in the order it sent them,
 between captures and whenever it waits on its drafters, and captures its message j only once the requests of
@@ -22,12 +26,13 @@ two rounds ahead never holds a reply up, and nothing waits in a cycle: see ``tar
 
 Wire: a request's index, rows, width and dtype go through the rendezvous store under a per-link key (its
 appearance also says the rows were posted, so the target never leaves a receive pending on its GPU; before it
-queues the receive it posts the feature payloads whose receives are posted, which the rows may depend on); the
-group is connected in both directions at startup (NCCL connects a direction on first use and can block there
-until the peer makes its own: calls 25-27 hung in their first step without these two); the rows
-and labels one way and the loss sum, argmax and gradient the other travel over the group ``heads`` (NCCL on
-GPU, gloo on CPU): a group of its own, as NCCL orders point-to-point operations per pair and group and the
-replies would otherwise queue against the feature sends of the data group.
+queues the receive it posts the feature payloads whose receives are posted, which the rows may depend on). The
+rows and labels travel over the group ``heads``, the loss sum, argmax and gradient back over ``head_replies``
+(NCCL on GPU, gloo on CPU), each connected at startup (NCCL connects a direction on first use and can block there
+until the peer makes its own: calls 25-27 hung in their first step without this). Groups of their own: NCCL
+orders point-to-point operations per pair and group, so replies on the data group would queue against the
+feature sends, and on one group with the rows a drafter's later rows would queue behind a reply receive it posts
+only at that group's backward (a cycle).
 """
 
 from __future__ import annotations
@@ -140,7 +145,7 @@ class HeadLossClient:
         """Post the reply's receives (on the reply group) and make the compute stream wait for them (CUDA; CPU:
         the host waits); returns the group's LossParts. Posted this late, right before the group's backward, a
         receive never sits on the GPU while the target computes: a pending NCCL receive holds 16 SMs spinning
-        (call 31: the next group's forward ran 27% slower beside one)."""
+        (call 31: the second group's forward took 33.8 ms beside one, the first 28.4)."""
         g = self.replies.data_group
         p.works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, p.loss, target, g),
                                           dist.P2POp(dist.irecv, p.pred, target, g),

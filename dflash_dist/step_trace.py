@@ -1,10 +1,11 @@
 """One training step under torch.profiler, written as a Chrome trace, and its phase timeline.
 
 The drafter's step marks its phases (``phase``): each anchor group's forward, its loss here or its head request
-to a target, the wait for the targets' replies, the backward, the optimizer. ``timeline`` reads a trace back and
-says, per phase, when its GPU work ran (offsets from the step's first kernel), how long its kernels were busy, and
-how long the GPU sat idle inside it: where a step's time goes, e.g. whether splitting the anchors into groups
-costs more than the loss the targets take over. On CPU (no GPU timeline) the phases' host spans are given.
+to a target, each group's backward (after its reply, if a target computes its loss), the optimizer. ``timeline``
+reads a trace back and says, per phase, when it started on the GPU (offsets from the step's first kernel), how
+long it ran (to the next phase's start), how long its kernels were busy and how long the GPU sat idle: where a
+step's time goes, e.g. whether splitting the anchors into groups costs more than the loss the targets take over.
+On CPU (no GPU timeline) the phases' host starts are used.
 
     logging.profile_step=N   a training job's drafter ranks trace step N -> <output_dir>/profile/
     python bench/profile_timeline.py TRACE.json   the table of a written trace
@@ -42,8 +43,14 @@ def traced_step(step_fn: Callable[[], None], path: str, device):
             torch.cuda.synchronize(device)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     prof.export_chrome_trace(path)
-    with open(path) as f:
-        return timeline(json.load(f)), prof
+    return timeline(load_trace(path)), prof
+
+
+def load_trace(path: str) -> dict | list:
+    """A Chrome trace from ``path`` (.json, or .json.gz as stored under docs/results)."""
+    import gzip
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        return json.load(f)
 
 
 def _merged_busy(spans: list[tuple[float, float]]) -> float:
@@ -60,10 +67,12 @@ def _merged_busy(spans: list[tuple[float, float]]) -> float:
 def timeline(trace: dict | list) -> dict:
     """Phases of a traced step (events named ``dflash/...``), in start order, in ms from the step's start.
 
-    Returns {"clock": "gpu" | "host", "step_ms", "busy_ms" (kernels' union), "phases": [{"name", "start_ms",
-    "ms", "busy_ms", "idle_ms"}], "waits": kernels of collectives and p2p (NCCL) by total ms}. "gpu": phase spans
-    are the GPU annotations (when the phase's kernels ran), busy is the union of all kernels inside; "host": CPU
-    spans of the annotations, no busy figure."""
+    A phase runs from its start to the next phase's start (the last one to the step's end): on the GPU clock the
+    annotations' own spans leave out kernels launched by compiled code and by the autograd engine's thread, their
+    starts do not. Returns {"clock": "gpu" | "host", "step_ms", "busy_ms" (kernels' union), "phases": [{"name",
+    "start_ms", "ms", "busy_ms", "idle_ms"}], "waits": NCCL kernels by total ms}. "gpu": starts of the GPU
+    annotations, busy the union of all kernels inside each phase, idle the rest; "host": the CPU annotations'
+    starts (no GPU timeline, e.g. on CPU), no busy figure."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     gpu_marks = [e for e in events if e.get("cat") == "gpu_user_annotation" and e.get("name", "").startswith(PREFIX)]
     host_marks = [e for e in events if e.get("cat") == "user_annotation" and e.get("name", "").startswith(PREFIX)]
@@ -75,15 +84,16 @@ def timeline(trace: dict | list) -> dict:
             key = e["name"].split("(")[0][:60]
             waits[key] = waits.get(key, 0.0) + float(e.get("dur", 0)) / 1e3
     clock = "gpu" if gpu_marks and kernels else "host"
-    marks = gpu_marks if clock == "gpu" else host_marks
+    marks = sorted(gpu_marks if clock == "gpu" else host_marks, key=lambda e: float(e["ts"]))
     if not marks:
         return {"clock": clock, "step_ms": 0.0, "busy_ms": None, "phases": [], "waits": waits}
-    t0 = min([float(e["ts"]) for e in marks] + ([k[0] for k in kernels] if clock == "gpu" else []))
-    t1 = max([float(e["ts"]) + float(e.get("dur", 0)) for e in marks] + ([k[1] for k in kernels]
-                                                                         if clock == "gpu" else []))
+    ends = [float(e["ts"]) + float(e.get("dur", 0)) for e in marks]
+    t0 = min([float(marks[0]["ts"])] + ([k[0] for k in kernels] if clock == "gpu" else []))
+    t1 = max(ends + ([k[1] for k in kernels] if clock == "gpu" else []))
+    starts = [float(e["ts"]) for e in marks] + [t1]
     phases = []
-    for e in sorted(marks, key=lambda e: float(e["ts"])):
-        s, d = float(e["ts"]), float(e.get("dur", 0))
+    for i, e in enumerate(marks):
+        s, d = (t0 if i == 0 else starts[i]), starts[i + 1] - (t0 if i == 0 else starts[i])
         row = {"name": e["name"][len(PREFIX):], "start_ms": (s - t0) / 1e3, "ms": d / 1e3, "busy_ms": None,
                "idle_ms": None}
         if clock == "gpu":
