@@ -141,9 +141,11 @@ def test_pipeline(runs):
     phases = ["group0 forward", "group0 loss", "group0 backward", "clip and optimizer"]
     assert [x["name"] for x in d["alone"]["timeline"]["phases"]] == phases
     trace = runs["out"] / "pw" / "alone_trace_step3.json"
-    r = subprocess.run([sys.executable, os.path.join(BENCH, "profile_timeline.py"), str(trace)], capture_output=True,
-                       text=True, timeout=60)
+    png = runs["out"] / "phases.png"
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "profile_timeline.py"), str(trace), "--png", str(png)],
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "| group0 loss |" in r.stdout and "(host clock)" in r.stdout, r.stdout + r.stderr
+    assert png.stat().st_size > 1000
 
 
 def test_threaded(runs):
