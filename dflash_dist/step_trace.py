@@ -27,23 +27,43 @@ def phase(name: str):
     return torch.profiler.record_function(PREFIX + name)
 
 
+class TraceWindow:
+    """torch.profiler over a stretch of work (CPU and, on CUDA, GPU activity), started and stopped by hand.
+    Drafter steps only: a window over a target's loop (captures, sends, served requests) crashed the target
+    process on CPU (gloo; heap corruption or a segfault in 2 of 2 runs), so targets are not traced."""
+
+    def __init__(self, device):
+        from torch.profiler import ProfilerActivity, profile
+        cuda = torch.device(device).type == "cuda"
+        self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+        self.running = False
+
+    def start(self) -> None:
+        self.prof.start()
+        self.running = True
+
+    def stop(self, path: str) -> dict:
+        """Stop, write the Chrome trace to ``path``, return its ``timeline``."""
+        self.prof.stop()
+        self.running = False
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.prof.export_chrome_trace(path)
+        return timeline(load_trace(path))
+
+
 def traced_step(step_fn: Callable[[], None], path: str, device):
-    """Run ``step_fn()`` under torch.profiler (CPU and, on CUDA, GPU activity), write the Chrome trace to
-    ``path``; returns (its ``timeline``, the profiler). Synchronizes the device before and after: the step runs
-    alone."""
-    from torch.profiler import ProfilerActivity, profile
+    """Run ``step_fn()`` under torch.profiler, write the Chrome trace to ``path``; returns (its ``timeline``, the
+    profiler). Synchronizes the device before and after: the step runs alone."""
     device = torch.device(device)
     cuda = device.type == "cuda"
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    window = TraceWindow(device)
     if cuda:
         torch.cuda.synchronize(device)
-    with profile(activities=acts) as prof:
-        step_fn()
-        if cuda:
-            torch.cuda.synchronize(device)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    prof.export_chrome_trace(path)
-    return timeline(load_trace(path)), prof
+    window.start()
+    step_fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    return window.stop(path), window.prof
 
 
 def load_trace(path: str) -> dict | list:
