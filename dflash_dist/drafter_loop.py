@@ -72,6 +72,11 @@ def empty_batch_inputs(feature_width: int, device, dtype):
     return ids, mask, cu, feats
 
 
+def _grad_sum(a, b):
+    """a + b for gradients that may be None (a parameter a group did not reach), in place into a."""
+    return b if a is None else a if b is None else a.add_(b)
+
+
 class DrafterTrainer:
     def __init__(self, job, head_weights=None):
         """``head_weights``: (embedding, lm_head) given instead of read/received. With ``job.dist.drafters`` None
@@ -234,15 +239,13 @@ class DrafterTrainer:
                 part = g if isinstance(g, LossParts) else self.heads.complete(g, src)
                 parts.append(part)
                 loss = part.loss_sum * scale
-                if i == len(groups) - 1:
-                    for p, h in zip(params, held or ()):
-                        if h is not None:
-                            p.grad = h if p.grad is None else p.grad.add_(h)
-                    loss.backward()
+                if i < len(groups) - 1:
+                    grads = torch.autograd.grad(loss, params, allow_unused=True)
+                    held = list(grads) if held is None else [_grad_sum(h, x) for h, x in zip(held, grads)]
                     continue
-                grads = torch.autograd.grad(loss, params, allow_unused=True)
-                held = list(grads) if held is None else [h if x is None else (x if h is None else h.add_(x))
-                                                         for h, x in zip(held, grads)]
+                for p, h in zip(params, held or ()):
+                    p.grad = _grad_sum(p.grad, h)
+                loss.backward()
         return LossParts.total(parts)
 
     def precompile(self) -> float:
