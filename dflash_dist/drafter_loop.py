@@ -34,8 +34,8 @@ from .target import load_head_from_checkpoint, resolve_dtype, resolve_source, te
 from .distributed import shorten_timeouts
 from .faults import fault_for, stall_if_due
 from .eval_loop import LeaderEval, eval_enabled, eval_record, eval_steps
-from .head_offload import HeadLossClient
-from .transport import Channel, EndOfStream, Receiver, job_channel
+from .head_offload import HeadLossClient, head_channels
+from .transport import EndOfStream, Receiver, job_channel
 
 log = logging.getLogger("dflash_dist")
 
@@ -453,13 +453,8 @@ def run_drafter(job) -> None:
     channel.connect(topo.target_ranks, sending=False)  # before any payload: see Channel.connect
     head_channel = None
     if cfg.drafter.loss_on_target:
-        head_channel, reply_channel = (Channel(d.ctrl, g, d.device, timeout_s=cfg.topology.warmup_timeout_s,
-                                               check=life.check, store=d.store) for g in (d.heads, d.head_replies))
-        # rows one way, replies the other, each group connected at startup: NCCL connects a direction of a pair on
-        # its first operation, which can block until the peer makes its own (call 27: the first reply's receive
-        # blocked before the request reached the store)
-        head_channel.connect(topo.target_ranks, sending=True)
-        reply_channel.connect(topo.target_ranks, sending=False)
+        head_channel, reply_channel = head_channels(d, cfg.topology.warmup_timeout_s, life.check, topo.target_ranks,
+                                                    drafter=True)
         trainer.heads = HeadLossClient(head_channel, reply_channel, d.rank, trainer.lm_head.dtype,
                                        cfg.drafter.block_size, cfg.drafter.gamma)
     if trainer.micro_batches > 1 or head_channel is not None:

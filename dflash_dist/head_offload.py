@@ -52,7 +52,7 @@ from .transport import CODE_DTYPES, DTYPE_CODES, Channel, TransportError, _poll
 
 log = logging.getLogger("dflash_dist")
 
-__all__ = ["request_key", "HeadLossClient", "HeadLossServer", "head_flops"]
+__all__ = ["request_key", "head_channels", "HeadLossClient", "HeadLossServer", "head_flops"]
 
 
 FIRST_LOGGED = 2  # the first requests are logged on both sides (where a hung first step stopped)
@@ -72,13 +72,26 @@ def head_flops(rows: int, hidden: int, vocab: int) -> float:
     return 4.0 * rows * hidden * vocab
 
 
+def head_channels(d, timeout_s: float, check, peers, drafter: bool) -> tuple[Channel, Channel]:
+    """The channels of ``drafter.loss_on_target`` on one rank (``d``: its distributed setup): rows over ``heads``,
+    replies over ``head_replies``, each connected at startup with every peer, drafters sending rows and receiving
+    replies, targets the other way (NCCL connects a direction of a pair on its first operation, which can block
+    until the peer makes its own: call 27's first reply receive blocked before its request reached the store).
+    Both roles connect ``heads`` first. Returns (rows, replies)."""
+    rows, replies = (Channel(d.ctrl, g, d.device, timeout_s=timeout_s, check=check, store=d.store)
+                     for g in (d.heads, d.head_replies))
+    rows.connect(peers, sending=drafter)
+    replies.connect(peers, sending=not drafter)
+    return rows, replies
+
+
 class _ReceivedGrad(torch.autograd.Function):
     """Ties rows to a loss computed elsewhere: forward returns 0 (the received loss sum is added to it), backward
     hands the rows the received gradient d(loss sum)/d rows, scaled like the local fused loss's."""
 
     @staticmethod
     def forward(ctx, rows: Tensor, grad_buf: Tensor) -> Tensor:
-        ctx.grad_buf = grad_buf  # filled by the reply's receive; the caller waits for it before any backward
+        ctx.grad_buf = grad_buf  # filled by the reply's receive; complete() waits for it before this group's backward
         ctx.rows_dtype = rows.dtype
         return rows.new_zeros((), dtype=torch.float32)
 

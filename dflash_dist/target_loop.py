@@ -17,8 +17,8 @@ from .eval_loop import TargetEval, eval_enabled, expected_evals
 from .faults import apply_target_fault, fault_for, stall_if_due
 from .target import (FeatureCapture, build_target_model, head_weights, resolve_compile, resolve_packing,
                      resolve_source)
-from .head_offload import HeadLossServer
-from .transport import Channel, Message, Sender, job_channel
+from .head_offload import HeadLossServer, head_channels
+from .transport import Message, Sender, job_channel
 
 log = logging.getLogger("dflash_dist")
 
@@ -69,15 +69,13 @@ def capture_flops_fn(model, job, packed: bool = False):
 
 
 def head_server(job, model, tx):
-    """drafter.loss_on_target: connect the head group and build this rank's HeadLossServer (None when off). Its
+    """drafter.loss_on_target: connect the head groups and build this rank's HeadLossServer (None when off). Its
     requests are served first whenever the Sender waits on a drafter."""
     cfg, d = job.cfg, job.dist
     if not cfg.drafter.loss_on_target:
         return None
-    ch, replies = (Channel(d.ctrl, g, d.device, timeout_s=cfg.topology.warmup_timeout_s, check=job.life.check,
-                           store=d.store) for g in (d.heads, d.head_replies))
-    ch.connect(d.topo.drafter_ranks, sending=False)  # after the data group's, as the drafters do
-    replies.connect(d.topo.drafter_ranks, sending=True)
+    # after the data group's connection, as on the drafters
+    ch, replies = head_channels(d, cfg.topology.warmup_timeout_s, job.life.check, d.topo.drafter_ranks, drafter=False)
     dc = cfg.drafter
     compiled = dc.compile_loss if dc.compile_loss is not None else resolve_backend(cfg, d.device.type) == "flex"
     server = HeadLossServer(ch, replies, d.rank, head_weights(model)[1], dc.block_size, dc.gamma, dc.loss_chunk_rows,
