@@ -150,3 +150,16 @@ launch_bound_pair() {
   echo "=== the same job threaded at $(el) s"
   threaded_vs "$box_thr" "${name}_threaded" "${name}_mp" "${small[@]}"
 }
+
+# pack_one NAME: the files of run NAME into $OUT/results_NAME.tgz (a call returns at most 8 files)
+pack_one() { ( cd "$OUT" && tar czf "results_$1.tgz" --remove-files $1*.json $1*.jsonl $1*.log 2>/dev/null ); }
+
+# traced_job STEP BOX NAME [overrides]: run_one (gpu_session27.sh's, sourced by the caller) with drafter step STEP
+# traced (logging.profile_step), the trace kept as $OUT/NAME_profile.json, its phase table printed, then packed
+traced_job() {
+  local step=$1 box=$2 name=$3; shift 3
+  run_one "$box" "$name" --override logging.profile_step=$step "$@"
+  cp /tmp/pipe_$name/e2e_run/profile/drafter_rank0_step$step.json "$OUT/${name}_profile.json" 2>/dev/null
+  grep -E "^\| (group|backward|clip|head)|step $step \(traced|NCCL" "$OUT/${name}_e2e.log" | cut -c1-200
+  pack_one "$name"
+}

@@ -6,7 +6,6 @@
 # Usage: bash bench/gpu_session29.sh OUT_DIR     (carry .whl)
 source bench/gpu_env.sh "$@"   # strict mode, OUT (first argument), environment, helpers
 sed -n '/^JOB=/,/^}$/p;/^run_one() {/,/^}$/p' bench/gpu_session27.sh > /tmp/fns.sh; source /tmp/fns.sh
-pack_one() { ( cd "$OUT" && tar czf "results_$1.tgz" --remove-files $1*.json $1*.jsonl $1*.log 2>/dev/null ); }
 OFF=(--override drafter.loss_on_target=true --override drafter.local_loss_groups=1)
 run_one 115 m4l1 "${OFF[@]}" --override drafter.micro_batches=4; pack_one m4l1
 run_one 105 base; pack_one base

@@ -7,7 +7,6 @@
 # Usage: bash bench/gpu_session30.sh OUT_DIR     (carry .whl)
 source bench/gpu_env.sh "$@"   # strict mode, OUT (first argument), environment, helpers
 sed -n '/^JOB=/,/^}$/p;/^run_one() {/,/^}$/p' bench/gpu_session27.sh > /tmp/fns.sh; source /tmp/fns.sh
-pack_one() { ( cd "$OUT" && tar czf "results_$1.tgz" --remove-files $1*.json $1*.jsonl $1*.log 2>/dev/null ); }
 echo "=== head_serve at $(el) s"
 timeout -k 10 75 python3 bench/head_serve.py --rows 3840,7680 --chunk-rows 2048,4096,8192 --out "$OUT/head_serve.json" > "$OUT/head_serve.log" 2>&1
 echo "exit $? at $(el) s"; grep -E "^\|" "$OUT/head_serve.log"

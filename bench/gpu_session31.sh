@@ -9,7 +9,6 @@
 # Usage: bash bench/gpu_session31.sh OUT_DIR     (carry .whl)
 source bench/gpu_env.sh "$@"   # strict mode, OUT (first argument), environment, helpers
 sed -n '/^JOB=/,/^}$/p;/^run_one() {/,/^}$/p' bench/gpu_session27.sh > /tmp/fns.sh; source /tmp/fns.sh
-pack_one() { ( cd "$OUT" && tar czf "results_$1.tgz" --remove-files $1*.json $1*.jsonl $1*.log 2>/dev/null ); }
 alone() {  # alone GPU M: the drafter alone, anchors in M groups, step 40 traced
   CUDA_VISIBLE_DEVICES=$1 timeout -k 10 170 python3 bench/pipeline.py --skip-e2e --steps 50 --warmup-steps 20 \
     --alone-timeout 160 --override drafter.num_anchors=256 --override drafter.micro_batches=$2 --profile-step 40 \
@@ -27,14 +26,7 @@ for pair in "1 2" "4 8"; do
   done
 done
 ( cd "$OUT" && tar czf results_alone.tgz --remove-files alone_* )
-traced_job() {  # traced_job BOX NAME [overrides]: run_one with drafter step 40 traced, the trace kept
-  local box=$1 name=$2; shift 2
-  run_one "$box" "$name" --override logging.profile_step=40 "$@"
-  cp /tmp/pipe_$name/e2e_run/profile/drafter_rank0_step40.json "$OUT/${name}_profile.json" 2>/dev/null
-  grep -E "^\| (group|backward|clip|head)|kernels busy|NCCL" "$OUT/${name}_e2e.log" | cut -c1-200
-  pack_one "$name"
-}
 OFF=(--override drafter.loss_on_target=true --override drafter.micro_batches=2)
-traced_job 175 m2l1 "${OFF[@]}" --override drafter.local_loss_groups=1
-left=$(( 585 - $(el) )); [ $left -gt 100 ] && traced_job $left m2 "${OFF[@]}"
+traced_job 40 175 m2l1 "${OFF[@]}" --override drafter.local_loss_groups=1
+left=$(( 585 - $(el) )); [ $left -gt 100 ] && traced_job 40 $left m2 "${OFF[@]}"
 ls "$OUT"

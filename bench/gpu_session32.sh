@@ -10,18 +10,10 @@
 # Usage: bash bench/gpu_session32.sh OUT_DIR     (carry .whl)
 source bench/gpu_env.sh "$@"   # strict mode, OUT (first argument), environment, helpers
 sed -n '/^JOB=/,/^}$/p;/^run_one() {/,/^}$/p' bench/gpu_session27.sh > /tmp/fns.sh; source /tmp/fns.sh
-pack_one() { ( cd "$OUT" && tar czf "results_$1.tgz" --remove-files $1*.json $1*.jsonl $1*.log 2>/dev/null ); }
-traced_job() {  # traced_job BOX NAME [overrides]: run_one with drafter step 47 traced, the trace kept
-  local box=$1 name=$2; shift 2
-  run_one "$box" "$name" --override logging.profile_step=47 "$@"
-  cp /tmp/pipe_$name/e2e_run/profile/drafter_rank0_step47.json "$OUT/${name}_profile.json" 2>/dev/null
-  grep -E "^\| (group|clip)|step 47 \(traced|NCCL" "$OUT/${name}_e2e.log" | cut -c1-200
-  pack_one "$name"
-}
 OFF=(--override drafter.loss_on_target=true)
-traced_job 150 m2 "${OFF[@]}" --override drafter.micro_batches=2
-traced_job 130 base
-traced_job 150 m4 "${OFF[@]}" --override drafter.micro_batches=4
-left=$(( 450 - $(el) )); [ $left -gt 100 ] && traced_job $left m2l1 "${OFF[@]}" --override drafter.micro_batches=2 \
+traced_job 47 150 m2 "${OFF[@]}" --override drafter.micro_batches=2
+traced_job 47 130 base
+traced_job 47 150 m4 "${OFF[@]}" --override drafter.micro_batches=4
+left=$(( 450 - $(el) )); [ $left -gt 100 ] && traced_job 47 $left m2l1 "${OFF[@]}" --override drafter.micro_batches=2 \
   --override drafter.local_loss_groups=1
 ls "$OUT"
