@@ -138,17 +138,30 @@ eval_job() {
     "$OUT/${name}_e2e.log" | cut -c1-240
 }
 
-# launch_bound_pair BOX_MP BOX_THREADED [NAME [job args]]: goal 4 on a launch-bound job (Qwen3-0.6B-shaped target,
-# eager and padded as in the replaced design, its 5-layer drafter; default 512 anchors, 80 steps; job args are
-# added after these and override them): multi-process (NAME_mp), then threaded (NAME_threaded); NAME default small
+# goal4_pair BOX_MP BOX_THREADED NAME [job args]: goal 4 on one job: the multi-process 1 + 1 job (NAME_mp), then
+# the same job threaded (NAME_threaded, one process, one thread per GPU), each in its box
+goal4_pair() {
+  local box_mp=$1 box_thr=$2 name=$3; shift 3
+  echo "=== goal 4, job $name: multi-process at $(el) s"
+  traced_e2e "$box_mp" "${name}_mp" "/tmp/pipe_$name" "$@"
+  echo "=== the same job threaded at $(el) s"
+  threaded_vs "$box_thr" "${name}_threaded" "${name}_mp" "$@"
+}
+
+# launch_bound_pair BOX_MP BOX_THREADED [NAME [job args]]: goal4_pair on a launch-bound job (Qwen3-0.6B-shaped
+# target, eager and padded as in the replaced design, its 5-layer drafter; default 512 anchors, 80 steps; job args
+# are added after these and override them); NAME default small
 launch_bound_pair() {
   local box_mp=$1 box_thr=$2 name=${3:-small}; shift 3 2>/dev/null || shift $#
-  local small=(--target qwen3_0p6b_random --steps 80 --warmup-steps 20 --override target.packing=off
-               --override target.compile=false "$@")
-  echo "=== goal 4, launch-bound job $name (0.6B-shaped target): multi-process at $(el) s"
-  traced_e2e "$box_mp" "${name}_mp" "/tmp/pipe_$name" "${small[@]}"
-  echo "=== the same job threaded at $(el) s"
-  threaded_vs "$box_thr" "${name}_threaded" "${name}_mp" "${small[@]}"
+  goal4_pair "$box_mp" "$box_thr" "$name" --target qwen3_0p6b_random --steps 80 --warmup-steps 20 \
+    --override target.packing=off --override target.compile=false "$@"
+}
+
+# hybrid_kernels: the carried flash-linear-attention wheels into /tmp/fla and the prebuilt causal-conv1d into
+# /tmp/cc1d (.carry; the caller puts either on PYTHONPATH)
+hybrid_kernels() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fla .carry/fla/*.whl
+  mkdir -p /tmp/cc1d && tar xJf .carry/causal_conv1d-*.tar.xz -C /tmp/cc1d
 }
 
 # pack_one NAME: the files of run NAME into $OUT/results_NAME.tgz (a call returns at most 8 files)

@@ -12,8 +12,7 @@ for w in gemm capture; do
     --out $OUT/send_overlap_$w.json 2>&1 | grep -v "^W1" > $OUT/send_overlap_$w.log
   echo "exit ${PIPESTATUS[0]} at $(el) s"; grep -E "^\||workload:|Error" $OUT/send_overlap_$w.log
 done
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fla .carry/fla/*.whl
-mkdir -p /tmp/cc1d && tar xJf .carry/causal_conv1d-*.tar.xz -C /tmp/cc1d
+hybrid_kernels
 HY=(--hybrid --tokens-per-pass 8192 --repeats 2 --warmup 1)
 echo "=== 2. GPU0 hybrid without causal-conv1d | GPU1 hybrid with, then fresh shapes at $(el) s"
 CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/fla:$PYTHONPATH timeout -k 10 ${HY_T:-200} python3 bench/target_capture.py "${HY[@]}" \

@@ -59,13 +59,13 @@ def gemm_workload(dev, tokens: int, hidden: int):
 def capture_workload(dev, target: str, samples: int, length: int):
     """The trainer's capture: FeatureCapture over a packed batch of `samples` x `length` tokens."""
     from dflash_dist.config import default_layer_ids
-    from dflash_dist.target import FeatureCapture, resolve_compile, resolve_packing, text_config
+    from dflash_dist.target import build_capture, text_config
     tcfg = C.target_config(target)
     model, _, _ = C.build_target_on_device(tcfg, dev)
     tc = text_config(model.config)
     layer_ids = tcfg.layer_ids or default_layer_ids(tc.num_hidden_layers, tcfg.num_feature_layers)
-    packed = resolve_packing(tcfg, model, dev.type)
-    cap = FeatureCapture(model, layer_ids, packing=packed, compile=resolve_compile(tcfg, model, dev.type))
+    cap = build_capture(tcfg, model, layer_ids, dev.type)
+    packed = cap.packing
     lengths = torch.full((samples,), length, dtype=torch.long)
     ids = torch.randint(0, tc.vocab_size, (samples * length,), generator=torch.Generator().manual_seed(0))
     ids = (ids[None] if packed else ids.view(samples, length)).to(dev)

@@ -102,7 +102,8 @@ def main(argv=None) -> int:
         return False
 
     def target_thread():
-        from dflash_dist.target import FeatureCapture, resolve_compile, resolve_packing
+        from dflash_dist.fast_path import check_target_fast_path
+        from dflash_dist.target import build_capture
         from dflash_dist.target_loop import pad_batch
         from dflash_dist.transport import Message
         try:
@@ -110,10 +111,11 @@ def main(argv=None) -> int:
                 torch.cuda.set_device(dev_t)
             model, how, build_s = C.build_target_on_device(cfg.target, dev_t)
             state["target_build_s"], state["target_build"] = build_s, how
-            # the target path of the real target rank (target.packing / target.compile resolved the same way)
-            packed = resolve_packing(cfg.target, model, dev_t.type)
-            capture = FeatureCapture(model, job.layer_ids, packing=packed,
-                                     compile=resolve_compile(cfg.target, model, dev_t.type))
+            # the kernels the target rank would bind, under the same policy (auto: required on CUDA)
+            state["target_fast_path"] = check_target_fast_path(model, cfg.target.fast_path, dev_t.type)["summary"]
+            # the target path of the real target rank (packing, compile, padding resolved the same way)
+            capture = build_capture(cfg.target, model, job.layer_ids, dev_t.type)
+            packed = capture.packing
             state["target_capture"] = capture.describe()
             t_first = None
             for j in mine:
@@ -236,6 +238,7 @@ def main(argv=None) -> int:
     print()
     print(C.table(rows, [("what", "design"), ("samples_per_s", "samples/s (or ratio)"), ("note", "errors")],
                   title=f"threaded baseline (target {dev_t}, drafter {dev_d}, backend {state.get('backend')}; "
+                        f"target kernels: {state.get('target_fast_path')}; "
                         f"compile errors: {'YES' if result['hit_compile_error'] else 'no'}; begun while the other "
                         f"thread compiled: {result['opt_steps_while_other_compiles']} of {result['opt_steps']} "
                         f"optimizer steps, {result['captures_while_other_compiles']} of {result['captures']} "

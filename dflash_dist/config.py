@@ -73,8 +73,16 @@ class TargetConfig:
     one), with packing or without; the capture hooks stay outside the compiled graphs. Evaluation runs uncompiled.
     None: on CUDA (Qwen3-8B shapes on an H200: 1.31x the packed capture, ~10 s of compile), off on CPU."""
 
+    pad_multiple: Optional[int] = None
+    """Padded capture (packing off): each message's rows run right-padded to a multiple of this many tokens, so
+    the target meets a few dozen row lengths instead of one per message. The extra padding is invisible to the
+    real tokens (causal). None: 64 on CUDA for hybrid targets, whose fla kernels cost more on a row length they
+    have not run before (docs/benchmarks.md, call 33), 1 otherwise. Packed rows have their own rounding."""
+
     def __post_init__(self) -> None:
         _require(self.packing in ("auto", "on", "off"), f"target.packing={self.packing!r}: use auto, on or off")
+        _require(self.pad_multiple is None or (isinstance(self.pad_multiple, int) and self.pad_multiple >= 1),
+                 f"target.pad_multiple={self.pad_multiple!r}: use an integer >= 1 or null")
         _require(self.compile is None or isinstance(self.compile, bool),
                  f"target.compile={self.compile!r}: use true, false or null (on CUDA, off on CPU)")
         _require(self.dtype in ("auto", "bfloat16", "float16", "float32"),

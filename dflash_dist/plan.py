@@ -116,13 +116,13 @@ def free_memory(device: torch.device) -> None:
 
 def measure_target_supply(job, device: torch.device, batches: Optional[int] = None) -> dict:
     """Samples/s and tokens/s of one target rank: the target built as ``target_loop.run_target`` builds it
-    (same loader / random init, fast-path policy, ``FeatureCapture`` with the same resolved packing and compile),
+    (same loader / random init, fast-path policy, ``build_capture``: the same packing, compile and padding),
     run on the plan's messages exactly as the target loop batches them (pad_batch + capture + device sync, what it
     counts as busy), after warm-up: 1 batch, or with anything compiled (packing, target.compile) one pass over
     the measured batches, so no compile lands in the timed ones."""
     from .data import TokenizedDataset
     from .fast_path import check_target_fast_path
-    from .target import FeatureCapture, build_target_model, resolve_compile, resolve_packing
+    from .target import build_capture, build_target_model
     from .target_loop import pad_batch
     cfg = job.cfg
     ks = calibration_messages(job, batches or cfg.topology.plan_target_batches)
@@ -131,9 +131,8 @@ def measure_target_supply(job, device: torch.device, batches: Optional[int] = No
     build_s = time.monotonic() - t0
     check_target_fast_path(model, cfg.target.fast_path, device.type)  # never time a refused fallback path
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    packed = resolve_packing(cfg.target, model, device.type)
-    compiled = resolve_compile(cfg.target, model, device.type)
-    capture = FeatureCapture(model, job.layer_ids, packing=packed, compile=compiled)
+    capture = build_capture(cfg.target, model, job.layer_ids, device.type)
+    packed, compiled = capture.packing, capture.compile
     path = capture.describe()
     warmup = ks if (packed or compiled) else ks[:1]  # allocator, kernels, caches; compiles: every shape
     ds = TokenizedDataset.load(job.dataset_path)

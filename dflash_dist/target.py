@@ -267,6 +267,16 @@ def resolve_compile(tcfg: TargetConfig, model, device_type: str) -> bool:
     return device_type == "cuda" and packing_problem(model) is None
 
 
+def resolve_pad_multiple(tcfg: TargetConfig, model, device_type: str, packed: bool) -> int:
+    """target.pad_multiple -> the padded capture's row-length multiple: None = 64 on CUDA for hybrid targets
+    (their linear-attention layers cost more on a length they have not run before), else 1; packed rows: 1."""
+    if packed:
+        return 1
+    if tcfg.pad_multiple is not None:
+        return tcfg.pad_multiple
+    return 64 if device_type == "cuda" and packing_problem(model) is not None else 1
+
+
 # ------------------------------------------------------------------------------------------- capture
 
 class StopForward(Exception):
@@ -288,8 +298,12 @@ class FeatureCapture:
     switched on only for the capture's own forward, so other users of the model (the evaluator with its KV cache)
     run it as it was built."""
 
-    def __init__(self, model, layer_ids: list[int], packing: bool = False, compile: bool = False):
+    def __init__(self, model, layer_ids: list[int], packing: bool = False, compile: bool = False,
+                 pad_multiple: int = 1):
         self.model = model
+        # padded rows run at a length rounded up to this multiple: fewer distinct shapes for kernels whose
+        # launch cost depends on the exact length (see TargetConfig.pad_multiple)
+        self.pad_multiple = max(1, int(pad_multiple))
         self.base, self.layers = decoder_layers(model)
         self.layer_ids = list(layer_ids)
         self.last = max(self.layer_ids)
@@ -324,7 +338,9 @@ class FeatureCapture:
 
     def describe(self) -> str:
         attn = "flex document-causal" if self.packing else self.base.config._attn_implementation
-        return f"{'packed' if self.packing else 'padded'} ({attn}), compiled layers: {'yes' if self.compile else 'no'}"
+        rows = "packed" if self.packing else ("padded" + (f" to a multiple of {self.pad_multiple}"
+                                                            if self.pad_multiple > 1 else ""))
+        return f"{rows} ({attn}), compiled layers: {'yes' if self.compile else 'no'}"
 
     def _hook(self, slot: int, layer_id: int):
         def hook(module, args, output):
@@ -375,6 +391,10 @@ class FeatureCapture:
                 lengths = torch.cat([lengths.cpu(), torch.tensor([pad])])
             mask, positions = document_causal_block_mask(lengths, input_ids.shape[1], input_ids.device)
             kwargs = {"attention_mask": mask, "position_ids": positions[None]}
+        elif input_ids.shape[1] % self.pad_multiple:
+            # more right padding: as invisible to the real tokens as the rest (causal, see above)
+            extra = -input_ids.shape[1] % self.pad_multiple
+            input_ids = torch.nn.functional.pad(input_ids, (0, extra))
         b, s = input_ids.shape
         dtype = next(self.model.parameters()).dtype
         buf = self._buf = torch.empty(b, s, len(self.layer_ids) * self.hidden, dtype=dtype, device=input_ids.device)
@@ -402,3 +422,11 @@ class FeatureCapture:
     def close(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+def build_capture(tcfg: TargetConfig, model, layer_ids: list[int], device_type: str) -> FeatureCapture:
+    """The capture a target rank runs: target.packing, target.compile and target.pad_multiple resolved for this
+    model and device (one place, so the rank, dflash-plan's calibration and the benchmarks run the same path)."""
+    packed = resolve_packing(tcfg, model, device_type)
+    return FeatureCapture(model, layer_ids, packing=packed, compile=resolve_compile(tcfg, model, device_type),
+                          pad_multiple=resolve_pad_multiple(tcfg, model, device_type, packed))

@@ -15,8 +15,7 @@ from .data import TokenizedDataset
 from .distributed import shorten_timeouts
 from .eval_loop import TargetEval, eval_enabled, expected_evals
 from .faults import apply_target_fault, fault_for, stall_if_due
-from .target import (FeatureCapture, build_target_model, head_weights, resolve_compile, resolve_packing,
-                     resolve_source)
+from .target import build_capture, build_target_model, head_weights, resolve_source
 from .head_offload import HeadLossServer, head_channels
 from .transport import Message, Sender, job_channel
 
@@ -52,9 +51,10 @@ def send_head_weights(job, model) -> None:
         dist.send(head.detach().contiguous(), d, group=job.dist.data)
 
 
-def capture_flops_fn(model, job, packed: bool = False):
+def capture_flops_fn(model, job, packed: bool = False, pad_multiple: int = 1):
     """lengths [b] -> forward FLOPs of one capture batch (decoder layers up to the last captured one, no lm_head)
-    as it runs: padded, b x max(lengths) tokens; packed, each sample on its own (attention stays inside a sample).
+    as it runs: padded, b x max(lengths) tokens rounded up to ``pad_multiple``; packed, each sample on its own
+    (attention stays inside a sample).
     For the target's MFU in the metrics (``flops.target_forward_flops``)."""
     from .flops import target_forward_flops
     from .target import decoder_layers, text_config
@@ -65,7 +65,8 @@ def capture_flops_fn(model, job, packed: bool = False):
     tc = text_config(job.hf_config)
     if packed:
         return lambda lengths: target_forward_flops(tc, run_params, attn_layers, [(1, int(n)) for n in lengths])
-    return lambda lengths: target_forward_flops(tc, run_params, attn_layers, [(len(lengths), int(max(lengths)))])
+    return lambda lengths: target_forward_flops(tc, run_params, attn_layers,
+                                                [(len(lengths), -(-int(max(lengths)) // pad_multiple) * pad_multiple)])
 
 
 def head_server(job, model, tx):
@@ -128,11 +129,10 @@ def run_target(job) -> None:
     from .fast_path import check_target_fast_path
     check_target_fast_path(model, cfg.target.fast_path, d.device.type)  # logs the binding; require raises
     send_head_weights(job, model)
-    packed = resolve_packing(cfg.target, model, d.device.type)
-    capture = FeatureCapture(model, job.layer_ids, packing=packed,
-                             compile=resolve_compile(cfg.target, model, d.device.type))
+    capture = build_capture(cfg.target, model, job.layer_ids, d.device.type)
+    packed = capture.packing
     log.info("target capture: %s", capture.describe())
-    flops_per_batch = capture_flops_fn(model, job, packed)
+    flops_per_batch = capture_flops_fn(model, job, packed, capture.pad_multiple)
     dataset = TokenizedDataset.load(job.dataset_path)
     channel = job_channel(d, cfg.topology, check=job.life.check, serve_heads=cfg.drafter.loss_on_target)
     channel.connect(topo.drafter_ranks, sending=True)  # before any payload: see Channel.connect

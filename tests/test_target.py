@@ -44,6 +44,14 @@ def test_capture_equals_hf_hidden_states(kind):
     # right padding does not change the real tokens' features (causal): sample 1 alone
     alone = FeatureCapture.__call__(cap, ids[1:2, :7], torch.tensor([7]))
     torch.testing.assert_close(alone, feats[11:], rtol=1e-5, atol=1e-5)
+    # rows rounded up to a multiple (target.pad_multiple): 11 -> 16 tokens, the same features
+    rounded = FeatureCapture(model, layer_ids, pad_multiple=8)
+    shapes = []
+    hook = model.get_decoder().layers[0].register_forward_hook(lambda m, a, o: shapes.append(a[0].shape[1]))
+    torch.testing.assert_close(rounded(ids, lengths), feats, rtol=1e-5, atol=1e-5)
+    assert shapes == [16] and "padded to a multiple of 8" in rounded.describe()
+    hook.remove()
+    rounded.close()
     for h in hooks:
         h.remove()
 
@@ -194,3 +202,22 @@ def test_compile_resolution():
     assert resolve_compile(cfg(None), hybrid, "cuda") is False      # fla/causal-conv1d layers: only when asked
     assert resolve_compile(cfg(True), hybrid, "cpu") is True
     assert resolve_compile(cfg(False), dense, "cuda") is False
+
+
+def test_pad_multiple_resolution_and_the_built_capture():
+    from dflash_dist.config import ConfigError
+    from dflash_dist.target import build_capture, resolve_pad_multiple
+    dense = AutoModelForCausalLM.from_config(tiny("qwen3")).eval()
+    hybrid = AutoModelForCausalLM.from_config(tiny("qwen3_next")).eval()
+    cfg = lambda pad, **kw: TargetConfig(hf_config={"builtin": "tiny"}, pad_multiple=pad, **kw)  # noqa: E731
+    assert resolve_pad_multiple(cfg(None), hybrid, "cuda", packed=False) == 64   # measured: call 33
+    assert resolve_pad_multiple(cfg(None), dense, "cuda", packed=False) == 1
+    assert resolve_pad_multiple(cfg(None), hybrid, "cpu", packed=False) == 1
+    assert resolve_pad_multiple(cfg(32), dense, "cpu", packed=False) == 32
+    assert resolve_pad_multiple(cfg(32), dense, "cuda", packed=True) == 1       # packed rows round on their own
+    cap = build_capture(cfg(16, packing="off", compile=False), hybrid, [1, 2], "cpu")
+    assert (cap.packing, cap.compile, cap.pad_multiple) == (False, False, 16)
+    cap.close()
+    for bad in (0, -64, 2.5, "64"):
+        with pytest.raises(ConfigError, match="target.pad_multiple"):
+            cfg(bad)
