@@ -74,10 +74,11 @@ class TargetConfig:
     None: on CUDA (Qwen3-8B shapes on an H200: 1.31x the packed capture, ~10 s of compile), off on CPU."""
 
     pad_multiple: Optional[int] = None
-    """Padded capture (packing off): each message's rows run right-padded to a multiple of this many tokens, so
-    the target meets a few dozen row lengths instead of one per message. The extra padding is invisible to the
-    real tokens (causal). None: 64 on CUDA for hybrid targets, whose fla kernels cost more on a row length they
-    have not run before (docs/benchmarks.md, call 33), 1 otherwise. Packed rows have their own rounding."""
+    """Padded capture (packing off: hybrids, CPU): each message's rows run right-padded to a multiple of this many
+    tokens, so the target meets a few dozen row lengths instead of one per message. The extra padding is invisible
+    to the real tokens (causal). Why: SDPA's cuDNN attention builds a plan for every new [b, S], 45-70 ms of host
+    time per new length on an H200 (call 34: a 550-token hybrid capture 100 ms on a new length, 30 ms on a seen
+    one). None: 64 on CUDA, 1 on CPU. Packed rows have their own rounding."""
 
     def __post_init__(self) -> None:
         _require(self.packing in ("auto", "on", "off"), f"target.packing={self.packing!r}: use auto, on or off")
