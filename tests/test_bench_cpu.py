@@ -156,6 +156,7 @@ def test_threaded(runs):
     assert d["hit_compile_error"] is False
     assert d["opt_steps"] == 4 and d["captures"] >= 4  # the exposure counters saw every step and capture
     assert 0 <= d["opt_steps_while_other_compiles"] <= 4
+    assert d["target_fast_path"].startswith("no hybrid layers")  # the rank's kernel report, same policy
 
 
 def test_plan_split(runs):
@@ -257,3 +258,21 @@ def test_head_serve(tmp_path):
     assert all(x["ms"] > 0 and x["tflops"] == pytest.approx(4 * x["rows"] * 64 * 1000 / (x["ms"] / 1e3) / 1e12)
                for x in res["rows"])
     assert "| 300 | 128 | no |" in r.stdout
+
+
+def test_target_fresh_shapes_pad_multiples(tmp_path):
+    """bench/target_fresh_shapes.py: each pad multiple a row, the same shapes twice (--repeat), a new shape's and a
+    seen shape's top ops (--profile), and the rows really rounded (the capture says so)."""
+    out = tmp_path / "fs.json"
+    r = subprocess.run(_cmd("target_fresh_shapes.py", "--target", "tiny", "--variants", "padded", "--pad-multiples",
+                            "1,64", "--batches", 3, "--samples-per-batch", 2, "--repeat", "--profile", "--out", out),
+                       cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = json.load(open(out))["rows"]
+    assert [x["pad_multiple"] for x in rows] == [1, 64]
+    assert rows[0]["capture"].startswith("padded (sdpa)") and "multiple of 64" in rows[1]["capture"]
+    for x in rows:
+        assert len(x["batch_s"]) == len(x["repeat_batch_s"]) == 3 and x["median_seen_s"] > 0
+        assert x["new_shape_cost_s"] == pytest.approx(x["median_new_s"] - x["median_seen_s"])
+        assert any(o["op"].startswith("aten::") for o in x["profile_new"]) and x["profile_seen"]
+    assert "| padded | 64 |" in r.stdout
