@@ -164,6 +164,20 @@ hybrid_kernels() {
   mkdir -p /tmp/cc1d && tar xJf .carry/causal_conv1d-*.tar.xz -C /tmp/cc1d
 }
 
+# hybrid_goal4_pairs BOX TOTAL [job args]: goal4_pair on the reduced Qwen3-Next-shaped target (padded, eager;
+# hybrid_kernels on PYTHONPATH): hy512 (4-sample messages, 512 anchors, both runs in BOX seconds each), then, if
+# more than 160 s of TOTAL are left, hy64 (1-sample messages, 64 anchors) in what is left; each packed
+hybrid_goal4_pairs() {
+  local box=$1 total=$2 left; shift 2
+  local hy=(--target qwen3_next_small --override target.packing=off --override target.compile=false "$@")
+  goal4_pair "$box" "$box" hy512 "${hy[@]}" --steps 100 --warmup-steps 30
+  pack_one hy512
+  left=$(( total - $(el) ))
+  [ $left -gt 160 ] && goal4_pair $(( left / 2 )) $(( left / 2 )) hy64 "${hy[@]}" --max-batch-samples 1 \
+    --override drafter.num_anchors=64 --steps 300 --warmup-steps 100 --log-every 20
+  pack_one hy64
+}
+
 # pack_one NAME: the files of run NAME into $OUT/results_NAME.tgz (a call returns at most 8 files)
 pack_one() { ( cd "$OUT" && tar czf "results_$1.tgz" --remove-files $1*.json $1*.jsonl $1*.log 2>/dev/null ); }
 

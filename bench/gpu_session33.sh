@@ -10,11 +10,5 @@
 source bench/gpu_env.sh "$@"   # strict mode, OUT (first argument), environment, helpers
 hybrid_kernels
 export PYTHONPATH=/tmp/cc1d:/tmp/fla:$PYTHONPATH
-HY=(--target qwen3_next_small --override target.packing=off --override target.compile=false)
-goal4_pair 150 150 hy512 "${HY[@]}" --steps 100 --warmup-steps 30
-pack_one hy512
-left=$(( 570 - $(el) ))
-[ $left -gt 160 ] && goal4_pair $(( left / 2 )) $(( left / 2 )) hy64 "${HY[@]}" --max-batch-samples 1 \
-  --override drafter.num_anchors=64 --steps 300 --warmup-steps 100 --log-every 20
-pack_one hy64
+hybrid_goal4_pairs 150 570 --override target.pad_multiple=1   # as run: before target.pad_multiple (call 34)
 ls "$OUT"

@@ -22,11 +22,5 @@ CUDA_VISIBLE_DEVICES=1 timeout -k 10 150 python3 bench/target_fresh_shapes.py --
 wait $PA
 grep -hE "^\| padded|top ops" "$OUT"/fresh_*.log | cut -c1-400
 pack_one fresh
-HY=(--target qwen3_next_small --override target.packing=off --override target.compile=false)
-goal4_pair 140 140 hy512 "${HY[@]}" --steps 100 --warmup-steps 30
-pack_one hy512
-left=$(( 575 - $(el) ))
-[ $left -gt 160 ] && goal4_pair $(( left / 2 )) $(( left / 2 )) hy64 "${HY[@]}" --max-batch-samples 1 \
-  --override drafter.num_anchors=64 --steps 300 --warmup-steps 100 --log-every 20
-pack_one hy64
+hybrid_goal4_pairs 140 575
 ls "$OUT"
