@@ -82,7 +82,7 @@ class TargetConfig:
 
     def __post_init__(self) -> None:
         _require(self.packing in ("auto", "on", "off"), f"target.packing={self.packing!r}: use auto, on or off")
-        _require(self.pad_multiple is None or (isinstance(self.pad_multiple, int) and self.pad_multiple >= 1),
+        _require(self.pad_multiple is None or (type(self.pad_multiple) is int and self.pad_multiple >= 1),
                  f"target.pad_multiple={self.pad_multiple!r}: use an integer >= 1 or null")
         _require(self.compile is None or isinstance(self.compile, bool),
                  f"target.compile={self.compile!r}: use true, false or null (on CUDA, off on CPU)")

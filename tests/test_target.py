@@ -218,6 +218,21 @@ def test_pad_multiple_resolution_and_the_built_capture():
     cap = build_capture(cfg(16, packing="off", compile=False), hybrid, [1, 2], "cpu")
     assert (cap.packing, cap.compile, cap.pad_multiple) == (False, False, 16)
     cap.close()
-    for bad in (0, -64, 2.5, "64"):
+    for bad in (0, -64, 2.5, "64", True):
         with pytest.raises(ConfigError, match="target.pad_multiple"):
             cfg(bad)
+
+
+def test_capture_flops_count_the_rows_as_they_run():
+    """The target's MFU counts a padded message at its rounded length, a packed one per sample."""
+    from types import SimpleNamespace
+    from dflash_dist.flops import target_forward_flops
+    from dflash_dist.target_loop import capture_flops_fn
+    model = AutoModelForCausalLM.from_config(tiny("qwen3")).eval()
+    job = SimpleNamespace(layer_ids=[1, 3], hf_config=model.config)
+    run_params = sum(p.numel() for layer in model.get_decoder().layers[:4] for p in layer.parameters())
+    expect = lambda rows: target_forward_flops(model.config, run_params, 4, rows)  # noqa: E731
+    lengths = [100, 37]
+    assert capture_flops_fn(model, job)(lengths) == expect([(2, 100)])
+    assert capture_flops_fn(model, job, pad_multiple=64)(lengths) == expect([(2, 128)])
+    assert capture_flops_fn(model, job, packed=True)(lengths) == expect([(1, 100), (1, 37)])
