@@ -30,7 +30,8 @@ def phase(name: str):
 class TraceWindow:
     """torch.profiler over a stretch of work (CPU and, on CUDA, GPU activity), started and stopped by hand.
     Drafter steps only: a window over a target's loop (captures, sends, served requests) crashed the target
-    process on CPU (gloo; heap corruption or a segfault in 2 of 2 runs), so targets are not traced."""
+    process on CPU (gloo): a window that starts or stops while gloo isends are in flight segfaults the sender
+    (bench/profiler_gloo_window.py), so targets are not traced."""
 
     def __init__(self, device):
         from torch.profiler import ProfilerActivity, profile

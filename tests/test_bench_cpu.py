@@ -276,3 +276,15 @@ def test_target_fresh_shapes_pad_multiples(tmp_path):
         assert x["new_shape_cost_s"] == pytest.approx(x["median_new_s"] - x["median_seen_s"])
         assert any(o["op"].startswith("aten::") for o in x["profile_new"]) and x["profile_seen"]
     assert "| padded | 64 |" in r.stdout
+
+
+def test_profiler_gloo_window_runs_its_safe_modes(tmp_path):
+    """bench/profiler_gloo_window.py: the harness runs and counts finished runs (the modes that finish: blocking
+    sends, and isends drained at both ends of the window; the crashing mode is not run here)."""
+    out = tmp_path / "pg.json"
+    r = subprocess.run(_cmd("profiler_gloo_window.py", "--modes", "send,drain", "--runs", 1, "--out", out,
+                            "--workdir", tmp_path / "w"), cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = json.load(open(out))["rows"]
+    assert [(x["mode"], x["runs"], x["finished"]) for x in rows] == [("send", 1, 1), ("drain", 1, 1)]
+    assert (tmp_path / "w" / "drain_rank0.json").exists()
