@@ -9,7 +9,8 @@ runs --runs times in a fresh ``torchrun`` (2 processes, gloo); reported: how man
     python bench/profiler_gloo_window.py --out profiler_gloo.json [--runs 5]
 
 modes: isend (sends in flight when the window starts and stops), send (blocking sends), drain (isends, all waited
-for right before the window starts and before it stops).
+for right before the window starts and before it stops), irecv (the window on the receiver instead: rank 1 keeps up
+to 3 irecvs posted across its start and stop, rank 0 sends blocking).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 import subprocess
 import sys
 
-MODES = ("isend", "send", "drain")
+MODES = ("isend", "send", "drain", "irecv")
 
 
 def rank_main(mode: str, trace_dir: str) -> None:
@@ -39,7 +40,9 @@ def rank_main(mode: str, trace_dir: str) -> None:
             pending.pop(0).wait()
 
     for i in range(40):
-        if rank == 0:
+        if mode == "irecv":
+            receiver_iteration(rank, i, x, w, pending, prof, trace_dir)
+        elif rank == 0:
             if i == 5:
                 if mode == "drain":
                     drain()
@@ -62,6 +65,24 @@ def rank_main(mode: str, trace_dir: str) -> None:
     drain()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def receiver_iteration(rank, i, x, w, pending, prof, trace_dir) -> None:
+    """Mode irecv: rank 0 sends blocking, rank 1 keeps irecvs posted across its window (iterations 5..15)."""
+    import torch
+    import torch.distributed as dist
+    if rank == 0:
+        dist.send((x @ w).contiguous(), 1)
+        return
+    if i == 5:
+        prof.start()
+    buf = torch.empty(4096, 640)
+    pending.append(dist.irecv(buf, 0))
+    if len(pending) > 2:
+        pending.pop(0).wait()
+    if i == 15:
+        prof.stop()
+        prof.export_chrome_trace(os.path.join(trace_dir, "irecv_rank1.json"))
 
 
 def main(argv=None) -> int:
