@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Why targets are not traced: a torch.profiler window over a gloo sender crashes it while its isends are in flight.
+"""A torch.profiler window over a gloo sender crashes it when its isends are in flight as the window starts or stops.
 
 A target rank's loop keeps up to ``topology.max_in_flight`` payload sends pending (gloo runs them on its own
 worker threads). This script is that pattern alone: rank 0 multiplies and isends [4096, 640] fp32 tensors to rank

@@ -439,7 +439,9 @@ class LoggingConfig:
     """Drafter ranks train this step (0-based, counted in this run) under torch.profiler, write its Chrome trace
     to <output_dir>/profile/drafter_rank<r>_step<N>.json and log its phase timeline: each anchor group's forward,
     its loss or head request, each group's backward (waiting for its head reply), optimizer
-    (``bench/profile_timeline.py`` prints a written trace). The device is synchronized around that step. -1: off."""
+    (``bench/profile_timeline.py`` prints a written trace). The device is synchronized around that step. Target
+    ranks trace their first message for that step the same way (target_rank<r>_step<N>.json: capture, send, the
+    drafter taking it), after their earlier sends are taken (target_loop.MessageTrace says why). -1: off."""
 
     def __post_init__(self) -> None:
         if isinstance(self.wandb, dict):

@@ -303,13 +303,17 @@ class HeadLossServer:
             raise TransportError(f"timed out after {self.ch.timeout_s:.0f} s waiting for drafter rank {d} to send "
                                  f"the head rows of message {k} to target rank {self.rank}")
 
-    def finish(self, idle=None, stop_limit=None) -> None:
-        """Serve every expected request, then wait until the replies are sent."""
-        self.serve_through(float("inf"), idle=idle, stop_limit=stop_limit)
+    def wait_replies(self) -> None:
+        """Wait until every reply posted so far is sent (nothing of this server left in flight)."""
         for works, _ in self._replies:
             for w in works:
                 self.replies.wait(w, "a drafter to take a head reply", group=self.replies.data_group)
         self._replies.clear()
+
+    def finish(self, idle=None, stop_limit=None) -> None:
+        """Serve every expected request, then wait until the replies are sent."""
+        self.serve_through(float("inf"), idle=idle, stop_limit=stop_limit)
+        self.wait_replies()
         for _, end in self._timing:
             end.synchronize()
         self._reap()

@@ -7,7 +7,8 @@ long it ran (to the next phase's start), how long its kernels were busy and how 
 step's time goes, e.g. whether splitting the anchors into groups costs more than the loss the targets take over.
 On CPU (no GPU timeline) the phases' host starts are used.
 
-    logging.profile_step=N   a training job's drafter ranks trace step N -> <output_dir>/profile/
+    logging.profile_step=N   a training job's drafter ranks trace step N, its targets their message for step N
+                             -> <output_dir>/profile/
     python bench/profile_timeline.py TRACE.json   the table of a written trace
 """
 
@@ -29,9 +30,8 @@ def phase(name: str):
 
 class TraceWindow:
     """torch.profiler over a stretch of work (CPU and, on CUDA, GPU activity), started and stopped by hand.
-    Drafter steps only: a window over a target's loop (captures, sends, served requests) crashed the target
-    process on CPU (gloo): a window that starts or stops while gloo isends are in flight segfaults the sender
-    (bench/profiler_gloo_window.py), so targets are not traced."""
+    A window that starts or stops while a gloo isend is in flight can crash the sender
+    (bench/profiler_gloo_window.py): a target drains its sends first (target_loop.MessageTrace)."""
 
     def __init__(self, device):
         from torch.profiler import ProfilerActivity, profile

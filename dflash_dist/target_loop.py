@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,7 @@ from .eval_loop import TargetEval, eval_enabled, expected_evals
 from .faults import apply_target_fault, fault_for, stall_if_due
 from .target import build_capture, build_target_model, head_weights, resolve_source
 from .head_offload import HeadLossServer, head_channels
+from .step_trace import TraceWindow, format_timeline, phase
 from .transport import Message, Sender, job_channel
 
 log = logging.getLogger("dflash_dist")
@@ -100,6 +102,45 @@ def open_trace(job):
 # to the steady-state timeout after them: until each of this target's drafters has taken that many, a slow drafter
 # is warming up, not dead (counting sends posted instead let a first compile over timeout_s kill the job).
 WARM_MESSAGES = 3
+
+
+class MessageTrace:
+    """logging.profile_step on a target rank: its first message for drafter step N (capture, send, the drafter
+    taking it) under torch.profiler; the Chrome trace goes to <run_dir>/profile/target_rank<r>_step<N>.json and its
+    phase timeline to the log. Nothing this rank posted is in flight when the window starts or stops: a profiler
+    start or stop while a gloo isend is in flight crashed the sender (bench/profiler_gloo_window.py), and the
+    headers travel over gloo on every job. So the window waits for the drafters to take every earlier message and
+    head reply before it starts, ends once the traced message is taken, and runs no evaluation slice."""
+
+    def __init__(self, job, tx: Sender, heads: Optional[HeadLossServer]):
+        self.step, self.job, self.tx, self.heads = job.cfg.logging.profile_step, job, tx, heads
+        self.window: Optional[TraceWindow] = None
+        self.done = self.step < 0
+        self._idle_work = None
+
+    def wants(self, j: int) -> bool:
+        return not self.done and self.window is None and j // self.job.dist.topo.num_drafters == self.step
+
+    def _quiesce(self) -> None:
+        self.tx.flush()  # serves head requests meanwhile (a drafter may need them to take its messages)
+        if self.heads is not None:
+            self.heads.wait_replies()
+
+    def start(self) -> None:
+        self._quiesce()
+        self._idle_work, self.tx.idle_work = self.tx.idle_work, None
+        self.window = TraceWindow(self.job.dist.device)
+        self.window.start()
+
+    def finish(self) -> None:
+        with phase("drafter takes it"):
+            self._quiesce()
+        r = self.job.dist.rank
+        path = os.path.join(self.job.run_dir, "profile", f"target_rank{r}_step{self.step}.json")
+        tl = self.window.stop(path)
+        self.tx.idle_work, self.window, self.done = self._idle_work, None, True
+        log.info("%s\ntrace: %s", format_timeline(tl, f"target rank {r}, its message for step {self.step} (traced "
+                                                      "alone: earlier sends taken first)"), path)
 # how long the target waits for the leader's next evaluation request after its stream (each request restarts it)
 EVAL_REQUEST_PATIENCE_S = 120.0
 
@@ -160,6 +201,7 @@ def run_target(job) -> None:
             how = "whole, between two messages (train.eval_in_slices=false)"
         log.info("in-training evaluation: %s", how)
     trace = open_trace(job) if cfg.logging.trace_target else None
+    tracer = MessageTrace(job, tx, heads)
 
     def stats() -> tuple:
         """The cumulative statistics each header carries (transport.H_STATS), wall time up to now; served head
@@ -189,6 +231,9 @@ def run_target(job) -> None:
             evaluator.poll()
         k = job.start_cursor + j
         batch = [dataset[i] for i in job.plan[k]]
+        traced = tracer.wants(j)
+        if traced:
+            tracer.start()
         if d.device.type == "cuda":
             # Work already queued on the compute stream is not this message's forward: counted as waiting
             t_stall = time.monotonic()
@@ -197,10 +242,11 @@ def run_target(job) -> None:
         t_busy = time.monotonic()
         stall_msg = t_busy - t_stall if d.device.type == "cuda" else 0.0
         stall_if_due(fault, sent)
-        ids, lengths, packed_ids, packed_mask = pad_batch(batch, d.device, packed)
-        feats = apply_target_fault(fault, sent, capture(ids, lengths))
-        if d.device.type == "cuda":  # busy time = real forward time; ready payloads are posted meanwhile
-            tx.wait_event(torch.cuda.current_stream().record_event())
+        with phase("capture"):
+            ids, lengths, packed_ids, packed_mask = pad_batch(batch, d.device, packed)
+            feats = apply_target_fault(fault, sent, capture(ids, lengths))
+            if d.device.type == "cuda":  # busy time = real forward time; ready payloads are posted meanwhile
+                tx.wait_event(torch.cuda.current_stream().record_event())
         capture_msg = time.monotonic() - t_busy
         busy_s += capture_msg
         cu = torch.zeros(len(batch) + 1, dtype=torch.long)
@@ -210,10 +256,13 @@ def run_target(job) -> None:
         samples += len(batch)
         flops += flops_per_batch(lengths.tolist())
         waited, evaluated, wall = tx.wait_s, tx.idle_work_s, time.monotonic() - start
-        tx.send(topo.drafter_for(j), msg, stats=stats())
+        with phase("send"):
+            tx.send(topo.drafter_for(j), msg, stats=stats())
         sent += 1
         if heads is not None:
             heads.expect(j, k, topo.drafter_for(j))
+        if traced:
+            tracer.finish()
         if trace is not None:
             trace.write(json.dumps({"message": k, "to": topo.drafter_for(j), "samples": len(batch),
                                     "tokens": int(lengths.sum()), "t_s": round(wall, 4),

@@ -135,6 +135,11 @@ def test_loss_on_target_trains_the_same_weights(tmp_path):
         assert names == ["group0 forward", "group0 head request", "group1 forward", "group1 head request",
                          "group0 backward", "group1 backward", "clip and optimizer"], names
     assert "drafter rank 0, step 5 (traced alone" in out and "| group1 backward |" in out
+    # the target traced its first message for step 5 (message 10), earlier sends and replies drained first
+    with open(offload / "profile" / "target_rank2_step5.json") as f:
+        names = [p["name"] for p in timeline(json.load(f))["phases"]]
+    assert names == ["capture", "send", "drafter takes it"], names
+    assert "target rank 2, its message for step 5 (traced alone" in out
 
 
 def test_loss_on_target_two_targets_one_drafter_sigterm(tmp_path):
