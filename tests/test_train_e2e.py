@@ -91,6 +91,21 @@ def test_evaluation_in_slices_on_idle_target_time(tmp_path):
     check_accounting(accounting(tmp_path))
 
 
+def test_hybrid_target_job(tmp_path):
+    """The embedded tiny hybrid (GatedDeltaNet) target trains a drafter end to end: padded capture, rows rounded to
+    the configured multiple, the kernels it bound reported, every sample trained."""
+    r = torchrun(2, ["-m", "dflash_dist.train", f"train.output_dir={tmp_path}", "target=tiny_hybrid",
+                     "drafter=tiny", "train.max_steps=6", "train.eval_prompts=0", "target.pad_multiple=16",
+                     "logging.log_every=3", "logging.progress_bar=false", "logging.wandb.mode=disabled"],
+                 timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert "target capture: padded to a multiple of 16 (sdpa), compiled layers: no" in out
+    assert "target fast path: Qwen3NextGatedDeltaNet x6: fla=NO, causal-conv1d=NO" in out  # CPU: the fallback
+    assert train_records(tmp_path)[-1]["step"] == 6
+    check_accounting(accounting(tmp_path))
+
+
 def test_two_targets_one_drafter(tmp_path):
     r = torchrun(3, ["-m", "dflash_dist.train", f"train.output_dir={tmp_path}", "train.max_steps=6",
                      "topology.target_ranks=2", "logging.log_every=3", "logging.progress_bar=false",
