@@ -104,6 +104,15 @@ class StepTimer:
         return time.perf_counter() - self._t0
 
 
+def wall_s(fn: Callable[[], Any], device: torch.device) -> float:
+    """Host seconds of one call of fn, the device synchronised before and after (host-side costs included)."""
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
 def time_repeats(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> list[float]:
     """Seconds of each of ``repeats`` calls of fn, after ``warmup`` untimed calls (synchronised each call)."""
     for _ in range(warmup):

@@ -31,11 +31,7 @@ from dflash_dist.target import head_weights, text_config  # noqa: E402
 
 
 def timed(fn, dev) -> float:
-    C.sync(dev)
-    t0 = time.perf_counter()
-    fn()
-    C.sync(dev)
-    return (time.perf_counter() - t0) * 1e3
+    return C.wall_s(fn, dev) * 1e3
 
 
 @torch.inference_mode()

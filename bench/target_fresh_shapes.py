@@ -22,7 +22,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
@@ -56,11 +55,7 @@ def as_input(seqs, lengths, packing: bool, dev):
 
 
 def timed(cap, ids, lengths, dev) -> float:
-    C.sync(dev)
-    t0 = time.perf_counter()
-    cap(ids, lengths)
-    C.sync(dev)
-    return time.perf_counter() - t0
+    return C.wall_s(lambda: cap(ids, lengths), dev)
 
 
 def top_ops(cap, ids, lengths, dev, n: int = 12) -> list:
