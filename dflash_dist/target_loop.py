@@ -103,6 +103,9 @@ def open_trace(job):
 # is warming up, not dead (counting sends posted instead let a first compile over timeout_s kill the job).
 WARM_MESSAGES = 3
 
+# how long the target waits for the leader's next evaluation request after its stream (each request restarts it)
+EVAL_REQUEST_PATIENCE_S = 120.0
+
 
 class MessageTrace:
     """logging.profile_step on a target rank: its first message for drafter step N (capture, send, the drafter
@@ -141,8 +144,6 @@ class MessageTrace:
         self.tx.idle_work, self.window, self.done = self._idle_work, None, True
         log.info("%s\ntrace: %s", format_timeline(tl, f"target rank {r}, its message for step {self.step} (traced "
                                                       "alone: earlier sends taken first)"), path)
-# how long the target waits for the leader's next evaluation request after its stream (each request restarts it)
-EVAL_REQUEST_PATIENCE_S = 120.0
 
 
 def serve_last_evaluations(job, evaluator, stopped: bool) -> None:
