@@ -37,16 +37,13 @@ class TraceWindow:
         from torch.profiler import ProfilerActivity, profile
         cuda = torch.device(device).type == "cuda"
         self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
-        self.running = False
 
     def start(self) -> None:
         self.prof.start()
-        self.running = True
 
     def stop(self, path: str) -> dict:
         """Stop, write the Chrome trace to ``path``, return its ``timeline``."""
         self.prof.stop()
-        self.running = False
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.prof.export_chrome_trace(path)
         return timeline(load_trace(path))
