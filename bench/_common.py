@@ -28,8 +28,7 @@ if REPO not in sys.path:
 
 # Vendor dense bf16 tensor-core peaks (no sparsity), TFLOP/s, matched on the device name. Only a reference:
 # every script also measures an 8192^3 bf16 matmul and reports MFU against that.
-from dflash_dist.flops import NOMINAL_BF16_TFLOPS, nominal_peak_tflops  # noqa: E402,F401  (re-exported)
-
+from dflash_dist.telemetry.flops import NOMINAL_BF16_TFLOPS, nominal_peak_tflops  # noqa: E402,F401  (re-exported)
 
 # ---------------------------------------------------------------------------------------------- device
 
@@ -159,8 +158,9 @@ def mem_gb(device: torch.device) -> dict:
 
 
 def free_memory(device: torch.device) -> None:
-    import torch
     import gc
+
+    import torch
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -201,11 +201,12 @@ def drafter_config(name: str, **overrides):
 
 
 def build_target_on_device(tcfg, device: torch.device):
-    """``dflash_dist.target.build_target_model`` with random init done on the device (a torch.device context:
+    """``dflash_dist.model.hf.build_target_model`` with random init done on the device (a torch.device context:
     transformers creates the parameters there, seconds instead of minutes on CPU for 8B). Falls back to the plain
     call (init on CPU, then .to(device)) if that fails. Returns (model, how, seconds)."""
     import torch
-    from dflash_dist.target import build_target_model
+
+    from dflash_dist.model.hf import build_target_model
     t0 = time.time()
     if device.type == "cuda" and not tcfg.name_or_path:
         try:

@@ -20,10 +20,8 @@ from types import SimpleNamespace
 from typing import Optional
 
 import _common as C
-
 import torch
 import torch.distributed as dist
-
 
 # ---------------------------------------------------------------------------------------------- job
 
@@ -42,6 +40,7 @@ def job_overrides(tiny: bool, target: Optional[str], drafter: Optional[str], mea
 def compose_job_config(overrides: list[str]):
     """The JobConfig that ``python -m dflash_dist.train <overrides>`` would run (Hydra compose of conf/)."""
     from hydra import compose, initialize_config_dir
+
     from dflash_dist.config import JobConfig
     with initialize_config_dir(config_dir=os.path.join(C.REPO, "conf"), version_base=None):
         dcfg = compose(config_name="config", overrides=list(overrides))
@@ -69,12 +68,13 @@ def init_single_process_group(device: torch.device) -> None:
 def make_job(cfg, world_size: int, device: torch.device, run_dir: str):
     """(job, dataset) as train.setup would make them for the first drafter rank (global rank 0)."""
     from transformers import AutoTokenizer
+
+    from dflash_dist.comm.topology import Topology
     from dflash_dist.config import validate_job
-    from dflash_dist.data import build_plan
-    from dflash_dist.synthetic import synthetic_dataset
-    from dflash_dist.target import load_hf_config, text_config, tokenizer_path
-    from dflash_dist.topology import Topology
-    from dflash_dist.train import resolve_mask_token_id
+    from dflash_dist.data.plan import build_plan
+    from dflash_dist.data.synthetic import synthetic_dataset
+    from dflash_dist.job import resolve_mask_token_id
+    from dflash_dist.model.hf import load_hf_config, text_config, tokenizer_path
     if not cfg.data.source.startswith("synthetic:"):
         raise SystemExit("the standalone drafter needs data.source=synthetic:...")
     hf_config = load_hf_config(cfg.target)
@@ -103,8 +103,8 @@ def make_job(cfg, world_size: int, device: torch.device, run_dir: str):
 def make_trainer(job):
     """``drafter_loop.DrafterTrainer`` for job. A random-init target's embedding / lm_head are made here (the real
     drafter receives them from the target rank: same shapes and dtype); a checkpoint target's are read from it."""
-    from dflash_dist import drafter_loop
-    from dflash_dist.target import resolve_dtype, resolve_source, text_config
+    from dflash_dist.drafter import trainer as drafter_loop
+    from dflash_dist.model.hf import resolve_dtype, resolve_source, text_config
     original = drafter_loop.receive_head_weights
 
     def local_head_weights(job_, device):
@@ -135,7 +135,7 @@ def my_messages(job) -> list[int]:
 
 def make_message(job, ds, j: int, device: torch.device, features: torch.Tensor):
     """transport.Message for run-message j, laid out as Receiver.complete() returns it (meta on the device)."""
-    from dflash_dist.transport import Message, pack_meta, unpack_meta
+    from dflash_dist.comm.transport import Message, pack_meta, unpack_meta
     k = job.start_cursor + j
     samples = [ds[i] for i in job.plan[k]]
     lengths = torch.tensor([len(s.input_ids) for s in samples], dtype=torch.long)

@@ -32,9 +32,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
-
 import torch  # noqa: E402
-
 
 # ------------------------------------------------------------------------------------------------ workloads
 
@@ -53,9 +51,10 @@ def adamw_run(variant: str, device: str) -> torch.Tensor:
 
 
 def make_capture(device: str):
-    """The tiny target's padded eager feature capture (dflash_dist.target.FeatureCapture) on a fixed batch."""
+    """The tiny target's padded eager feature capture (dflash_dist.target.capture.FeatureCapture) on a fixed batch."""
     from dflash_dist.config import default_layer_ids
-    from dflash_dist.target import FeatureCapture, build_target_model
+    from dflash_dist.model.hf import build_target_model
+    from dflash_dist.target.capture import FeatureCapture
     model = build_target_model(C.target_config("tiny"), device)
     cap = FeatureCapture(model, default_layer_ids(model.config.num_hidden_layers, 5))
     g = torch.Generator().manual_seed(0)
@@ -73,6 +72,7 @@ def make_drafter_steps(device: str, steps: int = 3):
     steps from the same weights and optimizer state each run; the weights after them."""
     import copy
     import tempfile
+
     import _standalone as S
     dev = torch.device(device)
     S.init_single_process_group(dev)  # the DDP group of a job with one drafter rank

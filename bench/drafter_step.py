@@ -8,9 +8,9 @@ A step is what ``DrafterTrainer`` does per message: ``make_batch`` (anchors, blo
 (``flex_block_mask`` compiled, or ``dense_mask`` for sdpa) -> embedding -> drafter forward -> ``decayed_ce`` (row
 chunks under checkpoint) -> backward -> grad clip -> fused AdamW step, in bf16 autocast over fp32 master weights.
 Inputs are random (features ~ N(0,1) bf16, random token ids), 30% of each sample a prompt (no loss), as in
-``dflash_dist.synthetic``.
+``dflash_dist.data.synthetic``.
 
-FLOPs (model FLOPs, what MFU divides; the formula is in docs/benchmarks.md and ``dflash_dist.flops``):
+FLOPs (model FLOPs, what MFU divides; the formula is in docs/benchmarks.md and ``dflash_dist.telemetry.flops``):
 trainable matmuls x3 (forward + grad input + grad weight) except fc x2 (its input, the target features, needs no
 grad); attention over VISIBLE (query, key) pairs only, 4*d per pair and head forward, x3.5 with backward; frozen
 lm_head x2 (forward + grad wrt its input). The loss's default (fused) path computes the hidden-state gradient in
@@ -34,16 +34,15 @@ from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402  (puts the repo root on sys.path)
-
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from dflash_dist.blocks import make_batch  # noqa: E402
-from dflash_dist.drafter import DFlashDrafter, DrafterModelConfig  # noqa: E402
-from dflash_dist.flops import drafter_step_flops as step_flops  # noqa: E402,F401  (the one formula)
-from dflash_dist.loss import decayed_ce  # noqa: E402
-from dflash_dist.masks import dense_mask, flex_block_mask  # noqa: E402
-from dflash_dist.target import load_hf_config, resolve_dtype, text_config  # noqa: E402
+from dflash_dist.model.blocks import make_batch  # noqa: E402
+from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig  # noqa: E402
+from dflash_dist.model.hf import load_hf_config, resolve_dtype, text_config  # noqa: E402
+from dflash_dist.model.loss import decayed_ce  # noqa: E402
+from dflash_dist.model.masks import dense_mask, flex_block_mask  # noqa: E402
+from dflash_dist.telemetry.flops import drafter_step_flops as step_flops  # noqa: E402,F401  (the one formula)
 
 GPU_CONFIGS = "3072x512,550x256,3072x256,550x512"
 TINY_CONFIGS = "96x16,40x8,96x8,40x16"

@@ -20,14 +20,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
-
 import torch  # noqa: E402
 
 from dflash_dist.config import default_layer_ids  # noqa: E402
-from dflash_dist.drafter import DFlashDrafter, DrafterModelConfig  # noqa: E402
-from dflash_dist.spec_decode import (TargetRunner, _new_cache, make_dflash_draft_fn,  # noqa: E402
-                                     speculative_steps)
-from dflash_dist.target import head_weights, text_config  # noqa: E402
+from dflash_dist.eval.spec_decode import TargetRunner, _new_cache, make_dflash_draft_fn, speculative_steps
+from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig  # noqa: E402
+from dflash_dist.model.hf import head_weights, text_config  # noqa: E402
 
 
 def timed(fn, dev) -> float:
@@ -85,7 +83,7 @@ def main(argv=None) -> int:
 
             def verify():
                 runner(block, n, cache, keep=B)
-                from dflash_dist.spec_decode import _crop_cache
+                from dflash_dist.eval.spec_decode import _crop_cache
                 _crop_cache(cache, n)
             verify_ms = [timed(verify, dev) for _ in range(args.repeats)]
         draft_ms = [timed(lambda: draft(ctx, block, n), dev) for _ in range(args.repeats)]

@@ -27,12 +27,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
-
 import torch  # noqa: E402
 from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 
-from dflash_dist.blocks import make_batch  # noqa: E402
-from dflash_dist.masks import flex_block_mask  # noqa: E402
+from dflash_dist.model.blocks import make_batch  # noqa: E402
+from dflash_dist.model.masks import flex_block_mask  # noqa: E402
 
 # tile options worth carrying over from inductor's autotune report (the rest describe the problem, not the tiles)
 TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_warps", "num_stages")

@@ -19,7 +19,7 @@ common="train.output_dir=/tmp/run logging.wandb.mode=disabled logging.progress_b
 PARTS=${PARTS:-A B B3 C}   # which parts to run
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 
-has A && { echo "=== A: doctor"; PYTHONPATH=$FLA:$CC1D_DIR:$BASE_PP timeout ${DOCTOR_T:-90} python3 -m dflash_dist.doctor --json $OUT/doctor.json 2>&1 | tail -30
+has A && { echo "=== A: doctor"; PYTHONPATH=$FLA:$CC1D_DIR:$BASE_PP timeout ${DOCTOR_T:-90} python3 -m dflash_dist.cli.doctor --json $OUT/doctor.json 2>&1 | tail -30
 echo "doctor exit: ${PIPESTATUS[0]}"; }
 hyb="target=qwen3_next_small drafter=tiny drafter.attention_backend=sdpa data.source=synthetic:550:64 train.max_steps=3 logging.log_every=1"
 if has B; then

@@ -19,11 +19,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
-
 import torch  # noqa: E402
 
-from dflash_dist.head_offload import head_flops  # noqa: E402
-from dflash_dist.loss import frozen_head_ce, row_weights  # noqa: E402
+from dflash_dist.comm.head_offload import head_flops  # noqa: E402
+from dflash_dist.model.loss import frozen_head_ce, row_weights  # noqa: E402
 
 
 def ints(text: str) -> list[int]:

@@ -28,7 +28,6 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
-
 import torch  # noqa: E402
 
 # token counts of the samples of each message: the first ones as short as the builtin corpus's messages
@@ -36,14 +35,15 @@ MESSAGES = [[30, 25, 40], [18, 22], [300, 200], [60, 41, 17, 9], [1500, 900, 400
 
 
 def run_rule(rule: str, target: str) -> dict:
-    import dflash_dist.target as T
+    import dflash_dist.model.hf as H
+    import dflash_dist.target.capture as T
     from dflash_dist.config import default_layer_ids
     if rule == "unpadded":
         T.packed_row_tokens = lambda total, device_type: total  # the CUDA rule before the fix
     dev = C.pick_device("auto")
     tcfg = C.target_config(target)
     model, _, _ = C.build_target_on_device(tcfg, dev)
-    tc = T.text_config(model.config)
+    tc = H.text_config(model.config)
     layer_ids = tcfg.layer_ids or default_layer_ids(tc.num_hidden_layers, tcfg.num_feature_layers)
     g = torch.Generator().manual_seed(0)
     rows = []

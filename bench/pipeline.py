@@ -33,10 +33,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 import _standalone as S  # noqa: E402
-
 import torch  # noqa: E402
 
-from dflash_dist.step_trace import format_timeline, traced_step  # noqa: E402
+from dflash_dist.telemetry.step_trace import format_timeline, traced_step  # noqa: E402
 
 
 def add_job_args(p: argparse.ArgumentParser) -> None:
@@ -170,7 +169,7 @@ def drafter_alone(args) -> int:
 
 def profiled(step_fn, dev, trace_path: str, top: int = 15) -> tuple[list, dict]:
     """Run one step under torch.profiler, its Chrome trace written to ``trace_path``: the ``top`` kernels (CUDA;
-    CPU ops on CPU) by total device time, and the step's phase timeline (dflash_dist.step_trace)."""
+    CPU ops on CPU) by total device time, and the step's phase timeline (dflash_dist.telemetry.step_trace)."""
     tl, prof = traced_step(step_fn, trace_path, dev)
     rows = []
     for e in prof.key_averages():

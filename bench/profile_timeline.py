@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dflash_dist.step_trace import format_timeline, load_trace, timeline  # noqa: E402
+from dflash_dist.telemetry.step_trace import format_timeline, load_trace, timeline  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Recompute the FLOPs, TFLOP/s and MFU of a drafter_step JSON with the current formula (dflash_dist.flops).
+"""Recompute the FLOPs, TFLOP/s and MFU of a drafter_step JSON with the current formula (dflash_dist.telemetry.flops).
 
 Timings are untouched; every row's FLOPs are rebuilt from what the row recorded (batch, S_pad, anchors, mean
 visible pairs). Used once to correct results measured before the attention term counted every drafter layer
@@ -15,8 +15,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dflash_dist.drafter import DrafterModelConfig  # noqa: E402
-from dflash_dist.flops import drafter_step_flops  # noqa: E402
+from dflash_dist.model.drafter import DrafterModelConfig  # noqa: E402
+from dflash_dist.telemetry.flops import drafter_step_flops  # noqa: E402
 
 
 def refresh(path: str) -> int:
@@ -42,7 +42,7 @@ def refresh(path: str) -> int:
             r[key.replace("peak", "pct")] = None if r[key] is None else 100 * r[key]
         r["attention_flop_share"] = fl["attention"] / fl["model"]
         n += 1
-    d["flops_refreshed"] = "dflash_dist.flops (attention x num_layers)"
+    d["flops_refreshed"] = "dflash_dist.telemetry.flops (attention x num_layers)"
     with open(path, "w") as f:
         json.dump(d, f, indent=1)
     return n

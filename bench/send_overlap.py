@@ -33,7 +33,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -59,7 +58,8 @@ def gemm_workload(dev, tokens: int, hidden: int):
 def capture_workload(dev, target: str, samples: int, length: int):
     """The trainer's capture: FeatureCapture over a packed batch of `samples` x `length` tokens."""
     from dflash_dist.config import default_layer_ids
-    from dflash_dist.target import build_capture, text_config
+    from dflash_dist.model.hf import text_config
+    from dflash_dist.target.capture import build_capture
     tcfg = C.target_config(target)
     model, _, _ = C.build_target_on_device(tcfg, dev)
     tc = text_config(model.config)

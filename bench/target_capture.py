@@ -9,9 +9,9 @@ attention (``target.packing=on``), ``*_compiled`` = the same with the decoder la
 (``target.compile=true``). The full forward is timed once per (mix, budget), padded, next to the padded row.
 
 Dense mode (default): the Qwen3-8B-shaped random-init bf16 target of ``conf/target/qwen3_8b_random.yaml`` (36
-layers, hidden 4096), built by ``dflash_dist.target.build_target_model`` (random init on the device), capture
-layers ``[1, 9, 17, 25, 33]``. Samples come from ``dflash_dist.synthetic`` (random ids; length mixes "550" =
-uniform 275..825 and "256-3072" = uniform 256..3072) and are batched by ``dflash_dist.data.build_plan`` under a
+layers, hidden 4096), built by ``dflash_dist.model.hf.build_target_model`` (random init on the device), capture
+layers ``[1, 9, 17, 25, 33]``. Samples come from ``dflash_dist.data.synthetic`` (random ids; length mixes "550" =
+uniform 275..825 and "256-3072" = uniform 256..3072) and are batched by ``dflash_dist.data.plan.build_plan`` under a
 token budget (``n * max_len <= budget``), padded by ``target_loop.pad_batch``: exactly what a target rank runs.
 The timed region per batch is what the target rank counts as busy: pad_batch + forward + synchronize. Warm-up
 passes (untimed, ``warmup_s``) run every batch, so compiled variants compile every shape before timing.
@@ -39,15 +39,17 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
-
 import torch  # noqa: E402
 
-from dflash_dist.flops import target_forward_flops  # noqa: E402
 from dflash_dist.config import TargetConfig, default_layer_ids  # noqa: E402
-from dflash_dist.data import build_plan  # noqa: E402
-from dflash_dist.synthetic import synthetic_dataset  # noqa: E402
-from dflash_dist.target import FeatureCapture, packed_stats, text_config  # noqa: E402
-from dflash_dist.target_loop import pad_batch  # noqa: E402
+from dflash_dist.data.plan import (
+    build_plan,  # noqa: E402
+    pad_batch,  # noqa: E402
+)
+from dflash_dist.data.synthetic import synthetic_dataset  # noqa: E402
+from dflash_dist.model.hf import text_config  # noqa: E402
+from dflash_dist.target.capture import FeatureCapture, packed_stats  # noqa: E402
+from dflash_dist.telemetry.flops import target_forward_flops  # noqa: E402
 
 
 def mix_source(mix: str, tokens: int) -> tuple[str, float]:
@@ -112,7 +114,7 @@ def kernel_packages() -> dict:
 
 
 def layer_matmul_params(model) -> int:
-    from dflash_dist.target import decoder_layers
+    from dflash_dist.model.hf import decoder_layers
     _, layers = decoder_layers(model)
     return sum(p.numel() for p in layers[0].parameters() if p.dim() >= 2)
 
@@ -231,7 +233,7 @@ def main(argv=None) -> int:
               "warmup_passes": args.warmup, "repeats": args.repeats, "variants": variants, "rows": [],
               "skipped": []}
     if args.hybrid:
-        from dflash_dist.fast_path import check_target_fast_path
+        from dflash_dist.model.fast_path import check_target_fast_path
         fp = check_target_fast_path(model, "allow", dev.type)
         result.update({"hf_config": hf, "hf_config_dropped_keys": dropped, "fast_path": fp,
                        "kernel_packages": packages,

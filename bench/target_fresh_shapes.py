@@ -25,12 +25,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
-
 import torch  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 from dflash_dist.config import default_layer_ids  # noqa: E402
-from dflash_dist.target import FeatureCapture, text_config  # noqa: E402
+from dflash_dist.model.hf import text_config  # noqa: E402
+from dflash_dist.target.capture import FeatureCapture  # noqa: E402
 
 VARIANTS = {"padded": (False, False), "padded_compiled": (False, True), "packed": (True, False),
             "packed_compiled": (True, True)}
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     layer_ids = tcfg.layer_ids or default_layer_ids(tc.num_hidden_layers, tcfg.num_feature_layers)
     res = {"bench": "target_fresh_shapes", "env": C.env_info(dev), "target": args.target, "rows": []}
     if any(k in args.target for k in ("next", "hybrid")):
-        from dflash_dist.fast_path import check_target_fast_path
+        from dflash_dist.model.fast_path import check_target_fast_path
         res["fast_path"] = check_target_fast_path(model, tcfg.fast_path, dev.type)["summary"]
         C.log(f"target kernels: {res['fast_path']}")
     for seed, name in enumerate(args.variants.split(",")):

@@ -32,9 +32,8 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 import _standalone as S  # noqa: E402
-from pipeline import add_job_args, finish_job_args, overrides  # noqa: E402
-
 import torch  # noqa: E402
+from pipeline import add_job_args, finish_job_args, overrides  # noqa: E402
 
 COMPILE_MARKERS = ("torch._dynamo", "torch._inductor", "torch/_dynamo", "torch/_inductor", "torch.fx", "torch/fx",
                    "FX", "symbolic_trace", "is_fx_tracing", "compile", "Dynamo", "Inductor", "BackendCompilerFailed")
@@ -102,10 +101,10 @@ def main(argv=None) -> int:
         return False
 
     def target_thread():
-        from dflash_dist.fast_path import check_target_fast_path
-        from dflash_dist.target import build_capture
-        from dflash_dist.target_loop import pad_batch
-        from dflash_dist.transport import Message
+        from dflash_dist.comm.transport import Message
+        from dflash_dist.data.plan import pad_batch
+        from dflash_dist.model.fast_path import check_target_fast_path
+        from dflash_dist.target.capture import build_capture
         try:
             if dev_t.type == "cuda":
                 torch.cuda.set_device(dev_t)

@@ -27,11 +27,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from dflash_dist.transport import Channel, EndOfStream, Message, Receiver, Sender  # noqa: E402
+from dflash_dist.comm.transport import Channel, EndOfStream, Message, Receiver, Sender  # noqa: E402
 
 
 def make_message(k: int, dev: torch.device, samples: int, length: int, width: int) -> Message:

@@ -9,7 +9,6 @@ message that says what to change.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -173,7 +172,7 @@ class DrafterConfig:
 
     loss_on_target: bool = False
     """Run the frozen lm_head and the decayed CE of each training step on the target rank that sent its message
-    (dflash_dist/head_offload.py): the drafter sends its final hidden rows and labels [rows, H] and gets back the
+    (dflash_dist/comm/head_offload.py): the drafter sends its final hidden rows and labels [rows, H] and gets back the
     loss sum, the argmax and the gradient with respect to those rows. Moves ~28% of a drafter step's FLOPs (550
     tokens, 256 anchors) onto targets that would otherwise idle in a drafter-bound job. Use micro_batches >= 2 so
     the drafter does not wait for the reply. Needs target ranks that can serve while they wait: rendezvous sends
@@ -269,7 +268,7 @@ class TopologyConfig:
     target_ranks: Any = 1
     """How many ranks run the target (the last T global ranks, W-T..W-1); the rest train the drafter. ``auto``:
     measure on this job's ranks (rank 0 times drafter steps, rank W-1 target batches) and take the split with
-    the highest predicted samples/s (``dflash_dist.plan``; W = 2 is always 1 + 1, without measuring)."""
+    the highest predicted samples/s (``dflash_dist.cli.plan``; W = 2 is always 1 + 1, without measuring)."""
 
     max_in_flight: int = 4
     """Messages a target may have sent but not yet seen received, per drafter link (backpressure)."""
@@ -441,7 +440,7 @@ class LoggingConfig:
     its loss or head request, each group's backward (waiting for its head reply), optimizer
     (``bench/profile_timeline.py`` prints a written trace). The device is synchronized around that step. Target
     ranks trace their first message for that step the same way (target_rank<r>_step<N>.json: capture, send, the
-    drafter taking it), after their earlier sends are taken (target_loop.MessageTrace says why). -1: off."""
+    drafter taking it), after their earlier sends are taken (target.loop.MessageTrace says why). -1: off."""
 
     def __post_init__(self) -> None:
         if isinstance(self.wandb, dict):
@@ -548,10 +547,3 @@ def resolve_backend(cfg: JobConfig, device: str) -> str:
     return b
 
 
-def cosine_lr(step: int, total: int, warmup_ratio: float, min_ratio: float = 0.0) -> float:
-    """Multiplier of the peak lr: linear warmup over warmup_ratio*total steps, then cosine to min_ratio."""
-    warm = max(1, int(round(warmup_ratio * total)))
-    if step < warm:
-        return (step + 1) / warm
-    progress = min(1.0, (step - warm) / max(1, total - warm))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))

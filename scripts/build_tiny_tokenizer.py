@@ -53,7 +53,7 @@ def chatml(messages: list[dict]) -> str:
 def train_tokenizer():
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-    from dflash_dist.data import chatterbot_conversations
+    from dflash_dist.data.conversations import chatterbot_conversations
 
     texts = [chatml(c["messages"]) for c in chatterbot_conversations()]
     tok = Tokenizer(models.BPE())

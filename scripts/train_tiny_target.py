@@ -10,7 +10,7 @@ same kind of short English, so this doubles the text a 2M-parameter model learns
 learns the turn structure (close a reply with ``<|im_end|>``, which greedy generation stops on).
 
 Reproducible: fixed seeds, fixed thread count, deterministic algorithms, a fixed number of steps (not a time
-budget), batches from ``dflash_dist.data.build_plan``. Bit-identical output needs the same torch build and
+budget), batches from ``dflash_dist.data.plan.build_plan``. Bit-identical output needs the same torch build and
 CPU kind (float reductions depend on the vector unit).
 
 Usage: python scripts/train_tiny_target.py [--epochs 16] [--out dflash_dist/assets/tiny]
@@ -30,7 +30,11 @@ sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
 
-from dflash_dist import data  # noqa: E402
+from dflash_dist.data import (
+    conversations,  # noqa: E402
+    tokenize,  # noqa: E402
+)
+from dflash_dist.data import plan as data_plan  # noqa: E402
 
 PROMPTS = [
     "Hello",
@@ -45,15 +49,15 @@ PROMPTS = [
 
 
 def build_batches(tokenizer, epochs: int, seed: int, max_batch_tokens: int, max_batch_samples: int):
-    convs = data.chatterbot_conversations()
+    convs = conversations.chatterbot_conversations()
     seqs = []
     for c in convs:
-        r = data.tokenize_conversation(tokenizer, c, max_length=512, overlong="truncate")
+        r = tokenize.tokenize_conversation(tokenizer, c, max_length=512, overlong="truncate")
         if isinstance(r, str):
             raise SystemExit(f"corpus conversation failed to tokenize: {r}")
         seqs.append(r[0])
     lengths = [len(s) for s in seqs]
-    plan = data.build_plan(lengths, range(len(seqs)), epochs=epochs, seed=seed,
+    plan = data_plan.build_plan(lengths, range(len(seqs)), epochs=epochs, seed=seed,
                            max_batch_tokens=max_batch_tokens, max_batch_samples=max_batch_samples)
     return seqs, plan
 
@@ -101,7 +105,7 @@ def greedy(model, tokenizer, prompt: str, max_new_tokens: int = 48) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=data.ASSETS_TINY)
+    ap.add_argument("--out", default=conversations.ASSETS_TINY)
     ap.add_argument("--epochs", type=int, default=16)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)

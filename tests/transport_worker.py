@@ -1,4 +1,4 @@
-"""Worker for tests/test_transport.py, run under torchrun (gloo).
+"""Worker for tests/unit/comm/test_transport.py, run under torchrun (gloo).
 
 Targets send `--messages` random messages (random sample counts, lengths, widths and dtypes, derived from
 the message index so the receiver can recompute and check every byte) along the topology's schedule, then
@@ -14,8 +14,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from dflash_dist.topology import Topology
-from dflash_dist.transport import Channel, EndOfStream, Message, Receiver, Sender, posted_key
+from dflash_dist.comm.topology import Topology
+from dflash_dist.comm.transport import Channel, EndOfStream, Message, Receiver, Sender, posted_key
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

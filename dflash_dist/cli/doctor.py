@@ -1,0 +1,444 @@
+"""``dflash-doctor`` / ``python -m dflash_dist.cli.doctor``: check an environment without training.
+
+Prints one row per check with PASS / WARN / FAIL / N/A and exits non-zero if any row FAILs:
+
+* versions: torch, CUDA, NCCL, triton, transformers;
+* GPUs, peer access between every pair and a short measured copy bandwidth (N/A on CPU or one GPU);
+* flash-linear-attention and causal-conv1d: importable, and their kernels run (and match the PyTorch
+  reference) on a small input on the GPU (N/A or WARN on CPU; FAIL on GPU when the configured target is
+  hybrid and ``target.fast_path`` would require them);
+* flex_attention: compiles and matches a dense reference on a small DFlash mask (``dflash_dist.model.masks``),
+  forward and backward on GPU, forward only on CPU (no CPU backward), with eager flex turned into an error;
+* the inductor cache directory (where compiled kernels are reused from) is writable;
+* wandb: the mode a run would use and whether ``online`` would block (a <= 2 s TCP connect to the wandb host);
+* the Hydra config (``conf/config.yaml`` + overrides) composes and validates into ``JobConfig``.
+
+Usage: ``dflash-doctor [--json PATH] [--no-flex] [hydra overrides ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+import warnings
+from typing import Any, Callable, Optional
+from urllib.parse import urlparse
+
+PASS, WARN, FAIL, NA = "PASS", "WARN", "FAIL", "N/A"
+from dflash_dist.paths import CONF_DIR
+
+
+class Doctor:
+    def __init__(self):
+        self.rows: list[dict] = []
+        self.cfg = None          # JobConfig once the config check ran
+        self.hf_config = None
+
+    def add(self, name: str, status: str, detail: str, **data: Any) -> None:
+        self.rows.append({"check": name, "status": status, "detail": detail, **({"data": data} if data else {})})
+
+    def run(self, name: str, fn: Callable[["Doctor"], None]) -> None:
+        try:
+            fn(self)
+        except Exception as e:  # a crashing check is a FAIL row, never a crashed doctor
+            tb = traceback.format_exc(limit=3).strip().splitlines()[-1]
+            self.add(name, FAIL, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else tb}"[:300])
+
+    @property
+    def failed(self) -> bool:
+        return any(r["status"] == FAIL for r in self.rows)
+
+    def table(self) -> str:
+        w = max([len(r["check"]) for r in self.rows] + [5])
+        lines = [f"{'CHECK'.ljust(w)}  STATUS  DETAIL", f"{'-' * w}  ------  {'-' * 40}"]
+        for r in self.rows:
+            detail = r["detail"].splitlines() or [""]
+            lines.append(f"{r['check'].ljust(w)}  {r['status'].ljust(6)}  {detail[0]}")
+            lines += [f"{' ' * w}          {d}" for d in detail[1:]]
+        n = {s: sum(r["status"] == s for r in self.rows) for s in (PASS, WARN, FAIL, NA)}
+        lines.append(f"\n{n[PASS]} pass, {n[WARN]} warn, {n[FAIL]} fail, {n[NA]} n/a")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+def _version(mod: str) -> Optional[str]:
+    try:
+        from importlib.metadata import version
+        return version(mod)
+    except Exception:
+        return None
+
+
+def check_versions(doc: Doctor) -> None:
+    import torch
+    doc.add("torch", PASS, f"{torch.__version__} (python {sys.version.split()[0]})")
+    if torch.version.cuda is None:
+        doc.add("CUDA", NA, "CPU build of torch")
+    elif not torch.cuda.is_available():
+        doc.add("CUDA", WARN, f"torch built with CUDA {torch.version.cuda} but no GPU is visible "
+                              f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    else:
+        doc.add("CUDA", PASS, f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s), "
+                              f"cuDNN {torch.backends.cudnn.version()}")
+    if torch.cuda.is_available():
+        import torch.distributed as dist
+        if not dist.is_nccl_available():
+            doc.add("NCCL", FAIL, "torch.distributed has no NCCL backend: multi-GPU training cannot start")
+        else:
+            v = torch.cuda.nccl.version()
+            doc.add("NCCL", PASS, ".".join(map(str, v)) if isinstance(v, tuple) else str(v))
+    else:
+        doc.add("NCCL", NA, "no GPU (CPU runs use gloo)")
+    tri = _version("triton")
+    if torch.cuda.is_available():
+        doc.add("triton", PASS if tri else FAIL, tri or "not installed: torch.compile/flex_attention need it on GPU")
+    else:
+        doc.add("triton", NA, tri or "not installed (only needed on GPU)")
+    doc.add("transformers", PASS if _version("transformers") else FAIL, _version("transformers") or "not installed")
+
+
+def check_gpus(doc: Doctor) -> None:
+    import torch
+    if not torch.cuda.is_available():
+        doc.add("GPUs", NA, "no GPU")
+        doc.add("P2P access", NA, "no GPU")
+        doc.add("P2P bandwidth", NA, "no GPU")
+        return
+    n = torch.cuda.device_count()
+    names = []
+    for i in range(n):
+        p = torch.cuda.get_device_properties(i)
+        names.append(f"{i}: {p.name} {p.total_memory / 2**30:.0f} GiB sm_{p.major}{p.minor}")
+    doc.add("GPUs", PASS, "\n".join(names), count=n)
+    if n < 2:
+        doc.add("P2P access", NA, "one GPU")
+        doc.add("P2P bandwidth", NA, "one GPU")
+        return
+    access = {f"{i}->{j}": bool(torch.cuda.can_device_access_peer(i, j)) for i in range(n) for j in range(n) if i != j}
+    no = [k for k, v in access.items() if not v]
+    doc.add("P2P access", PASS if not no else WARN,
+            f"all {len(access)} ordered pairs" if not no else
+            f"no peer access for {', '.join(no[:12])}{' ...' if len(no) > 12 else ''} (copies go through the host)",
+            pairs=access)
+    nbytes = 64 << 20
+    bw = {}
+    for i in range(n):
+        src = torch.empty(nbytes, dtype=torch.uint8, device=i)
+        for j in range(n):
+            if i == j:
+                continue
+            dst = torch.empty(nbytes, dtype=torch.uint8, device=j)
+            dst.copy_(src)
+            torch.cuda.synchronize(i)
+            torch.cuda.synchronize(j)
+            iters = 5
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize(i)
+            torch.cuda.synchronize(j)
+            bw[f"{i}->{j}"] = round(nbytes * iters / (time.perf_counter() - t0) / 1e9, 1)
+            del dst
+        del src
+    vals = sorted(bw.values())
+    slow = min(bw, key=bw.get)
+    status = PASS if vals[0] >= 10.0 else WARN
+    doc.add("P2P bandwidth", status, f"{len(bw)} pairs, 64 MiB copies: min {vals[0]} GB/s ({slow}), median "
+                                     f"{vals[len(vals) // 2]} GB/s, max {vals[-1]} GB/s", gbps=bw)
+
+
+def _target_needs_kernels(doc: Doctor) -> bool:
+    """True when the configured target is hybrid and its fast-path policy requires the kernels on CUDA."""
+    if doc.cfg is None or doc.hf_config is None:
+        return False
+    from dflash_dist.model.fast_path import check_fast_path_for_config, resolve_policy
+    if resolve_policy(doc.cfg.target.fast_path, "cuda") != "require":
+        return False
+    try:
+        return check_fast_path_for_config(doc.hf_config, "allow", "cuda")["hybrid"]
+    except Exception:
+        return False
+
+
+def _rel_err(a, b) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
+
+
+def _kernel_missing(doc: Doctor, name: str, how: str, optional_note: str, cpu_note: str) -> None:
+    """A hybrid-target kernel package that does not import: FAIL on a GPU when the configured target needs it,
+    WARN on a GPU otherwise, not applicable on CPU."""
+    import torch
+    if not torch.cuda.is_available():
+        doc.add(name, NA, cpu_note)
+        return
+    need = _target_needs_kernels(doc)
+    doc.add(name, FAIL if need else WARN,
+            how + (" -- the configured hybrid target requires it (target.fast_path)" if need else optional_note))
+
+
+def check_fla(doc: Doctor) -> None:
+    import torch
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        ver = _version("flash-linear-attention") or _version("fla") or "?"
+    except Exception as e:
+        _kernel_missing(doc, "flash-linear-attention", f"not importable ({type(e).__name__}): "
+                        "`pip install flash-linear-attention`", " (needed only for hybrid GatedDeltaNet targets)",
+                        "not installed (GPU only; CPU hybrid targets use the PyTorch path)")
+        return
+    if not torch.cuda.is_available():
+        doc.add("flash-linear-attention", WARN, f"{ver} installed on a CPU machine: transformers binds its Triton "
+                                                "kernels even on CPU and hybrid forwards fail there")
+        return
+    import torch.nn.functional as F
+    dev = torch.device("cuda", 0)
+    g0 = torch.Generator(device=dev).manual_seed(0)
+    B, T, H, D = 1, 256, 2, 64
+    q, k, v = (torch.randn(B, T, H, D, device=dev, generator=g0, dtype=torch.bfloat16) for _ in range(3))
+    g = F.logsigmoid(torch.randn(B, T, H, device=dev, generator=g0)).float()
+    beta = torch.rand(B, T, H, device=dev, generator=g0).to(torch.bfloat16)
+    o, _ = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
+                                  use_qk_l2norm_in_kernel=True)
+    torch.cuda.synchronize()
+    if not torch.isfinite(o).all():
+        doc.add("flash-linear-attention", FAIL, f"{ver}: chunk_gated_delta_rule returned non-finite values")
+        return
+    ref_fn = None
+    try:
+        from transformers.models.qwen3_next import modeling_qwen3_next as mq
+        ref_fn = getattr(mq.torch_chunk_gated_delta_rule, "__wrapped__", mq.torch_chunk_gated_delta_rule)
+    except Exception:
+        pass
+    detail = f"{ver}: chunk_gated_delta_rule ran on {tuple(q.shape)} bf16"
+    status = PASS
+    if ref_fn is not None and getattr(ref_fn, "__module__", "").startswith("transformers"):
+        ref, _ = ref_fn(q.float(), k.float(), v.float(), g=g, beta=beta.float(), initial_state=None,
+                        output_final_state=False, use_qk_l2norm_in_kernel=True)
+        err = _rel_err(o, ref)
+        detail += f", max rel. error vs transformers' PyTorch reference {err:.2e}"
+        status = PASS if err < 5e-2 else WARN
+    doc.add("flash-linear-attention", status, detail)
+
+
+def check_causal_conv1d(doc: Doctor) -> None:
+    import torch
+    try:
+        from causal_conv1d import causal_conv1d_fn
+        ver = _version("causal-conv1d") or _version("causal_conv1d") or "?"
+    except Exception as e:
+        _kernel_missing(doc, "causal-conv1d", f"not importable ({type(e).__name__}: {str(e)[:80]}): build it against "
+                        "this torch (source-only; see shared/device/README.md: build_causal_conv1d.sh)", "",
+                        "not installed (GPU only)")
+        return
+    if not torch.cuda.is_available():
+        doc.add("causal-conv1d", NA, f"{ver} importable; its CUDA kernel cannot run without a GPU")
+        return
+    import torch.nn.functional as F
+    dev = torch.device("cuda", 0)
+    g0 = torch.Generator(device=dev).manual_seed(0)
+    Bn, Dn, T, W = 2, 64, 128, 4
+    x = torch.randn(Bn, Dn, T, device=dev, generator=g0, dtype=torch.bfloat16)
+    w = torch.randn(Dn, W, device=dev, generator=g0, dtype=torch.bfloat16)
+    out = causal_conv1d_fn(x, w, None, activation="silu")
+    ref = F.silu(F.conv1d(x.float(), w.float()[:, None], padding=W - 1, groups=Dn)[..., :T])
+    torch.cuda.synchronize()
+    err = _rel_err(out, ref)
+    doc.add("causal-conv1d", PASS if err < 2e-2 else FAIL,
+            f"{ver}: causal_conv1d_fn ran on {tuple(x.shape)} bf16, max rel. error vs F.conv1d {err:.2e}")
+
+
+def check_flex(doc: Doctor) -> None:
+    import torch
+
+    from dflash_dist.drafter.compile_guard import FLEX_EAGER_WARNING_RE
+    from dflash_dist.model.drafter import flex_attention_compiled
+    from dflash_dist.model.masks import dense_mask, flex_block_mask
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    gen = torch.Generator().manual_seed(0)
+    if cuda:
+        b, n, bs, ctx, heads, kv, d = 2, 8, 16, 256, 4, 2, 64
+    else:  # tiny: the CPU compile dominates
+        b, n, bs, ctx, heads, kv, d = 2, 2, 4, 16, 2, 1, 16
+    q_len, k_len = n * bs, ctx + n * bs
+    anchors = torch.sort(torch.randint(0, ctx - bs, (b, n), generator=gen), dim=1).values
+    valid = torch.ones(b, n, dtype=torch.bool)
+    valid[1, n // 2:] = False                                   # padding blocks see nothing -> output 0
+    anchors[~valid] = 0
+    anchors, valid = anchors.to(dev), valid.to(dev)
+    q = torch.randn(b, heads, q_len, d, generator=gen).to(dev)
+    k = torch.randn(b, kv, k_len, d, generator=gen).to(dev)
+    v = torch.randn(b, kv, k_len, d, generator=gen).to(dev)
+    if cuda:
+        for t in (q, k, v):
+            t.requires_grad_(True)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=FLEX_EAGER_WARNING_RE, category=UserWarning)
+        bm = flex_block_mask(anchors, valid, ctx, bs)
+        with torch.set_grad_enabled(cuda):
+            out = flex_attention_compiled(q, k, v, block_mask=bm, scale=d ** -0.5, enable_gqa=True)
+            if cuda:
+                out.sum().backward()
+    compile_s = time.perf_counter() - t0
+    # dense reference (fp32)
+    mask = dense_mask(anchors, valid, ctx, bs)[:, None]        # [b, 1, Q, K]
+    qr, kr, vr = (t.detach().clone().requires_grad_(cuda) for t in (q, k, v))
+    kr_e, vr_e = kr.repeat_interleave(heads // kv, 1), vr.repeat_interleave(heads // kv, 1)
+    with torch.set_grad_enabled(cuda):
+        s = (qr @ kr_e.transpose(-1, -2)) * d ** -0.5
+        p = torch.softmax(s.masked_fill(~mask, float("-inf")), -1).nan_to_num(0.0)
+        ref = p @ vr_e
+        if cuda:
+            ref.sum().backward()
+    errs = {"out": float((out.detach() - ref.detach()).abs().max())}
+    if cuda:
+        for name, a, r in (("dq", q, qr), ("dk", k, kr), ("dv", v, vr)):
+            errs[name] = float((a.grad - r.grad).abs().max())
+    tol = 1e-2 if cuda else 1e-4   # GPU: room for TF32 matmuls; a wrong mask or dense fallback is off by O(0.1)
+    ok = all(e < tol for e in errs.values())
+    what = "forward+backward" if cuda else "forward only (no CPU backward)"
+    doc.add("flex_attention", PASS if ok else FAIL,
+            f"compiled {what} on a DFlash mask b={b} Q={q_len} K={k_len}: max abs err "
+            + ", ".join(f"{k_}={v_:.1e}" for k_, v_ in errs.items())
+            + f" (tol {tol:g}); {compile_s:.1f} s incl. compile",
+            errors=errs, compile_s=round(compile_s, 2))
+
+
+def check_inductor_cache(doc: Doctor) -> None:
+    from dflash_dist.drafter.startup_report import inductor_cache_dir
+    info = inductor_cache_dir()
+    path = info.get("dir")
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".doctor-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+        writable = True
+    except OSError:
+        writable = False
+    doc.add("inductor cache", PASS if writable else WARN,
+            f"{path} ({'writable' if writable else 'NOT writable: every start recompiles'}; fx_graph_cache="
+            f"{info.get('fx_graph_cache')}, autograd_cache={info.get('autograd_cache')})"
+            + ("; the default temp location: set TORCHINDUCTOR_CACHE_DIR to a persistent path to reuse compiled "
+               "kernels across containers" if info.get("default_location") else ""), **info)
+
+
+def _tcp_reachable(host: str, port: int, timeout_s: float = 2.0) -> Optional[bool]:
+    """Connect within timeout_s (DNS included: done in a thread we stop waiting for). None: timed out."""
+    result: dict = {}
+
+    def probe():
+        try:
+            with socket.create_connection((host, port), timeout=timeout_s):
+                result["ok"] = True
+        except OSError as e:
+            result["ok"] = False
+            result["err"] = e
+
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return result.get("ok")
+
+
+def check_wandb(doc: Doctor) -> None:
+    from dflash_dist.telemetry.metrics import wandb_mode
+    requested = doc.cfg.logging.wandb.mode if doc.cfg is not None else None
+    mode = wandb_mode(requested)
+    src = "logging.wandb.mode" if requested else ("WANDB_MODE" if os.environ.get("WANDB_MODE") else
+                                                   "default (online iff credentials)")
+    if mode == "disabled":
+        doc.add("wandb", PASS, f"mode=disabled ({src})")
+        return
+    ver = _version("wandb")
+    if ver is None:
+        doc.add("wandb", FAIL, f"mode={mode} ({src}) but wandb is not installed: pip install wandb or set "
+                               "logging.wandb.mode=disabled")
+        return
+    if mode != "online":
+        doc.add("wandb", PASS, f"mode={mode} ({src}), wandb {ver}; no network needed")
+        return
+    url = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
+    host, port = url.hostname or "api.wandb.ai", url.port or (443 if url.scheme != "http" else 80)
+    ok = _tcp_reachable(host, port, 2.0)
+    if ok:
+        doc.add("wandb", PASS, f"mode=online ({src}), wandb {ver}, {host}:{port} reachable")
+    else:
+        doc.add("wandb", WARN, f"mode=online ({src}) but {host}:{port} is "
+                               f"{'unreachable' if ok is False else 'not answering within 2 s'}: wandb.init "
+                               "would block (up to its init_timeout) -- set logging.wandb.mode=offline")
+
+
+def check_config(doc: Doctor, overrides: list[str]) -> None:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from dflash_dist.config import JobConfig
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        dcfg = compose(config_name="config", overrides=list(overrides))
+    cfg = JobConfig.from_omegaconf(dcfg)
+    doc.cfg = cfg
+    t = cfg.target
+    where = t.name_or_path or (f"random init {t.hf_config.get('model_type', t.hf_config)}")
+    detail = (f"{CONF_DIR}/config.yaml{' + ' + ' '.join(overrides) if overrides else ''}: target {where}, drafter "
+              f"{cfg.drafter.num_layers} layers x block {cfg.drafter.block_size}, backend "
+              f"{cfg.drafter.attention_backend}, output {cfg.train.output_dir}")
+    from dflash_dist.model.hf import load_hf_config, resolve_source
+    path, _ = resolve_source(t)
+    if path is None or os.path.isdir(path):
+        doc.hf_config = load_hf_config(t)
+        from dflash_dist.model.fast_path import check_fast_path_for_config
+        from dflash_dist.model.hf import text_config
+        tc = text_config(doc.hf_config)
+        fp = check_fast_path_for_config(doc.hf_config, "allow", "cpu", attn_implementation=t.attn_implementation)
+        detail += (f"\ntarget config: {getattr(tc, 'model_type', '?')}, {tc.num_hidden_layers} layers, hidden "
+                   f"{tc.hidden_size}; {'hybrid: ' + ', '.join(fp['kinds']) if fp['hybrid'] else 'dense'}")
+    else:
+        detail += "\ntarget is a hub id: its HF config is not fetched by the doctor"
+    doc.add("config", PASS, detail)
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="dflash-doctor", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    ap.add_argument("--no-flex", action="store_true", help="skip the flex_attention compile check")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for dflash-train (e.g. target=qwen3_8b_random)")
+    args = ap.parse_args(argv)
+    doc = Doctor()
+    t0 = time.time()
+    doc.run("config", lambda d: check_config(d, args.overrides))
+    doc.run("versions", check_versions)
+    doc.run("GPUs", check_gpus)
+    doc.run("flash-linear-attention", check_fla)
+    doc.run("causal-conv1d", check_causal_conv1d)
+    if args.no_flex:
+        doc.add("flex_attention", NA, "skipped (--no-flex)")
+    else:
+        doc.run("flex_attention", check_flex)
+    doc.run("inductor cache", check_inductor_cache)
+    doc.run("wandb", check_wandb)
+    print(doc.table())
+    print(f"({time.time() - t0:.1f} s)")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"rows": doc.rows, "failed": doc.failed}, f, indent=1, default=str)
+    return 1 if doc.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""``dflash-eval``: acceptance length τ of a trained drafter with real greedy speculative decoding.
+
+    dflash-eval --checkpoint OUT/checkpoints/step_00001000 [--num-prompts 16] [--max-new-tokens 64]
+    dflash-eval --export EXPORT_DIR [--target NAME_OR_PATH] [--prompts prompts.jsonl] [--out eval.json]
+
+The target is rebuilt from the checkpoint's ``job_config.target`` section (``dflash_dist.config.TargetConfig``
++ ``target.build_target_model``; a random-init target comes back identical from its ``init_seed``), or from
+the export's ``dflash_dist_meta.json``, or from ``--target``. Prompts default to the training run's held-out
+conversations (``data.split_holdout`` over the same source with the same seed): each one's messages before
+its first assistant turn, rendered with the chat template and the generation prompt. ``--prompts`` takes a
+JSONL of ``{"messages": [...]}`` (same rule) or ``{"prompt": "text"}`` rows.
+
+Prints a table (τ, acceptance per block slot, losslessness against the target's own greedy decoding) and
+writes the full result as JSON (``--out``, default ``dflash_eval.json``).
+
+Helpers used by training (no torch.distributed here): :func:`eos_token_ids`, :func:`prompt_messages`,
+:func:`encode_prompts`, :func:`prompts_from_jsonl`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Optional
+
+import torch
+
+from dflash_dist.config import ConfigError, DataConfig, TargetConfig
+from dflash_dist.eval.prompts import (
+    check_pair,
+    encode_prompts,
+    eos_token_ids,
+    holdout_conversations,
+    load_drafter,
+    prompts_from_jsonl,
+)
+from dflash_dist.eval.spec_decode import evaluate_prompts, format_table
+
+log = logging.getLogger("dflash_dist")
+
+
+def main(argv: Optional[list] = None) -> int:
+    p = argparse.ArgumentParser(prog="dflash-eval", description="Acceptance length of a DFlash drafter with real "
+                                "greedy speculative decoding against its target.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="a training checkpoint directory (…/checkpoints/step_XXXXXXXX)")
+    src.add_argument("--export", help="a dflash-export directory (or a z-lab release with --target)")
+    p.add_argument("--target", default=None, help="target name_or_path (default: the run's target section)")
+    p.add_argument("--target-dtype", default=None, choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--tokenizer", default=None, help="tokenizer (default: the checkpoint's / export's)")
+    p.add_argument("--prompts", default=None, help="JSONL of {messages} or {prompt} rows (default: held-out data)")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=None, help="drafted block size (default: the trained one)")
+    p.add_argument("--no-lossless-check", action="store_true", help="skip the target-only greedy reference")
+    p.add_argument("--use-cache", default="auto", choices=["auto", "yes", "no"], help="target KV cache")
+    p.add_argument("--chat-template-kwargs", default=None, help='JSON, e.g. \'{"enable_thinking": false}\'')
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--out", default="dflash_eval.json", help="where to write the JSON result")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    try:
+        return _run(args)
+    except ConfigError as e:
+        print(f"dflash-eval: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    from transformers import AutoTokenizer
+
+    from dflash_dist.model.hf import build_target_model, tokenizer_path
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    setup = load_drafter(args.checkpoint, args.export, device)
+    tcfg = setup.target
+    if args.target is not None:
+        tcfg = TargetConfig(name_or_path=args.target, layer_ids=list(setup.layer_ids))
+    if tcfg is None:
+        raise ConfigError(f"{setup.source} does not say which target it was trained on: pass --target NAME_OR_PATH")
+    if args.target_dtype:
+        tcfg.dtype = args.target_dtype
+    tok_path = args.tokenizer or setup.tokenizer or tokenizer_path(tcfg)
+    tokenizer = AutoTokenizer.from_pretrained(tok_path)
+    target = build_target_model(tcfg, device)
+    check_pair(target, setup)
+    kwargs = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else None
+
+    if args.prompts:
+        convs, prompt_source = prompts_from_jsonl(args.prompts), os.path.abspath(args.prompts)
+    else:
+        convs = holdout_conversations(setup.data or DataConfig())
+        prompt_source = "held-out conversations of the run's data"
+    convs = convs[:max(0, args.num_prompts)]
+    if not convs:
+        raise ConfigError("no prompts to evaluate")
+    prompts = encode_prompts(tokenizer, convs, kwargs)
+    eos = eos_token_ids(tokenizer, target.config)
+    block = args.block_size or setup.block_size
+    use_cache = {"auto": None, "yes": True, "no": False}[args.use_cache]
+    log.info("evaluating %s on %d prompts (%s), block %d, %d new tokens, eos %s, device %s", setup.source,
+             len(prompts), prompt_source, block, args.max_new_tokens, eos, device)
+    result = evaluate_prompts(target, setup.drafter, None, None, prompts, setup.layer_ids, setup.mask_token_id, block,
+                              args.max_new_tokens, eos, check_lossless=not args.no_lossless_check,
+                              use_cache=use_cache)
+    result.update({"source": setup.source, "target": tcfg.name_or_path or tcfg.hf_config,
+                   "prompt_source": prompt_source, "eos_ids": eos, "layer_ids": list(setup.layer_ids),
+                   "mask_token_id": setup.mask_token_id, "device": device})
+    print(format_table(result))
+    out = os.path.abspath(args.out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = out + f".tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    os.replace(tmp, out)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,399 @@
+"""Conversations -> tokenized samples with an assistant-only loss mask -> a rank-independent batching plan.
+
+Pipeline (all CPU, done once per run and cached by the caller):
+
+1. ``builtin_conversations()`` or ``read_jsonl_conversations(path, stats)`` give a list of
+   ``{"messages": [{"role", "content"}, ...]}`` dicts. The reader validates every row; a bad row is counted
+   per reason in ``BadDataStats`` with its ``file:line`` and left out, never raised, never dropped silently.
+2. ``build_tokenized_dataset(...)`` renders each conversation with the tokenizer's chat template and builds
+   the loss mask (see ``tokenize_conversation``); unusable samples are counted in the same stats. Work runs
+   in a spawn process pool (never threads) when ``num_workers > 0``, with the same result as in-process.
+3. ``TokenizedDataset`` keeps everything in three flat tensors (int32 tokens, bool mask, int64 offsets);
+   sample ids are its row indices ``0..N-1``. ``save`` is atomic.
+4. ``build_plan(lengths, sample_ids, ...)`` turns (lengths, seed, epochs, batch budget) into the batches of
+   every epoch. It knows nothing about ranks, so a resumed run with another target/drafter split replays
+   the same sample order.
+
+Loss-mask convention: ``loss_mask[t]`` is True when token ``t`` belongs to an assistant reply (its content
+and the closing end-of-turn token such as ``<|im_end|>``), i.e. a token the drafter must learn to predict.
+System and user turns, the ``<|im_start|>assistant\\n`` header and the newline after ``<|im_end|>`` are False.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import json
+import multiprocessing as mp
+import os
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from dflash_dist.data.conversations import (
+    CHAT_TEMPLATE_ERROR,
+    CHAT_TEMPLATE_MISMATCH,
+    NO_SUPERVISED_TOKENS,
+    SPECIAL_TOKEN_IN_CONTENT,
+    TOKEN_OUT_OF_VOCAB,
+    TOKENIZER_ERROR,
+    TOO_LONG,
+    TRUNCATED,
+    TRUNCATED_NO_SUPERVISED,
+    BadDataStats,
+    DataError,
+    validate_conversation,
+)
+
+OVERLONG_MODES = ("truncate", "skip")
+
+
+FORMAT = "dflash_dist.tokenized/1"
+
+
+
+
+@dataclass
+class Sample:
+    sample_id: int
+    input_ids: Union[list, Tensor]
+    loss_mask: Union[list, Tensor]
+
+
+_TEMPLATE_INFO: dict = {}
+
+
+_PROBE = "Zq7xDFLASHPROBEx7qZ"
+
+
+def _render(tokenizer, messages: list, add_generation_prompt: bool, template_kwargs: Optional[dict] = None) -> str:
+    out = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                        **(template_kwargs or {}))
+    if not isinstance(out, str):
+        raise TypeError(f"apply_chat_template returned {type(out).__name__}, expected str")
+    return out
+
+
+def template_info(tokenizer, template_kwargs: Optional[dict] = None) -> tuple[str, tuple]:
+    """(closing marker of an assistant turn, special-token strings) of this tokenizer, cached.
+
+    The marker is what the template writes right after the reply content, without trailing whitespace
+    (``<|im_end|>`` for ChatML); found by rendering a probe reply. Empty if it cannot be found.
+    """
+    key = (id(tokenizer), str(getattr(tokenizer, "chat_template", None)), repr(sorted((template_kwargs or {}).items())))
+    info = _TEMPLATE_INFO.get(key)
+    if info is None:
+        close = ""
+        try:
+            user = [{"role": "user", "content": "hi"}]
+            p = _render(tokenizer, user, True, template_kwargs)
+            f = _render(tokenizer, user + [{"role": "assistant", "content": _PROBE}], False, template_kwargs)
+            k = f.find(_PROBE, len(p) if f.startswith(p) else 0)
+            if k >= 0:
+                close = f[k + len(_PROBE):].rstrip()
+        except Exception:
+            close = ""
+        specials = set(getattr(tokenizer, "all_special_tokens", []) or [])
+        for tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+            if getattr(tok, "special", False):
+                specials.add(str(tok.content if hasattr(tok, "content") else tok))
+        info = (close, tuple(sorted(s for s in specials if s)))
+        _TEMPLATE_INFO[key] = info
+    return info
+
+
+def _assistant_char_spans(tokenizer, messages: list, full: str, close: str,
+                          template_kwargs: Optional[dict] = None) -> Union[list, tuple]:
+    """Character spans ``[start, end)`` of the supervised part of each assistant turn in ``full``.
+
+    Start: the conversation before the turn rendered with the generation prompt must be a prefix of ``full``;
+    the reply starts where it ends (so anything the template emits after the header, e.g. Qwen3's empty
+    ``<think>`` block on the final turn, counts as reply: the target generates it). End: the first closing
+    marker after the reply content, included; or, without a marker, the end of the turn rendered alone.
+    Returns (reason, detail) when the template does not behave like that.
+    """
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        if i == 0:
+            # An opening reply: HF cannot render an empty conversation, so take what a lone probe reply and
+            # the whole conversation have in common in front of the probe (the header).
+            alone = _render(tokenizer, [{"role": "assistant", "content": _PROBE}], False, template_kwargs)
+            k = alone.find(_PROBE)
+            prefix = os.path.commonprefix([alone[:k], full]) if k >= 0 else ""
+            user = [{"role": "user", "content": _PROBE}]
+            u, g = _render(tokenizer, user, False, template_kwargs), _render(tokenizer, user, True, template_kwargs)
+            header = g[len(u):] if g.startswith(u) else ""
+            if header and header in prefix:  # stop after the generation-prompt header, as for later replies
+                prefix = prefix[: prefix.find(header) + len(header)]
+            if not prefix:
+                return CHAT_TEMPLATE_MISMATCH, "cannot find the header of an opening assistant turn"
+        else:
+            prefix = _render(tokenizer, messages[:i], True, template_kwargs)
+        if not full.startswith(prefix):
+            return CHAT_TEMPLATE_MISMATCH, f"rendering before assistant turn {i} is not a prefix of the whole"
+        start = len(prefix)
+        if close:
+            body = m["content"].strip()
+            k = full.find(body, start)
+            search_from = k + len(body) if k >= 0 else start
+            e = full.find(close, search_from)
+            if e < 0:
+                return CHAT_TEMPLATE_MISMATCH, f"no {close!r} after assistant turn {i}"
+            end = e + len(close)
+        else:
+            upto = _render(tokenizer, messages[: i + 1], False, template_kwargs)
+            if not full.startswith(upto):
+                return CHAT_TEMPLATE_MISMATCH, f"assistant turn {i} does not render as a prefix"
+            end = len(upto.rstrip())
+        if (spans and start < spans[-1][1]) or end <= start:
+            return CHAT_TEMPLATE_MISMATCH, f"assistant turn {i} span [{start}, {end}) is empty or overlaps"
+        spans.append((start, end))
+    return spans
+
+
+def _tokenize(tokenizer, conv: dict, max_length: int, overlong: str, vocab_size: Optional[int],
+              template_kwargs: Optional[dict] = None):
+    """``(ids, mask, truncated)`` or ``(reason, detail)``."""
+    if overlong not in OVERLONG_MODES:
+        raise ValueError(f"overlong={overlong!r}: use truncate or skip")
+    norm, reason, detail = validate_conversation(conv)
+    if norm is None:
+        return reason, detail
+    messages = norm["messages"]
+    close, specials = template_info(tokenizer, template_kwargs)
+    for j, m in enumerate(messages):
+        for s in specials:
+            if s in m["content"]:
+                return SPECIAL_TOKEN_IN_CONTENT, f"messages[{j}] contains {s!r}"
+    try:
+        full = _render(tokenizer, messages, False, template_kwargs)
+        spans = _assistant_char_spans(tokenizer, messages, full, close, template_kwargs)
+    except Exception as e:  # a template that raises on this conversation (e.g. role order it refuses)
+        return CHAT_TEMPLATE_ERROR, f"{type(e).__name__}: {e}"
+    if isinstance(spans, tuple):
+        return spans
+    try:
+        enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    except Exception as e:  # last line of defence: one odd row must not stop the run
+        return TOKENIZER_ERROR, f"{type(e).__name__}: {e}"
+    ids = list(enc["input_ids"])
+    offsets = enc["offset_mapping"]
+    mask = [False] * len(ids)
+    si = 0
+    for t, (a, _b) in enumerate(offsets):
+        while si < len(spans) and a >= spans[si][1]:
+            si += 1
+        if si == len(spans):
+            break
+        mask[t] = spans[si][0] <= a < spans[si][1]
+    if vocab_size is not None and ids and max(ids) >= vocab_size:
+        bad = max(ids)
+        return TOKEN_OUT_OF_VOCAB, f"token id {bad} ({tokenizer.convert_ids_to_tokens(bad)!r}) >= vocab {vocab_size}"
+    if not any(mask):
+        return NO_SUPERVISED_TOKENS, ""
+    truncated = False
+    if len(ids) > max_length:
+        if overlong == "skip":
+            return TOO_LONG, f"{len(ids)} tokens > max_length {max_length}"
+        ids, mask, truncated = ids[:max_length], mask[:max_length], True
+        if not any(mask):
+            return TRUNCATED_NO_SUPERVISED, f"no assistant token in the first {max_length} tokens"
+    return ids, mask, truncated
+
+
+def tokenize_conversation(tokenizer, conv: dict, max_length: int, overlong: str, vocab_size: Optional[int] = None,
+                          chat_template_kwargs: Optional[dict] = None) -> Union[tuple[list, list], str]:
+    """``(input_ids, loss_mask)`` of one conversation, or the reason string when it is unusable.
+
+    ``vocab_size``: the target model's vocabulary size; a token id at or above it makes the sample unusable
+    (``token_out_of_vocab``). ``overlong``: ``truncate`` keeps the first ``max_length`` tokens (it must keep a
+    supervised token), ``skip`` rejects the sample (``too_long``). Use ``build_tokenized_dataset`` to also
+    count truncations. ``chat_template_kwargs`` go to ``apply_chat_template`` (e.g. ``enable_thinking``).
+    """
+    r = _tokenize(tokenizer, conv, max_length, overlong, vocab_size, chat_template_kwargs)
+    if len(r) == 2:
+        return r[0]
+    return r[0], r[1]
+
+
+class TokenizedDataset:
+    """Samples in three flat tensors: ``tokens`` int32 [T], ``loss_mask`` bool [T], ``offsets`` int64 [N+1].
+
+    ``conv_ids`` int64 [N]: index of each sample in the conversation list it was built from.
+    ``meta``: a small JSON-able dict (tokenizer, max_length, ...). Sample ids are row indices 0..N-1.
+    """
+
+    def __init__(self, tokens: Tensor, loss_mask: Tensor, offsets: Tensor,
+                 conv_ids: Optional[Tensor] = None, meta: Optional[dict] = None):
+        self.tokens = tokens.to(torch.int32).contiguous()
+        self.loss_mask = loss_mask.to(torch.bool).contiguous()
+        self.offsets = offsets.to(torch.int64).contiguous()
+        n = self.offsets.numel() - 1
+        self.conv_ids = (torch.arange(n, dtype=torch.int64) if conv_ids is None
+                         else conv_ids.to(torch.int64).contiguous())
+        self.meta = dict(meta or {})
+        if (n < 0 or self.tokens.numel() != self.loss_mask.numel() or self.conv_ids.numel() != n
+                or (n >= 0 and int(self.offsets[0]) != 0) or int(self.offsets[-1]) != self.tokens.numel()
+                or bool((self.offsets[1:] < self.offsets[:-1]).any())):
+            raise DataError("inconsistent TokenizedDataset tensors (corrupt cache?)")
+        self.lengths = self.offsets[1:] - self.offsets[:-1]
+
+    def __len__(self) -> int:
+        return self.offsets.numel() - 1
+
+    def __getitem__(self, i: int) -> Sample:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"sample {i} out of range for {n} samples")
+        i = i % n
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return Sample(i, self.tokens[a:b].long(), self.loss_mask[a:b].clone())
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.numel()
+
+    def save(self, path: str) -> None:
+        """Write atomically: temp file in the same directory, fsync, rename, fsync the directory."""
+        d = os.path.dirname(os.path.abspath(path))
+        os.makedirs(d, exist_ok=True)
+        tmp = f"{path}.tmp.{os.getpid()}"
+        payload = {"format": FORMAT, "tokens": self.tokens, "loss_mask": self.loss_mask,
+                   "offsets": self.offsets, "conv_ids": self.conv_ids, "meta": self.meta}
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(payload, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        try:
+            fd = os.open(d, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+
+    @staticmethod
+    def load(path: str) -> "TokenizedDataset":
+        try:
+            p = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise DataError(f"cannot load tokenized dataset {path}: {type(e).__name__}: {e}") from e
+        if not isinstance(p, dict) or p.get("format") != FORMAT:
+            raise DataError(f"{path} is not a {FORMAT} file")
+        return TokenizedDataset(p["tokens"], p["loss_mask"], p["offsets"], p.get("conv_ids"), p.get("meta"))
+
+
+_WORKER_TOK = None
+
+
+_WORKER_ARGS: tuple = ()
+
+
+def _load_tokenizer(tokenizer_path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_path)
+
+
+def _worker_init(tokenizer_path: str, max_length: int, overlong: str, vocab_size: Optional[int],
+                 template_kwargs: Optional[dict]) -> None:
+    global _WORKER_TOK, _WORKER_ARGS
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    torch.set_num_threads(1)
+    _WORKER_TOK = _load_tokenizer(tokenizer_path)
+    _WORKER_ARGS = (max_length, overlong, vocab_size, template_kwargs)
+
+
+def _pack(r):
+    if len(r) == 2:
+        return r
+    ids, mask, truncated = r
+    return array.array("i", ids).tobytes(), bytes(mask), truncated
+
+
+def _worker_run(conv: dict):
+    return _pack(_tokenize(_WORKER_TOK, conv, *_WORKER_ARGS))
+
+
+def build_tokenized_dataset(conversations: Sequence[dict], tokenizer_path: str, max_length: int, overlong: str,
+                            num_workers: int, stats: BadDataStats, vocab_size: Optional[int] = None,
+                            chat_template_kwargs: Optional[dict] = None, chunksize: int = 64) -> TokenizedDataset:
+    """Tokenize ``conversations`` (row order kept) into a TokenizedDataset; unusable ones go to ``stats``.
+
+    Conversations that carry ``source`` (from ``read_jsonl_conversations``) were already counted as rows;
+    the others (builtin, in-memory) are counted here. ``num_workers > 0`` uses a spawn process pool, each
+    worker loading the tokenizer from ``tokenizer_path``. ``vocab_size`` is the target model's vocabulary
+    size (ids at or above it are bad rows). Call ``stats.check(max_bad_fraction)`` afterwards.
+    """
+    if overlong not in OVERLONG_MODES:
+        raise ValueError(f"overlong={overlong!r}: use truncate or skip")
+    convs = list(conversations)
+    stats.add_rows(sum(1 for c in convs if not (isinstance(c, dict) and isinstance(c.get("source"), str))))
+    if num_workers > 0 and len(convs) > 0:
+        # spawn, not fork: the caller may already run threads (torch, NCCL, CUDA). A process pool, not
+        # multiprocessing.Pool: a worker that dies raises BrokenProcessPool instead of being respawned forever.
+        try:
+            with ProcessPoolExecutor(num_workers, mp_context=mp.get_context("spawn"), initializer=_worker_init,
+                                     initargs=(tokenizer_path, max_length, overlong, vocab_size,
+                                               chat_template_kwargs)) as pool:
+                results = list(pool.map(_worker_run, convs, chunksize=max(1, chunksize)))
+        except BrokenProcessPool as e:
+            raise DataError(f"a tokenization worker died ({e}); the main module must be importable by spawned "
+                            "processes (run from a file, not stdin), or set data.num_workers=0") from e
+    else:
+        tok = _load_tokenizer(tokenizer_path)
+        results = [_pack(_tokenize(tok, c, max_length, overlong, vocab_size, chat_template_kwargs)) for c in convs]
+
+    tok_parts, mask_parts, lengths, conv_ids = [], [], [], []
+    for i, (c, r) in enumerate(zip(convs, results)):
+        where = c.get("source") if isinstance(c, dict) and isinstance(c.get("source"), str) else f"conversation[{i}]"
+        if len(r) == 2:
+            stats.bad(r[0], where, r[1])
+            continue
+        ids_b, mask_b, truncated = r
+        if truncated:
+            stats.note(TRUNCATED, where, f"cut to {max_length} tokens")
+        tok_parts.append(ids_b)
+        mask_parts.append(mask_b)
+        lengths.append(len(mask_b))
+        conv_ids.append(i)
+    tokens = torch.frombuffer(bytearray(b"".join(tok_parts)), dtype=torch.int32) if tok_parts else \
+        torch.zeros(0, dtype=torch.int32)
+    mask = torch.frombuffer(bytearray(b"".join(mask_parts)), dtype=torch.uint8).bool() if mask_parts else \
+        torch.zeros(0, dtype=torch.bool)
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    if lengths:
+        offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
+    meta = {"tokenizer": str(tokenizer_path), "max_length": int(max_length), "overlong": overlong,
+            "vocab_size": None if vocab_size is None else int(vocab_size), "num_conversations": len(convs),
+            "chat_template_kwargs": dict(chat_template_kwargs or {})}
+    return TokenizedDataset(tokens, mask, offsets, torch.tensor(conv_ids, dtype=torch.int64), meta)
+
+
+def dataset_cache_key(conversations: Sequence[dict], tokenizer_path: str, max_length: int, overlong: str,
+                      vocab_size: Optional[int] = None, chat_template_kwargs: Optional[dict] = None) -> str:
+    """A hex digest that changes when the conversations, the tokenizer files or the settings change."""
+    h = hashlib.sha256()
+    h.update(json.dumps([FORMAT, str(tokenizer_path), int(max_length), overlong, vocab_size,
+                         sorted((chat_template_kwargs or {}).items())], default=repr).encode())
+    if os.path.isdir(tokenizer_path):
+        for name in sorted(os.listdir(tokenizer_path)):
+            if name.startswith(("tokenizer", "special_tokens_map", "chat_template", "vocab", "merges")):
+                with open(os.path.join(tokenizer_path, name), "rb") as f:
+                    h.update(name.encode() + b"\0" + hashlib.sha256(f.read()).digest())
+    for c in conversations:
+        msgs = c.get("messages") if isinstance(c, dict) else c
+        h.update(json.dumps(msgs, sort_keys=True, ensure_ascii=False, default=repr).encode("utf-8") + b"\n")
+    return h.hexdigest()[:32]

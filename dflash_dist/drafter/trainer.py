@@ -1,0 +1,367 @@
+"""The drafter's training step: model, optimizer, DDP, compile guard, micro-batched backward, metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from dflash_dist.checkpoint.store import load_checkpoint, save_checkpoint
+from dflash_dist.config import resolve_backend
+from dflash_dist.drafter.compile_guard import (
+    batch_shape,
+    expected_shapes,
+    install_guard,
+    plan_step_lengths,
+    precompile_steps,
+)
+from dflash_dist.model.blocks import make_batch, split_anchors
+from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
+from dflash_dist.model.hf import load_head_from_checkpoint, resolve_dtype, resolve_source, text_config
+from dflash_dist.model.loss import LossParts, decayed_ce
+from dflash_dist.model.masks import dense_mask, flex_block_mask
+from dflash_dist.telemetry.flops import attention_flops_per_pair, drafter_step_flops
+from dflash_dist.telemetry.step_trace import phase
+
+log = logging.getLogger("dflash_dist")
+
+
+def empty_batch_inputs(feature_width: int, device, dtype):
+    """A one-sample message with nothing supervised: every block is padding, the loss is exactly 0."""
+    ids = torch.zeros(2, dtype=torch.long, device=device)
+    mask = torch.zeros(2, dtype=torch.bool, device=device)
+    cu = torch.tensor([0, 2], dtype=torch.long)
+    feats = torch.zeros(2, feature_width, dtype=dtype, device=device)
+    return ids, mask, cu, feats
+
+
+def _grad_sum(a, b):
+    """a + b for gradients that may be None (a parameter a group did not reach), in place into a."""
+    return b if a is None else a if b is None else a.add_(b)
+
+
+class DrafterTrainer:
+    def __init__(self, job, head_weights=None):
+        """``head_weights``: (embedding, lm_head) given instead of read/received. With ``job.dist.drafters`` None
+        the trainer runs alone (the calibration of topology.target_ranks=auto, plan.py): the same step, without
+        DDP and without the all-reduce of the loss weight."""
+        self.job = job
+        cfg, d = job.cfg, job.dist
+        self.cfg, self.d, self.topo = cfg, d, d.topo
+        self.device = d.device
+        self.backend = resolve_backend(cfg, self.device.type)
+        tc = text_config(job.hf_config)
+        self.mcfg = DrafterModelConfig.from_target(tc, num_layers=cfg.drafter.num_layers,
+                                                   num_feature_layers=len(job.layer_ids),
+                                                   block_size=cfg.drafter.block_size,
+                                                   intermediate_size=cfg.drafter.intermediate_size)
+        torch.manual_seed(cfg.train.seed)
+        self.flex_dynamic = self.backend == "flex" and cfg.drafter.compile_dynamic and self.device.type == "cuda"
+        cl = cfg.drafter.compile_layers
+        self.compile_layers = self.backend == "flex" if cl is None else bool(cl)
+        closs = cfg.drafter.compile_loss
+        self.compile_loss = self.backend == "flex" if closs is None else bool(closs)
+        self.model = DFlashDrafter(self.mcfg, self.backend).to(self.device).configure_compile(
+            flex_dynamic=self.flex_dynamic, compile_layers=self.compile_layers,
+            kernel_options=cfg.drafter.flex_kernel_options)
+        self.embed, self.lm_head = head_weights if head_weights is not None else receive_head_weights(job, self.device)
+        self.feature_width = len(job.layer_ids) * tc.hidden_size
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas),
+                                     weight_decay=cfg.train.weight_decay, fused=self.device.type == "cuda")
+        self.step = job.start_step
+        self.cursor = job.start_cursor
+        if job.resume_from:
+            weights, opt_state, meta = load_checkpoint(job.resume_from)
+            self.model.load_state_dict(weights)
+            if opt_state is not None:
+                self.opt.load_state_dict(opt_state)
+        kwargs = {"device_ids": [self.device.index]} if self.device.type == "cuda" else {}
+        self.ddp = self.model if d.drafters is None else DDP(self.model, process_group=d.drafters, **kwargs)
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
+                         else torch.autocast("cpu", enabled=False))
+        self.counts = {"messages_received": 0, "samples_received": 0, "samples_trained": 0,
+                       "samples_skipped_nonfinite": 0, "samples_skipped_shape": 0, "empty_steps": 0}
+        B = cfg.drafter.block_size
+        # per-step statistics accumulated on device, read once per logging window:
+        # [loss_sum, weight_sum, correct[B], count[B], grad_norm, steps, model FLOPs, nonfinite samples per target[T]]
+        self.i_flops = 2 + 2 * B + 2
+        self.acc = torch.zeros(self.i_flops + 1 + self.topo.num_targets, dtype=torch.float64, device=self.device)
+        self.nonfinite_by_target = [0] * self.topo.num_targets
+        self.micro_batches = cfg.drafter.micro_batches
+        self.heads = None  # head_offload.HeadLossClient, set by run_drafter with drafter.loss_on_target
+        self.planned_steps = self._planned_steps()
+        dc = cfg.drafter
+        self.precompile_plan = (precompile_steps(self.planned_steps, dc.ctx_bucket)
+                                if self.backend == "flex" and dc.precompile and self.planned_steps else [])
+        self.precompile_s: float | None = None  # seconds of the dry steps, once run
+        self.guard = self.make_guard() if self.backend == "flex" else None
+
+    def _planned_steps(self):
+        """Sample lengths of each of this drafter's steps, in order (a list; None when the lengths are unknown)."""
+        job = self.job
+        if job.sample_lengths is None:
+            return None
+        return list(plan_step_lengths(job.plan, job.sample_lengths, job.start_cursor,
+                                      job.total_messages - job.start_cursor, self.topo.num_drafters,
+                                      self.topo.index))
+
+    def make_guard(self):
+        """Compile guard (flex backend): eager flex -> error, recompiles bounded, none after warm-up unless the
+        step's shape is one the plan says this drafter will see (see compile_guard)."""
+        dc = self.cfg.drafter
+        steps = self.planned_steps or []
+        shapes = expected_shapes(steps + [[2]], dc.ctx_bucket, dc.num_anchors * dc.block_size)  # + empty
+        # dynamo: static, then dynamic b, dynamic S_pad, b == 1 specialised -> at most ~4 variants per function;
+        # the dry steps of precompile() are warm-up steps too
+        return install_guard(num_shape_buckets=min(len(shapes), 4), margin=2,
+                             warmup_steps=2 + len(self.precompile_plan),
+                             expected_shapes=shapes if self.planned_steps is not None else None)
+
+    # ------------------------------------------------------------------ one step
+    def build(self, msg, k: int):
+        """DrafterBatch for message k (None: an empty batch). Samples with non-finite features get no loss
+        and zeroed features (device ops, no sync); they are counted per source target."""
+        cfg = self.cfg.drafter
+        gen = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + k)  # topology-independent
+        src = msg.src if msg is not None else None  # its target expects head requests even for a skipped message
+        if msg is not None and msg.features.shape[1] != self.feature_width:
+            log.warning("message %d from rank %d has features of width %d, expected %d: skipped (%d samples)",
+                        k, msg.src, msg.features.shape[1], self.feature_width, msg.num_samples)
+            self.counts["samples_skipped_shape"] += msg.num_samples
+            msg = None
+        if msg is None:
+            ids, mask, cu, feats = empty_batch_inputs(self.feature_width, self.device, self.lm_head.dtype)
+        else:
+            ids, mask, cu, feats = msg.input_ids, msg.loss_mask, msg.cu_seqlens, msg.features
+        batch = make_batch(ids, mask, cu, feats, num_anchors=cfg.num_anchors, block_size=cfg.block_size,
+                           mask_token_id=self.job.mask_token_id, ctx_bucket=cfg.ctx_bucket, generator=gen)
+        bad = ~torch.isfinite(batch.features).flatten(1).all(1)                        # [b]
+        batch.features = torch.nan_to_num(batch.features, nan=0.0, posinf=0.0, neginf=0.0)
+        batch.labels = batch.labels.masked_fill(bad[:, None], -100)
+        if msg is not None:
+            slot = self.i_flops + 1 + (msg.src - self.topo.num_drafters)
+            self.acc[slot] += bad.sum()
+        batch.src, batch.index = src, k
+        return batch
+
+    def attention_mask(self, batch):
+        B = self.cfg.drafter.block_size
+        leak = self.cfg.drafter.leaky_mask_demo  # False except in the leak demonstration
+        if self.backend == "flex":
+            return flex_block_mask(batch.anchors, batch.valid, batch.ctx_len, B, compile=self.cfg.drafter.compile,
+                                   context_inclusive=leak, dynamic=self.flex_dynamic)
+        return dense_mask(batch.anchors, batch.valid, batch.ctx_len, B, context_inclusive=leak)
+
+    def train_step(self, batch) -> None:
+        if self.guard is None:
+            return self._train_step(batch)
+        with self.guard.step(batch_shape(batch)):
+            self._train_step(batch)
+
+    def _group_losses(self, batch) -> list:
+        """Forward of one batch (what a training step and a dry step share), drafter.micro_batches groups of
+        anchors, each its own forward; per group in order its LossParts (loss here) or, with loss_on_target and a
+        batch from a target, its posted head request (the target that sent the batch computes one group's loss
+        while this rank runs the next group's forward; ``_backward`` collects the reply)."""
+        dc = self.cfg.drafter
+        remote = self.heads is not None and batch.src is not None
+        groups = split_anchors(batch, self.micro_batches)
+        out = []
+        for i, group in enumerate(groups):
+            # DDP's reducer is armed by the last forward only (see _backward)
+            later = i < len(groups) - 1 and self.ddp is not self.model
+            with self.ddp.no_sync() if later else contextlib.nullcontext():
+                with phase(f"group{i} forward"):
+                    mask = self.attention_mask(group)
+                    block_embeds = F.embedding(group.block_ids, self.embed)
+                    with self.autocast:
+                        hidden = self.ddp(block_embeds, batch.features, batch.ctx_positions, group.block_positions,
+                                          mask)
+                with self.autocast:
+                    if remote and i < len(groups) - dc.local_loss_groups:
+                        with phase(f"group{i} head request"):
+                            out.append(self.heads.request(batch.src, batch.index, hidden, group.labels))
+                    else:
+                        with phase(f"group{i} loss"):
+                            out.append(decayed_ce(hidden, self.lm_head, group.labels, dc.block_size, dc.gamma,
+                                                  dc.loss_chunk_rows, compiled=self.compile_loss))
+        return out
+
+    def _backward(self, groups: list, src, scale) -> LossParts:
+        """Backward of each group in order, each once its own reply is in (``HeadLossClient.complete`` makes the
+        stream wait for that reply only): the targets' last replies arrive while the earlier groups' backward
+        runs. The earlier groups' gradients come from autograd.grad, kept out of .grad (DDP's hooks would take
+        them for the step's), and are put in .grad before the last group's backward, which accumulates onto them
+        where DDP's reducer, armed by the last forward, sees the sum and all-reduces it as usual. ``scale``
+        multiplies each loss sum. Returns the step's LossParts."""
+        parts = []
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        held = None
+        for i, g in enumerate(groups):
+            with phase(f"group{i} backward"):
+                part = g if isinstance(g, LossParts) else self.heads.complete(g, src)
+                parts.append(part)
+                loss = part.loss_sum * scale
+                if i < len(groups) - 1:
+                    grads = torch.autograd.grad(loss, params, allow_unused=True)
+                    held = list(grads) if held is None else [_grad_sum(h, x) for h, x in zip(held, grads)]
+                    continue
+                for p, h in zip(params, held or ()):
+                    p.grad = _grad_sum(p.grad, h)
+                loss.backward()
+        return LossParts.total(parts)
+
+    def precompile(self) -> float:
+        """Dry steps of ``precompile_plan`` (see compile_guard.precompile_steps): forward and backward of a
+        synthetic batch with each step's sample lengths, under the guard as warm-up steps; no update, gradients
+        dropped, no collective (DDP's no_sync), the optimizer and the step counters untouched. Returns seconds."""
+        plan = self.precompile_plan
+        if not plan:
+            return 0.0
+        t0 = time.monotonic()
+        dc = self.cfg.drafter
+        gen = torch.Generator().manual_seed(0)
+        vocab = self.lm_head.shape[0]
+        for lens in plan:
+            t = sum(lens)
+            cu = torch.zeros(len(lens) + 1, dtype=torch.long)
+            cu[1:] = torch.tensor(lens).cumsum(0)
+            ids = torch.randint(0, vocab, (t,), generator=gen).to(self.device)
+            sup = torch.ones(t, dtype=torch.bool, device=self.device)
+            feats = torch.zeros(t, self.feature_width, dtype=self.lm_head.dtype, device=self.device)
+            batch = make_batch(ids, sup, cu, feats, num_anchors=dc.num_anchors, block_size=dc.block_size,
+                               mask_token_id=self.job.mask_token_id, ctx_bucket=dc.ctx_bucket, generator=gen)
+            no_sync = self.ddp.no_sync() if self.ddp is not self.model else contextlib.nullcontext()
+            guard = self.guard.step(batch_shape(batch)) if self.guard is not None else contextlib.nullcontext()
+            with guard, no_sync:
+                groups = self._group_losses(batch)
+                wsum = sum(g.weight_sum for g in groups).detach().float()
+                self._backward(groups, batch.src, 1.0 / wsum.clamp_min(1e-6))
+            self.opt.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.precompile_s = time.monotonic() - t0
+        return self.precompile_s
+
+    def _train_step(self, batch) -> None:
+        cfg = self.cfg
+        mult = cosine_lr(self.cursor, self.job.total_messages, cfg.train.warmup_ratio, cfg.train.min_lr_ratio)
+        for g in self.opt.param_groups:
+            g["lr"] = cfg.train.lr * mult
+        B = cfg.drafter.block_size
+        groups = self._group_losses(batch)
+        wsum = sum(g.weight_sum for g in groups).detach().float().clone()  # known before the replies
+        if self.d.drafters is not None:
+            dist.all_reduce(wsum, group=self.d.drafters)
+        parts = self._backward(groups, batch.src, self.topo.num_drafters / wsum.clamp_min(1e-6))
+        with phase("clip and optimizer"):
+            gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.train.grad_clip)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            self.acc[:4 + 2 * B] += torch.cat([parts.loss_sum.detach().double().view(1), parts.weight_sum.double().view(1),
+                                   parts.slot_correct.double(), parts.slot_count.double(),
+                                   gnorm.detach().double().view(1), torch.ones(1, dtype=torch.float64,
+                                                                               device=self.device)])
+            self.acc[self.i_flops] += self.step_flops(batch)
+        self.lr = cfg.train.lr * mult
+
+    def step_flops(self, batch) -> torch.Tensor:
+        """Model FLOPs of this step (flops.drafter_step_flops) as a device scalar: the shape terms are host
+        integers, the attention term needs the anchors (visible pairs), summed on the device (no sync)."""
+        B = self.cfg.drafter.block_size
+        b, n = batch.anchors.shape
+        fixed = drafter_step_flops(self.mcfg, b, batch.ctx_len, n, self.lm_head.shape[0], 0.0)
+        if self.heads is not None and batch.src is not None:  # the head's FLOPs of the served groups: the target's
+            dc = self.cfg.drafter
+            fixed["model"] -= fixed["lm_head"] * (dc.micro_batches - dc.local_loss_groups) / dc.micro_batches
+        fixed = fixed["model"]
+        pairs = (B * (batch.anchors + B) * batch.valid).sum(dtype=torch.float64)
+        return pairs * attention_flops_per_pair(self.mcfg) + fixed
+
+    # ------------------------------------------------------------------ bookkeeping
+    def read_window(self) -> dict:
+        B = self.cfg.drafter.block_size
+        acc = self.acc.clone()
+        dist.all_reduce(acc, group=self.d.drafters)
+        v = acc.tolist()
+        self.acc.zero_()
+        T = self.topo.num_targets
+        bad = [int(x) for x in v[len(v) - T:]]
+        flops = v[self.i_flops]
+        for t, n in enumerate(bad):
+            self.nonfinite_by_target[t] += n
+        out_bad = {"skipped_nonfinite": sum(bad)}
+        for t, n in enumerate(bad):
+            if n:
+                log.warning("target rank %d sent %d samples with non-finite hidden states in this window "
+                            "(skipped; %d so far)", self.topo.num_drafters + t, n, self.nonfinite_by_target[t])
+        loss_sum, wsum = v[0], v[1]
+        correct, count = v[2:2 + B], v[2 + B:2 + 2 * B]
+        gnorm, nsteps = v[2 + 2 * B], v[3 + 2 * B]
+        out = {"loss": loss_sum / max(wsum, 1e-9), "lr": self.lr, "model_flops": flops,
+               "grad_norm": gnorm / max(nsteps, 1) / self.topo.num_drafters}
+        tot_c, tot_n = sum(correct[1:]), sum(count[1:])
+        out["acc"] = tot_c / max(tot_n, 1)
+        for k in range(1, B):
+            out[f"acc_slot_{k}"] = correct[k] / max(count[k], 1)
+        # expected accepted length if slots were independent given a correct prefix (a training-side proxy)
+        tau, run = 1.0, 1.0
+        for k in range(1, B):
+            run *= correct[k] / max(count[k], 1)
+            tau += run
+        out["tau_from_acc"] = tau
+        out.update(out_bad)
+        return out
+
+    def save(self, final: bool = False, reason: str = "periodic") -> None:
+        if not self.topo.is_leader:
+            return
+        meta = {"reason": "final" if final else reason, "cursor": self.cursor, "total_messages": self.job.total_messages,
+                "num_targets": self.topo.num_targets, "num_drafters": self.topo.num_drafters,
+                "layer_ids": self.job.layer_ids, "mask_token_id": self.job.mask_token_id,
+                "block_size": self.cfg.drafter.block_size, "drafter_config": self.mcfg.__dict__,
+                "target_config": self.job.hf_config.to_dict(), "tokenizer": self.job.tokenizer_path,
+                "job_config": self.cfg.to_dict(), "final": final, "counts": dict(self.counts)}
+        path = save_checkpoint(self.job.run_dir, self.step, self.model.state_dict(), self.opt.state_dict(), meta,
+                               keep=self.cfg.train.keep_checkpoints)
+        log.info("checkpoint %s", path)
+
+
+def cosine_lr(step: int, total: int, warmup_ratio: float, min_ratio: float = 0.0) -> float:
+    """Multiplier of the peak lr: linear warmup over warmup_ratio*total steps, then cosine to min_ratio."""
+    warm = max(1, int(round(warmup_ratio * total)))
+    if step < warm:
+        return (step + 1) / warm
+    progress = min(1.0, (step - warm) / max(1, total - warm))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def receive_head_weights(job, device):
+    """Frozen target embedding and lm_head on the drafter: read by key from the target checkpoint, or
+    (random-init target) received once from the first target rank."""
+    cfg = job.cfg
+    tc = text_config(job.hf_config)
+    dtype = resolve_dtype(cfg.target.dtype, device.type)
+    path, _ = resolve_source(cfg.target)
+    if path is not None and os.path.isdir(path):
+        embed, head = load_head_from_checkpoint(path, bool(getattr(job.hf_config, "tie_word_embeddings", False)))
+    elif path is not None:  # hub id: let HF resolve the files
+        from huggingface_hub import snapshot_download
+        local = snapshot_download(path, allow_patterns=["*.safetensors", "*.json"])
+        embed, head = load_head_from_checkpoint(local, bool(getattr(job.hf_config, "tie_word_embeddings", False)))
+    else:
+        shape = (tc.vocab_size, tc.hidden_size)
+        embed = torch.empty(shape, dtype=dtype, device=device)
+        head = torch.empty(shape, dtype=dtype, device=device)
+        src = job.dist.topo.target_ranks[0]
+        dist.recv(embed, src, group=job.dist.data)
+        dist.recv(head, src, group=job.dist.data)
+    return embed.to(device=device, dtype=dtype), head.to(device=device, dtype=dtype)

@@ -1,0 +1,185 @@
+"""``dflash-eval``: acceptance length τ of a trained drafter with real greedy speculative decoding.
+
+    dflash-eval --checkpoint OUT/checkpoints/step_00001000 [--num-prompts 16] [--max-new-tokens 64]
+    dflash-eval --export EXPORT_DIR [--target NAME_OR_PATH] [--prompts prompts.jsonl] [--out eval.json]
+
+The target is rebuilt from the checkpoint's ``job_config.target`` section (``dflash_dist.config.TargetConfig``
++ ``target.build_target_model``; a random-init target comes back identical from its ``init_seed``), or from
+the export's ``dflash_dist_meta.json``, or from ``--target``. Prompts default to the training run's held-out
+conversations (``data.split_holdout`` over the same source with the same seed): each one's messages before
+its first assistant turn, rendered with the chat template and the generation prompt. ``--prompts`` takes a
+JSONL of ``{"messages": [...]}`` (same rule) or ``{"prompt": "text"}`` rows.
+
+Prints a table (τ, acceptance per block slot, losslessness against the target's own greedy decoding) and
+writes the full result as JSON (``--out``, default ``dflash_eval.json``).
+
+Helpers used by training (no torch.distributed here): :func:`eos_token_ids`, :func:`prompt_messages`,
+:func:`encode_prompts`, :func:`prompts_from_jsonl`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from dflash_dist.config import ConfigError, DataConfig, TargetConfig
+from dflash_dist.data.conversations import BadDataStats, builtin_conversations, read_jsonl_conversations
+from dflash_dist.data.plan import split_holdout
+
+log = logging.getLogger("dflash_dist")
+
+
+__all__ = ["eos_token_ids", "prompt_messages", "encode_prompts", "prompts_from_jsonl", "holdout_conversations",
+           "load_drafter", "EvalSetup"]
+
+
+def eos_token_ids(tokenizer, hf_config=None) -> list[int]:
+    """Stop tokens: the config's and tokenizer's EOS ids plus the chat template's end-of-turn token
+    (``<|im_end|>`` for ChatML) when it is a single token."""
+    ids: list[int] = []
+
+    def add(x):
+        if x is None:
+            return
+        for i in (x if isinstance(x, (list, tuple)) else [x]):
+            if i is not None and int(i) >= 0 and int(i) not in ids:
+                ids.append(int(i))
+
+    if hf_config is not None:
+        from dflash_dist.model.hf import text_config
+        add(getattr(text_config(hf_config), "eos_token_id", None))
+        add(getattr(hf_config, "eos_token_id", None))
+    if tokenizer is not None:
+        add(getattr(tokenizer, "eos_token_id", None))
+        from dflash_dist.data.tokenize import template_info
+        try:
+            close, _ = template_info(tokenizer)
+        except Exception:
+            close = ""
+        if close:
+            enc = tokenizer(close, add_special_tokens=False)["input_ids"]
+            if len(enc) == 1:
+                add(enc[0])
+    return ids
+
+
+def prompt_messages(conv: dict) -> list[dict]:
+    """The messages before the first assistant turn (what the model answers), or a ``prompt`` string as a
+    user turn. Raises ValueError when there is no user turn to answer."""
+    if isinstance(conv.get("prompt"), str):
+        return [{"role": "user", "content": conv["prompt"]}]
+    msgs = conv.get("messages")
+    if not isinstance(msgs, list):
+        raise ValueError("row has neither 'messages' nor 'prompt'")
+    out = []
+    for m in msgs:
+        if m.get("role") == "assistant":
+            break
+        out.append({"role": m["role"], "content": m["content"]})
+    if not out or out[-1]["role"] != "user":
+        raise ValueError("no user turn before the first assistant turn")
+    return out
+
+
+def encode_prompts(tokenizer, conversations: Sequence[dict], chat_template_kwargs: Optional[dict] = None
+                   ) -> list[list[int]]:
+    """Token ids of each conversation's prompt (chat template + generation prompt, no extra special tokens)."""
+    out = []
+    for conv in conversations:
+        text = tokenizer.apply_chat_template(prompt_messages(conv), tokenize=False, add_generation_prompt=True,
+                                             **(chat_template_kwargs or {}))
+        out.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return out
+
+
+def prompts_from_jsonl(path: str) -> list[dict]:
+    """Rows of a prompt file (``{"messages": ...}`` or ``{"prompt": ...}``); unusable rows are skipped and
+    counted in a warning. Also reads the training run's ``data_cache/holdout-*.jsonl``."""
+    rows, bad = [], 0
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                prompt_messages(row)
+            except (ValueError, KeyError, TypeError, AttributeError):
+                bad += 1
+                continue
+            rows.append(row)
+    if bad:
+        log.warning("%s: skipped %d unusable rows", path, bad)
+    return rows
+
+
+def holdout_conversations(data_cfg: DataConfig) -> list[dict]:
+    """The held-out conversations of a training run with this data section (same source, same split)."""
+    if data_cfg.holdout <= 0:
+        raise ConfigError("the run kept no held-out conversations (data.holdout=0): pass --prompts FILE")
+    if data_cfg.source == "builtin":
+        convs = builtin_conversations()
+    else:
+        if not os.path.exists(data_cfg.source):
+            raise ConfigError(f"data.source={data_cfg.source!r} of the run is not here: pass --prompts FILE")
+        convs = read_jsonl_conversations(data_cfg.source, BadDataStats())
+    _, held = split_holdout(len(convs), data_cfg.holdout, data_cfg.shuffle_seed)
+    return [convs[i] for i in held]
+
+
+@dataclass
+class EvalSetup:
+    drafter: Any
+    layer_ids: list
+    mask_token_id: int
+    block_size: int
+    target: Optional[TargetConfig]
+    data: Optional[DataConfig]
+    tokenizer: Optional[str]
+    source: str
+
+
+def load_drafter(checkpoint: Optional[str] = None, export: Optional[str] = None, device: str = "cpu") -> EvalSetup:
+    """Drafter (fp32, eval, SDPA backend) and what is needed to rebuild its target, from a checkpoint or export."""
+    from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
+    if (checkpoint is None) == (export is None):
+        raise ConfigError("give exactly one of --checkpoint DIR or --export DIR")
+    if checkpoint is not None:
+        from dflash_dist.checkpoint.store import load_checkpoint
+        try:
+            weights, _, meta = load_checkpoint(checkpoint)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        model = DFlashDrafter(DrafterModelConfig(**meta["drafter_config"]), "sdpa")
+        model.load_state_dict(weights)
+        model.to(device).eval().requires_grad_(False)
+        job = meta.get("job_config") or {}
+        tgt = TargetConfig(**job["target"]) if job.get("target") else None
+        dat = DataConfig(**job["data"]) if job.get("data") else None
+        return EvalSetup(model, list(meta["layer_ids"]), int(meta["mask_token_id"]), int(meta["block_size"]), tgt,
+                         dat, meta.get("tokenizer"), os.path.abspath(checkpoint))
+    from dflash_dist.checkpoint.export import ExportError, load_export
+    try:
+        model, meta = load_export(export, device=device)
+    except ExportError as e:
+        raise ConfigError(str(e)) from e
+    tgt = TargetConfig(**meta["target"]) if meta.get("target") else None
+    dat = DataConfig(**meta["data"]) if meta.get("data") else None
+    return EvalSetup(model, meta["layer_ids"], meta["mask_token_id"], meta["block_size"], tgt, dat,
+                     meta.get("tokenizer"), os.path.abspath(export))
+
+
+def check_pair(target, setup: EvalSetup) -> None:
+    from dflash_dist.model.hf import decoder_layers, text_config
+    tc = text_config(target.config)
+    dc = setup.drafter.config
+    n_layers = len(decoder_layers(target)[1])
+    if tc.hidden_size != dc.hidden_size:
+        raise ConfigError(f"target hidden_size {tc.hidden_size} != drafter hidden_size {dc.hidden_size}: wrong target")
+    bad = [i for i in setup.layer_ids if not 0 <= i < n_layers]
+    if bad:
+        raise ConfigError(f"drafter layer ids {bad} out of range for a {n_layers}-layer target: wrong target")
+    if not 0 <= setup.mask_token_id < tc.vocab_size:
+        raise ConfigError(f"mask token {setup.mask_token_id} outside the target vocabulary ({tc.vocab_size})")

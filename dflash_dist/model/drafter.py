@@ -1,0 +1,333 @@
+"""The DFlash drafter: Qwen3-style decoder layers whose keys/values are [target features | block tokens].
+
+Parameter names follow the z-lab ``DFlashDraftModel`` checkpoint layout (``layers.{i}.self_attn.q_proj`` ...,
+``fc``, ``hidden_norm``, ``norm``) so exported state dicts load in vLLM/SGLang unchanged. There is no
+embedding and no lm_head: both are the target's, frozen, and applied by the caller.
+
+Per step::
+
+    ctx = hidden_norm(fc(features))                       # [b, S, H], once, shared by all layers
+    h   = block_embeds                                    # [b, Q, H]
+    per layer:  x = input_layernorm(h)
+                q = rope(q_norm(q_proj(x)), block_positions)
+                k = rope(k_norm([k_proj(ctx) | k_proj(x)]), [ctx_positions | block_positions])
+                v = [v_proj(ctx) | v_proj(x)]
+                h = h + o_proj(attn(q, k, v, mask));  h = h + mlp(post_attention_layernorm(h))
+    return norm(h)
+
+The context is projected by the same layer's k_proj/v_proj but not input-normed (hidden_norm already did).
+
+Backends: ``flex`` (module-level compiled flex_attention + a BlockMask built once per step by
+``masks.flex_block_mask``) and ``sdpa`` (dense bool mask [b, Q, K]; needed on CPU, where flex has no
+backward). Fully masked rows (padding blocks) give exactly 0 attention output on both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch._inductor.config  # noqa: F401  (configure_compile sets an option)
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from dflash_dist.config import ConfigError
+
+__all__ = ["DrafterModelConfig", "DFlashDrafter", "RMSNorm", "rotary_cos_sin", "apply_rotary"]
+
+# Compiled once per process; flex_attention must never run uncompiled (the eager path materialises the
+# full score matrix). fullgraph: a graph break here would silently fall back to that path.
+# Static shapes (CPU, or drafter.compile_dynamic=false) and dynamic shapes (CUDA default: one Triton kernel for
+# every (b, S_pad); a static compile per new shape costs tens of seconds, the dynamic kernel reads the sizes
+# at run time). CPU cannot use the dynamic one: inductor's C++ flex template fails to build (torch 2.13).
+flex_attention_compiled = torch.compile(flex_attention, fullgraph=True)
+_flex_attention_compiled_dynamic = torch.compile(flex_attention, fullgraph=True, dynamic=True)
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
+    if isinstance(cfg, dict):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
+@dataclass
+class DrafterModelConfig:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    num_layers: int
+    num_feature_layers: int
+    rms_norm_eps: float
+    rope_theta: float
+    block_size: int
+    vocab_size: int          # not used by the module (no lm_head); kept for the exported config
+    max_position_embeddings: int
+    hidden_act: str = "silu"
+    initializer_range: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.hidden_act != "silu":
+            raise ConfigError(f"hidden_act={self.hidden_act!r}: the drafter implements silu only")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    @staticmethod
+    def from_target(hf_config: Any, *, num_layers: int, num_feature_layers: int, block_size: int,
+                    intermediate_size: Optional[int] = None) -> "DrafterModelConfig":
+        """Copy the Qwen3/LLaMA fields of the target's HF config (object or dict).
+
+        rope_theta comes from ``rope_theta`` or ``rope_parameters['rope_theta']`` (transformers 5). Only the
+        default RoPE is implemented: any rope scaling type raises. ``partial_rotary_factor`` of hybrid
+        targets is not copied: the drafter is its own model and uses full-head RoPE (the export must write
+        the drafter's rope settings, not the target's).
+        """
+        if not isinstance(hf_config, dict) and hasattr(hf_config, "get_text_config"):
+            hf_config = hf_config.get_text_config()
+        hidden = int(_cfg_get(hf_config, "hidden_size"))
+        heads = int(_cfg_get(hf_config, "num_attention_heads"))
+        kv_heads = _cfg_get(hf_config, "num_key_value_heads") or heads
+        head_dim = _cfg_get(hf_config, "head_dim") or hidden // heads
+        rope_params = _cfg_get(hf_config, "rope_parameters") or {}
+        rope_scaling = _cfg_get(hf_config, "rope_scaling") or {}
+        rope_type = None
+        for d in (rope_params, rope_scaling):
+            if isinstance(d, dict):
+                rope_type = rope_type or d.get("rope_type") or d.get("type")
+        if rope_type not in (None, "default"):
+            raise ConfigError(f"target rope type {rope_type!r}: the drafter implements default RoPE only; "
+                                      "add the scaling to drafter.rotary_cos_sin or train with default RoPE")
+        theta = _cfg_get(hf_config, "rope_theta")
+        if theta is None and isinstance(rope_params, dict):
+            theta = rope_params.get("rope_theta")
+        if theta is None:
+            raise ValueError("target config has neither rope_theta nor rope_parameters['rope_theta']")
+        return DrafterModelConfig(
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_key_value_heads=int(kv_heads),
+            head_dim=int(head_dim),
+            intermediate_size=int(intermediate_size or _cfg_get(hf_config, "intermediate_size")),
+            num_layers=int(num_layers),
+            num_feature_layers=int(num_feature_layers),
+            rms_norm_eps=float(_cfg_get(hf_config, "rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            block_size=int(block_size),
+            vocab_size=int(_cfg_get(hf_config, "vocab_size")),
+            max_position_embeddings=int(_cfg_get(hf_config, "max_position_embeddings", 32768)),
+            hidden_act=str(_cfg_get(hf_config, "hidden_act", "silu")),
+            initializer_range=float(_cfg_get(hf_config, "initializer_range", 0.02) or 0.02),
+        )
+
+
+class RMSNorm(nn.Module):
+    """Qwen3RMSNorm semantics: variance in fp32, normalise, cast back, then scale by ``weight`` (init 1)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.variance_epsilon = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
+def rotary_cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos/sin [..., head_dim] for integer positions (rotate_half layout: frequencies repeated twice)."""
+    freqs = positions.float()[..., None] * inv_freq.float()
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [b, heads, L, d]; cos/sin [b, L, d] (broadcast over heads)."""
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: DrafterModelConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.scaling = d ** -0.5
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.flex_dynamic = False  # set by DFlashDrafter.configure_compile
+        self.flex_kernel_options: Optional[dict] = None  # idem (drafter.flex_kernel_options)
+
+    def forward(self, x: Tensor, ctx: Tensor, rope_q: tuple[Tensor, Tensor], rope_k: tuple[Tensor, Tensor],
+                mask: Any, backend: str) -> Tensor:
+        b, q_len, _ = x.shape
+        d = self.head_dim
+        q = self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, d)).transpose(1, 2)
+        kv_in = torch.cat([ctx, x], dim=1)                  # [b, S+Q, H]: context first, then block tokens
+        k = self.k_norm(self.k_proj(kv_in).view(b, -1, self.num_kv_heads, d)).transpose(1, 2)
+        v = self.v_proj(kv_in).view(b, -1, self.num_kv_heads, d).transpose(1, 2)
+        q = apply_rotary(q, *rope_q)
+        k = apply_rotary(k, *rope_k)
+        if backend == "flex":
+            flex = _flex_attention_compiled_dynamic if self.flex_dynamic else flex_attention_compiled
+            out = flex(q, k, v, block_mask=mask, scale=self.scaling, enable_gqa=True,
+                       kernel_options=self.flex_kernel_options)
+        else:
+            attn_mask, row_ok = mask
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scaling,
+                                                 enable_gqa=self.num_heads != self.num_kv_heads)
+            out = out * row_ok
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * d))
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, cfg: DrafterModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterModelConfig):
+        super().__init__()
+        self.self_attn = DFlashAttention(cfg)
+        self.mlp = DFlashMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: Tensor, ctx: Tensor, rope_q, rope_k, mask, backend: str) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), ctx, rope_q, rope_k, mask, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDrafter(nn.Module):
+    """DFlash draft model. ``forward`` returns normed hidden states [b, Q, H]; apply the target lm_head."""
+
+    def __init__(self, cfg: DrafterModelConfig, backend: str):
+        super().__init__()
+        if backend not in ("flex", "sdpa"):
+            raise ValueError(f"backend={backend!r}: use 'flex' or 'sdpa'")
+        self.config = cfg
+        self.backend = backend
+        h = cfg.hidden_size
+        self.layers = nn.ModuleList(DFlashDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.fc = nn.Linear(cfg.num_feature_layers * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.attention_calls: dict = {"flex_compiled": 0, "sdpa": 0, "flex_dynamic": 0, "compiled_layers": 0}
+        self.flex_dynamic = False
+        self.flex_kernel_options: Optional[dict] = None
+        self.compiled_layers = False
+        self._layer_fns = list(self.layers)
+        self.reset_parameters()
+
+    def configure_compile(self, flex_dynamic: bool = False, compile_layers: bool = False,
+                          kernel_options: Optional[dict] = None) -> "DFlashDrafter":
+        """flex_dynamic: use the dynamic-shape compiled flex kernel (CUDA). compile_layers: run each decoder layer
+        through torch.compile (fullgraph; the flex call is traced into the layer's graph), so the norms, RoPE and
+        the SiLU gate fuse. All layers share one code object, so they share the compiled graph. kernel_options:
+        flex_attention tile options (drafter.flex_kernel_options), None = inductor's defaults."""
+        if compile_layers and self.backend != "flex":
+            raise ConfigError("drafter.compile_layers=true needs the flex backend (the sdpa backend is the "
+                              "uncompiled reference path)")
+        self.flex_dynamic = bool(flex_dynamic)
+        self.flex_kernel_options = dict(kernel_options) if kernel_options else None
+        for layer in self.layers:
+            layer.self_attn.flex_dynamic = self.flex_dynamic
+            layer.self_attn.flex_kernel_options = self.flex_kernel_options
+        self.compiled_layers = bool(compile_layers)
+        if compile_layers:
+            # Each layer is its own small graph, so DDP's graph splitting (dynamo's DDPOptimizer, which cuts a
+            # graph at gradient-bucket boundaries) buys nothing, and it fails on graphs that hold the flex HOP
+            # (an inductor AssertionError in the split submodules, seen on torch 2.11 CUDA and 2.13 CPU).
+            torch._dynamo.config.optimize_ddp = False
+            # inductor's coalescing analysis asserts on these layers' fused reductions once the batch size is
+            # symbolic (tiling_utils.get_pw_red_splits, torch 2.11 CUDA, b > 1 with dynamic shapes); it only
+            # picks tilings, so turning it off changes speed heuristics, not results
+            if hasattr(torch._inductor.config.triton, "coalesce_tiling_analysis"):
+                torch._inductor.config.triton.coalesce_tiling_analysis = False
+            # torch < 2.13: inductor's mix-order reduction (the RMSNorm backward's fused weight-gradient sum)
+            # writes its final slice as `ws[i * n + m * r : ...]` without parentheses; when the split count is a
+            # symbolic sum (k_norm over [context | block] rows, b > 1) the view fails at run time ("shape
+            # '[1280, 128]' is invalid for input of size 1024", torch 2.11 on an H200). torch 2.13 parenthesises.
+            if _torch_version() < (2, 13) and hasattr(torch._inductor.config.triton, "mix_order_reduction"):
+                torch._inductor.config.triton.mix_order_reduction = False
+        self._layer_fns = ([torch.compile(layer, fullgraph=True, dynamic=True if self.flex_dynamic else None)
+                            for layer in self.layers] if compile_layers else list(self.layers))
+        return self
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """HF init: Linear weights ~ N(0, initializer_range), RMSNorm weights 1."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.normal_(0.0, self.config.initializer_range)
+            elif isinstance(m, RMSNorm):
+                m.weight.fill_(1.0)
+
+    def inv_freq(self, device) -> Tensor:
+        """RoPE inverse frequencies, fp32, computed per call: a buffer would be cast to bf16 by .to(dtype)."""
+        d = self.config.head_dim
+        exponent = torch.arange(0, d, 2, dtype=torch.float32, device=device) / d
+        return 1.0 / (self.config.rope_theta ** exponent)
+
+    def _prepare_mask(self, mask: Any, b: int, q_len: int, k_len: int) -> Any:
+        if self.backend == "flex":
+            if not isinstance(mask, BlockMask):
+                raise TypeError(f"flex backend needs a BlockMask (masks.flex_block_mask), got {type(mask).__name__}")
+            if tuple(mask.seq_lengths) != (q_len, k_len):
+                raise ValueError(f"BlockMask built for {tuple(mask.seq_lengths)}, attention is {(q_len, k_len)}")
+            return mask
+        if not (isinstance(mask, Tensor) and mask.dtype == torch.bool and mask.shape == (b, q_len, k_len)):
+            raise TypeError(f"sdpa backend needs a bool mask [b, Q, K] = {(b, q_len, k_len)} (masks.dense_mask)")
+        # SDPA returns NaN for rows with no visible key (padding blocks). Let such rows see key 0, then zero
+        # their output with row_ok: the result is exactly 0 and the gradient through the row is 0, not NaN.
+        row_ok = mask.any(-1)                                              # [b, Q]
+        attn_mask = mask.clone()
+        attn_mask[..., 0] |= ~row_ok
+        return attn_mask[:, None], row_ok[:, None, :, None]
+
+    def forward(self, block_embeds: Tensor, features: Tensor, ctx_positions: Tensor, block_positions: Tensor,
+                mask: Any) -> Tensor:
+        """block_embeds [b, Q, H] (target embedding of block_ids), features [b, S, n*H], ctx_positions [b, S],
+        block_positions [b, Q], mask: BlockMask (flex) or bool [b, Q, S+Q] (sdpa). Returns [b, Q, H]."""
+        b, q_len, _ = block_embeds.shape
+        mask = self._prepare_mask(mask, b, q_len, features.shape[1] + q_len)
+        ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        h = block_embeds.to(ctx.dtype)
+        inv_freq = self.inv_freq(h.device)
+        rope_q = rotary_cos_sin(block_positions, inv_freq, h.dtype)
+        rope_c = rotary_cos_sin(ctx_positions, inv_freq, h.dtype)
+        rope_k = (torch.cat([rope_c[0], rope_q[0]], dim=1), torch.cat([rope_c[1], rope_q[1]], dim=1))
+        for layer in self._layer_fns:
+            h = layer(h, ctx, rope_q, rope_k, mask, self.backend)
+        # counted here, outside any compiled region (a counter mutated inside one would become a guard)
+        n = len(self.layers)
+        self.attention_calls["flex_compiled" if self.backend == "flex" else "sdpa"] += n
+        self.attention_calls["flex_dynamic"] += n if self.backend == "flex" and self.flex_dynamic else 0
+        self.attention_calls["compiled_layers"] += n if self.compiled_layers else 0
+        return self.norm(h)

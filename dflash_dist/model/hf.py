@@ -1,0 +1,129 @@
+"""The target's HF pieces both roles need: config, tokenizer, dtype, model construction, and the frozen
+embedding / lm_head weights (loaded by key, so a drafter never loads the whole target)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Optional
+
+import torch
+
+from dflash_dist.config import ConfigError, TargetConfig
+
+log = logging.getLogger(__name__)
+
+
+from dflash_dist.paths import ASSETS_DIR as ASSETS
+
+TINY_DIR = os.path.join(ASSETS, "tiny")
+
+
+def resolve_source(tcfg: TargetConfig) -> tuple[Optional[str], Optional[dict]]:
+    """(path or hub id to load, or None; HF config dict for random init, or None)."""
+    if tcfg.name_or_path:
+        return tcfg.name_or_path, None
+    cfg = dict(tcfg.hf_config)
+    if cfg.get("builtin") == "tiny":
+        if os.path.exists(os.path.join(TINY_DIR, "model.safetensors")):
+            return TINY_DIR, None
+        with open(os.path.join(TINY_DIR, "config.json")) as f:
+            return None, json.load(f)
+    if "model_type" not in cfg:
+        raise ConfigError("target.hf_config needs a model_type (e.g. qwen3) or builtin: tiny")
+    return None, cfg
+
+
+def load_hf_config(tcfg: TargetConfig):
+    """The target's HF config without loading weights (used to validate before anything heavy)."""
+    from transformers import CONFIG_MAPPING, AutoConfig
+    path, cfg = resolve_source(tcfg)
+    if path is not None:
+        return AutoConfig.from_pretrained(path)
+    cfg = dict(cfg)
+    model_type = cfg.pop("model_type")
+    for k in ("architectures", "transformers_version", "builtin"):
+        cfg.pop(k, None)
+    return CONFIG_MAPPING[model_type](**cfg)
+
+
+def text_config(hf_config):
+    """Multimodal wrappers (Qwen3.5) keep the language model's fields in text_config."""
+    return getattr(hf_config, "text_config", None) or hf_config
+
+
+def tokenizer_path(tcfg: TargetConfig) -> str:
+    if tcfg.tokenizer:
+        return tcfg.tokenizer
+    path, _ = resolve_source(tcfg)
+    if path is not None:
+        return path
+    if tcfg.hf_config.get("builtin") == "tiny" or not tcfg.name_or_path:
+        return TINY_DIR
+    raise ConfigError("set target.tokenizer for a random-init target")
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def build_target_model(tcfg: TargetConfig, device: str):
+    """Load or random-init the frozen target (eval mode, no grad)."""
+    from transformers import AutoModelForCausalLM
+    dtype = resolve_dtype(tcfg.dtype, device)
+    path, _ = resolve_source(tcfg)
+    if path is not None:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=tcfg.attn_implementation)
+    else:
+        hf_config = load_hf_config(tcfg)
+        # initialise on the device itself: a CPU init of a multi-billion-parameter model takes minutes
+        with torch.random.fork_rng(devices=[]), torch.device(device):
+            torch.manual_seed(tcfg.init_seed)
+            if device == "cuda":
+                torch.cuda.manual_seed(tcfg.init_seed)
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype,
+                                                     attn_implementation=tcfg.attn_implementation)
+    model.to(device).eval().requires_grad_(False)
+    return model
+
+
+def decoder_layers(model):
+    base = model.get_decoder()
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise ConfigError(f"cannot find the decoder layers of {type(model).__name__} (expected .get_decoder().layers)")
+    return base, layers
+
+
+def head_weights(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input embedding [V, H], lm_head [V, H]) of a loaded target."""
+    return model.get_input_embeddings().weight, model.get_output_embeddings().weight
+
+
+def load_head_from_checkpoint(path: str, tied: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read only the embedding and lm_head tensors of a local safetensors checkpoint (drafter ranks)."""
+    from safetensors import safe_open
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            wmap = json.load(f)["weight_map"]
+    else:
+        single = os.path.join(path, "model.safetensors")
+        with safe_open(single, "pt") as f:
+            wmap = {k: "model.safetensors" for k in f.keys()}
+
+    def find(suffixes):
+        for key in wmap:
+            if any(key.endswith(s) for s in suffixes):
+                with safe_open(os.path.join(path, wmap[key]), "pt") as f:
+                    return f.get_tensor(key)
+        return None
+
+    embed = find(["embed_tokens.weight"])
+    head = None if tied else find(["lm_head.weight"])
+    if embed is None:
+        raise ConfigError(f"no embed_tokens.weight in {path}")
+    return embed, (embed if head is None else head)

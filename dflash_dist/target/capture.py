@@ -1,0 +1,326 @@
+"""Target role: the frozen HF model and the capture of the selected layers' hidden states.
+
+Layer id i means "output of decoder layer i", which is HF ``hidden_states[i+1]``. We never ask HF for the
+full hidden-state tuple and never run the lm_head: forward hooks copy the needed layer outputs into one
+preallocated [b, S, n*H] buffer, and the hook on the last needed layer stops the forward, so the decoder
+layers after it do not run.
+
+Two input layouts give the same features (``target.packing``): right-padded rows [b, S] through the model's own
+attention (``target.attn_implementation``), or packed: the samples concatenated into one row [1, T] without
+padding, positions restarting at each sample, and document-causal attention by a compiled ``flex_attention``
+with a BlockMask (registered with transformers' AttentionInterface as ``PACKED_ATTN``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from dflash_dist.config import ConfigError, TargetConfig
+from dflash_dist.model.hf import decoder_layers, text_config
+
+log = logging.getLogger(__name__)
+
+
+PACKED_ATTN = "packed_document_causal"
+
+
+"""The attention implementation the packed capture registers with transformers' AttentionInterface. (transformers
+matches names by substring: one containing "flash", "flex_attention" or "sdpa" would get their checks.)"""
+
+
+# Module-level compiled kernels, shared by every capture. flex_attention must never run uncompiled (its eager path
+# materialises the [h, T, T] score matrix), hence fullgraph (which also turns dynamo's recompile limit into an
+# error instead of an eager fallback). CUDA: dynamic shapes, one kernel for every packed length T. CPU: static,
+# one kernel per row length (``packed_row_tokens`` keeps those few): inductor's C++ flex template compiled for dynamic
+# lengths fails to build once rows are seen on both sides of 128 tokens (torch 2.13).
+_flex_static = torch.compile(flex_attention, fullgraph=True, dynamic=False)
+
+
+_flex_dynamic = torch.compile(flex_attention, fullgraph=True, dynamic=True)
+
+
+# The block mask is built from the document ids by a compiled builder: the eager one evaluates the mask_mod on
+# every (q, kv) pair, a dense [T, T] mask.
+_block_mask_static = torch.compile(create_block_mask, dynamic=False)
+
+
+_block_mask_dynamic = torch.compile(create_block_mask, dynamic=True)
+
+
+def packed_row_tokens(total: int, device_type: str) -> int:
+    """Tokens of the packed row for ``total`` real tokens; the pad is one more sample that nothing else sees.
+    CPU: a power of two >= 256, so the static CPU kernels see a few lengths only, all on the same side of 128.
+    CUDA: at least 256, so the dynamic kernels never meet a row of one 128-token mask block: dynamic shapes
+    specialise a size of 1, and the compile of the flex kernel for that block mask failed in inductor (2x H200, torch
+    2.11, call 14: the builtin corpus's short samples, a 4-sample message under 128 tokens). Longer rows are
+    not padded."""
+    if device_type == "cpu":
+        return max(256, 1 << (total - 1).bit_length())
+    return max(256, total)
+
+
+packed_stats = {"flex_calls": 0, "block_masks": 0}
+
+
+"""Calls of the packed attention outside compiled layers (inside them the call is part of the layer's graph)
+and block masks built; the capture checks the first against the attention layers that ran."""
+
+
+def packed_flex_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention-interface function of the packed capture: query [1, h, T, d], key/value
+    [1, h_kv, T, d], ``attention_mask`` the capture's document-causal BlockMask. Returns ([1, T, h, d], None)."""
+    if not isinstance(attention_mask, BlockMask):
+        raise RuntimeError(f"attention {PACKED_ATTN!r} needs the packed capture's BlockMask as attention_mask, got "
+                           f"{type(attention_mask).__name__}: only FeatureCapture(packing=True) may select it")
+    if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+        raise RuntimeError(f"attention {PACKED_ATTN!r} supports neither sliding windows nor softcapping")
+    if not torch.compiler.is_compiling():
+        packed_stats["flex_calls"] += 1
+    flex = _flex_static if query.device.type == "cpu" else _flex_dynamic
+    out = flex(query, key, value, block_mask=attention_mask, scale=scaling,
+               enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_packed_attention() -> None:
+    # Only the attention function is registered, no mask function. The capture passes its BlockMask as the
+    # attention_mask of the forward, and transformers' create_causal_mask returns a prepared 4-D mask (a
+    # BlockMask is [B, H, T, T]) as it is: HF builds no mask of its own, dense or block.
+    from transformers import AttentionInterface
+    AttentionInterface.register(PACKED_ATTN, packed_flex_attention)
+
+
+def document_causal_block_mask(lengths: torch.Tensor, total: int, device) -> tuple[BlockMask, torch.Tensor]:
+    """(BlockMask: a token sees the earlier-or-same tokens of its own sample, per-sample positions [T]) for the
+    samples of ``lengths`` concatenated into one row of ``total`` tokens."""
+    lengths = lengths.to(device)
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths, output_size=total)
+    starts = torch.cumsum(lengths, 0) - lengths
+    positions = torch.arange(total, device=device) - starts[doc]
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    builder = _block_mask_static if torch.device(device).type == "cpu" else _block_mask_dynamic
+    packed_stats["block_masks"] += 1
+    return builder(document_causal, None, None, total, total, device=device), positions
+
+
+def _config_packing_problem(hf_config) -> Optional[str]:
+    types = getattr(text_config(hf_config), "layer_types", None) or []
+    for i, kind in enumerate(types):
+        if kind != "full_attention":
+            return (f"decoder layer {i} is {kind}"
+                    + (" (GatedDeltaNet): its recurrent state would run from one packed sample into the next"
+                       if kind == "linear_attention" else ""))
+    return None
+
+
+def packing_problem(model) -> Optional[str]:
+    """Why the packed capture cannot run this model, or None: every decoder layer must be full softmax
+    attention (``self_attn``, no sliding window); linear-attention layers (``linear_attn``) carry a recurrent
+    state along the row, so packed samples would see each other."""
+    _, layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        if hasattr(layer, "linear_attn"):
+            return (f"decoder layer {i} ({type(layer).__name__}) has linear attention (GatedDeltaNet): its "
+                    "recurrent state would run from one packed sample into the next")
+        if not hasattr(layer, "self_attn"):
+            return f"decoder layer {i} ({type(layer).__name__}) has no self_attn"
+        if getattr(layer.self_attn, "sliding_window", None):
+            return f"decoder layer {i} uses sliding-window attention"
+    return _config_packing_problem(model.config)
+
+
+def _refuse_packing_on(tcfg: TargetConfig, problem: Optional[str]) -> None:
+    if tcfg.packing == "on" and problem:
+        raise ConfigError(f"target.packing=on: {problem}. Use target.packing=auto or off for this model.")
+
+
+def check_packing_config(tcfg: TargetConfig, hf_config) -> None:
+    """Refuse target.packing=on for a hybrid (or sliding-window) target from its config, before weights load."""
+    _refuse_packing_on(tcfg, _config_packing_problem(hf_config))
+
+
+def resolve_packing(tcfg: TargetConfig, model, device_type: str) -> bool:
+    """target.packing -> whether the capture runs packed: auto = on CUDA for attention-only models."""
+    problem = packing_problem(model)
+    _refuse_packing_on(tcfg, problem)
+    return tcfg.packing == "on" or (tcfg.packing == "auto" and device_type == "cuda" and problem is None)
+
+
+def resolve_compile(tcfg: TargetConfig, model, device_type: str) -> bool:
+    """target.compile -> whether the captured layers run compiled: None = on CUDA for attention-only models
+    (measured there); hybrids (fla / causal-conv1d kernels inside the layers) only when asked for."""
+    if tcfg.compile is not None:
+        return bool(tcfg.compile)
+    return device_type == "cuda" and packing_problem(model) is None
+
+
+def resolve_pad_multiple(tcfg: TargetConfig, model, device_type: str, packed: bool) -> int:
+    """target.pad_multiple -> the padded capture's row-length multiple: None = 64 on CUDA (SDPA's cuDNN kernel
+    plans each new [b, S] once, ~45-70 ms, measured in call 34), 1 on CPU; packed rows: 1 (rounded on their own)."""
+    if packed:
+        return 1
+    if tcfg.pad_multiple is not None:
+        return tcfg.pad_multiple
+    return 64 if device_type == "cuda" else 1
+
+
+class StopForward(Exception):
+    """Raised by the hook of the last needed layer: the rest of the model does not run."""
+
+
+@dataclass
+class CaptureResult:
+    features: torch.Tensor  # [T, n*H] packed over the batch's real tokens
+    cu_seqlens: torch.Tensor
+
+
+class FeatureCapture:
+    """Runs the target up to the last needed layer and returns the selected layers' outputs.
+
+    ``packing``: the input is the batch's samples concatenated ([1, T]); attention is document-causal through
+    ``packed_flex_attention``. ``compile``: the decoder layers that run go through ``torch.compile`` (dynamic
+    shapes); the hooks stay outside the compiled graphs (StopForward must not be raised inside one). Both are
+    switched on only for the capture's own forward, so other users of the model (the evaluator with its KV cache)
+    run it as it was built."""
+
+    def __init__(self, model, layer_ids: list[int], packing: bool = False, compile: bool = False,
+                 pad_multiple: int = 1):
+        self.model = model
+        # padded rows run at a length rounded up to this multiple: fewer distinct shapes for kernels that plan
+        # each new shape (see TargetConfig.pad_multiple)
+        self.pad_multiple = max(1, int(pad_multiple))
+        self.base, self.layers = decoder_layers(model)
+        self.layer_ids = list(layer_ids)
+        self.last = max(self.layer_ids)
+        self.hidden = text_config(model.config).hidden_size
+        self.num_layers = len(self.layers)
+        self.packing, self.compile = bool(packing), bool(compile)
+        run = list(self.layers)[: self.last + 1]
+        self.attention_layers_run = sum(1 for layer in run if hasattr(layer, "self_attn"))
+        if self.packing:
+            problem = packing_problem(model)
+            if problem:
+                raise ConfigError(f"packed capture: {problem}")
+            _register_packed_attention()
+            # a model whose attention does not dispatch through AttentionInterface would ignore PACKED_ATTN and
+            # attend across samples: transformers' own check refuses to switch such a model
+            built = model.config._attn_implementation
+            model.set_attn_implementation(PACKED_ATTN)
+            switched = self.base.config._attn_implementation == PACKED_ATTN
+            model.set_attn_implementation(built)
+            if not switched:
+                raise ConfigError(f"packed capture: {type(model).__name__} does not take its attention from "
+                                  "transformers' AttentionInterface; use target.packing=off")
+        # layer.forward -> compiled forward while capturing; nn.Module.__call__ runs the hooks around it
+        self._forwards = [(layer, layer.__dict__.get("forward"), torch.compile(layer.forward, dynamic=True))
+                          for layer in run] if self.compile else []
+        # HF's last hidden state is taken after the final norm; keep that convention for id L-1.
+        self.norm_last = (self.last == self.num_layers - 1)
+        self._buf: Optional[torch.Tensor] = None
+        self._handles = [self.layers[i].register_forward_hook(self._hook(slot, i))
+                         for slot, i in enumerate(self.layer_ids)]
+        self.layers_run = 0
+
+    def describe(self) -> str:
+        attn = "flex document-causal" if self.packing else self.base.config._attn_implementation
+        rows = "packed" if self.packing else ("padded" + (f" to a multiple of {self.pad_multiple}"
+                                                            if self.pad_multiple > 1 else ""))
+        return f"{rows} ({attn}), compiled layers: {'yes' if self.compile else 'no'}"
+
+    def _hook(self, slot: int, layer_id: int):
+        def hook(module, args, output):
+            if self._buf is None:
+                return  # not this capture's forward (another user of the model, e.g. an unclosed capture's)
+            out = output[0] if isinstance(output, (tuple, list)) else output
+            if layer_id == self.num_layers - 1:
+                out = self.base.norm(out)
+            h = self.hidden
+            self._buf[:, :, slot * h:(slot + 1) * h].copy_(out)
+            if layer_id == self.last:
+                self.layers_run = layer_id + 1
+                raise StopForward
+        return hook
+
+    @contextlib.contextmanager
+    def _capture_mode(self):
+        config = self.base.config
+        built = config._attn_implementation
+        if self.packing:
+            config._attn_implementation = PACKED_ATTN  # read by every attention layer at call time
+        for layer, _, compiled in self._forwards:
+            layer.forward = compiled
+        try:
+            yield
+        finally:
+            config._attn_implementation = built
+            for layer, own, _ in self._forwards:
+                if own is None:
+                    del layer.forward  # back to the class's forward
+                else:
+                    layer.forward = own
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Returns features [sum(lengths), n*H] of the real tokens, samples in order.
+
+        Padded: input_ids [b, S] right-padded. That needs no attention mask: every model here is causal, so the
+        real tokens never see the padding after them (this keeps SDPA on its fast causal path).
+        Packed: input_ids [1, T] (or [T]), the samples concatenated; the buffer row is the result."""
+        kwargs = {}
+        if self.packing:
+            input_ids = input_ids.reshape(1, -1)
+            total = input_ids.shape[1]
+            pad = packed_row_tokens(total, input_ids.device.type) - total
+            if pad:
+                input_ids = torch.nn.functional.pad(input_ids, (0, pad))
+                lengths = torch.cat([lengths.cpu(), torch.tensor([pad])])
+            mask, positions = document_causal_block_mask(lengths, input_ids.shape[1], input_ids.device)
+            kwargs = {"attention_mask": mask, "position_ids": positions[None]}
+        elif input_ids.shape[1] % self.pad_multiple:
+            # more right padding: as invisible to the real tokens as the rest (causal, see above)
+            extra = -input_ids.shape[1] % self.pad_multiple
+            input_ids = torch.nn.functional.pad(input_ids, (0, extra))
+        b, s = input_ids.shape
+        dtype = next(self.model.parameters()).dtype
+        buf = self._buf = torch.empty(b, s, len(self.layer_ids) * self.hidden, dtype=dtype, device=input_ids.device)
+        flex_calls = packed_stats["flex_calls"]
+        try:
+            with self._capture_mode():
+                self.base(input_ids=input_ids, use_cache=False, **kwargs)
+        except StopForward:
+            pass
+        else:
+            raise RuntimeError("the target forward finished without reaching the last capture layer")
+        finally:
+            self._buf = None
+        if self.packing:
+            # proof that the model really attended through PACKED_ATTN (a model that ignored it would attend
+            # across samples); inside compiled layers the call is part of the graph and is not counted
+            ran = packed_stats["flex_calls"] - flex_calls
+            if not self.compile and ran != self.attention_layers_run:
+                raise RuntimeError(f"packed capture: {ran} of {self.attention_layers_run} attention layers went "
+                                   f"through {PACKED_ATTN}")
+            return buf[0, :total]
+        keep = torch.arange(s, device=input_ids.device)[None, :] < lengths.to(input_ids.device)[:, None]
+        return buf[keep]
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def build_capture(tcfg: TargetConfig, model, layer_ids: list[int], device_type: str) -> FeatureCapture:
+    """The capture a target rank runs: target.packing, target.compile and target.pad_multiple resolved for this
+    model and device (one place, so the rank, dflash-plan's calibration and the benchmarks run the same path)."""
+    packed = resolve_packing(tcfg, model, device_type)
+    return FeatureCapture(model, layer_ids, packing=packed, compile=resolve_compile(tcfg, model, device_type),
+                          pad_multiple=resolve_pad_multiple(tcfg, model, device_type, packed))

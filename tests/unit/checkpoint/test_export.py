@@ -1,0 +1,176 @@
+"""dflash-export: z-lab layout (config fields, tensor names/shapes, dtype, tokenizer), exact reload, refusals."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from dflash_dist.checkpoint.export import META_NAME, ExportError, expected_tensor_shapes, export_checkpoint, load_export
+from dflash_dist.checkpoint.store import save_checkpoint
+from dflash_dist.cli.export import main
+from dflash_dist.config import JobConfig, TargetConfig
+from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig, RMSNorm
+from dflash_dist.model.hf import TINY_DIR
+from dflash_dist.model.masks import dense_mask
+
+H, LAYERS, TARGET_LAYERS, BLOCK, MASK = 32, 2, 6, 4, 3
+LAYER_IDS = [1, 3, 4]
+TARGET_HF = dict(model_type="qwen3", vocab_size=2048, hidden_size=H, intermediate_size=96, num_hidden_layers=TARGET_LAYERS,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                 rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+                 pad_token_id=0)
+
+
+def target_config_dict():
+    from transformers import Qwen3Config
+    cfg = {k: v for k, v in TARGET_HF.items() if k != "model_type"}
+    return Qwen3Config(**cfg).to_dict()
+
+
+def make_drafter(seed=0):
+    dcfg = DrafterModelConfig.from_target(target_config_dict(), num_layers=LAYERS, num_feature_layers=len(LAYER_IDS),
+                                          block_size=BLOCK, intermediate_size=48)
+    torch.manual_seed(seed)
+    m = DFlashDrafter(dcfg, "sdpa").eval()
+    with torch.no_grad():
+        for mod in m.modules():
+            if isinstance(mod, RMSNorm):
+                mod.weight.uniform_(0.5, 1.5)
+    return m
+
+
+def make_checkpoint(tmp_path, model=None, step=7):
+    model = model or make_drafter()
+    job = JobConfig(target=TargetConfig(hf_config=dict(TARGET_HF), tokenizer=TINY_DIR, layer_ids=LAYER_IDS))
+    meta = {"cursor": 5, "total_messages": 10, "layer_ids": LAYER_IDS, "mask_token_id": MASK, "block_size": BLOCK,
+            "drafter_config": model.config.__dict__, "target_config": target_config_dict(), "tokenizer": TINY_DIR,
+            "job_config": job.to_dict(), "final": False}
+    return save_checkpoint(str(tmp_path / "run"), step, model.state_dict(), None, meta), model
+
+
+def drafter_out(model, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ctx, p = 9, 9
+    feats = torch.randn(1, ctx, len(LAYER_IDS) * H, generator=g)
+    embeds = torch.randn(1, BLOCK, H, generator=g)
+    mask = dense_mask(torch.tensor([[p]]), torch.tensor([[True]]), ctx, BLOCK)
+    with torch.no_grad():
+        return model(embeds, feats, torch.arange(ctx)[None], torch.arange(p, p + BLOCK)[None], mask)
+
+
+def test_config_fields_and_tensor_layout(tmp_path):
+    ckpt, model = make_checkpoint(tmp_path)
+    out = export_checkpoint(ckpt, str(tmp_path / "export"))
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+              "vocab_size", "rms_norm_eps", "bos_token_id", "eos_token_id", "pad_token_id"):
+        assert cfg[k] == TARGET_HF[k], k
+    assert cfg["intermediate_size"] == 48  # the drafter's, not the target's 96
+    assert cfg["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}  # the target's key (tf 5)
+    assert cfg["num_hidden_layers"] == LAYERS and cfg["num_target_layers"] == TARGET_LAYERS
+    assert cfg["block_size"] == BLOCK
+    assert cfg["dflash_config"] == {"mask_token_id": MASK, "target_layer_ids": LAYER_IDS, "block_size": BLOCK}
+    assert cfg["layer_types"] == ["full_attention"] * LAYERS
+    assert cfg["torch_dtype"] == cfg["dtype"] == "bfloat16"
+    assert cfg["use_cache"] is False and cfg["is_causal"] is False and cfg["tie_word_embeddings"] is False
+    assert cfg["hidden_act"] == "silu" and cfg["attention_bias"] is False and cfg["attention_dropout"] == 0.0
+
+    with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in names}
+        dtypes = {f.get_tensor(k).dtype for k in names}
+    assert shapes == expected_tensor_shapes(cfg)
+    assert names == set(model.state_dict())
+    assert not any(n.startswith("model.") or "embed_tokens" in n or "lm_head" in n for n in names)
+    assert shapes["fc.weight"] == (H, len(LAYER_IDS) * H)
+    assert {"hidden_norm.weight", "norm.weight", "layers.1.mlp.down_proj.weight"} <= names
+    assert dtypes == {torch.bfloat16}
+
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(out)
+    ref = AutoTokenizer.from_pretrained(TINY_DIR)
+    text = "<|im_start|>user\nhello there<|im_end|>\n"
+    assert tok(text)["input_ids"] == ref(text)["input_ids"] and len(tok) == len(ref)
+    side = json.load(open(os.path.join(out, META_NAME)))
+    assert side["target"]["hf_config"]["hidden_size"] == H and side["step"] == 7
+
+
+def test_reload_gives_identical_logits(tmp_path):
+    ckpt, model = make_checkpoint(tmp_path)
+    ref = drafter_out(model)
+    out32 = export_checkpoint(ckpt, str(tmp_path / "e32"), dtype="float32")
+    back, meta = load_export(out32)
+    assert torch.equal(drafter_out(back), ref)
+    assert meta["layer_ids"] == LAYER_IDS and meta["mask_token_id"] == MASK and meta["block_size"] == BLOCK
+    assert meta["tokenizer"] == out32 and meta["target"]["layer_ids"] == LAYER_IDS
+    lm_head = torch.randn(2048, H, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(drafter_out(back) @ lm_head.T, ref @ lm_head.T)
+
+    # bf16 export: exactly the original with its weights rounded to bf16
+    out16 = export_checkpoint(ckpt, str(tmp_path / "e16"))
+    back16, _ = load_export(out16)
+    rounded = make_drafter()
+    rounded.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in model.state_dict().items()})
+    assert torch.equal(drafter_out(back16), drafter_out(rounded))
+    assert back16.fc.weight.dtype == torch.float32
+    assert load_export(out16, dtype=None)[0].fc.weight.dtype == torch.bfloat16
+
+
+def test_partial_or_mismatched_checkpoint_refused(tmp_path):
+    ckpt, model = make_checkpoint(tmp_path)
+    with open(os.path.join(ckpt, "model.safetensors"), "r+b") as f:  # truncated weights
+        f.truncate(100)
+    with pytest.raises(ExportError, match="truncated"):
+        export_checkpoint(ckpt, str(tmp_path / "x"))
+    assert not os.path.exists(tmp_path / "x")
+    os.unlink(os.path.join(ckpt, "meta.json"))                      # no meta.json
+    with pytest.raises(ExportError, match="meta.json"):
+        export_checkpoint(ckpt, str(tmp_path / "x"))
+    assert main([ckpt, str(tmp_path / "x")]) == 2
+
+    sd = model.state_dict()
+    sd.pop("layers.1.mlp.up_proj.weight")
+    sd["lm_head.weight"] = torch.zeros(2048, H)
+    job = {"layer_ids": LAYER_IDS, "mask_token_id": MASK, "block_size": BLOCK, "drafter_config": model.config.__dict__,
+           "target_config": target_config_dict(), "tokenizer": TINY_DIR}
+    bad = save_checkpoint(str(tmp_path / "bad"), 1, sd, None, job)
+    with pytest.raises(ExportError, match="missing.*up_proj.*unexpected.*lm_head"):
+        export_checkpoint(bad, str(tmp_path / "y"))
+
+
+def test_cli_overwrite_and_prefixed_state_dict(tmp_path):
+    model = make_drafter()
+    ckpt, _ = make_checkpoint(tmp_path, model)
+    out = str(tmp_path / "cli")
+    assert main([ckpt, out, "--dtype", "float32"]) == 0
+    assert main([ckpt, out]) == 2                       # not empty
+    assert main([ckpt, out, "--overwrite", "--no-tokenizer"]) == 0
+    assert not os.path.exists(os.path.join(out, "tokenizer.json"))
+    assert json.load(open(os.path.join(out, "config.json")))["dtype"] == "bfloat16"
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp_export")]
+
+    # a DDP/compile-wrapped state dict exports under the bare names
+    wrapped = {"module." + k: v for k, v in model.state_dict().items()}
+    meta = json.load(open(os.path.join(ckpt, "meta.json")))
+    ck2 = save_checkpoint(str(tmp_path / "wrapped"), 3, wrapped, None, {k: v for k, v in meta.items() if k != "files"})
+    back, _ = load_export(export_checkpoint(ck2, str(tmp_path / "e2"), dtype="float32"))
+    assert torch.equal(drafter_out(back), drafter_out(model))
+
+
+def test_load_zlab_style_config(tmp_path):
+    """A release config with only rope_theta and a top-level block_size loads too."""
+    model = make_drafter()
+    ckpt, _ = make_checkpoint(tmp_path, model)
+    out = export_checkpoint(ckpt, str(tmp_path / "z"), dtype="float32", tokenizer=False)
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    cfg.pop("rope_parameters")
+    cfg["rope_theta"] = 10000.0
+    cfg["dflash_config"].pop("block_size")
+    json.dump(cfg, open(os.path.join(out, "config.json"), "w"))
+    os.unlink(os.path.join(out, META_NAME))
+    back, meta = load_export(out)
+    assert meta["block_size"] == BLOCK and meta["tokenizer"] is None and "target" not in meta
+    assert torch.equal(drafter_out(back), drafter_out(model))

@@ -1,0 +1,93 @@
+"""Transport under torchrun (gloo): random shapes and dtypes, 1,000 messages, every split, end-of-stream."""
+
+import json
+
+import pytest
+import torch
+from launch_util import torchrun
+
+from dflash_dist.comm.transport import Message, TransportError, pack_meta, unpack_meta
+
+
+@pytest.mark.parametrize("targets,drafters,rendezvous", [(1, 1, True), (1, 2, True), (2, 1, True), (2, 2, True),
+                                                        (3, 1, True), (1, 3, True), (3, 2, True), (2, 3, True),
+                                                        (1, 1, False), (2, 3, False)])
+def test_stream_every_split(tmp_path, targets, drafters, rendezvous):
+    world = targets + drafters
+    messages = 1000
+    r = torchrun(world, ["tests/transport_worker.py", "--targets", targets, "--messages", messages,
+                         "--max-in-flight", 2, "--out", tmp_path] + (["--rendezvous"] if rendezvous else []),
+                 timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    reports = [json.load(open(tmp_path / f"rank{i}.json")) for i in range(world)]
+    drafter_reports = [x for x in reports if x["role"] == "drafter"]
+    assert len(drafter_reports) == drafters
+    for x in reports:  # every target connected to every drafter first, and the other way round
+        want = [y["rank"] for y in reports if y["role"] != x["role"]]
+        assert x["connected"] == want, (x["rank"], x["connected"])
+    got = sorted(j for x in drafter_reports for j in x["received"])
+    assert got == list(range(messages)), "every message exactly once"
+    for x in drafter_reports:
+        assert x["errors"] == [], f"rank {x['rank']}: corrupted messages {x['errors'][:5]}"
+        assert x["received"] == sorted(x["received"])
+        assert x["ends"] == targets, "END from every target"
+        # balanced: every drafter gets every D-th message (never idle while samples remain)
+        assert len(x["received"]) in (messages // drafters, -(-messages // drafters))
+    target_reports = [x for x in reports if x["role"] == "target"]
+    assert all(x["early_posts"] == 0 for x in target_reports), "a payload posted before its receive"
+    if rendezvous:  # the drafters' slow steps made the targets hold payloads back
+        assert max(x["max_staged"] for x in target_reports) >= 1
+
+
+def test_meta_roundtrip():
+    ids = torch.randint(0, 100, (7,))
+    mask = torch.rand(7) > 0.5
+    cu = torch.tensor([0, 3, 7])
+    sid = torch.tensor([5, 9])
+    out = unpack_meta(pack_meta(sid, cu, ids, mask), 2, 7)
+    for a, b in zip(out, (sid, cu, ids, mask)):
+        assert torch.equal(a, b)
+
+
+def test_message_validate_rejects_bad_shapes():
+    m = Message(0, torch.arange(2), torch.tensor([0, 3, 5]), torch.zeros(5, dtype=torch.long),
+                torch.zeros(5, dtype=torch.bool), torch.zeros(4, 8))
+    with pytest.raises(TransportError):
+        m.validate()
+
+
+def test_rendezvous_setting(monkeypatch):
+    """topology.rendezvous_sends: null is on exactly over NCCL; true/false win over the backend."""
+    from dflash_dist.comm import transport
+    monkeypatch.setattr(transport.dist, "get_backend", lambda group: group)  # the "group" names its backend here
+    assert transport.use_rendezvous(None, "nccl") and not transport.use_rendezvous(None, "gloo")
+    assert transport.use_rendezvous(True, "gloo") and not transport.use_rendezvous(False, "nccl")
+
+
+def test_job_channel_from_topology_config(monkeypatch):
+    """A job's channel: the warm-up timeout first, rendezvous as configured (null: by backend), payload streams only
+    where there is CUDA (on CPU the setting changes nothing and the log says so)."""
+    from types import SimpleNamespace
+
+    from dflash_dist.comm import transport
+    from dflash_dist.config import TopologyConfig
+    monkeypatch.setattr(transport.dist, "get_backend", lambda group: group)
+    d = SimpleNamespace(ctrl="gloo", data="nccl", device=torch.device("cpu"), store="the store")
+    for comm in (False, True):
+        ch = transport.job_channel(d, TopologyConfig(comm_streams=comm, warmup_timeout_s=123.0))
+        assert ch.store == "the store" and ch.timeout_s == 123.0
+        assert ch.stream is None and ch.describe() == "posted from the host (no CUDA streams)"
+    d.data = "gloo"
+    assert transport.job_channel(d, TopologyConfig()).store is None
+    assert transport.job_channel(d, TopologyConfig(rendezvous_sends=True)).store == "the store"
+    assert TopologyConfig().comm_streams is False  # experimental: off unless asked for
+
+
+def test_poll_does_idle_work_instead_of_sleeping():
+    """A wait with other work does that work a piece at a time until the awaited thing happens, checking it
+    between pieces; without work (idle says False) it sleeps as before; the timeout still holds."""
+    from dflash_dist.comm.transport import poll_until
+    pieces, checks = [], iter([False, False, False, True])
+    assert poll_until(lambda: next(checks), 5.0, idle=lambda: pieces.append(1) or True)
+    assert len(pieces) == 3  # one piece per unanswered check, none after the answer
+    assert not poll_until(lambda: False, 0.05, idle=lambda: False)  # nothing to do: sleeps, then times out

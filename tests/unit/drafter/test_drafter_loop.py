@@ -1,0 +1,58 @@
+"""DrafterTrainer pieces that run without a pipeline: the dry steps of precompile (CPU, sdpa backend)."""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from launch_util import REPO as REPO_ROOT
+
+from dflash_dist.drafter.compile_guard import plan_step_lengths, precompile_steps
+
+BENCH = os.path.join(REPO_ROOT, "bench")
+
+
+def test_precompile_dry_steps_update_nothing(tmp_path):
+    """precompile runs forward and backward of each planned shape it was given (the attention ran), and leaves
+    the weights, the gradients, the optimizer and the step counters as they were."""
+    sys.path.insert(0, BENCH)
+    import _standalone as S
+    cpu = torch.device("cpu")
+    S.init_single_process_group(cpu)
+    try:
+        cfg = S.compose_job_config(S.job_overrides(True, None, None, 48, 40, 256, 4, 6, 2, str(tmp_path), []))
+        job, _ = S.make_job(cfg, 2, cpu, str(tmp_path))
+        trainer = S.make_trainer(job)
+        steps = list(plan_step_lengths(job.plan, job.sample_lengths, 0, job.total_messages, 1, 0))
+        assert trainer.planned_steps == steps  # a list: make_guard and precompile_steps both read it
+        assert trainer.precompile_plan == []   # sdpa: nothing to compile
+        trainer.precompile_plan = precompile_steps(trainer.planned_steps + [[300]], cfg.drafter.ctx_bucket)
+        sizes = [len(x) for x in trainer.precompile_plan]
+        assert sizes[0] == len(steps[0]) > 1 and 1 in sizes and len(sizes) <= 4, trainer.precompile_plan
+        before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        calls = dict(trainer.model.attention_calls)
+        took = trainer.precompile()
+        assert took > 0 and trainer.precompile_s == took
+        ran = trainer.model.attention_calls["sdpa"] - calls.get("sdpa", 0)
+        assert ran == cfg.drafter.num_layers * len(trainer.precompile_plan)
+        after = trainer.model.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        assert all(p.grad is None for p in trainer.model.parameters())
+        assert not trainer.opt.state
+        assert (trainer.step, trainer.cursor) == (0, 0)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_precompile_makes_no_collective_under_ddp(tmp_path):
+    """Two drafter ranks of one DDP group run 2 and 1 dry steps, then a training step each: no hang, no error,
+    and the same weights on both after the step (its all-reduce paired up: the dry steps made none)."""
+    import json
+
+    from launch_util import torchrun
+    r = torchrun(2, ["tests/precompile_ddp_worker.py", "--out", tmp_path], timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    reps = [json.load(open(tmp_path / f"rank{i}.json")) for i in range(2)]
+    assert [x["dry_steps"] for x in reps] == [2, 1]
+    assert reps[0]["checksum"] == reps[1]["checksum"]
+    assert not any(x["grads_left"] for x in reps)

@@ -1,0 +1,91 @@
+"""FLOP formulas behind every MFU number (trainer metrics and bench/), and the per-window role metrics."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dflash_dist.drafter.trainer import DrafterTrainer
+from dflash_dist.model.blocks import make_batch
+from dflash_dist.model.drafter import DrafterModelConfig
+from dflash_dist.telemetry.flops import attention_flops_per_pair, drafter_step_flops, target_forward_flops
+from dflash_dist.telemetry.metrics import target_window_metrics
+
+
+def mc(layers=2):
+    return DrafterModelConfig(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                              intermediate_size=16, num_layers=layers, num_feature_layers=2, rms_norm_eps=1e-6,
+                              rope_theta=1e4, block_size=4, vocab_size=10, max_position_embeddings=64)
+
+
+def test_attention_counts_every_layer():
+    """Attention runs in every drafter layer: 4*d per visible pair and head, x3.5 with backward, x L."""
+    pairs = 4 * (3 + 4)
+    one, two = (drafter_step_flops(mc(n), b=1, s_pad=16, n_blocks=2, vocab=10, visible_pairs=pairs) for n in (1, 2))
+    assert one["attention"] == 3.5 * 4 * 4 * 2 * pairs
+    assert two["attention"] == 2 * one["attention"]
+    assert attention_flops_per_pair(mc(2)) * pairs == two["attention"]
+    assert two["model"] == pytest.approx(two["matmul"] + two["attention"] + two["lm_head"])
+
+
+def test_target_forward_flops_by_hand():
+    tc = SimpleNamespace(hidden_size=8, num_attention_heads=2, head_dim=4, vocab_size=10)
+    # 2 sequences of 3 tokens, 100 params in the layers that run, 2 of them attention layers
+    f = target_forward_flops(tc, run_params=100, attention_layers_run=2, batches=[(2, 3)])
+    assert f == 2 * 100 * 6 + 2 * 4 * 4 * 2 * 2 * (3 * 4 / 2)
+    assert target_forward_flops(tc, 100, 2, [(2, 3)], lm_head=True) == f + 2 * 6 * 8 * 10
+
+
+def test_trainer_step_flops_matches_the_formula():
+    """DrafterTrainer.step_flops (device-side visible pairs, no sync) == drafter_step_flops with host pairs."""
+    m = mc(2)
+    g = torch.Generator().manual_seed(0)
+    lens = [20, 13]
+    ids = torch.randint(0, 10, (sum(lens),), generator=g)
+    mask = torch.ones(sum(lens), dtype=torch.bool)
+    cu = torch.tensor([0, 20, 33])
+    feats = torch.randn(sum(lens), 16)
+    batch = make_batch(ids, mask, cu, feats, num_anchors=5, block_size=4, mask_token_id=9, ctx_bucket=16,
+                       generator=g)
+    fake = SimpleNamespace(cfg=SimpleNamespace(drafter=SimpleNamespace(block_size=4, micro_batches=2,
+                                                                        local_loss_groups=0)),
+                           mcfg=m, lm_head=torch.zeros(10, 8), heads=None)
+    got = DrafterTrainer.step_flops(fake, batch)
+    pairs = float((4 * (batch.anchors + 4) * batch.valid).sum())
+    want = drafter_step_flops(m, 2, batch.ctx_len, 5, 10, pairs)
+    assert float(got) == pytest.approx(want["model"])
+    # drafter.loss_on_target: the served groups' head FLOPs are the target's (counted there), not the drafter's
+    fake.heads, batch.src = object(), 1
+    assert float(DrafterTrainer.step_flops(fake, batch)) == pytest.approx(want["model"] - want["lm_head"])
+    fake.cfg.drafter.local_loss_groups = 1
+    assert float(DrafterTrainer.step_flops(fake, batch)) == pytest.approx(want["model"] - want["lm_head"] / 2)
+
+
+def test_target_window_metrics_rates_and_mfu():
+    prev = {3: [1_000_000, 0, 100, 10, 2_000_000, 4_000, 0]}
+    now = {3: [2_000_000, 500_000, 400, 40, 4_000_000, 10_000, 300_000], 4: [0, 0, 0, 0, 0, 0, 0]}
+    out = target_window_metrics(now, prev, peak_tflops=3e-3)   # peak 3 GFLOP/s
+    assert out["target3_busy_frac"] == 0.5 and out["target3_wait_frac"] == 0.25       # over the window
+    assert out["target3_tokens_per_s"] == 150 and out["target3_samples_per_s"] == 15   # over the 2 s window
+    assert out["target3_mfu"] == pytest.approx(1.0)                 # 6,000 MFLOP in 2 s = 3 GFLOP/s
+    assert out["target3_eval_frac"] == pytest.approx(0.15)         # 0.3 s of evaluation on its waits in 2 s
+    assert not any(k.startswith("target4") for k in out)                              # no wall time yet
+    assert "target3_mfu" not in target_window_metrics(now, prev, peak_tflops=None)
+
+
+def test_step_flops_formula_by_hand():
+    step_flops = drafter_step_flops
+    mc = DrafterModelConfig(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                            intermediate_size=16, num_layers=1, num_feature_layers=2, rms_norm_eps=1e-6,
+                            rope_theta=1e4, block_size=4, vocab_size=10, max_position_embeddings=64)
+    f = step_flops(mc, b=1, s_pad=16, n_blocks=2, vocab=10, visible_pairs=4 * (3 + 4), train=True)
+    rows_q, rows_c = 8, 16
+    fc = 2 * rows_c * 16 * 8
+    layer = 2 * rows_q * 8 * 8 + 4 * (rows_c + rows_q) * 8 * 4 + 2 * rows_q * 8 * 8 + 6 * rows_q * 8 * 16
+    assert f["matmul"] == 2 * fc + 3 * layer                    # fc x2 (its input needs no grad), layers x3
+    assert f["attention"] == 3.5 * 4 * 4 * 2 * 28               # 4*d per pair and head, x3.5 fwd+bwd
+    assert f["lm_head"] == 2 * 2 * (2 * 3) * 8 * 10             # slots 1..B-1 only, x2 (fwd + grad input)
+    assert f["hardware"] == f["model"]                          # fused loss: the head runs forward once
+    g = step_flops(mc, b=1, s_pad=16, n_blocks=2, vocab=10, visible_pairs=4 * (3 + 4), train=True,
+                   recompute_head=True)
+    assert g["hardware"] - g["model"] == 2 * 6 * 8 * 10         # + the checkpoint's recomputed forward

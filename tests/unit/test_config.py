@@ -1,0 +1,88 @@
+"""Every configuration error is refused before any model loads, with a message that says what to change."""
+
+import pytest
+from launch_util import torchrun
+
+from dflash_dist.config import ConfigError, JobConfig, default_layer_ids, validate_job
+from dflash_dist.drafter.trainer import cosine_lr
+
+
+def job(**sections) -> JobConfig:
+    d = {"target": {"hf_config": {"builtin": "tiny"}}}
+    d.update(sections)
+    return JobConfig.from_dict(d)
+
+
+def test_default_layer_ids_match_dflash():
+    assert default_layer_ids(36) == [1, 9, 17, 25, 33]  # Qwen3-8B
+    assert default_layer_ids(28) == [1, 7, 13, 19, 25]  # Qwen3-0.6B
+    assert default_layer_ids(8) == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("section,values,needle", [
+    ("drafter", {"block_size": 1}, "block_size"),
+    ("drafter", {"num_anchors": 0}, "num_anchors"),
+    ("drafter", {"num_layers": 0}, "num_layers"),
+    ("drafter", {"attention_backend": "dense"}, "attention_backend"),
+    ("drafter", {"attention_backend": "flex", "compile": False}, "compile"),
+    ("drafter", {"loss_gamma": 0}, "loss_gamma"),
+    ("drafter", {"ctx_bucket": 10}, "ctx_bucket"),
+    ("drafter", {"flex_kernel_options": {"bwd_BLOCK_M1": "big"}}, "flex_kernel_options"),
+    ("target", {"hf_config": {"builtin": "tiny"}, "dtype": "fp8"}, "target.dtype"),
+    ("target", {"hf_config": {"builtin": "tiny"}, "layer_ids": [3, 1]}, "increasing"),
+    ("target", {"hf_config": {"builtin": "tiny"}, "layer_ids": [1, 1]}, "duplicates"),
+    ("target", {"hf_config": {"builtin": "tiny"}, "fast_path": "maybe"}, "fast_path"),
+    ("target", {"hf_config": {"builtin": "tiny"}, "packing": "yes"}, "target.packing"),
+    ("target", {"hf_config": {}}, "name_or_path"),
+    ("data", {"overlong": "drop"}, "overlong"),
+    ("data", {"max_bad_fraction": 2.0}, "max_bad_fraction"),
+    ("topology", {"target_ranks": 0}, "target_ranks"),
+    ("topology", {"target_ranks": "many"}, "target_ranks"),
+    ("topology", {"max_in_flight": 0}, "max_in_flight"),
+    ("train", {"max_steps": 0}, "max_steps"),
+    ("train", {"lr": -1}, "lr"),
+    ("train", {"warmup_ratio": 1.5}, "warmup_ratio"),
+    ("train", {"device": "tpu"}, "device"),
+    ("logging", {"wandb": {"mode": "sometimes"}}, "wandb.mode"),
+    ("logging", {"profile_step": 1}, "profile_step"),
+])
+def test_field_validation(section, values, needle):
+    with pytest.raises(ConfigError, match=needle):
+        job(**{section: values})
+
+
+def test_unknown_keys_rejected():
+    with pytest.raises(ConfigError, match="unknown keys"):
+        job(train={"learning_rate": 1e-3})
+    with pytest.raises(ConfigError, match="unknown config groups"):
+        JobConfig.from_dict({"target": {"hf_config": {"builtin": "tiny"}}, "optimizer": {}})
+
+
+def test_job_level_validation():
+    ok = job()
+    assert validate_job(ok, world_size=3, num_target_layers=8, vocab_size=2048, mask_token_id=3) == [1, 2, 3, 4, 5]
+    with pytest.raises(ConfigError, match="leaves no drafter"):
+        validate_job(job(topology={"target_ranks": 3}), 3, 8, 2048, 3)
+    with pytest.raises(ConfigError, match="out of range"):
+        validate_job(job(target={"hf_config": {"builtin": "tiny"}, "layer_ids": [1, 8]}), 3, 8, 2048, 3)
+    with pytest.raises(ConfigError, match="mask_token_id"):
+        validate_job(ok, 3, 8, 2048, 4096)
+    with pytest.raises(ConfigError, match="repeat"):
+        validate_job(job(target={"hf_config": {"builtin": "tiny"}, "num_feature_layers": 5}), 3, 6, 2048, 3)
+    with pytest.raises(ConfigError, match="CPU"):
+        validate_job(job(drafter={"attention_backend": "flex"}, train={"device": "cpu"}), 3, 8, 2048, 3)
+
+
+def test_cosine_schedule():
+    assert cosine_lr(0, 100, 0.04) == pytest.approx(0.25)
+    assert cosine_lr(3, 100, 0.04) == pytest.approx(1.0)
+    assert cosine_lr(99, 100, 0.04) < 0.01
+    assert cosine_lr(52, 100, 0.04) == pytest.approx(0.5, abs=0.02)
+
+
+def test_torchrun_refuses_bad_split_before_loading(tmp_path):
+    r = torchrun(2, ["-m", "dflash_dist.train", f"train.output_dir={tmp_path}", "topology.target_ranks=2"],
+                 timeout=120)
+    assert r.returncode != 0
+    assert "topology.target_ranks=2 leaves no drafter rank" in r.stdout + r.stderr
+    assert "target loaded" not in r.stdout + r.stderr
