@@ -255,12 +255,24 @@ class DataConfig:
     cache_dir: Optional[str] = None
     """Where the pre-tokenized dataset is cached; None: <output_dir>/data_cache."""
 
+    chat_template_kwargs: dict = field(default_factory=dict)
+    """Extra ``apply_chat_template`` arguments, e.g. ``{enable_thinking: false}`` for Qwen3-family templates.
+    Applied identically when tokenizing the training data, in the in-training evaluation, in dflash-eval and
+    dflash-regenerate (both read it from the checkpoint or export), and recorded in the checkpoint and the
+    export: a drafter trained on non-thinking renderings serves non-thinking requests."""
+
     def __post_init__(self) -> None:
         _require(self.max_length >= 8, f"data.max_length={self.max_length}: must be >= 8")
         _require(self.overlong in ("truncate", "skip"), f"data.overlong={self.overlong!r}: use truncate or skip")
         _require(0.0 <= self.max_bad_fraction <= 1.0, "data.max_bad_fraction must be in [0, 1]")
         _require(self.num_workers >= 0, "data.num_workers must be >= 0")
         _require(self.holdout >= 0, "data.holdout must be >= 0")
+        if self.chat_template_kwargs is None:
+            self.chat_template_kwargs = {}
+        _require(isinstance(self.chat_template_kwargs, dict) and all(isinstance(k, str)
+                                                                     for k in self.chat_template_kwargs),
+                 f"data.chat_template_kwargs={self.chat_template_kwargs!r}: must be a mapping of names to values")
+        self.chat_template_kwargs = dict(self.chat_template_kwargs)
 
 
 @dataclass

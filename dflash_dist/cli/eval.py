@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from dflash_dist.config import ConfigError, DataConfig, TargetConfig
+from dflash_dist.data.sources import parse_template_kwargs
 from dflash_dist.eval.prompts import (
     check_pair,
     encode_prompts,
@@ -57,7 +58,8 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--block-size", type=int, default=None, help="drafted block size (default: the trained one)")
     p.add_argument("--no-lossless-check", action="store_true", help="skip the target-only greedy reference")
     p.add_argument("--use-cache", default="auto", choices=["auto", "yes", "no"], help="target KV cache")
-    p.add_argument("--chat-template-kwargs", default=None, help='JSON, e.g. \'{"enable_thinking": false}\'')
+    p.add_argument("--chat-template-kwargs", default=None, help='JSON, e.g. \'{"enable_thinking": false}\', or a '
+                   "run's config.json / meta.json (default: what the checkpoint or export recorded from training)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--out", default="dflash_eval.json", help="where to write the JSON result")
     args = p.parse_args(argv)
@@ -88,7 +90,8 @@ def _run(args) -> int:
     tokenizer = AutoTokenizer.from_pretrained(tok_path)
     target = build_target_model(tcfg, device)
     check_pair(target, setup)
-    kwargs = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else None
+    kwargs = parse_template_kwargs(args.chat_template_kwargs) if args.chat_template_kwargs is not None \
+        else (setup.chat_template_kwargs or None)
 
     if args.prompts:
         convs, prompt_source = prompts_from_jsonl(args.prompts), os.path.abspath(args.prompts)
@@ -109,7 +112,7 @@ def _run(args) -> int:
                               use_cache=use_cache)
     result.update({"source": setup.source, "target": tcfg.name_or_path or tcfg.hf_config,
                    "prompt_source": prompt_source, "eos_ids": eos, "layer_ids": list(setup.layer_ids),
-                   "mask_token_id": setup.mask_token_id, "device": device})
+                   "mask_token_id": setup.mask_token_id, "device": device, "chat_template_kwargs": kwargs or {}})
     print(format_table(result))
     out = os.path.abspath(args.out)
     os.makedirs(os.path.dirname(out), exist_ok=True)

@@ -218,7 +218,9 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--limit", type=int, default=None, help="only the first N usable rows")
     p.add_argument("--on-empty", default="original", choices=["original", "drop", "keep"],
                    help="an empty generated reply: keep the original reply (or drop the row if none), drop, keep")
-    p.add_argument("--chat-template-kwargs", default=None, help='JSON, e.g. \'{"enable_thinking": false}\'')
+    p.add_argument("--chat-template-kwargs", default=None, help='JSON, e.g. \'{"enable_thinking": false}\', or a '
+                   "training config.json / checkpoint meta.json whose data.chat_template_kwargs to use: the same "
+                   "rendering as training and evaluation")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--timeout-min", type=float, default=240.0, help="barrier timeout (slowest rank's generation)")
     args = p.parse_args(argv)
@@ -233,6 +235,7 @@ def _run(args) -> int:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
+    from dflash_dist.data.sources import parse_template_kwargs
     from dflash_dist.eval.prompts import eos_token_ids
     from dflash_dist.model.hf import build_target_model, text_config, tokenizer_path
 
@@ -274,7 +277,9 @@ def _run(args) -> int:
             log.info("regenerating %d rows (%s skipped: %s) on %d rank(s), target %s, eos %s, max_new_tokens %d, "
                      "temperature %g", len(rows), sum(bad.values()), bad or "none", world,
                      tcfg.name_or_path or tcfg.hf_config, eos, args.max_new_tokens, args.temperature)
-        kwargs = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else None
+        kwargs = parse_template_kwargs(args.chat_template_kwargs)
+        if rank == 0:
+            log.info("chat template kwargs: %s (train with the same data.chat_template_kwargs)", kwargs or {})
         last = [0.0]
 
         def progress(done, total):
