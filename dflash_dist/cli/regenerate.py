@@ -76,7 +76,10 @@ def load_target_config(spec: Optional[str], name_or_path: Optional[str] = None) 
 
 
 def prepare_row(obj: Any) -> tuple[Optional[dict], Optional[list], Optional[str], str]:
-    """(row, prompt messages, original final reply or None, "") or (None, None, None, reason)."""
+    """(row, prompt messages, original final reply or None, "") or (None, None, None, reason). A ShareGPT row
+    (``conversations`` of ``from``/``value``) is read as its messages row (the output row has ``messages``)."""
+    from dflash_dist.data.sources import normalize_row
+    obj = normalize_row(obj)
     if not isinstance(obj, dict) or not isinstance(obj.get("messages"), list) or not obj["messages"]:
         return None, None, None, "no messages list"
     msgs = []
@@ -120,31 +123,47 @@ def _read_rows(path: str) -> tuple[list[tuple[int, dict, list, Optional[str]]], 
 def regenerate_rows(model, tokenizer, items: list, *, max_new_tokens: int, temperature: float, top_p: float,
                     batch_size: int, top_k: int = 0, eos_ids: list, on_empty: str, seed: int,
                     chat_template_kwargs: Optional[dict] = None, max_positions: Optional[int] = None,
-                    progress=None) -> tuple[list[tuple[int, dict]], dict]:
+                    progress=None, sink=None) -> tuple[list[tuple[int, dict]], dict]:
     """Generate the final reply of each ``(index, row, prompt messages, original reply)``.
 
     Returns ([(index, output row)], counts). Batches are formed from length-sorted prompts (left padding);
     with sampling, each batch uses a generator seeded from ``seed`` and its first index, so a rerun with the
-    same world size and batch size reproduces the output."""
+    same world size and batch size reproduces the output.
+
+    ``sink(done, counts_delta)``, if given, is called after each batch (and once for the prompts skipped before
+    generating) with ``[(index, output row or None)]`` (None: the row was dropped) and the counts added since the
+    last call: the CLI appends them to its part file, so a crashed run resumes where it stopped."""
     device = next(model.parameters()).device
     from dflash_dist.data.tokenize import template_info
     counts = {"generated": 0, "empty_replaced": 0, "empty_dropped": 0, "empty_kept": 0, "too_long": 0,
               "hit_max_new_tokens": 0}
     specials = [s for s in template_info(tokenizer, chat_template_kwargs)[1] if s]
-    enc = []
+    enc, skipped = [], []
+    reported: dict = {}
+
+    def report(done):
+        if sink is None:
+            return
+        delta = {k: v - reported.get(k, 0) for k, v in counts.items() if v != reported.get(k, 0)}
+        reported.update(counts)
+        sink(done, delta)
     for index, row, msgs, original in items:
         text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
                                              **(chat_template_kwargs or {}))
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if max_positions is not None and len(ids) + max_new_tokens > max_positions:
             counts["too_long"] += 1
+            skipped.append((index, None))
             continue
         enc.append((index, row, msgs, original, ids))
     enc.sort(key=lambda e: (len(e[4]), e[0]))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     eos_set = set(eos_ids)
     out: list[tuple[int, dict]] = []
+    if skipped:
+        report(skipped)
     for start in range(0, len(enc), batch_size):
+        done: list = []
         batch = enc[start:start + batch_size]
         width = max(len(e[4]) for e in batch)
         input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
@@ -178,6 +197,7 @@ def regenerate_rows(model, tokenizer, items: list, *, max_new_tokens: int, tempe
             if not text.strip():
                 if on_empty == "drop" or (on_empty == "original" and original is None):
                     counts["empty_dropped"] += 1
+                    done.append((index, None))
                     continue
                 if on_empty == "original":
                     counts["empty_replaced"] += 1
@@ -187,7 +207,9 @@ def regenerate_rows(model, tokenizer, items: list, *, max_new_tokens: int, tempe
             res = {k: v for k, v in row.items() if k != "messages"}
             res = {"messages": msgs + [{"role": "assistant", "content": text}], **res}
             out.append((index, res))
+            done.append((index, res))
             counts["generated"] += 1
+        report(done)
         if progress is not None:
             progress(min(start + batch_size, len(enc)), len(enc))
     out.sort(key=lambda x: x[0])
@@ -198,6 +220,40 @@ def regenerate_rows(model, tokenizer, items: list, *, max_new_tokens: int, tempe
 
 def _part_path(out: str, rank: int, world: int) -> str:
     return f"{out}.part{rank:05d}-of-{world:05d}"
+
+
+def _part_files(out: str) -> list[str]:
+    """Every part file of ``out``, of any world size (a resumed run may use another)."""
+    import glob
+    return sorted(p for p in glob.glob(glob.escape(out) + ".part*-of-*") if p[-5:].isdigit())
+
+
+def _read_part(path: str) -> tuple[dict, dict]:
+    """({index: output row or None (dropped)}, summed counts) of a part file; a torn last line is ignored."""
+    done, counts = {}, {}
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue
+            if "counts" in obj:
+                for k, v in obj["counts"].items():
+                    counts[k] = counts.get(k, 0) + v
+            elif "index" in obj:
+                done.setdefault(int(obj["index"]), obj.get("row"))
+    return done, counts
+
+
+def _open_for_append(path: str):
+    """Append to a part file after cutting a torn last line (a crash mid-write), so every line stays one record."""
+    if os.path.exists(path):
+        with open(path, "rb+") as f:
+            data = f.read()
+            keep = data.rfind(b"\n") + 1
+            if keep != len(data):
+                f.truncate(keep)
+    return open(path, "a", encoding="utf-8")
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -223,6 +279,8 @@ def main(argv: Optional[list] = None) -> int:
                    "rendering as training and evaluation")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--timeout-min", type=float, default=240.0, help="barrier timeout (slowest rank's generation)")
+    p.add_argument("--no-resume", action="store_true", help="discard the part files of an interrupted run of the same "
+                   "--out instead of resuming it (default: rows already generated are kept and not generated again)")
     args = p.parse_args(argv)
     try:
         return _run(args)
@@ -265,7 +323,18 @@ def _run(args) -> int:
         rows, bad = _read_rows(args.prompts)
         if args.limit is not None:
             rows = rows[:args.limit]
-        mine = [r for r in rows if r[0] % world == rank]
+        if args.no_resume and rank == 0:
+            for pf in _part_files(args.out):
+                os.unlink(pf)
+        if distributed:
+            dist.barrier()
+        done_before: set = set()
+        if not args.no_resume:
+            for pf in _part_files(args.out):
+                done_before.update(_read_part(pf)[0])
+        if done_before and rank == 0:
+            log.info("resuming: %d rows already done in the part files of %s", len(done_before), args.out)
+        mine = [r for r in rows if r[0] % world == rank and r[0] not in done_before]
         t0 = time.monotonic()
         model = build_target_model(tcfg, device.split(":")[0] if device.startswith("cuda") else device)
         model.to(device)
@@ -287,39 +356,39 @@ def _run(args) -> int:
                 last[0] = time.monotonic()
                 log.info("rank 0: %d/%d prompts (%.1f s)", done, total, time.monotonic() - t0)
 
-        out, counts = regenerate_rows(model, tok, mine, max_new_tokens=args.max_new_tokens,
-                                      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                      batch_size=args.batch_size,
-                                      eos_ids=eos, on_empty=args.on_empty, seed=args.seed,
-                                      chat_template_kwargs=kwargs, max_positions=max_pos, progress=progress)
         part = _part_path(args.out, rank, world)
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(part + ".tmp", "w", encoding="utf-8") as f:
-            for index, row in out:
-                f.write(json.dumps({"index": index, "row": row}, ensure_ascii=False) + "\n")
-            f.write(json.dumps({"counts": counts, "rank": rank}) + "\n")
-        os.replace(part + ".tmp", part)
+        with _open_for_append(part) as pf:
+            def sink(done, delta):  # one write and an fsync per batch: a crash loses at most the batch in flight
+                lines = [json.dumps({"index": i, "row": row}, ensure_ascii=False) for i, row in done]
+                if delta:
+                    lines.append(json.dumps({"counts": delta, "rank": rank}))
+                pf.write("".join(x + "\n" for x in lines))
+                pf.flush()
+                os.fsync(pf.fileno())
+
+            regenerate_rows(model, tok, mine, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, batch_size=args.batch_size, eos_ids=eos,
+                            on_empty=args.on_empty, seed=args.seed, chat_template_kwargs=kwargs,
+                            max_positions=max_pos, progress=progress, sink=sink)
         if distributed:
             dist.barrier()
         if rank == 0:
-            merged, total = [], {}
-            for r in range(world):
-                with open(_part_path(args.out, r, world), encoding="utf-8") as f:
-                    for line in f:
-                        obj = json.loads(line)
-                        if "counts" in obj:
-                            for k, v in obj["counts"].items():
-                                total[k] = total.get(k, 0) + v
-                        else:
-                            merged.append((obj["index"], obj["row"]))
-            merged.sort(key=lambda x: x[0])
+            rows_by_index, total = {}, {}
+            for pf in _part_files(args.out):
+                done, counts = _read_part(pf)
+                for i, row in done.items():
+                    rows_by_index.setdefault(i, row)  # one row per input index, whatever was resumed
+                for k, v in counts.items():
+                    total[k] = total.get(k, 0) + v
+            merged = sorted((i, row) for i, row in rows_by_index.items() if row is not None)
             tmp = args.out + f".tmp.{os.getpid()}"
             with open(tmp, "w", encoding="utf-8") as f:
                 for _, row in merged:
                     f.write(json.dumps(row, ensure_ascii=False) + "\n")
             os.replace(tmp, args.out)
-            for r in range(world):
-                os.unlink(_part_path(args.out, r, world))
+            for pf in _part_files(args.out):
+                os.unlink(pf)
             log.info("wrote %s: %d rows in %.1f s; %s; skipped input rows: %s", args.out, len(merged),
                      time.monotonic() - t0, total, bad or "none")
         if distributed:

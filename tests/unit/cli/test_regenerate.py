@@ -42,6 +42,8 @@ def test_prepare_row_drops_only_the_final_assistant_turn():
     assert prepare_row({"messages": [{"role": "user", "content": "a"}]})[2] is None
     assert prepare_row({"messages": [{"role": "system", "content": "s"}]})[3] == "no user turn to answer"
     assert prepare_row({"text": "x"})[0] is None
+    share = prepare_row({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]})
+    assert share[1] == [{"role": "user", "content": "q"}] and share[2] == "a" and "messages" in share[0]
     assert load_target_config(None).hf_config == {"builtin": "tiny"}
     assert load_target_config("tiny", "some/model").name_or_path == "some/model"
 
@@ -95,3 +97,48 @@ def test_two_ranks_under_torchrun(tmp_path):
     ref, _ = regenerate_rows(model, AutoTokenizer.from_pretrained(TINY_DIR), items, max_new_tokens=5,
                              temperature=0.0, top_p=1.0, batch_size=1, eos_ids=[0, 2], on_empty="keep", seed=0)
     assert [row for _, row in ref] == got
+
+
+def test_crash_and_resume_neither_duplicates_nor_loses_rows(tmp_path, monkeypatch):
+    """A run killed after two batches (with a torn line at the end of its part file) resumes: only the rows not
+    yet written are generated, and the output equals an uninterrupted run's."""
+    from dflash_dist.cli import regenerate as R
+
+    write_inputs(tmp_path / "in.jsonl")
+    (tmp_path / "target.json").write_text(json.dumps(TARGET))
+    args = ["--prompts", str(tmp_path / "in.jsonl"), "--target-config", str(tmp_path / "target.json"),
+            "--max-new-tokens", "5", "--batch-size", "2", "--on-empty", "keep", "--device", "cpu"]
+    ref = tmp_path / "ref.jsonl"
+    assert R.main(args + ["--out", str(ref)]) == 0
+    real = R.regenerate_rows
+    seen = []
+
+    def crashing(model, tok, items, **kw):
+        sink, calls = kw["sink"], [0]
+
+        def dying_sink(done, delta):
+            sink(done, delta)
+            calls[0] += 1
+            if calls[0] == 2:
+                raise KeyboardInterrupt("killed")
+        seen.append(len(items))
+        return real(model, tok, items, **dict(kw, sink=dying_sink))
+
+    out = tmp_path / "out.jsonl"
+    monkeypatch.setattr(R, "regenerate_rows", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        R.main(args + ["--out", str(out)])
+    part = R._part_path(str(out), 0, 1)
+    done, _ = R._read_part(part)
+    assert len(done) == 4 and not out.exists()
+    with open(part, "a") as f:
+        f.write('{"index": 99, "row": {"mess')  # torn by the crash
+
+    def counting(model, tok, items, **kw):
+        seen.append(len(items))
+        return real(model, tok, items, **kw)
+    monkeypatch.setattr(R, "regenerate_rows", counting)
+    assert R.main(args + ["--out", str(out)]) == 0
+    assert seen == [8, 4]                        # the resumed run generated only the 4 rows not yet done
+    assert out.read_text() == ref.read_text()    # nothing duplicated, nothing lost, same order
+    assert not R._part_files(str(out))
