@@ -23,7 +23,8 @@ import _common as C  # noqa: E402
 import torch  # noqa: E402
 
 from dflash_dist.config import default_layer_ids  # noqa: E402
-from dflash_dist.eval.spec_decode import TargetRunner, _new_cache, make_dflash_draft_fn, speculative_steps
+from dflash_dist.eval.spec_decode import make_dflash_draft_fn, speculative_steps
+from dflash_dist.eval.target_runner import TargetRunner, new_cache
 from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig  # noqa: E402
 from dflash_dist.model.hf import head_weights, text_config  # noqa: E402
 
@@ -77,14 +78,14 @@ def main(argv=None) -> int:
         ids = torch.tensor([prompts[0]], device=dev)
         block = torch.full((1, B), 3, dtype=torch.long, device=dev)
         with runner.attached():
-            cache = _new_cache(model)
+            cache = new_cache(model)
             _, ctx = runner(ids, 0, cache, keep=1)
             n = ids.shape[1]
 
             def verify():
                 runner(block, n, cache, keep=B)
-                from dflash_dist.eval.spec_decode import _crop_cache
-                _crop_cache(cache, n)
+                from dflash_dist.eval.target_runner import crop_cache
+                crop_cache(cache, n)
             verify_ms = [timed(verify, dev) for _ in range(args.repeats)]
         draft_ms = [timed(lambda: draft(ctx, block, n), dev) for _ in range(args.repeats)]
         row = {"drafter_dtype": str(dtype).replace("torch.", ""), "slices": len(slices),

@@ -39,7 +39,7 @@ has C || exit 0
 
 echo "=== C: core 1+1, Qwen3-0.6B-shaped target, 5-layer flex drafter, 512 anchors, ~550-token samples"
 rm -rf /tmp/run; timeout ${CORE_TIMEOUT:-200} torchrun --standalone --nproc-per-node 2 -m dflash_dist.train target=qwen3_0p6b_random drafter=dflash \
-  data.source=synthetic:550:2000 target.max_batch_samples=1 drafter.ctx_bucket=1024 train.max_steps=${CORE_STEPS:-150} \
+  data.source=synthetic:550:2000 target.max_batch_samples=1 drafter.tuning.ctx_bucket=1024 train.max_steps=${CORE_STEPS:-150} \
   logging.log_every=25 $common 2>&1 | grep -v "^W1" | tee $OUT/core.log | tail -45
 echo "C exit: ${PIPESTATUS[0]}"
 cp /tmp/run/startup_report.json $OUT/ 2>/dev/null; cp /tmp/run/metrics.jsonl $OUT/core_metrics.jsonl 2>/dev/null

@@ -73,7 +73,7 @@ pipeline_then_threaded() {
 traced_e2e() {
   local box=$1 name=$2 work=$3; shift 3
   timeout -k 10 "$box" python3 bench/pipeline.py --skip-alone --out "$OUT/$name.json" --workdir "$work" \
-    --e2e-timeout $(( box - 10 )) --override logging.trace_target=true "$@" > "$OUT/$name.log" 2>&1
+    --e2e-timeout $(( box - 10 )) --override logging.debug.trace_target=true "$@" > "$OUT/$name.log" 2>&1
   echo "$name exit $? at $(el) s"; grep -E "^\| \(b\)" "$OUT/$name.log"
   cp "$work/e2e_run/target_trace/rank1.jsonl" "$OUT/${name}_trace.jsonl" 2>/dev/null
   cp "$work/e2e_run/metrics.jsonl" "$OUT/${name}_metrics.jsonl" 2>/dev/null
@@ -96,13 +96,13 @@ pack_results() {
   ( cd "$OUT" && tar czf results.tgz --remove-files *.json *.jsonl *.log 2>/dev/null ); ls "$OUT"
 }
 
-# rendezvous_pair BOX NAME [job args]: traced_e2e twice, topology.rendezvous_sends=true then false, as
+# rendezvous_pair BOX NAME [job args]: traced_e2e twice, topology.tuning.rendezvous_sends=true then false, as
 # NAME_rv_true / NAME_rv_false; also prints the drafter's last host and stream wait fractions of each
 rendezvous_pair() {
   local box=$1 name=$2 rv; shift 2
   for rv in true false; do
     echo "=== $name: 1 + 1 job, rendezvous_sends=$rv at $(el) s"
-    traced_e2e "$box" "${name}_rv_$rv" "/tmp/pipe_${name}_$rv" "$@" --override topology.rendezvous_sends=$rv
+    traced_e2e "$box" "${name}_rv_$rv" "/tmp/pipe_${name}_$rv" "$@" --override topology.tuning.rendezvous_sends=$rv
     grep -oE '"drafter_(stream_)?wait_frac": [0-9.e-]*' "$OUT/${name}_rv_${rv}_metrics.jsonl" | tail -4
   done
 }
@@ -129,7 +129,7 @@ transport_checks() {
 eval_job() {
   local box=$1 name=$2 slices=$3 steps=$4 every=$5 prompts=$6 tokens=$7 ev
   ev=(--override train.eval_prompts=$prompts --override train.eval_every=$every
-      --override train.eval_max_new_tokens=$tokens --override train.eval_in_slices=$slices)
+      --override train.eval_max_new_tokens=$tokens --override train.tuning.eval_in_slices=$slices)
   [ "$slices" = none ] && ev=(--override train.eval_prompts=0)
   echo "=== evaluation job $name (eval_in_slices=$slices) at $(el) s"
   traced_e2e "$box" "$name" "/tmp/pipe_$name" --steps "$steps" --warmup-steps 20 --max-batch-samples 16 \
@@ -182,10 +182,10 @@ hybrid_goal4_pairs() {
 pack_one() { ( cd "$OUT" && tar czf "results_$1.tgz" --remove-files $1*.json $1*.jsonl $1*.log 2>/dev/null ); }
 
 # traced_job STEP BOX NAME [overrides]: run_one (gpu_session27.sh's, sourced by the caller) with drafter step STEP
-# traced (logging.profile_step), the trace kept as $OUT/NAME_profile.json, its phase table printed, then packed
+# traced (logging.debug.profile_step), the trace kept as $OUT/NAME_profile.json, its phase table printed, then packed
 traced_job() {
   local step=$1 box=$2 name=$3; shift 3
-  run_one "$box" "$name" --override logging.profile_step=$step "$@"
+  run_one "$box" "$name" --override logging.debug.profile_step=$step "$@"
   cp /tmp/pipe_$name/e2e_run/profile/drafter_rank0_step$step.json "$OUT/${name}_profile.json" 2>/dev/null
   grep -E "^\| (group|backward|clip|head)|step $step \(traced|NCCL" "$OUT/${name}_e2e.log" | cut -c1-200
   pack_one "$name"

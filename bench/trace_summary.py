@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Summary of a target trace (``logging.trace_target=true``: <run>/target_trace/rank<r>.jsonl): per column the
+"""Summary of a target trace (``logging.debug.trace_target=true``: <run>/target_trace/rank<r>.jsonl): per column the
 median and the maximum over the messages after the first --skip (load and compile), and the share of the traced
 time each part took.
 

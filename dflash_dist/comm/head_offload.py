@@ -1,4 +1,4 @@
-"""The frozen lm_head and the decayed CE of a drafter step, run on a target rank (``drafter.loss_on_target``).
+"""The frozen lm_head and the decayed CE of a drafter step, run on a target rank (``drafter.tuning.loss_on_target``).
 
 Why: in a drafter-bound job the target GPUs idle part of the time (at SpecForge's config the best 8-GPU split
 leaves 43% of two target GPUs unused), while the frozen vocab projection is ~28% of a drafter step's FLOPs (550
@@ -6,14 +6,14 @@ tokens, 256 anchors, Qwen3-8B shapes). The head takes no weight gradient, so all
 the loss sum, the argmax (accuracy) and the gradient with respect to its final hidden rows: [rows, H] each way,
 ~34 MB per sample at 256 anchors, a fraction of a millisecond over NVLink. The target already holds the head.
 
-A step on the drafter (``drafter.micro_batches`` = M groups of anchors): for each group, the forward, then its
+A step on the drafter (``drafter.tuning.micro_batches`` = M groups of anchors): for each group, the forward, then its
 rows and labels are posted to the target that sent the message; the next group's forward runs while the target
 computes. Then each group's backward in order, each once its own reply is in: the drafter posts the reply's
 receives right before that backward (a receive pending on the GPU holds 16 SMs spinning: in call 31 the second
 group's forward took 33.8 ms of kernel time beside one, the first 28.4) and its stream waits for them there (the
 host does not), the rows taking their received gradient (``_ReceivedGrad``); the last reply arrives while the
 earlier groups' backward runs.
-``drafter.local_loss_groups``: the last groups' loss stays on the drafter. The numbers are those of the local
+``drafter.tuning.local_loss_groups``: the last groups' loss stays on the drafter. The numbers are those of the local
 fused loss (``loss.frozen_head_ce`` on both sides; bit for bit on CPU, ``tests/test_head_offload.py``). Measured
 on 2x H200 (docs/benchmarks.md, call 32, drafter-bound 1 + 1 job, 8B shapes): 2 groups 1.18x the local loss, 4
 groups 1.10x. With one backward for all groups waiting for every reply, and the receives posted with the requests
@@ -73,7 +73,7 @@ def head_flops(rows: int, hidden: int, vocab: int) -> float:
 
 
 def head_channels(d, timeout_s: float, check, peers, drafter: bool) -> tuple[Channel, Channel]:
-    """The channels of ``drafter.loss_on_target`` on one rank (``d``: its distributed setup): rows over ``heads``,
+    """The channels of ``drafter.tuning.loss_on_target`` on one rank (``d``: its distributed setup): rows over ``heads``,
     replies over ``head_replies``, each connected at startup with every peer, drafters sending rows and receiving
     replies, targets the other way (NCCL connects a direction of a pair on its first operation, which can block
     until the peer makes its own: call 27's first reply receive blocked before its request reached the store).
@@ -125,7 +125,7 @@ class HeadLossClient:
     def __init__(self, channel: Channel, replies: Channel, rank: int, head_dtype: torch.dtype, block_size: int,
                  gamma: float):
         if channel.store is None:
-            raise ValueError("drafter.loss_on_target needs the rendezvous store")
+            raise ValueError("drafter.tuning.loss_on_target needs the rendezvous store")
         self.ch, self.replies, self.rank, self.dtype = channel, replies, rank, head_dtype
         self.block_size, self.gamma = block_size, gamma
         self.sent: dict[int, int] = {}   # requests posted per target
@@ -177,7 +177,7 @@ class HeadLossServer:
                  gamma: float, chunk_rows: int, compiled: bool, requests_per_message: int,
                  before_serve: Optional[Callable[[], None]] = None):
         if channel.store is None:
-            raise ValueError("drafter.loss_on_target needs the rendezvous store")
+            raise ValueError("drafter.tuning.loss_on_target needs the rendezvous store")
         self.ch, self.replies, self.rank, self.weight = channel, replies, rank, weight.detach()
         self.block_size, self.gamma, self.chunk_rows, self.compiled = block_size, gamma, chunk_rows, compiled
         self.requests_per_message = requests_per_message

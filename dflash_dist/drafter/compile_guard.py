@@ -341,7 +341,7 @@ def _translate(e: BaseException, shape, seen, step: Optional[int], steady: bool,
         return CompileGuardError(
             f"compile guard{where}: recompilation refused in steady state: {what}.\n  dynamo:\n{_dynamo_reason(e)}\n"
             f"  Fix: add the shape to the warm-up (or to expected_shapes), or make the shape static "
-            f"(drafter.ctx_bucket / fixed samples per message).")
+            f"(drafter.tuning.ctx_bucket / fixed samples per message).")
     if _is_limit_hit(e):
         return CompileGuardError(
             f"compile guard{where}: dynamo's recompile limit was hit for batch {shape_s} (more compiled variants "

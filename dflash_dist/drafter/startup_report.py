@@ -93,7 +93,7 @@ def _is_score_shape(shape, q_len: int, k_len: int, min_dims: int = 3, lead: Opti
     [tokens, features] operand can have a [Q, K] shape by coincidence: 64 anchors x 16 = 1,024 queries over
     512 + 1,024 keys against a [1,536, 1,024] k_proj of a model whose kv width is 1,024 (call 20). ``lead``: the
     products of the leading dimensions a score matrix can have (heads, b x heads): a [b, S+Q, H] activation
-    whose hidden size equals the queries of a micro-batch (drafter.micro_batches) has [K, Q]'s last two."""
+    whose hidden size equals the queries of a micro-batch (drafter.tuning.micro_batches) has [K, Q]'s last two."""
     if not (isinstance(shape, (list, tuple)) and len(shape) >= min_dims
             and tuple(shape[-2:]) in ((q_len, k_len), (k_len, q_len))):
         return False
