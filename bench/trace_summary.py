@@ -13,7 +13,7 @@ import json
 import statistics
 import sys
 
-PARTS = ("stall_ms", "capture_ms", "backpressure_ms", "eval_ms")  # eval_ms: traces written after call 19
+PARTS = ("stall_ms", "capture_ms", "backpressure_ms", "eval_ms")  # eval_ms: absent in older traces
 
 
 def summarize(rows: list[dict]) -> dict:
