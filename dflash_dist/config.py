@@ -58,7 +58,7 @@ class TargetTuning:
     """Padded capture (packing off: hybrids, CPU): each message's rows run right-padded to a multiple of this many
     tokens, so the target meets a few dozen row lengths instead of one per message. The extra padding is invisible
     to the real tokens (causal). Why: SDPA's cuDNN attention builds a plan for every new [b, S], 45-70 ms of host
-    time per new length on an H200 (call 34: a 550-token hybrid capture 100 ms on a new length, 30 ms on a seen
+    time per new length on an H200 (a 550-token hybrid capture 100 ms on a new length, 30 ms on a seen
     one). None: 64 on CUDA, 1 on CPU. Packed rows have their own rounding."""
 
     def __post_init__(self) -> None:

@@ -235,7 +235,8 @@ def check_causal_conv1d(doc: Doctor) -> None:
         ver = _version("causal-conv1d") or _version("causal_conv1d") or "?"
     except Exception as e:
         _kernel_missing(doc, "causal-conv1d", f"not importable ({type(e).__name__}: {str(e)[:80]}): build it against "
-                        "this torch (source-only; see shared/device/README.md: build_causal_conv1d.sh)", "",
+                        "this torch (source-only: docker/ builds it for one GPU architecture; or pip install causal-conv1d "
+                        "--no-build-isolation)", "",
                         "not installed (GPU only)")
         return
     if not torch.cuda.is_available():

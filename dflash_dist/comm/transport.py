@@ -210,7 +210,7 @@ class Channel:
         (targets ``sending`` to all their drafters, drafters receiving from all their targets; one batch each,
         so any order of arrival pairs up). A pair's first NCCL point-to-point call can block until the peer
         makes its own: then a drafter's first payload receive blocks before it can post its rendezvous count,
-        while the sender waits for that count (call 21: bench/transport_check.py hung so on 2x H200, in all
+        while the sender waits for that count (bench/transport_check.py hung so on 2x H200, in all
         three variants). The trainer's jobs ran without it, their ranks having exchanged weights point to
         point first (not isolated); connecting here makes the first payload depend on nothing else. Returns the
         peers, in order."""

@@ -212,7 +212,7 @@ def test_pad_multiple_resolution_and_the_built_capture():
     dense = AutoModelForCausalLM.from_config(tiny("qwen3")).eval()
     hybrid = AutoModelForCausalLM.from_config(tiny("qwen3_next")).eval()
     cfg = lambda pad, **kw: TargetConfig(hf_config={"builtin": "tiny"}, tuning={"pad_multiple": pad}, **kw)  # noqa: E731
-    assert resolve_pad_multiple(cfg(None), hybrid, "cuda", packed=False) == 64   # cuDNN plans per shape: call 34
+    assert resolve_pad_multiple(cfg(None), hybrid, "cuda", packed=False) == 64   # cuDNN plans per shape
     assert resolve_pad_multiple(cfg(None), dense, "cuda", packed=False) == 64
     assert resolve_pad_multiple(cfg(None), hybrid, "cpu", packed=False) == 1
     assert resolve_pad_multiple(cfg(32), dense, "cpu", packed=False) == 32
