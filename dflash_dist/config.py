@@ -303,11 +303,12 @@ class DataConfig:
     cache_dir: Optional[str] = None
     """Where the pre-tokenized dataset is cached; None: <output_dir>/data_cache."""
 
-    chat_template_kwargs: dict = field(default_factory=dict)
+    chat_template_kwargs: Optional[dict] = None
     """Extra ``apply_chat_template`` arguments, e.g. ``{enable_thinking: false}`` for Qwen3-family templates.
     Applied identically when tokenizing the training data, in the in-training evaluation, in dflash-eval and
     dflash-regenerate (both read it from the checkpoint or export), and recorded in the checkpoint and the
-    export: a drafter trained on non-thinking renderings serves non-thinking requests."""
+    export: a drafter trained on non-thinking renderings serves non-thinking requests. None (the default, so that a
+    Hydra override ``data.chat_template_kwargs={enable_thinking:false}`` replaces it) reads as ``{}``."""
 
     def __post_init__(self) -> None:
         _require(self.max_length >= 8, f"data.max_length={self.max_length}: must be >= 8")

@@ -250,6 +250,11 @@ def test_chat_template_kwargs_in_the_job_config_reach_the_dataset_and_key(qwen3_
     assert _dataset_key(off, qwen3_tok_dir, 2048) != _dataset_key(on, qwen3_tok_dir, 2048)
     with pytest.raises(Exception, match="chat_template_kwargs"):
         DataConfig(chat_template_kwargs=["enable_thinking"])
+    from launch_util import REPO
+
+    from dflash_dist.config import compose_config
+    cfg = compose_config(["data.chat_template_kwargs={enable_thinking:false}"], os.path.join(REPO, "conf"))
+    assert JobConfig.from_omegaconf(cfg).data.chat_template_kwargs == {"enable_thinking": False}  # the CLI override
 
 
 def test_parse_template_kwargs_reads_json_or_a_recorded_run(tmp_path):
