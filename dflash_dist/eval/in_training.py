@@ -217,7 +217,7 @@ class TargetEval:
         from transformers import AutoTokenizer
 
         from dflash_dist.data.conversations import DataError
-        from dflash_dist.eval.prompts import encode_prompts, eos_token_ids, prompts_from_jsonl
+        from dflash_dist.eval.prompts import encode_prompts, eos_token_ids, prompts_from_jsonl, spread_subset
         self.job, self.model, self.slices = job, model, slices
         self.store = job.dist.store
         self.n = 0  # requests taken
@@ -229,7 +229,7 @@ class TargetEval:
         self.numel = sum(v.numel() for v in self.drafter.state_dict().values())
         tok = AutoTokenizer.from_pretrained(job.tokenizer_path)
         try:
-            convs = prompts_from_jsonl(job.holdout_path)[: c.train.eval_prompts]
+            convs = spread_subset(prompts_from_jsonl(job.holdout_path), c.train.eval_prompts)
         except (DataError, OSError, ValueError):
             convs = []
         self.prompts = encode_prompts(tok, convs, c.data.chat_template_kwargs or None) if convs else []

@@ -116,6 +116,19 @@ def prompts_from_jsonl(path: str) -> list[dict]:
     return rows
 
 
+def spread_subset(rows: Sequence, n: int, seed: int = 0) -> list:
+    """``n`` of ``rows`` drawn at random (fixed seed), kept in their order; all of them if there are no more.
+
+    Not the first ``n``: the held-out conversations come in corpus order, and a corpus grouped by topic or source
+    gives its first rows a tau of their own (on the tiny default the first 64 of 256 held-out prompts have none
+    that ends in its first block, the whole set 134)."""
+    n = max(0, int(n))
+    if len(rows) <= n:
+        return list(rows)
+    import random
+    return [rows[i] for i in sorted(random.Random(f"eval:{seed}").sample(range(len(rows)), n))]
+
+
 def holdout_conversations(data_cfg: DataConfig) -> list[dict]:
     """The held-out conversations of a training run with this data section (same source, same split)."""
     if data_cfg.holdout <= 0:
