@@ -341,3 +341,12 @@ def test_dflash_eval_cli(tmp_path):
     res2 = json.load(open(out2))
     assert res2["chat_template_kwargs"] == {"enable_thinking": False}  # recorded in the export too
     assert [r["acceptance_lengths"] for r in res2["per_prompt"]] == [r["acceptance_lengths"] for r in res["per_prompt"]]
+
+
+def test_spread_subset_draws_across_the_held_out_set():
+    from dflash_dist.eval.prompts import spread_subset
+    rows = list(range(256))
+    got = spread_subset(rows, 16)
+    assert len(got) == 16 and got == sorted(got) and got == spread_subset(rows, 16)  # fixed seed, corpus order kept
+    assert max(got) >= 128 and min(got) < 128      # not the front of the corpus
+    assert spread_subset(rows[:10], 16) == rows[:10]
