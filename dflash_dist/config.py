@@ -115,7 +115,9 @@ class DrafterConfig:
     """Blocks per sample per step: anchors sampled from supervised positions; fewer are padded (static shapes)."""
 
     loss_gamma: Optional[float] = None
-    """Slot weight exp(-(k-1)/gamma); None: 7 for block 16, scaled as 7*B/16 otherwise."""
+    """Slot weight exp(-(k-1)/gamma). None: the paper's gamma for the block size (7, 5, 4 for B = 16, 10, 8);
+    other B get :func:`paper_gamma`'s piecewise-linear interpolation through those three points (a rule of this
+    project, not the paper's)."""
 
     mask_token_id: Optional[int] = None
     """Token id of MASK. None: the tokenizer's mask token (``<|MASK|>``/``mask_token``) or the packaged tiny one."""
@@ -221,7 +223,22 @@ class DrafterConfig:
 
     @property
     def gamma(self) -> float:
-        return float(self.loss_gamma) if self.loss_gamma is not None else 7.0 * self.block_size / 16.0
+        return float(self.loss_gamma) if self.loss_gamma is not None else paper_gamma(self.block_size)
+
+
+PAPER_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}
+"""Loss decay gamma of the DFlash paper per block size (w_k = exp(-(k-1)/gamma))."""
+
+
+def paper_gamma(block_size: int) -> float:
+    """The paper's gamma for B = 8, 10, 16 (4, 5, 7). Any other B: NOT from the paper, a rule of this project:
+    piecewise-linear interpolation through (8, 4), (10, 5), (16, 7), the end segments extended beyond them
+    (slope 1/2 below 10, 1/3 above 10), floored at 1: B=12 -> 5.67, B=4 -> 2, B=2 -> 1, B=32 -> 12.33."""
+    b = int(block_size)
+    if b in PAPER_GAMMA:
+        return PAPER_GAMMA[b]
+    (b0, g0), (b1, g1) = ((8, 4.0), (10, 5.0)) if b < 10 else ((10, 5.0), (16, 7.0))
+    return max(1.0, g0 + (b - b0) * (g1 - g0) / (b1 - b0))
 
 
 @dataclass
