@@ -119,6 +119,15 @@ class DrafterConfig:
     other B get :func:`paper_gamma`'s piecewise-linear interpolation through those three points (a rule of this
     project, not the paper's)."""
 
+    layer_types: Optional[list] = None
+    """Attention kind of each drafter layer, ``full_attention`` or ``sliding_attention`` (num_layers entries).
+    None: every layer full attention, or every layer sliding when ``sliding_window`` is set."""
+
+    sliding_window: Optional[int] = None
+    """Window W of the sliding_attention layers (>= block_size): a block query at position p sees context keys
+    before its anchor with p - k < W, and its own block (model/masks.py), as the z-lab model and vLLM serve it;
+    the export writes ``layer_types``, ``use_sliding_window``, ``sliding_window``. None: no sliding layers."""
+
     mask_token_id: Optional[int] = None
     """Token id of MASK. None: the tokenizer's mask token (``<|MASK|>``/``mask_token``) or the packaged tiny one."""
 
@@ -206,6 +215,24 @@ class DrafterConfig:
         _require(self.attention_backend in ("auto", "flex", "sdpa"),
                  f"drafter.attention_backend={self.attention_backend!r}: use flex, sdpa or auto")
         _require(self.loss_gamma is None or self.loss_gamma > 0, "drafter.loss_gamma must be > 0")
+        if self.layer_types is not None:
+            self.layer_types = [str(t) for t in self.layer_types]
+            bad = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
+            _require(not bad and len(self.layer_types) == self.num_layers,
+                     f"drafter.layer_types={self.layer_types}: give drafter.num_layers={self.num_layers} entries, "
+                     "each full_attention or sliding_attention")
+        elif self.sliding_window is not None:
+            self.layer_types = ["sliding_attention"] * self.num_layers
+        sliding = "sliding_attention" in (self.layer_types or [])
+        _require(not sliding or self.sliding_window is not None,
+                 "drafter.layer_types has sliding_attention layers: set drafter.sliding_window")
+        if self.sliding_window is not None:
+            _require(sliding, f"drafter.sliding_window={self.sliding_window} but drafter.layer_types has no "
+                     "sliding_attention layer")
+            _require(int(self.sliding_window) >= self.block_size,
+                     f"drafter.sliding_window={self.sliding_window}: must be >= drafter.block_size="
+                     f"{self.block_size} (a block sees itself whole)")
+            self.sliding_window = int(self.sliding_window)
         _require(self.loss_chunk_rows >= 16, "drafter.loss_chunk_rows must be >= 16")
         _require(self.ctx_bucket >= 16 and self.ctx_bucket % 16 == 0,
                  f"drafter.ctx_bucket={self.ctx_bucket}: must be a multiple of 16")
