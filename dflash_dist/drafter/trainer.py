@@ -26,7 +26,7 @@ from dflash_dist.model.blocks import make_batch, split_anchors
 from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
 from dflash_dist.model.hf import load_head_from_checkpoint, resolve_dtype, resolve_source, text_config
 from dflash_dist.model.loss import LossParts, decayed_ce
-from dflash_dist.model.masks import dense_mask, flex_block_mask, layer_masks
+from dflash_dist.model.masks import dense_mask, flex_block_mask, layer_masks, visible_pairs
 from dflash_dist.telemetry.flops import attention_flops_per_pair, drafter_step_flops
 from dflash_dist.telemetry.step_trace import phase
 
@@ -291,7 +291,12 @@ class DrafterTrainer:
             dc = self.cfg.drafter
             fixed["model"] -= fixed["lm_head"] * (dc.micro_batches - dc.local_loss_groups) / dc.micro_batches
         fixed = fixed["model"]
-        pairs = (B * (batch.anchors + B) * batch.valid).sum(dtype=torch.float64)
+        kinds = self.mcfg.kinds
+        n_swa = kinds.count("sliding_attention")
+        pairs = visible_pairs(batch.anchors, batch.valid, B)
+        if n_swa:  # mean over the layers: a sliding layer's queries see fewer keys
+            swa = visible_pairs(batch.anchors, batch.valid, B, self.mcfg.sliding_window)
+            pairs = (pairs * (len(kinds) - n_swa) + swa * n_swa) / len(kinds)
         return pairs * attention_flops_per_pair(self.mcfg) + fixed
 
     # ------------------------------------------------------------------ bookkeeping

@@ -40,7 +40,8 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-__all__ = ["dense_mask", "make_mask_mod", "flex_block_mask", "window_mask", "layer_masks", "mask_build_calls"]
+__all__ = ["dense_mask", "make_mask_mod", "flex_block_mask", "window_mask", "layer_masks", "visible_pairs",
+           "mask_build_calls"]
 
 # Module-level compiled builder: compiled once per process, new mask_mods (fresh closures over new anchor
 # tensors) reuse the graph because dynamo guards on the closure tensors' metadata, not their identity.
@@ -125,6 +126,20 @@ def make_mask_mod(anchors: Tensor, valid: Tensor, ctx_len: int, block_size: int,
         return in_ctx | in_own_block
 
     return dflash_sliding_mask_mod
+
+
+def visible_pairs(anchors: Tensor, valid: Tensor, block_size: int, sliding_window: Optional[int] = None) -> Tensor:
+    """The number of True entries of ``dense_mask(anchors, valid, ., block_size, sliding_window=...)`` (fp64
+    scalar on the anchors' device, no host sync): B * (a + B) per valid block; with a window W >= B, slot s sees
+    min(a, W - 1 - s) context keys and its whole block. The drafter's attention FLOPs (telemetry/flops.py)."""
+    B = int(block_size)
+    if sliding_window is None:
+        return (B * (anchors + B) * valid).sum(dtype=torch.float64)
+    if int(sliding_window) < B:
+        raise ValueError(f"sliding_window={sliding_window} < block_size={B}")
+    slot = torch.arange(B, device=anchors.device)
+    ctx = torch.minimum(anchors.long()[:, :, None], int(sliding_window) - 1 - slot)
+    return ((ctx + B) * valid[:, :, None]).sum(dtype=torch.float64)
 
 
 def layer_masks(layer_types: Optional[Sequence[str]], build: Callable[[Optional[int]], Any],

@@ -176,6 +176,10 @@ def test_sliding_window_mask_round_trip():
         if w < CTX:
             assert (got.sum() < full.sum()) and not (got & ~full).any()   # strictly fewer keys, never new ones
     assert torch.equal(dense_mask(anchors, valid, CTX, B, sliding_window=CTX + B), full)
+    # the FLOP count's visible pairs (drafter/trainer.step_flops) are the mask's True entries
+    assert masks.visible_pairs(anchors, valid, B) == full.sum()
+    for w in (B, 7, 12, CTX + B):
+        assert masks.visible_pairs(anchors, valid, B, w) == dense_mask(anchors, valid, CTX, B, sliding_window=w).sum()
     # the z-lab window counts the query itself: W=1 leaves each slot only itself
     one = dense_mask(anchors, valid, CTX, B, sliding_window=1)
     assert not one[..., :CTX].any() and torch.equal(one[..., CTX:], full[..., CTX:] & torch.eye(q_len, dtype=torch.bool))
