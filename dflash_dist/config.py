@@ -236,9 +236,11 @@ class DrafterConfig:
     None: every layer full attention, or every layer sliding when ``sliding_window`` is set."""
 
     sliding_window: Optional[int] = None
-    """Window W of the sliding_attention layers (>= block_size): a block query at position p sees context keys
-    before its anchor with p - k < W, and its own block (model/masks.py), as the z-lab model and vLLM serve it;
-    the export writes ``layer_types``, ``use_sliding_window``, ``sliding_window``. None: no sliding layers."""
+    """Window W of the sliding_attention layers: a block query at position p sees context keys before its anchor
+    with p - k < W, and its own block (model/masks.py), as the z-lab model and vLLM serve it; the export writes
+    ``layer_types``, ``use_sliding_window``, ``sliding_window``. W >= block_size: the block then sees itself whole,
+    so loaders with a left-only window (SGLang keeps ``sliding_window - 1`` as window_left) and with a symmetric
+    one (vLLM, z-lab) agree. None: no sliding layers."""
 
     mask_token_id: Optional[int] = None
     """Token id of MASK. None: the tokenizer's mask token (``<|MASK|>``/``mask_token``) or the packaged tiny one."""
