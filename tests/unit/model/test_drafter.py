@@ -350,3 +350,36 @@ def test_sliding_window_config_is_validated():
         DrafterConfig(num_layers=2, block_size=16, sliding_window=8)
     with pytest.raises(ConfigError, match="sliding_window"):
         DrafterConfig(num_layers=2, layer_types=["full_attention", "sliding_attention"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: flex's backward and the dynamic kernel")
+def test_sliding_window_flex_on_cuda_matches_sdpa_forward_and_backward():
+    """The training path on a GPU: compiled layers, dynamic-shape flex, {kind: BlockMask} (compiled builder) for a
+    drafter with sliding and full layers == the sdpa drafter (dense masks) in outputs and weight gradients."""
+    from dflash_dist.model.masks import layer_masks
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    ref = DFlashDrafter(sliding_cfg(window=6), "sdpa").to(dev)
+    with torch.no_grad():
+        for mod in ref.modules():
+            if isinstance(mod, RMSNorm):
+                mod.weight.uniform_(0.5, 1.5)
+    flex = DFlashDrafter(sliding_cfg(window=6), "flex").to(dev).configure_compile(flex_dynamic=True,
+                                                                                 compile_layers=True)
+    flex.load_state_dict(ref.state_dict())
+    for seed in (1, 2):  # two calls: the dynamic kernel and the compiled layers reused
+        x, anchors, valid = inputs(seed)
+        x = {k: v.to(dev) for k, v in x.items()}
+        anchors, valid = anchors.to(dev), valid.to(dev)
+        outs, grads = [], []
+        for m, build in ((ref, lambda w: dense_mask(anchors, valid, CTX, BS, sliding_window=w)),
+                         (flex, lambda w: flex_block_mask(anchors, valid, CTX, BS, dynamic=True, sliding_window=w))):
+            m.zero_grad()
+            out = m(**x, mask=layer_masks(m.config.layer_types, build, 6))
+            (out.float() ** 2).sum().backward()
+            outs.append(out.detach())
+            grads.append({k: p.grad.detach().clone() for k, p in m.named_parameters()})
+        torch.testing.assert_close(outs[1], outs[0], atol=2e-4, rtol=2e-4)
+        for k in grads[0]:
+            torch.testing.assert_close(grads[1][k], grads[0][k], atol=2e-3, rtol=2e-3, msg=k)
+    assert flex.attention_calls["compiled_layers"] == 2 * LAYERS and flex.attention_calls["flex_dynamic"] == 2 * LAYERS
