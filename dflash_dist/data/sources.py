@@ -365,3 +365,30 @@ def parse_template_kwargs(value: Optional[str]) -> Optional[dict]:
     if not isinstance(obj, dict):
         raise DataError(f"--chat-template-kwargs {value!r}: must be a JSON object")
     return obj
+
+
+# ----------------------------------------------------------------------------------------------- the job's data
+
+def prepare_conversations(source: str, holdout: int, seed: int, tokenizer_path: str, max_length: int,
+                          overlong: str, num_workers: int, stats: BadDataStats, vocab_size: Optional[int] = None,
+                          chat_template_kwargs: Optional[dict] = None, window: int = 1024):
+    """(TokenizedDataset of the training conversations, held-out conversations) of ``source``, streamed.
+
+    Two passes over the source: the first counts its valid conversations (its bad rows are not counted), the
+    split (``plan.split_holdout`` over that count) picks the held-out ones, the second tokenizes the others as a
+    stream (:func:`tokenize_stream`) and keeps the few held-out ones. The same samples, ids, held-out set and
+    stats as tokenizing the whole list; the memory is the tokenized result and a window, not the corpus."""
+    from dflash_dist.data.plan import split_holdout
+    n = sum(1 for _ in iter_conversations(source, BadDataStats()))
+    _, held_ids = split_holdout(n, holdout, seed)
+    held, held_convs = set(held_ids), []
+
+    def training():
+        for i, conv in enumerate(iter_conversations(source, stats)):
+            if i in held:
+                held_convs.append(conv)
+            else:
+                yield conv
+    ds = tokenize_stream(training(), tokenizer_path, max_length, overlong, num_workers, stats, vocab_size,
+                         chat_template_kwargs, window)
+    return ds, held_convs

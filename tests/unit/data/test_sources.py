@@ -297,3 +297,21 @@ def test_regeneration_renders_with_the_same_kwargs(qwen3_tok_dir):
                         chat_template_kwargs=kw)
         assert seen[-1] == encode_prompts(tok, [{"messages": msgs}], kw)[0]
     assert seen[0] != seen[1]
+
+
+def test_prepare_conversations_streams_the_same_split_and_samples(tmp_path):
+    from dflash_dist.data.plan import split_holdout
+
+    rows = [MSG_ROW, SHAREGPT_ROW, {"messages": [{"role": "user", "content": "x"}]}, SHAREGPT_BAD_ROLE] * 6
+    rows = [dict(r, n=i) for i, r in enumerate(rows)]
+    p = tmp_path / "d.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows) + "{bad\n")
+    s1, s2 = BadDataStats(), BadDataStats()
+    convs = sources.read_conversations(str(p), s1)
+    tr, ho = split_holdout(len(convs), 3, 7)
+    ref = tokenize.build_tokenized_dataset([convs[i] for i in tr], ASSETS_TINY, 64, "truncate", 0, s1)
+    ds, held = sources.prepare_conversations(str(p), 3, 7, ASSETS_TINY, 64, "truncate", 0, s2, window=5)
+    assert held == [convs[i] for i in ho]
+    assert torch.equal(ds.tokens, ref.tokens) and torch.equal(ds.offsets, ref.offsets)
+    assert torch.equal(ds.conv_ids, ref.conv_ids) and torch.equal(ds.loss_mask, ref.loss_mask)
+    assert (s1.total, s1.counts) == (s2.total, s2.counts) and s2.total == 25
