@@ -15,18 +15,15 @@ from dflash_dist.drafter import DFlashDrafter, DrafterModelConfig
 from dflash_dist.loss import decayed_ce
 from dflash_dist.masks import dense_mask
 from dflash_dist.startup_report import dense_attention_bytes, startup_report
+from compile_settings import compile_settings_restored
 
 
 @pytest.fixture(autouse=True)
 def _restore_dynamo():
-    """install_guard changes process-wide dynamo settings and warning filters: put them back after each test."""
-    cfg = torch._dynamo.config
-    saved = {k: getattr(cfg, k) for k in ("recompile_limit", "fail_on_recompile_limit_hit", "suppress_errors")
-             if hasattr(cfg, k)}
-    with warnings.catch_warnings():
+    """install_guard changes process-wide dynamo settings and warning filters: put them back after each test
+    (dynamo's config through its own patch(), tests/compile_settings.py)."""
+    with compile_settings_restored(), warnings.catch_warnings():
         yield
-    for k, v in saved.items():
-        setattr(cfg, k, v)
     torch.compiler.set_stance("default")
 
 
