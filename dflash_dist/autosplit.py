@@ -13,6 +13,12 @@ and ``DrafterTrainer``'s step (alone: no DDP) on the same messages with random f
   and measures nothing.
 * ``dflash-plan [--gpus 2,4,8] [--out plan.json] [hydra overrides]``: one process, both measurements one
   after the other on one device, the best split for each W.
+
+Each side times its batches (steps) ``topology.plan_rounds`` times over, and more rounds until it has timed
+``topology.plan_min_seconds``; its rate is the median round's and the rounds' min..max is its spread. The
+choice: the fastest split by the median rates, unless a split with fewer targets is a near-tie, i.e. its
+predicted rate reaches the fastest split's lowest one (both sides at their slowest round): within the
+measurement's noise, the fewest targets win (the drafters are the ranks that train). Exact ties are near-ties.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Optional
@@ -37,62 +44,143 @@ log = logging.getLogger("dflash_dist")
 KEY_PREFIX = "dflash/plan/"
 
 
-def choose_split(world_size: int, supply_per_rank: float, demand_per_rank: float) -> dict:
-    """Every split T + D = W with its predicted job rate min(T * supply, D * demand) samples/s, and the best
-    one (ties go to fewer target ranks: the drafters are the ranks that train).
+MAX_ROUNDS_FACTOR = 10  # plan_min_seconds adds rounds up to this many times plan_rounds
+
+
+def _spread(name: str, value: float, rng) -> tuple[float, float]:
+    if rng is None:
+        return value, value
+    lo, hi = float(rng[0]), float(rng[1])
+    if not (0 < lo <= value <= hi and math.isfinite(hi)):
+        raise ValueError(f"{name} spread {rng}: need 0 < min <= {value} (the median) <= max, finite")
+    return lo, hi
+
+
+def choose_split(world_size: int, supply_per_rank: float, demand_per_rank: float,
+                 supply_range: Optional[tuple[float, float]] = None,
+                 demand_range: Optional[tuple[float, float]] = None) -> dict:
+    """Every split T + D = W with its predicted job rate min(T * supply, D * demand) samples/s, and the chosen
+    one: the fastest, unless a split with fewer targets is a near-tie (the drafters are the ranks that train).
+
+    ``supply_range`` / ``demand_range``: the measured (min, max) around each median rate. Each row then also
+    has ``samples_per_s_low`` / ``_high`` (both sides at their slowest / fastest round), and a split is a
+    near-tie of the fastest when its predicted rate (medians) reaches the fastest split's ``samples_per_s_low``:
+    the fewest targets among those is chosen. Without ranges the spread is zero: exact ties go to fewer targets.
 
     Returns ``rows`` (one per T: targets, drafters, supply, demand, samples_per_s, per_gpu, bottleneck,
-    target_util, drafter_util), ``best`` (its row), ``target_ranks``, ``drafter_ranks``,
-    ``predicted_samples_per_s``, ``bottleneck`` (the side that sets the pace: target, drafter or both),
-    ``continuous_optimum_targets`` (T* = W d / (s + d), where both sides balance) and ``ideal_samples_per_s``."""
+    target_util, drafter_util[, samples_per_s_low, samples_per_s_high]), ``best`` (the chosen row),
+    ``target_ranks``, ``drafter_ranks``, ``predicted_samples_per_s``, ``bottleneck`` (the side that sets the
+    pace: target, drafter or both), ``fastest_targets`` (T of the fastest row by the medians), ``near_tie``
+    (the choice has fewer targets than that), ``continuous_optimum_targets`` (T* = W d / (s + d), where both
+    sides balance) and ``ideal_samples_per_s``."""
     w, s, d = int(world_size), float(supply_per_rank), float(demand_per_rank)
     if w < 2:
         raise ValueError(f"world_size={world_size}: a split needs at least 2 ranks (one target, one drafter)")
     if not (s > 0 and d > 0 and math.isfinite(s) and math.isfinite(d)):
         raise ValueError(f"supply {supply_per_rank} and demand {demand_per_rank} must be positive and finite")
+    s_lo, s_hi = _spread("supply", s, supply_range)
+    d_lo, d_hi = _spread("demand", d, demand_range)
+    spread = supply_range is not None or demand_range is not None
     rows = []
     for t in range(1, w):
         sup, dem = t * s, (w - t) * d
         rate = min(sup, dem)
-        rows.append({"targets": t, "drafters": w - t, "supply": sup, "demand": dem, "samples_per_s": rate,
-                     "per_gpu": rate / w,
-                     "bottleneck": "target" if sup < dem else ("drafter" if dem < sup else "both"),
-                     "target_util": rate / sup, "drafter_util": rate / dem})
-    best = max(rows, key=lambda r: (r["samples_per_s"], -r["targets"]))
-    return {"world_size": w, "supply_per_rank": s, "demand_per_rank": d, "rows": rows, "best": best,
-            "target_ranks": best["targets"], "drafter_ranks": best["drafters"],
-            "predicted_samples_per_s": best["samples_per_s"], "bottleneck": best["bottleneck"],
-            "continuous_optimum_targets": w * d / (s + d), "ideal_samples_per_s": w * s * d / (s + d)}
+        row = {"targets": t, "drafters": w - t, "supply": sup, "demand": dem, "samples_per_s": rate,
+               "per_gpu": rate / w,
+               "bottleneck": "target" if sup < dem else ("drafter" if dem < sup else "both"),
+               "target_util": rate / sup, "drafter_util": rate / dem}
+        if spread:
+            row.update(samples_per_s_low=min(t * s_lo, (w - t) * d_lo), samples_per_s_high=min(t * s_hi, (w - t) * d_hi))
+        rows.append(row)
+    fastest = max(rows, key=lambda r: (r["samples_per_s"], -r["targets"]))
+    floor = fastest.get("samples_per_s_low", fastest["samples_per_s"])
+    best = min((r for r in rows if r["samples_per_s"] >= floor), key=lambda r: r["targets"])
+    res = {"world_size": w, "supply_per_rank": s, "demand_per_rank": d, "rows": rows, "best": best,
+           "target_ranks": best["targets"], "drafter_ranks": best["drafters"],
+           "predicted_samples_per_s": best["samples_per_s"], "bottleneck": best["bottleneck"],
+           "fastest_targets": fastest["targets"], "near_tie": best["targets"] < fastest["targets"],
+           "continuous_optimum_targets": w * d / (s + d), "ideal_samples_per_s": w * s * d / (s + d)}
+    if spread:
+        res.update(supply_range=[s_lo, s_hi], demand_range=[d_lo, d_hi])
+    return res
 
 
 def format_splits(res: dict) -> str:
     """The table of one ``choose_split`` result and the choice, as printed by rank 0 and dflash-plan."""
-    lines = [f"  {'targets':>7} {'drafters':>8} {'supply':>10} {'demand':>10} {'job samples/s':>13} "
+    spread = "samples_per_s_low" in res["rows"][0]
+    rng = f" {'spread (min..max)':>19}" if spread else ""
+    lines = [f"  {'targets':>7} {'drafters':>8} {'supply':>10} {'demand':>10} {'job samples/s':>13}{rng} "
              f"{'target load':>11} {'drafter load':>12}  bound by"]
     for r in res["rows"]:
         mark = "  <- chosen" if r["targets"] == res["target_ranks"] else ""
+        if r["targets"] == res.get("fastest_targets") and res.get("near_tie"):
+            mark = "  <- fastest by the medians"
+        cell = f" {r['samples_per_s_low']:>9.4g}..{r['samples_per_s_high']:<8.4g}" if spread else ""
         lines.append(f"  {r['targets']:>7} {r['drafters']:>8} {r['supply']:>10.4g} {r['demand']:>10.4g} "
-                     f"{r['samples_per_s']:>13.4g} {100 * r['target_util']:>10.0f}% {100 * r['drafter_util']:>11.0f}%"
-                     f"  {r['bottleneck']}{mark}")
+                     f"{r['samples_per_s']:>13.4g}{cell} {100 * r['target_util']:>10.0f}% "
+                     f"{100 * r['drafter_util']:>11.0f}%  {r['bottleneck']}{mark}")
     lines.append(f"  chosen: {res['target_ranks']} target + {res['drafter_ranks']} drafter ranks, predicted "
                  f"{res['predicted_samples_per_s']:.4g} samples/s, bottleneck: {res['bottleneck']}")
+    if res.get("near_tie"):
+        fast = res["rows"][res["fastest_targets"] - 1]
+        lines.append(f"  near-tie: {fast['targets']} + {fast['drafters']} predicts {fast['samples_per_s']:.4g} "
+                     f"samples/s but as little as {fast['samples_per_s_low']:.4g} within the measured spread, which "
+                     f"{res['target_ranks']} + {res['drafter_ranks']} reaches: the fewer targets win")
     return "\n".join(lines)
+
+
+def _spread_text(m: dict) -> str:
+    if "samples_per_s_min" not in m:
+        return ""
+    med = m["samples_per_s"]
+    return (f" [median of {m['rounds']} rounds; min {m['samples_per_s_min']:.4g}, median {med:.4g}, max "
+            f"{m['samples_per_s_max']:.4g}: {100 * (m['samples_per_s_min'] / med - 1):+.0f}%/"
+            f"{100 * (m['samples_per_s_max'] / med - 1):+.0f}%]")
 
 
 def format_rates(supply: dict, demand: dict) -> str:
     path = f", {supply['capture']}" if supply.get("capture") else ""  # which capture path was timed
     return (f"  target supply  {supply['samples_per_s']:.4g} samples/s ({supply['tokens_per_s']:.4g} tokens/s) per "
             f"target rank: {supply['batches']} batches timed after {supply['warmup_batches']} warm-up, "
-            f"{supply['seconds']:.3g} s on {supply['device']}{path}\n"
+            f"{supply['seconds']:.3g} s on {supply['device']}{path}{_spread_text(supply)}\n"
             f"  drafter demand {demand['samples_per_s']:.4g} samples/s ({demand['tokens_per_s']:.4g} tokens/s) per "
             f"drafter rank: {demand['steps']} steps ({demand['backend']}) timed after {demand['warmup_steps']} "
-            f"warm-up, {demand['seconds']:.3g} s on {demand['device']}")
+            f"warm-up, {demand['seconds']:.3g} s on {demand['device']}{_spread_text(demand)}")
+
+
+def measured_range(m: dict) -> Optional[tuple[float, float]]:
+    """(min, max) samples/s of a measurement's rounds (None for one without rounds)."""
+    if "samples_per_s_min" not in m:
+        return None
+    return m["samples_per_s_min"], m["samples_per_s_max"]
 
 
 def calibration_messages(job, n: int) -> list[int]:
     """Plan indices of the first n messages the job trains (from the resume cursor, wrapping around). Both
     sides measure these, so with plan_target_batches == plan_drafter_steps they time the same samples."""
     return [(job.start_cursor + i) % len(job.plan) for i in range(min(int(n), len(job.plan)))]
+
+
+def timed_rounds(one_pass, rounds: int, min_seconds: float, clock=time.perf_counter) -> list[float]:
+    """Seconds of each call of ``one_pass`` (which syncs the device itself): ``rounds`` calls, then more until
+    they add up to ``min_seconds``, at most ``MAX_ROUNDS_FACTOR * rounds`` in all."""
+    rounds = max(1, int(rounds))
+    secs: list[float] = []
+    while len(secs) < rounds or (sum(secs) < min_seconds and len(secs) < MAX_ROUNDS_FACTOR * rounds):
+        t0 = clock()
+        one_pass()
+        secs.append(clock() - t0)
+    return secs
+
+
+def rate_summary(round_seconds: list[float], samples: int, tokens: int) -> dict:
+    """One measurement's rates from the seconds of its rounds (each the same ``samples`` / ``tokens``): the median
+    round's samples/s and tokens/s, the min and max samples/s."""
+    rates = sorted(samples / x for x in round_seconds)
+    med = statistics.median(rates)
+    return {"samples_per_s": med, "tokens_per_s": med * tokens / samples, "samples_per_s_min": rates[0],
+            "samples_per_s_max": rates[-1], "rounds": len(round_seconds), "round_seconds": list(round_seconds),
+            "seconds": sum(round_seconds)}
 
 
 def _sync(device: torch.device) -> None:
@@ -114,7 +202,8 @@ def measure_target_supply(job, device: torch.device, batches: Optional[int] = No
     (same loader / random init, fast-path policy, ``build_capture``: the same packing, compile and padding),
     run on the plan's messages exactly as the target loop batches them (pad_batch + capture + device sync, what it
     counts as busy), after warm-up: 1 batch, or with anything compiled (packing, target.compile) one pass over
-    the measured batches, so no compile lands in the timed ones."""
+    the measured batches, so no compile lands in the timed ones. The batches are timed in rounds
+    (``timed_rounds``: topology.plan_rounds, plan_min_seconds); ``samples``/``tokens`` are one round's."""
     from dflash_dist.data.plan import pad_batch
     from dflash_dist.data.tokenize import TokenizedDataset
     from dflash_dist.model.fast_path import check_target_fast_path
@@ -132,24 +221,28 @@ def measure_target_supply(job, device: torch.device, batches: Optional[int] = No
     path = capture.describe()
     warmup = ks if (packed or compiled) else ks[:1]  # allocator, kernels, caches; compiles: every shape
     ds = TokenizedDataset.load(job.dataset_path)
-    samples = tokens = 0
-    try:
-        for i, k in enumerate(warmup + ks):
-            if i == len(warmup):
-                t0 = time.perf_counter()
+    counts = []
+
+    def run(batch_keys) -> None:
+        samples = tokens = 0
+        for k in batch_keys:
             ids, lengths, _, _ = pad_batch([ds[j] for j in job.plan[k]], device, packed)
             capture(ids, lengths)
             _sync(device)
-            if i >= len(warmup):
-                samples, tokens = samples + len(lengths), tokens + int(lengths.sum())
-        secs = time.perf_counter() - t0
+            samples, tokens = samples + len(lengths), tokens + int(lengths.sum())
+        counts.append((samples, tokens))
+
+    try:
+        run(warmup)
+        secs = timed_rounds(lambda: run(ks), cfg.topology.plan_rounds, cfg.topology.plan_min_seconds)
     finally:
         capture.close()
-        del capture, model
+        capture = model = None  # freed before the real roles load (run() holds a closure)
         free_memory(device)
-    return {"samples_per_s": samples / secs, "tokens_per_s": tokens / secs, "batches": len(ks), "samples": samples,
-            "tokens": tokens, "seconds": secs, "warmup_batches": len(warmup), "build_s": build_s,
-            "device": str(device), "dtype": dtype, "messages": ks, "capture": path}
+    samples, tokens = counts[-1]  # every round the same batches
+    return {**rate_summary(secs, samples, tokens), "batches": len(ks), "samples": samples, "tokens": tokens,
+            "warmup_batches": len(warmup), "build_s": build_s, "device": str(device), "dtype": dtype,
+            "messages": ks, "capture": path}
 
 
 def measure_drafter_demand(job, device: torch.device, steps: Optional[int] = None) -> dict:
@@ -158,7 +251,8 @@ def measure_drafter_demand(job, device: torch.device, steps: Optional[int] = Non
     the target's shape and dtype; its full step (``build``: make_batch; ``train_step``: mask, forward,
     decayed CE, backward, clip, AdamW) on the plan's messages (real lengths and loss masks, random features of
     width n_layers * H in the target dtype), after warm-up: one step, or with flex one per batch shape timed
-    (so no compile lands in the timed steps)."""
+    (so no compile lands in the timed steps). The steps are timed in rounds (``timed_rounds``:
+    topology.plan_rounds, plan_min_seconds); ``samples``/``tokens`` are one round's."""
     import torch
 
     from dflash_dist.comm.distributed import Dist
@@ -210,23 +304,25 @@ def measure_drafter_demand(job, device: torch.device, steps: Optional[int] = Non
         if trainer.guard is not None:
             trainer.guard.end_warmup()  # from here a compile in a timed step is an error, not a slow step
         _sync(device)
-        t0 = time.perf_counter()
-        for k, m in zip(ks, msgs):
-            trainer.train_step(trainer.build(m, k))
-        _sync(device)
-        secs = time.perf_counter() - t0
+
+        def one_pass() -> None:
+            for k, m in zip(ks, msgs):
+                trainer.train_step(trainer.build(m, k))
+            _sync(device)
+
+        secs = timed_rounds(one_pass, cfg.topology.plan_rounds, cfg.topology.plan_min_seconds)
         samples = sum(m.num_samples for m in msgs)
         tokens = sum(m.num_tokens for m in msgs)
         backend = trainer.backend
     finally:
-        del trainer, msgs, embed, head
+        trainer = msgs = embed = head = None  # free them before the real roles load (one_pass holds a closure)
         if resolve_backend(cfg, device.type) == "flex":
             # the real trainer then compiles (from the inductor cache) as a job without calibration would, and
             # dynamo's per-function recompile limit counts only its own shapes
             torch._dynamo.reset()
         free_memory(device)
-    return {"samples_per_s": samples / secs, "tokens_per_s": tokens / secs, "steps": len(ks), "samples": samples,
-            "tokens": tokens, "seconds": secs, "warmup_steps": len(warm), "backend": backend,
+    return {**rate_summary(secs, samples, tokens), "steps": len(ks), "samples": samples, "tokens": tokens,
+            "warmup_steps": len(warm), "backend": backend,
             "device": str(device), "dtype": str(dtype).replace("torch.", ""), "messages": ks}
 
 
@@ -291,7 +387,8 @@ def auto_split(job, rank: int, world: int, device: torch.device) -> dict:
                  world - 1)
         demand = measure_drafter_demand(job, device)
         supply = wait_for(store, "supply", world - 1, "its target supply", timeout)
-        res = choose_split(world, supply["samples_per_s"], demand["samples_per_s"])
+        res = choose_split(world, supply["samples_per_s"], demand["samples_per_s"], measured_range(supply),
+                           measured_range(demand))
         res.update(measured=True, measured_on={"drafter": 0, "target": world - 1}, supply=supply, demand=demand,
                    calibration_s=time.monotonic() - t0)
     except BaseException as e:

@@ -410,6 +410,14 @@ class TopologyConfig:
     """``target_ranks=auto`` and dflash-plan: drafter training steps (on the same first messages, random
     features) timed to measure drafter demand, after warm-up (one step; with flex, one per new batch shape)."""
 
+    plan_rounds: int = 5
+    """``target_ranks=auto`` and dflash-plan: each side times its batches (steps) this many times over; its rate is
+    the median round's, and the spread of the rounds (min..max) makes near-ties, which go to fewer targets."""
+
+    plan_min_seconds: float = 2.0
+    """``target_ranks=auto`` and dflash-plan: more rounds (up to 10 x plan_rounds) until each side has timed at
+    least this long (a few tenths of a second on a busy machine flip the choice between runs)."""
+
     tuning: TopologyTuning = field(default_factory=TopologyTuning)
     """Transport knobs (``topology.tuning.*``)."""
 
@@ -427,6 +435,8 @@ class TopologyConfig:
         _require(self.timeout_s > 0 and self.warmup_timeout_s > 0, "topology timeouts must be > 0")
         _require(self.plan_target_batches >= 1, "topology.plan_target_batches must be >= 1")
         _require(self.plan_drafter_steps >= 1, "topology.plan_drafter_steps must be >= 1")
+        _require(self.plan_rounds >= 1, "topology.plan_rounds must be >= 1")
+        _require(self.plan_min_seconds >= 0, "topology.plan_min_seconds must be >= 0")
 
 
 @dataclass

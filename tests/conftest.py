@@ -7,6 +7,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("WANDB_MODE", "offline")
 
+from compile_settings import compile_settings_restored  # noqa: E402  (tests/ on sys.path above)
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
@@ -15,3 +17,11 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def _compile_settings():
+    """configure_compile and install_guard set dynamo/inductor config process-wide: each test leaves it as found
+    (the configs' own patch(), tests/compile_settings.py)."""
+    with compile_settings_restored():
+        yield

@@ -5,6 +5,10 @@ names), ``optimizer.pt`` and ``meta.json`` (step, global data cursor, sample acc
 other files). Everything is written into a temporary directory, fsynced, then renamed: a crash mid-save
 leaves the previous checkpoint untouched, and a directory without a consistent ``meta.json`` is skipped
 with a warning on resume.
+
+Nothing is unpickled with code: ``optimizer.pt`` (the optimizer's ``state_dict``: tensors and plain Python
+values) is read with ``torch.load(weights_only=True)``, so a checkpoint from elsewhere whose pickle names a
+callable is refused (``CheckpointError``) instead of run. Export and evaluation never open ``optimizer.pt``.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 from typing import Optional
@@ -20,6 +25,10 @@ import torch
 
 log = logging.getLogger(__name__)
 STEP_RE = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be used; the message says why."""
 
 
 def _fsync_file(path: str) -> None:
@@ -113,15 +122,33 @@ def find_latest(output_dir: str) -> Optional[str]:
     return None
 
 
-def load_checkpoint(path: str, map_location="cpu") -> tuple[dict, Optional[dict], dict]:
+def load_optimizer_state(path: str, map_location="cpu") -> dict:
+    """``optimizer.pt`` of a checkpoint directory, unpickled with ``weights_only=True`` (tensors and plain
+    values only): a file that names any other callable or class raises ``CheckpointError`` before it runs."""
+    file = os.path.join(path, "optimizer.pt")
+    try:
+        return torch.load(file, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"checkpoint {path}: refusing to load optimizer.pt: it holds more than tensors and plain Python values "
+            f"(torch.load weights_only=True: {first[:300]}). dflash_dist never writes such a file; a checkpoint "
+            f"you did not write can run code this way. Resume only from checkpoints you trust; its weights "
+            f"(model.safetensors) still export and evaluate (dflash-export, dflash-eval never read optimizer.pt)."
+        ) from e
+
+
+def load_checkpoint(path: str, map_location="cpu", optimizer: bool = True) -> tuple[dict, Optional[dict], dict]:
+    """(weights, optimizer state or None, meta) of a complete checkpoint. ``optimizer=False``: the optimizer file
+    is not opened at all (export, evaluation). Raises ``CheckpointError`` (a ValueError)."""
     from safetensors.torch import load_file
     problem = checkpoint_problem(path)
     if problem is not None:
-        raise ValueError(f"checkpoint {path} is unusable: {problem}")
+        raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
     weights = load_file(os.path.join(path, "model.safetensors"))
     opt = None
-    if os.path.exists(os.path.join(path, "optimizer.pt")):
-        opt = torch.load(os.path.join(path, "optimizer.pt"), map_location=map_location, weights_only=False)
+    if optimizer and os.path.exists(os.path.join(path, "optimizer.pt")):
+        opt = load_optimizer_state(path, map_location)
     return weights, opt, meta

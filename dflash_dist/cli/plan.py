@@ -34,6 +34,7 @@ from dflash_dist.autosplit import (
     format_rates,
     measure_drafter_demand,
     measure_target_supply,
+    measured_range,
     write_plan_json,
 )
 from dflash_dist.paths import CONF_DIR
@@ -60,12 +61,14 @@ def plan_offline(cfg, world_sizes: list[int]) -> dict:
     supply = measure_target_supply(job, device)
     log.info("measuring drafter demand (%d steps) on %s", cfg.topology.plan_drafter_steps, device)
     demand = measure_drafter_demand(job, device)
-    splits = [choose_split(w, supply["samples_per_s"], demand["samples_per_s"]) for w in world_sizes]
+    splits = [choose_split(w, supply["samples_per_s"], demand["samples_per_s"], measured_range(supply),
+                           measured_range(demand)) for w in world_sizes]
     return {"tool": "dflash-plan", "device": str(device), "supply": supply, "demand": demand, "splits": splits,
             "best": [{"world_size": s["world_size"], "target_ranks": s["target_ranks"],
                       "drafter_ranks": s["drafter_ranks"], "predicted_samples_per_s": s["predicted_samples_per_s"],
                       "per_gpu": s["best"]["per_gpu"], "target_util": s["best"]["target_util"],
-                      "drafter_util": s["best"]["drafter_util"], "bottleneck": s["bottleneck"]} for s in splits]}
+                      "drafter_util": s["best"]["drafter_util"], "bottleneck": s["bottleneck"],
+                      "near_tie": s["near_tie"], "fastest_targets": s["fastest_targets"]} for s in splits]}
 
 
 def format_best(res: dict) -> str:
@@ -75,7 +78,8 @@ def format_best(res: dict) -> str:
     for b in res["best"]:
         lines.append(f"{b['world_size']:>4}  {b['target_ranks']:>7}  {b['drafter_ranks']:>8}  "
                      f"{b['predicted_samples_per_s']:>10.4g}  {b['per_gpu']:>13.4g}  {100 * b['target_util']:>10.0f}%  "
-                     f"{b['bottleneck']}")
+                     f"{b['bottleneck']}" + (f" (near-tie: {b['fastest_targets']} targets fastest by the medians, "
+                                             f"within the spread)" if b.get("near_tie") else ""))
     return "\n".join(lines)
 
 

@@ -164,7 +164,7 @@ def load_drafter(checkpoint: Optional[str] = None, export: Optional[str] = None,
     if checkpoint is not None:
         from dflash_dist.checkpoint.store import load_checkpoint
         try:
-            weights, _, meta = load_checkpoint(checkpoint)
+            weights, _, meta = load_checkpoint(checkpoint, optimizer=False)  # never opens optimizer.pt
         except ValueError as e:
             raise ConfigError(str(e)) from e
         model = DFlashDrafter(DrafterModelConfig(**meta["drafter_config"]), "sdpa")

@@ -22,6 +22,11 @@ def plan_record(res: dict) -> dict:
                     "supply_tokens_per_s": res["supply"]["tokens_per_s"],
                     "demand_samples_per_s": res["demand"]["samples_per_s"],
                     "demand_tokens_per_s": res["demand"]["tokens_per_s"], "calibration_s": res["calibration_s"],
+                    "supply_samples_per_s_min": res["supply"].get("samples_per_s_min"),
+                    "supply_samples_per_s_max": res["supply"].get("samples_per_s_max"),
+                    "demand_samples_per_s_min": res["demand"].get("samples_per_s_min"),
+                    "demand_samples_per_s_max": res["demand"].get("samples_per_s_max"),
+                    "near_tie": bool(res.get("near_tie")),
                     "splits": [{k: r[k] for k in ("targets", "drafters", "samples_per_s", "bottleneck")}
                                for r in res["rows"]]})
     return rec

@@ -39,6 +39,8 @@ def test_default_layer_ids_match_dflash():
     ("topology", {"target_ranks": 0}, "target_ranks"),
     ("topology", {"target_ranks": "many"}, "target_ranks"),
     ("topology", {"max_in_flight": 0}, "max_in_flight"),
+    ("topology", {"plan_rounds": 0}, "plan_rounds"),
+    ("topology", {"plan_min_seconds": -1.0}, "plan_min_seconds"),
     ("train", {"max_steps": 0}, "max_steps"),
     ("train", {"lr": -1}, "lr"),
     ("train", {"warmup_ratio": 1.5}, "warmup_ratio"),

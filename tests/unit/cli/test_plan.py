@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from datetime import timedelta
@@ -10,9 +11,21 @@ from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from launch_util import REPO, free_port, torchrun
 
-from dflash_dist.autosplit import auto_split, choose_split, format_splits, wait_for
+from dflash_dist.autosplit import (
+    MAX_ROUNDS_FACTOR,
+    auto_split,
+    choose_split,
+    format_rates,
+    format_splits,
+    rate_summary,
+    timed_rounds,
+    wait_for,
+)
+from dflash_dist.cli.plan import format_best
 from dflash_dist.config import ConfigError, JobConfig, validate_job
 
 
@@ -24,6 +37,16 @@ def best_by_hand(w, s, d):
         if rate > best_rate:
             best_t, best_rate = t, rate
     return best_t, best_rate
+
+
+def choice_by_hand(w, s, d, s_range, d_range):
+    """The near-tie rule, written independently of plan.py: the fastest split by the medians (fewest targets
+    among equals); its rate with both sides at their slowest round is the floor; the fewest targets whose
+    median prediction reaches the floor win."""
+    rates = {t: min(t * s, (w - t) * d) for t in range(1, w)}
+    t_fast = min(t for t in rates if rates[t] == max(rates.values()))
+    floor = min(t_fast * s_range[0], (w - t_fast) * d_range[0])
+    return min(t for t in rates if rates[t] >= floor)
 
 
 # ---------------------------------------------------------------------------------------------- arithmetic
@@ -68,6 +91,92 @@ def test_two_ranks_have_one_split():
         r = choose_split(2, s, d)
         assert len(r["rows"]) == 1 and (r["target_ranks"], r["drafter_ranks"]) == (1, 1)
         assert r["predicted_samples_per_s"] == min(s, d)
+
+
+# ---------------------------------------------------------------------------------------------- measured spreads
+
+def test_near_ties_within_the_spread_go_to_fewer_targets():
+    """Two runs on one busy machine: by the medians alone the first picks 1 + 3 and the second 2 + 2 (the flip
+    dflash-plan showed); with each run's measured spread both pick 1 + 3."""
+    first = choose_split(4, 2.1, 1.0)            # T=1: min(2.1, 3) = 2.1 > T=2: min(4.2, 2) = 2
+    second = choose_split(4, 1.95, 1.02)         # T=1: 1.95 < T=2: min(3.9, 2.04) = 2.04
+    assert (first["target_ranks"], second["target_ranks"]) == (1, 2)
+    a = choose_split(4, 2.1, 1.0, (1.9, 2.3), (0.95, 1.05))
+    b = choose_split(4, 1.95, 1.02, (1.8, 2.2), (0.96, 1.08))
+    assert (a["target_ranks"], b["target_ranks"]) == (1, 1)
+    assert a["near_tie"] is False and a["fastest_targets"] == 1
+    # run b: 2 + 2 is fastest by the medians (2.04) but only 1.92 with both sides at their slowest round,
+    # which 1 + 3 (1.95) reaches
+    assert b["near_tie"] is True and b["fastest_targets"] == 2
+    assert b["rows"][1]["samples_per_s_low"] == pytest.approx(min(2 * 1.8, 2 * 0.96))
+    assert b["rows"][1]["samples_per_s_high"] == pytest.approx(min(2 * 2.2, 2 * 1.08))
+    assert b["predicted_samples_per_s"] == pytest.approx(1.95) and b["bottleneck"] == "target"
+    text = format_splits(b)
+    assert "spread (min..max)" in text and "<- fastest by the medians" in text
+    assert [ln for ln in text.splitlines() if "<- chosen" in ln][0].split()[:2] == ["1", "3"]
+    assert "near-tie: 2 + 2 predicts 2.04 samples/s but as little as 1.92" in text
+
+
+def test_a_winner_beyond_the_spread_keeps_its_targets():
+    r = choose_split(4, 1.5, 1.0, (1.45, 1.55), (0.98, 1.02))  # T=2: 2.0, at least 1.96 > T=1: 1.5
+    assert (r["target_ranks"], r["near_tie"]) == (2, False)
+    assert r["target_ranks"] == choice_by_hand(4, 1.5, 1.0, (1.45, 1.55), (0.98, 1.02))
+
+
+def test_zero_spread_is_the_exact_tie_rule():
+    for w, s, d in [(5, 1.0, 3.0), (3, 1.0, 1.0), (4, 2.0, 2.0), (8, 81.3, 15.67), (8, 40.0, 6.0)]:
+        r = choose_split(w, s, d, (s, s), (d, d))
+        assert (r["target_ranks"], r["predicted_samples_per_s"]) == best_by_hand(w, s, d)
+        assert r["near_tie"] is False
+
+
+@settings(max_examples=300, deadline=None)
+@given(w=st.integers(2, 12), s=st.floats(0.1, 100), d=st.floats(0.1, 100),
+       s_lo=st.floats(0.5, 1), s_hi=st.floats(1, 2), d_lo=st.floats(0.5, 1), d_hi=st.floats(1, 2))
+def test_spread_choice_matches_the_rule_by_hand(w, s, d, s_lo, s_hi, d_lo, d_hi):
+    sr, dr = (s * s_lo, s * s_hi), (d * d_lo, d * d_hi)
+    sr, dr = (min(sr[0], s), max(sr[1], s)), (min(dr[0], d), max(dr[1], d))  # float rounding at factor 1
+    r = choose_split(w, s, d, sr, dr)
+    assert r["target_ranks"] == choice_by_hand(w, s, d, sr, dr)
+    fast = r["rows"][r["fastest_targets"] - 1]
+    assert r["target_ranks"] <= r["fastest_targets"] and r["predicted_samples_per_s"] >= fast["samples_per_s_low"]
+    assert all(x["samples_per_s_low"] <= x["samples_per_s"] <= x["samples_per_s_high"] for x in r["rows"])
+
+
+def test_bad_spreads():
+    with pytest.raises(ValueError, match="supply spread"):
+        choose_split(4, 1.0, 1.0, (1.1, 1.2), None)   # the median outside its own spread
+    with pytest.raises(ValueError, match="demand spread"):
+        choose_split(4, 1.0, 1.0, None, (0.0, 1.0))
+
+
+def test_timed_rounds_repeat_until_long_enough():
+    """No real timing: a fake clock that each pass advances by the next duration."""
+    durations, now = iter([0.1] * 100), [0.0]
+
+    def one_pass():
+        now[0] += next(durations)
+
+    clock = lambda: now[0]  # noqa: E731
+    assert timed_rounds(one_pass, 3, 0.0, clock) == pytest.approx([0.1] * 3)           # rounds enough
+    assert len(timed_rounds(one_pass, 3, 1.0, clock)) == 10                            # 10 x 0.1 s reach 1 s
+    assert len(timed_rounds(one_pass, 2, 100.0, clock)) == 2 * MAX_ROUNDS_FACTOR        # capped
+
+
+def test_rate_summary_and_its_printout():
+    m = rate_summary([2.0, 1.0, 4.0, 1.0, 2.0], samples=8, tokens=80)  # rates 4, 8, 2, 8, 4
+    assert m["samples_per_s"] == 4.0 and m["tokens_per_s"] == 40.0
+    assert (m["samples_per_s_min"], m["samples_per_s_max"], m["rounds"], m["seconds"]) == (2.0, 8.0, 5, 10.0)
+    common = {"batches": 3, "warmup_batches": 1, "device": "cpu", "steps": 3, "warmup_steps": 1,
+              "backend": "sdpa"}
+    text = format_rates({**m, **common}, {**m, **common})
+    assert text.count("[median of 5 rounds; min 2, median 4, max 8: -50%/+100%]") == 2
+    r = choose_split(4, 4.0, 4.0, (2.0, 8.0), (2.0, 8.0))
+    best = {"best": [{"world_size": 4, "target_ranks": r["target_ranks"], "drafter_ranks": r["drafter_ranks"],
+                      "predicted_samples_per_s": r["predicted_samples_per_s"], "per_gpu": r["best"]["per_gpu"],
+                      "target_util": r["best"]["target_util"], "bottleneck": r["bottleneck"],
+                      "near_tie": r["near_tie"], "fastest_targets": r["fastest_targets"]}]}
+    assert r["near_tie"] and "(near-tie: 2 targets fastest by the medians" in format_best(best)
 
 
 def test_bad_inputs():
@@ -119,15 +228,24 @@ def data_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("data_cache")
 
 
-def check_measured(res, world, n_target, n_drafter):
+# the real runs time 3 rounds (at least 0.5 s) of each side: the default 5 rounds / 2 s is for real jobs
+FEW_ROUNDS = ["topology.plan_rounds=3", "topology.plan_min_seconds=0.5"]
+
+
+def check_measured(res, world, n_target, n_drafter, rounds=3, min_seconds=0.5):
     s, d = res["supply"], res["demand"]
     assert s["batches"] == n_target and d["steps"] == n_drafter
     assert s["warmup_batches"] == 1 and d["warmup_steps"] == 1 and d["backend"] == "sdpa"
     assert s["capture"] == "padded (sdpa), compiled layers: no"  # the path the job's target runs (CPU: auto = off)
     assert s["samples"] > 0 and d["samples"] > 0 and s["tokens"] > s["samples"]
-    assert s["samples_per_s"] == pytest.approx(s["samples"] / s["seconds"])
-    assert s["tokens_per_s"] == pytest.approx(s["tokens"] / s["seconds"])
-    assert d["samples_per_s"] == pytest.approx(d["samples"] / d["seconds"])
+    for m in (s, d):  # rounds of one pass each, more until min_seconds
+        assert rounds <= m["rounds"] == len(m["round_seconds"])
+        assert m["seconds"] == pytest.approx(sum(m["round_seconds"]))
+        assert m["seconds"] >= min_seconds or m["rounds"] == MAX_ROUNDS_FACTOR * rounds
+        rates = sorted(m["samples"] / x for x in m["round_seconds"])
+        assert m["samples_per_s"] == pytest.approx(statistics.median(rates))
+        assert (m["samples_per_s_min"], m["samples_per_s_max"]) == (pytest.approx(rates[0]), pytest.approx(rates[-1]))
+        assert m["tokens_per_s"] == pytest.approx(m["samples_per_s"] * m["tokens"] / m["samples"])
     n = min(n_target, n_drafter)
     assert s["messages"][:n] == d["messages"][:n]  # both sides timed the same messages of the plan
     sup, dem = s["samples_per_s"], d["samples_per_s"]
@@ -135,16 +253,17 @@ def check_measured(res, world, n_target, n_drafter):
     assert [r["targets"] for r in rows] == list(range(1, world))
     for r in rows:
         assert r["samples_per_s"] == pytest.approx(min(r["targets"] * sup, (world - r["targets"]) * dem))
-    t, rate = best_by_hand(world, sup, dem)
+    t = choice_by_hand(world, sup, dem, (s["samples_per_s_min"], s["samples_per_s_max"]),
+                       (d["samples_per_s_min"], d["samples_per_s_max"]))
     assert (res["target_ranks"], res["drafter_ranks"]) == (t, world - t)
-    assert res["predicted_samples_per_s"] == pytest.approx(rate)
+    assert res["predicted_samples_per_s"] == pytest.approx(min(t * sup, (world - t) * dem))
     return t
 
 
 def test_auto_split_job(tmp_path, data_cache):
     r = torchrun(3, ["-m", "dflash_dist.train", f"train.output_dir={tmp_path}", f"data.cache_dir={data_cache}",
                      "topology.target_ranks=auto", "topology.plan_target_batches=4", "topology.plan_drafter_steps=3",
-                     "train.max_steps=4", "train.eval_prompts=0", "logging.log_every=2",
+                     *FEW_ROUNDS, "train.max_steps=4", "train.eval_prompts=0", "logging.log_every=2",
                      "logging.progress_bar=false"], timeout=240)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
@@ -162,6 +281,10 @@ def test_auto_split_job(tmp_path, data_cache):
     assert rec["demand_samples_per_s"] == plan["demand"]["samples_per_s"]
     assert rec["predicted_samples_per_s"] == plan["predicted_samples_per_s"]
     assert rec["bottleneck"] == plan["bottleneck"]
+    assert rec["supply_samples_per_s_min"] == plan["supply"]["samples_per_s_min"]
+    assert rec["demand_samples_per_s_max"] == plan["demand"]["samples_per_s_max"]
+    assert rec["near_tie"] == plan["near_tie"]
+    assert out.count("rounds; min ") == 2 and "spread (min..max)" in out  # the spread is printed
     # the job ran with the roles plan.json names
     targets = list(range(3 - t, 3))
     for rank in range(3):
@@ -186,13 +309,14 @@ def test_dflash_plan_cli(tmp_path, data_cache):
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     r = subprocess.run(_plan_cmd() + ["--gpus", "2,3,8", "--out", str(out_json), f"train.output_dir={tmp_path}",
                                       f"data.cache_dir={data_cache}", "topology.plan_target_batches=3",
-                                      "topology.plan_drafter_steps=3"],
+                                      "topology.plan_drafter_steps=3", *FEW_ROUNDS],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     res = json.load(open(out_json))
     assert [s["world_size"] for s in res["splits"]] == [2, 3, 8]
     for w, split in zip([2, 3, 8], res["splits"]):
         check_measured({**split, "supply": res["supply"], "demand": res["demand"]}, w, 3, 3)
+    assert r.stdout.count("rounds; min ") == 2  # both sides' spread printed (min, median, max)
     lines = r.stdout.splitlines()
     head = next(i for i, ln in enumerate(lines) if ln.split()[:3] == ["GPUs", "targets", "drafters"])
     for i, b in enumerate(res["best"]):

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch._dynamo
 import torch.nn.functional as F
+from compile_settings import compile_settings_restored
 
 from dflash_dist.drafter import compile_guard as cg
 from dflash_dist.drafter.startup_report import dense_attention_bytes, startup_report
@@ -19,14 +20,10 @@ from dflash_dist.model.masks import dense_mask
 
 @pytest.fixture(autouse=True)
 def _restore_dynamo():
-    """install_guard changes process-wide dynamo settings and warning filters: put them back after each test."""
-    cfg = torch._dynamo.config
-    saved = {k: getattr(cfg, k) for k in ("recompile_limit", "fail_on_recompile_limit_hit", "suppress_errors")
-             if hasattr(cfg, k)}
-    with warnings.catch_warnings():
+    """install_guard changes process-wide dynamo settings and warning filters: put them back after each test
+    (dynamo's config through its own patch(), tests/compile_settings.py)."""
+    with compile_settings_restored(), warnings.catch_warnings():
         yield
-    for k, v in saved.items():
-        setattr(cfg, k, v)
     torch.compiler.set_stance("default")
 
 

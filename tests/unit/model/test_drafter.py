@@ -288,15 +288,38 @@ def test_compiled_layers_run_under_ddp(tmp_path):
 def test_mix_order_reduction_off_only_where_inductor_miscompiles_it(monkeypatch):
     """torch < 2.13 generates a wrong workspace slice for the RMSNorm weight gradient (seen on torch 2.11 GPUs)."""
     import torch._inductor.config as ic
+    from compile_settings import compile_settings_restored
 
     import dflash_dist.model.drafter as drafter_mod
-    monkeypatch.setattr(ic.triton, "mix_order_reduction", True)
-    monkeypatch.setattr(drafter_mod, "_torch_version", lambda: (2, 13))
-    make_model("flex").configure_compile(compile_layers=True)
-    assert ic.triton.mix_order_reduction is True
-    monkeypatch.setattr(drafter_mod, "_torch_version", lambda: (2, 11))
-    make_model("flex").configure_compile(compile_layers=True)
-    assert ic.triton.mix_order_reduction is False
+    # configure_compile sets dynamo/inductor config process-wide: config.patch puts it back on exit (never
+    # monkeypatch: its undo deletes config keys, tests/compile_settings.py says why)
+    with compile_settings_restored(), ic.patch("triton.mix_order_reduction", True):
+        monkeypatch.setattr(drafter_mod, "_torch_version", lambda: (2, 13))
+        make_model("flex").configure_compile(compile_layers=True)
+        assert ic.triton.mix_order_reduction is True
+        monkeypatch.setattr(drafter_mod, "_torch_version", lambda: (2, 11))
+        make_model("flex").configure_compile(compile_layers=True)
+        assert ic.triton.mix_order_reduction is False
+
+
+def test_compile_settings_intact_after_the_mix_order_test():
+    """The test above changes process-wide inductor and dynamo settings: run it here, then compile. Every setting
+    is back as it was and inductor compiles (pytest 9.2's monkeypatch undo deleted triton.mix_order_reduction, and
+    every later compile failed: 'triton.mix_order_reduction does not exist')."""
+    import torch._dynamo.config as dc
+    import torch._inductor.config as ic
+    before = (ic.get_config_copy(), dc.get_config_copy())
+    with pytest.MonkeyPatch.context() as mp:
+        test_mix_order_reduction_off_only_where_inductor_miscompiles_it(mp)
+    assert hasattr(ic.triton, "mix_order_reduction")
+    after = (ic.get_config_copy(), dc.get_config_copy())
+    for b, a in zip(before, after):
+        assert {k: a.get(k, "<missing>") for k in b if a.get(k, "<missing>") != b[k]} == {}
+    # two reductions of one tensor in different loop orders: inductor's scheduler reads mix_order_reduction
+    ns = {}  # a code object of its own: dynamo caches per code object
+    exec(compile("def f(x):\n    return x.sum(0), x.sum(1)\n", "<config-intact>", "exec"), ns)
+    x = torch.randn(64, 32)
+    torch.testing.assert_close(torch.compile(ns["f"])(x), (x.sum(0), x.sum(1)))
 
 
 def sliding_cfg(window=6, types=("sliding_attention", "full_attention")):

@@ -1,0 +1,133 @@
+"""Checkpoint files are data, never code: the optimizer state loads under torch.load(weights_only=True), a pickle
+that names a callable is refused before it runs, and export / evaluation never open optimizer.pt."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from test_export import make_checkpoint
+
+from dflash_dist.checkpoint.store import (
+    CheckpointError,
+    checkpoint_problem,
+    find_latest,
+    load_checkpoint,
+    save_checkpoint,
+)
+from dflash_dist.config import TrainConfig
+from dflash_dist.drafter.trainer import cosine_lr
+
+
+class _RunsCode:
+    """Unpickling this runs exec(...), which writes the marker file: what a hostile optimizer.pt could do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('unpickled')",)
+
+
+def poison_optimizer(ckpt: str, marker) -> None:
+    """Replace the checkpoint's optimizer.pt with a pickle that runs code, and record its size in meta.json (so
+    the checkpoint looks complete: checkpoint_problem only checks sizes)."""
+    path = os.path.join(ckpt, "optimizer.pt")
+    torch.save({"state": {}, "param_groups": [], "payload": _RunsCode(marker)}, path)
+    meta_path = os.path.join(ckpt, "meta.json")
+    meta = json.load(open(meta_path))
+    meta["files"]["optimizer.pt"] = os.path.getsize(path)
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
+    assert checkpoint_problem(ckpt) is None
+
+
+def test_adamw_state_loads_under_weights_only(tmp_path):
+    """What the drafter saves (AdamW's state_dict, lr set by the cosine schedule as the loop does) loads back with
+    weights_only=True and resumes identically."""
+    tc = TrainConfig()
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+        return model, torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tuple(tc.betas),
+                                        weight_decay=tc.weight_decay, fused=False)
+
+    model, opt = make()
+    for step in range(3):
+        for g in opt.param_groups:
+            g["lr"] = tc.lr * cosine_lr(step, 10, 0.1, 0.1)
+        model(torch.randn(4, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    ckpt = save_checkpoint(str(tmp_path), 3, model.state_dict(), opt.state_dict(), {"cursor": 3})
+    torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=True)  # plain data, nothing else
+    weights, state, meta = load_checkpoint(ckpt)
+    model2, opt2 = make()
+    model2.load_state_dict(weights)
+    opt2.load_state_dict(state)
+    assert opt2.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
+    for k, v in opt.state_dict()["state"].items():
+        for name, t in v.items():
+            torch.testing.assert_close(opt2.state_dict()["state"][k][name], t, rtol=0, atol=0)
+    x = torch.randn(4, 8)
+    for m, o in ((model, opt), (model2, opt2)):
+        m(x).square().mean().backward()
+        o.step()
+    for a, b in zip(model.parameters(), model2.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_optimizer_pickle_with_code_is_refused_and_never_runs(tmp_path):
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    ckpt = save_checkpoint(str(tmp_path / "run"), 5, model.state_dict(), opt.state_dict(), {"cursor": 5})
+    marker = tmp_path / "marker"
+    poison_optimizer(ckpt, marker)
+
+    # the payload is live: a weights_only=False load of a copy runs it (what load_checkpoint used to do)
+    control = tmp_path / "control.pt"
+    shutil.copy(os.path.join(ckpt, "optimizer.pt"), control)
+    torch.load(control, weights_only=False)
+    assert marker.read_text() == "unpickled"
+    marker.unlink()
+
+    assert find_latest(str(tmp_path / "run")) == ckpt  # complete by its sizes: resume=auto would pick it
+    with pytest.raises(CheckpointError, match=r"refusing to load optimizer\.pt.*weights_only=True"):
+        load_checkpoint(ckpt)  # what DrafterTrainer calls on resume
+    assert not marker.exists()
+    with pytest.raises(ValueError):  # CheckpointError is a ValueError (callers catching that keep working)
+        load_checkpoint(ckpt)
+    weights, opt_state, _ = load_checkpoint(ckpt, optimizer=False)
+    assert opt_state is None and set(weights) == {"weight", "bias"}
+    assert not marker.exists()
+
+
+def test_export_and_eval_never_open_the_optimizer_file(tmp_path, monkeypatch):
+    """dflash-export and dflash-eval --checkpoint of a checkpoint whose optimizer.pt would run code: both work, and
+    neither opens that file (torch.load is watched; the payload's marker never appears)."""
+    from dflash_dist.checkpoint.export import export_checkpoint, load_export
+    from dflash_dist.cli.eval import main as eval_main
+    ckpt, model = make_checkpoint(tmp_path)
+    marker = tmp_path / "marker"
+    poison_optimizer(ckpt, marker)
+    real_load = torch.load
+    opened = []
+
+    def watched_load(f, *a, **k):
+        if "optimizer" in str(f):
+            opened.append(str(f))
+        return real_load(f, *a, **k)
+
+    monkeypatch.setattr(torch, "load", watched_load)
+    out = export_checkpoint(ckpt, str(tmp_path / "export"), dtype="float32")
+    exported, _ = load_export(out)
+    for name, t in exported.state_dict().items():
+        torch.testing.assert_close(t, model.state_dict()[name], rtol=0, atol=0)
+    rows = tmp_path / "p.jsonl"
+    rows.write_text(json.dumps({"prompt": "Hello"}) + "\n")
+    res = tmp_path / "eval.json"
+    assert eval_main(["--checkpoint", ckpt, "--prompts", str(rows), "--max-new-tokens", "4", "--out", str(res)]) == 0
+    assert json.load(open(res))["n_prompts"] == 1
+    assert opened == [] and not marker.exists()
