@@ -14,12 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_dist.config import TargetConfig
-from dflash_dist.model.hf import (
-    build_target_model,
-    build_target_replica,
-    local_parameter_bytes,
-    resolve_source,
-)
+from dflash_dist.model.hf import build_target_model, build_target_replica, local_parameter_bytes, resolve_source
 from dflash_dist.target.capture import FeatureCapture
 
 TINY = {"model_type": "qwen3", "vocab_size": 2048, "hidden_size": 128, "intermediate_size": 384,

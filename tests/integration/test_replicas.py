@@ -72,3 +72,84 @@ def test_replica_of_two_trains_like_one_target_rank(tmp_path):
     assert acc["samples_trained"] == _accounting(one)["samples_trained"] > 0
     assert not os.path.exists(rep / "target_trace" / "rank2.jsonl")  # the follower sends nothing
     assert {x["from"] for x in _jsonl(rep / "sample_log" / "rank0.jsonl")} == {1}
+
+
+def test_killed_replica_rank_ends_the_job_by_name(tmp_path):
+    """kill -9 of the rank of a replica that sends nothing (rank 2 of replica [1, 2]): the job ends within 60 s,
+    naming it, without a checkpoint."""
+    import signal
+    import subprocess
+    import time
+
+    from test_failures import ARGS, _rank_pids, _wait_for_step
+    p = torchrun(3, ARGS + [f"train.output_dir={tmp_path}", "topology.target_ranks=2", "target.tensor_parallel=2"],
+                 popen=True)
+    _wait_for_step(tmp_path, 3, p)
+    pids = _rank_pids(p.pid)
+    t0 = time.time()
+    os.kill(pids[2], signal.SIGKILL)
+    try:
+        out, _ = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail("survivors still running 60 s after the kill")
+    took = time.time() - t0
+    assert p.returncode != 0 and took < 60
+    assert "rank 2 (target" in out and "died" in out, out[-3000:]
+    assert not os.path.exists(tmp_path / "checkpoints")
+    print(f"job ended {took:.1f} s after the kill")
+
+
+def test_resume_a_replica_run_with_one_rank_per_target(tmp_path):
+    """SIGTERM a 1 drafter + replica-of-2 run (one checkpoint), resume it as 1 + 1 (k=1): every message and every
+    sample of the plan is trained exactly once across the two runs."""
+    import glob
+    import time
+
+    from test_train_e2e import sample_log, sigterm_workers_when
+    common = JOB + [f"train.output_dir={tmp_path}", "data.source=synthetic:40:200", "train.epochs=1",
+                    "target.max_batch_samples=8", "logging.trace_target=false"]
+    p = torchrun(3, common + ["topology.target_ranks=2", "target.tensor_parallel=2"], popen=True)
+    out1 = sigterm_workers_when(p, lambda: any(r["step"] >= 4 for r in _train(tmp_path)), tmp_path,
+                                "first run did not reach step 4")
+    assert p.returncode == 0, out1[-4000:]
+    ckpts = sorted(glob.glob(str(tmp_path / "checkpoints" / "step_*")))
+    assert len(ckpts) == 1
+    meta = json.load(open(os.path.join(ckpts[0], "meta.json")))
+    assert meta["tensor_parallel"] == 2 and 0 < meta["cursor"] < meta["total_messages"]
+    time.sleep(0.5)
+    r = torchrun(2, common + ["topology.target_ranks=1", "train.resume=auto"], timeout=300)
+    out2 = r.stdout + r.stderr
+    assert r.returncode == 0, out2[-4000:]
+    assert "resuming from" in out2
+    log = sample_log(tmp_path)
+    assert sorted(x["k"] for x in log) == list(range(meta["total_messages"]))
+    assert sorted(i for x in log for i in x["ids"]) == list(range(200))
+
+
+def test_two_agents_as_two_nodes_keep_every_message_on_its_node(tmp_path):
+    """Two torchrun agents as two nodes of 2 ranks, each node 1 target + 1 drafter (node-local by default): from
+    the job's own records (targets' per-message trace, drafters' sample log) no message crossed nodes, both nodes'
+    drafters trained, and after every step the two drafters' weights are equal (their data-parallel steps in
+    lockstep)."""
+    from launch_util import free_port
+    from test_launch import _report, _wait_all
+    out = tmp_path / "run"
+    rdzv = f"127.0.0.1:{free_port()}"
+    args = JOB + [f"train.output_dir={out}", "train.max_steps=6", "topology.target_ranks=2"]
+    procs = [torchrun(2, args, nnodes=2, node_rank=i, rdzv=rdzv, popen=True) for i in range(2)]
+    results = _wait_all(procs, 400)
+    assert all(rc == 0 for rc, _ in results), _report(results, ["node 0", "node 1"])
+    text = results[0][1] + results[1][1]
+    assert "node-local: every message stays on its node" in text
+    assert "node 0: drafter ranks [0]; replica 0 ranks [1] (sends from 1) -> drafter ranks [0]" in text
+    assert "node 1: drafter ranks [2]; replica 1 ranks [3] (sends from 3) -> drafter ranks [2]" in text
+    sent = _jsonl(out / "target_trace" / "rank1.jsonl") + _jsonl(out / "target_trace" / "rank3.jsonl")
+    got = {d: _jsonl(out / "sample_log" / f"rank{d}.jsonl") for d in (0, 2)}
+    assert len(sent) == 12 and all(x["from_node"] == x["to_node"] for x in sent)
+    assert all(x["from_node"] == x["to_node"] for v in got.values() for x in v)
+    assert {x["to_node"] for x in sent} == {0, 1}
+    steps = {d: {x["step"]: x["weights_fp"] for x in v} for d, v in got.items()}
+    assert sorted(steps[0]) == sorted(steps[2]) == list(range(6))
+    assert all(steps[0][s] == steps[2][s] for s in steps[0]), steps
+    assert len({steps[0][s] for s in steps[0]}) == 6  # the weights did change every step
