@@ -37,7 +37,7 @@ log = logging.getLogger("dflash_dist")
 KEY_PREFIX = "dflash/plan/"
 
 
-def choose_split(world_size: int, supply_per_rank: float, demand_per_rank: float) -> dict:
+def choose_split(world_size: int, supply_per_rank: float, demand_per_rank: float, tensor_parallel: int = 1) -> dict:
     """Every split T + D = W with its predicted job rate min(T * supply, D * demand) samples/s, and the best
     one (ties go to fewer target ranks: the drafters are the ranks that train).
 
@@ -50,8 +50,11 @@ def choose_split(world_size: int, supply_per_rank: float, demand_per_rank: float
         raise ValueError(f"world_size={world_size}: a split needs at least 2 ranks (one target, one drafter)")
     if not (s > 0 and d > 0 and math.isfinite(s) and math.isfinite(d)):
         raise ValueError(f"supply {supply_per_rank} and demand {demand_per_rank} must be positive and finite")
+    k = int(tensor_parallel)
+    if k > 1 and w <= k:
+        raise ValueError(f"world_size={world_size}: a replica of {k} ranks leaves no drafter")
     rows = []
-    for t in range(1, w):
+    for t in range(k, w, k):  # whole replicas of k ranks; supply_per_rank is then a replica's supply / k
         sup, dem = t * s, (w - t) * d
         rate = min(sup, dem)
         rows.append({"targets": t, "drafters": w - t, "supply": sup, "demand": dem, "samples_per_s": rate,
@@ -81,6 +84,11 @@ def format_splits(res: dict) -> str:
 
 def format_rates(supply: dict, demand: dict) -> str:
     path = f", {supply['capture']}" if supply.get("capture") else ""  # which capture path was timed
+    if supply.get("source") == "--replica-supply":
+        head = (f"  target supply  {supply['replica_samples_per_s']:.4g} samples/s per replica of "
+                f"{supply['tensor_parallel']} ranks (given with --replica-supply, not measured here)\n")
+        return head + format_rates({**supply, "source": None, "tokens_per_s": 0, "batches": 0, "warmup_batches": 0, "seconds": 0,
+                                    "device": "-"}, demand).split("\n", 1)[1]
     return (f"  target supply  {supply['samples_per_s']:.4g} samples/s ({supply['tokens_per_s']:.4g} tokens/s) per "
             f"target rank: {supply['batches']} batches timed after {supply['warmup_batches']} warm-up, "
             f"{supply['seconds']:.3g} s on {supply['device']}{path}\n"

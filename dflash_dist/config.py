@@ -522,7 +522,7 @@ def validate_job(cfg: JobConfig, world_size: Optional[int], num_target_layers: i
         _require(world_size >= 2, f"topology.target_ranks=auto needs at least 2 processes (one target, one "
                                   f"drafter), got a world of {world_size}: start more processes")
     k = cfg.target.tensor_parallel
-    if k > 1:
+    if k > 1 and world_size is not None:  # dflash-plan (no job) measures the drafter only
         if cfg.topology.target_ranks != "auto":
             t = int(cfg.topology.target_ranks)
             _require(t % k == 0, f"topology.target_ranks={t} is not a multiple of target.tensor_parallel={k}: "
@@ -530,7 +530,7 @@ def validate_job(cfg: JobConfig, world_size: Optional[int], num_target_layers: i
         _require(cfg.topology.target_ranks != "auto",
                  f"topology.target_ranks=auto with target.tensor_parallel={k} is not supported yet (the supply must "
                  "be measured on a whole replica): give topology.target_ranks as a multiple of "
-                 f"{k}, sized with `dflash-plan --replica-supply` from a replica's measured samples/s")
+                 f"{k}, sized with `dflash-plan --replica-supply S target.tensor_parallel=k` from a replica's measured samples/s")
         _require(not cfg.drafter.loss_on_target,
                  "drafter.loss_on_target with target.tensor_parallel > 1 is not supported: the lm_head of a "
                  "replica is sharded; set drafter.loss_on_target=false")

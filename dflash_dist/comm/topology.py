@@ -192,9 +192,9 @@ class Topology:
 
     def describe(self) -> str:
         D, R, k = self.num_drafters, self.num_replicas, self.tp
-        head = (f"{self.world_size} ranks on {self.nodes} node(s): {D} drafters (data-parallel over "
-                f"{'all nodes' if self.nodes > 1 else 'the node'}), {R} target replica(s) of {k} rank(s); message j: "
-                f"replica j%{R} -> drafter j%{D}")
+        head = (f"{self.world_size} ranks: drafters {self.drafter_ranks} (data-parallel"
+                f"{' over all nodes' if self.nodes > 1 else ''}), targets {self.target_ranks} in {R} replica(s) of "
+                f"{k} rank(s); message j: replica j%{R} -> drafter j%{D}; {self.nodes} node(s)")
         if self.nodes > 1:
             head += ("; node-local: every message stays on its node" if self.node_local
                      else "; NOT node-local (topology.cross_node=true): messages cross nodes")
