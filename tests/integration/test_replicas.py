@@ -44,7 +44,7 @@ def _jsonl(path):
 
 
 JOB = ["-m", "dflash_dist.train", "logging.log_every=1", "logging.progress_bar=false", "logging.wandb.mode=disabled",
-       "train.eval_prompts=0", "logging.record_sample_ids=true", "logging.trace_target=true"]
+       "train.eval_prompts=0", "logging.debug.record_sample_ids=true", "logging.debug.trace_target=true"]
 LOSS_RTOL = 1e-3  # the replica's features differ from one rank's by ~1e-6 relative (FEATURE_TOL above)
 
 
@@ -108,7 +108,7 @@ def test_resume_a_replica_run_with_one_rank_per_target(tmp_path):
 
     from test_train_e2e import sample_log, sigterm_workers_when
     common = JOB + [f"train.output_dir={tmp_path}", "data.source=synthetic:40:200", "train.epochs=1",
-                    "target.max_batch_samples=8", "logging.trace_target=false"]
+                    "target.max_batch_samples=8", "logging.debug.trace_target=false"]
     p = torchrun(3, common + ["topology.target_ranks=2", "target.tensor_parallel=2"], popen=True)
     out1 = sigterm_workers_when(p, lambda: any(r["step"] >= 4 for r in _train(tmp_path)), tmp_path,
                                 "first run did not reach step 4")
