@@ -26,8 +26,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--random", action="store_true")
+    ap.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (nccl, one GPU per rank)")
     args = ap.parse_args()
-    dist.init_process_group("gloo")
+    dev = args.device
+    if dev == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])))
+    else:
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
     group = dist.new_group(ranks=[0, 1])
     store = dist.distributed_c10d._get_default_store()
@@ -35,7 +41,7 @@ def main():
         TargetConfig(hf_config={"builtin": "tiny"}, dtype="float32")
     assert (resolve_source(tcfg)[0] is None) == args.random
     rdir = os.path.join(os.path.dirname(args.out), "random_target")
-    model = build_target_replica(tcfg, "cpu", group, rdir, build_random=rank == 0,
+    model = build_target_replica(tcfg, dev, group, rdir, build_random=rank == 0,
                                  ready=(lambda: store.set("ready", "1"), lambda: store.wait(["ready"])))
     layer_ids = [1, 3, 5, 7]
     cap = FeatureCapture(model, layer_ids)
@@ -46,18 +52,19 @@ def main():
         ids = torch.zeros(3, int(lengths.max()), dtype=torch.long)
         for i, n in enumerate(lengths.tolist()):
             ids[i, :n] = torch.randint(0, 2048, (n,), generator=g)
-        msgs.append((ids, lengths))
+        msgs.append((ids.to(dev), lengths))
     feats = [cap(ids, lengths) for ids, lengths in msgs]
     local, full = local_parameter_bytes(model)
-    rep = {"rank": rank, "local_bytes": local, "full_bytes": full, "shapes": [list(f.shape) for f in feats]}
+    import transformers
+    rep = {"transformers": transformers.__version__, "torch": torch.__version__, "device": dev, "rank": rank, "local_bytes": local, "full_bytes": full, "shapes": [list(f.shape) for f in feats]}
     if rank == 0:
-        ref = build_target_model(tcfg, "cpu")
+        ref = build_target_model(tcfg, dev)
         rcap = FeatureCapture(ref, layer_ids)
         refs = [rcap(ids, lengths) for ids, lengths in msgs]
         rep["max_abs_diff"] = max(float((a - b).abs().max()) for a, b in zip(feats, refs))
         rep["max_abs_ref"] = max(float(b.abs().max()) for b in refs)
     other = [None, None]
-    dist.all_gather_object(other, [f.tolist() for f in feats])
+    dist.all_gather_object(other, [f.cpu().tolist() for f in feats])
     rep["ranks_agree"] = other[0] == other[1]
     with open(f"{args.out}.rank{rank}.json", "w") as f:
         json.dump(rep, f)
