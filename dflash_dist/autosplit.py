@@ -117,12 +117,13 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def measure_target_supply(job, device: torch.device, batches: Optional[int] = None) -> dict:
+def measure_target_supply(job, device: torch.device, batches: Optional[int] = None, build=None) -> dict:
     """Samples/s and tokens/s of one target rank: the target built as ``target.loop.run_target`` builds it
     (same loader / random init, fast-path policy, ``build_capture``: the same packing, compile and padding),
     run on the plan's messages exactly as the target loop batches them (pad_batch + capture + device sync, what it
     counts as busy), after warm-up: 1 batch, or with anything compiled (packing, target.compile) one pass over
-    the measured batches, so no compile lands in the timed ones."""
+    the measured batches, so no compile lands in the timed ones. ``build``: a callable returning the model (a
+    rank's shard of a replica: every rank of the replica runs this together, and the rate is the replica's)."""
     from dflash_dist.data.plan import pad_batch
     from dflash_dist.data.tokenize import TokenizedDataset
     from dflash_dist.model.fast_path import check_target_fast_path
@@ -131,7 +132,7 @@ def measure_target_supply(job, device: torch.device, batches: Optional[int] = No
     cfg = job.cfg
     ks = calibration_messages(job, batches or cfg.topology.plan_target_batches)
     t0 = time.monotonic()
-    model = build_target_model(cfg.target, device.type)
+    model = build() if build is not None else build_target_model(cfg.target, device.type)
     build_s = time.monotonic() - t0
     check_target_fast_path(model, cfg.target.fast_path, device.type)  # never time a refused fallback path
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
@@ -286,10 +287,34 @@ def auto_split(job, rank: int, world: int, device: torch.device) -> dict:
     import torch.distributed as dist
     store = dist.distributed_c10d._get_default_store()
     t0 = time.monotonic()
+    k = job.cfg.target.tensor_parallel
+    # target.tensor_parallel=k: the last k ranks measure as one replica (a group every rank creates, members or not)
+    members = list(range(world - k, world))
+    if k > 1:
+        from datetime import timedelta
+
+        from dflash_dist.model.hf import build_target_replica, random_target_dir
+        if world <= k:
+            from dflash_dist.config import ConfigError
+            raise ConfigError(f"topology.target_ranks=auto: a replica of {k} ranks leaves no drafter in a world of "
+                              f"{world}")
+        group = dist.new_group(ranks=members, timeout=timedelta(seconds=timeout))
+        rdir = os.path.join(random_target_dir(job.run_dir, 0), "plan")
+
+        def build():
+            return build_target_replica(job.cfg.target, device.type, group, rdir, build_random=rank == members[0],
+                                        ready=(lambda: store.set(KEY_PREFIX + "random_target", "1"),
+                                               lambda: store.wait([KEY_PREFIX + "random_target"],
+                                                                  timedelta(seconds=timeout))))
+        if rank in members[:-1]:
+            log.info("topology.target_ranks=auto: measuring the supply of replica %s with rank %d", members,
+                     world - 1)
+            measure_target_supply(job, device, build=build)
     if rank == world - 1:  # a target in every split
-        log.info("topology.target_ranks=auto: measuring target supply on this rank")
-        _report(store, "supply", lambda: measure_target_supply(job, device))
-    elif rank != 0:
+        log.info("topology.target_ranks=auto: measuring target supply on this rank%s",
+                 f" (replica {members} of target.tensor_parallel={k})" if k > 1 else "")
+        _report(store, "supply", lambda: measure_target_supply(job, device, build=build if k > 1 else None))
+    elif rank != 0 and rank not in members:
         log.info("topology.target_ranks=auto: waiting for the measurements of ranks 0 and %d", world - 1)
     if rank != 0:
         # rank 0 waits up to `timeout` for rank W-1 after its own measurement: give it time to say why
@@ -299,7 +324,10 @@ def auto_split(job, rank: int, world: int, device: torch.device) -> dict:
                  world - 1)
         demand = measure_drafter_demand(job, device)
         supply = wait_for(store, "supply", world - 1, "its target supply", timeout)
-        res = choose_split(world, supply["samples_per_s"], demand["samples_per_s"])
+        if k > 1:  # the replica's rate, per rank of it, for splits of whole replicas
+            supply.update(replica_samples_per_s=supply["samples_per_s"], tensor_parallel=k,
+                          samples_per_s=supply["samples_per_s"] / k, tokens_per_s=supply["tokens_per_s"] / k)
+        res = choose_split(world, supply["samples_per_s"], demand["samples_per_s"], k)
         res.update(measured=True, measured_on={"drafter": 0, "target": world - 1}, supply=supply, demand=demand,
                    calibration_s=time.monotonic() - t0)
     except BaseException as e:

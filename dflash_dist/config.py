@@ -625,11 +625,6 @@ def validate_job(cfg: JobConfig, world_size: Optional[int], num_target_layers: i
             t = int(cfg.topology.target_ranks)
             _require(t % k == 0, f"topology.target_ranks={t} is not a multiple of target.tensor_parallel={k}: "
                                  f"the target ranks form replicas of {k} ranks (use {max(k, t - t % k)})")
-        _require(cfg.topology.target_ranks != "auto",
-                 f"topology.target_ranks=auto with target.tensor_parallel={k} is not supported yet (the supply must "
-                 "be measured on a whole replica): give topology.target_ranks as a multiple of "
-                 f"{k}, sized with `dflash-plan --replica-supply S target.tensor_parallel={k}` from a replica's "
-                 "measured samples/s")
         _require(not cfg.drafter.tuning.loss_on_target,
                  "drafter.loss_on_target with target.tensor_parallel > 1 is not supported: the lm_head of a "
                  "replica is sharded; set drafter.tuning.loss_on_target=false")

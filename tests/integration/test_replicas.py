@@ -153,3 +153,19 @@ def test_two_agents_as_two_nodes_keep_every_message_on_its_node(tmp_path):
     assert sorted(steps[0]) == sorted(steps[2]) == list(range(6))
     assert all(steps[0][s] == steps[2][s] for s in steps[0]), steps
     assert len({steps[0][s] for s in steps[0]}) == 6  # the weights did change every step
+
+
+def test_auto_split_measures_a_replica(tmp_path):
+    """topology.target_ranks=auto with target.tensor_parallel=2: the last 2 ranks measure the supply as one replica,
+    the splits are whole replicas, and the job runs the chosen one."""
+    r = torchrun(3, JOB + [f"train.output_dir={tmp_path}", "train.max_steps=3", "topology.target_ranks=auto",
+                           "target.tensor_parallel=2", "topology.plan_target_batches=2",
+                           "topology.plan_drafter_steps=2"], timeout=400)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert "measuring target supply on this rank (replica [1, 2] of target.tensor_parallel=2)" in out
+    plan = json.load(open(tmp_path / "plan.json"))
+    assert plan["measured"] and plan["supply"]["tensor_parallel"] == 2 and plan["target_ranks"] == 2
+    assert plan["supply"]["replica_samples_per_s"] == 2 * plan["supply"]["samples_per_s"]
+    assert [row["targets"] for row in plan["rows"]] == [2]
+    assert _train(tmp_path)[-1]["step"] == 3
