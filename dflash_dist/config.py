@@ -334,7 +334,8 @@ class TopologyTuning:
 @dataclass
 class TopologyConfig:
     target_ranks: Any = 1
-    """How many ranks run the target (the last T global ranks, W-T..W-1); the rest train the drafter. ``auto``:
+    """How many ranks run the target (one node: the last T global ranks, W-T..W-1; several nodes: the same share of
+    every node, see comm/topology.py); the rest train the drafter. A multiple of ``target.tensor_parallel``. ``auto``:
     measure on this job's ranks (rank 0 times drafter steps, rank W-1 target batches) and take the split with
     the highest predicted samples/s (``dflash_dist.cli.plan``; W = 2 is always 1 + 1, without measuring)."""
 

@@ -20,12 +20,17 @@ from dflash_dist.target.capture import FeatureCapture
 TINY = {"model_type": "qwen3", "vocab_size": 2048, "hidden_size": 128, "intermediate_size": 384,
         "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
         "tie_word_embeddings": False}
+# Qwen3-MoE-shaped (the 235B-A22B family): transformers' tp_plan="auto" shards every expert over the replica
+# ("moe_tp_experts"); its expert-parallel plan (ep_plan) is not used here
+TINY_MOE = {**TINY, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+            "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--random", action="store_true")
+    ap.add_argument("--moe", action="store_true", help="a random-init Qwen3-MoE-shaped target (implies --random)")
     ap.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (nccl, one GPU per rank)")
     args = ap.parse_args()
     dev = args.device
@@ -37,7 +42,8 @@ def main():
     rank = dist.get_rank()
     group = dist.new_group(ranks=[0, 1])
     store = dist.distributed_c10d._get_default_store()
-    tcfg = TargetConfig(hf_config=dict(TINY), init_seed=3, dtype="float32") if args.random else \
+    args.random = args.random or args.moe
+    tcfg = TargetConfig(hf_config=dict(TINY_MOE if args.moe else TINY), init_seed=3, dtype="float32") if args.random else \
         TargetConfig(hf_config={"builtin": "tiny"}, dtype="float32")
     assert (resolve_source(tcfg)[0] is None) == args.random
     rdir = os.path.join(os.path.dirname(args.out), "random_target")

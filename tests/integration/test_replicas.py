@@ -9,13 +9,13 @@ from launch_util import torchrun
 FEATURE_TOL = 1e-4  # fp32, hidden size 128: the sharded sums reorder the reductions (measured ~5e-6)
 
 
-@pytest.mark.parametrize("random_init", [False, True])
+@pytest.mark.parametrize("random_init", [False, True, "moe"])
 def test_replica_features_equal_one_rank(tmp_path, random_init):
     """A replica of 2 ranks captures the same features as the whole target on one rank (fp32, within FEATURE_TOL),
     both ranks of the replica hold the same features, and each holds about half the parameter bytes."""
     out = tmp_path / "rep"
-    r = torchrun(2, ["tests/tp_features_worker.py", "--out", str(out)] + (["--random"] if random_init else []),
-                 timeout=300)
+    flag = {False: [], True: ["--random"], "moe": ["--moe"]}[random_init]
+    r = torchrun(2, ["tests/tp_features_worker.py", "--out", str(out)] + flag, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     reps = [json.load(open(f"{out}.rank{i}.json")) for i in range(2)]
     assert reps[0]["max_abs_diff"] < FEATURE_TOL, reps[0]
@@ -23,6 +23,8 @@ def test_replica_features_equal_one_rank(tmp_path, random_init):
     assert all(x["ranks_agree"] for x in reps)
     for x in reps:  # no rank holds the whole model: replicated norms only beside the halves
         assert x["local_bytes"] < 0.55 * x["full_bytes"], x
+    print(f"features k=2 vs k=1 ({random_init}): max abs diff {reps[0]['max_abs_diff']:.2e} (max |feature| "
+          f"{reps[0]['max_abs_ref']:.2f}); rank bytes {reps[0]['local_bytes']} of {reps[0]['full_bytes']}")
 
 
 def _metrics(run_dir):
@@ -65,6 +67,8 @@ def test_replica_of_two_trains_like_one_target_rank(tmp_path):
     assert [x["step"] for x in a] == [x["step"] for x in b] == list(range(1, steps + 1))
     for x, y in zip(a, b):
         assert abs(x["loss"] - y["loss"]) <= LOSS_RTOL * abs(x["loss"]), (x["step"], x["loss"], y["loss"])
+    print("losses k=1:", [round(x["loss"], 5) for x in a], "\nlosses k=2:", [round(y["loss"], 5) for y in b],
+          "\nmax relative difference:", max(abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(a, b)))
     acc = _accounting(rep)
     assert acc["samples_sent"] == acc["samples_received"] + acc["samples_dropped_after_stop"]
     assert acc["samples_received"] == (acc["samples_trained"] + acc["samples_skipped_nonfinite"]
