@@ -58,7 +58,7 @@ def _spread(name: str, value: float, rng) -> tuple[float, float]:
 
 def choose_split(world_size: int, supply_per_rank: float, demand_per_rank: float,
                  supply_range: Optional[tuple[float, float]] = None,
-                 demand_range: Optional[tuple[float, float]] = None) -> dict:
+                 demand_range: Optional[tuple[float, float]] = None, tensor_parallel: int = 1) -> dict:
     """Every split T + D = W with its predicted job rate min(T * supply, D * demand) samples/s, and the chosen
     one: the fastest, unless a split with fewer targets is a near-tie (the drafters are the ranks that train).
 
@@ -66,6 +66,8 @@ def choose_split(world_size: int, supply_per_rank: float, demand_per_rank: float
     has ``samples_per_s_low`` / ``_high`` (both sides at their slowest / fastest round), and a split is a
     near-tie of the fastest when its predicted rate (medians) reaches the fastest split's ``samples_per_s_low``:
     the fewest targets among those is chosen. Without ranges the spread is zero: exact ties go to fewer targets.
+    ``tensor_parallel`` k > 1: splits of whole replicas of k ranks (T a multiple of k); ``supply_per_rank`` is then
+    a replica's supply / k.
 
     Returns ``rows`` (one per T: targets, drafters, supply, demand, samples_per_s, per_gpu, bottleneck,
     target_util, drafter_util[, samples_per_s_low, samples_per_s_high]), ``best`` (the chosen row),
@@ -81,8 +83,11 @@ def choose_split(world_size: int, supply_per_rank: float, demand_per_rank: float
     s_lo, s_hi = _spread("supply", s, supply_range)
     d_lo, d_hi = _spread("demand", d, demand_range)
     spread = supply_range is not None or demand_range is not None
+    k = int(tensor_parallel)
+    if k > 1 and w <= k:
+        raise ValueError(f"world_size={world_size}: a replica of {k} ranks leaves no drafter")
     rows = []
-    for t in range(1, w):
+    for t in range(k, w, k):  # whole replicas of k ranks; supply_per_rank is then a replica's supply / k
         sup, dem = t * s, (w - t) * d
         rate = min(sup, dem)
         row = {"targets": t, "drafters": w - t, "supply": sup, "demand": dem, "samples_per_s": rate,
@@ -140,6 +145,11 @@ def _spread_text(m: dict) -> str:
 
 def format_rates(supply: dict, demand: dict) -> str:
     path = f", {supply['capture']}" if supply.get("capture") else ""  # which capture path was timed
+    if supply.get("source") == "--replica-supply":
+        head = (f"  target supply  {supply['replica_samples_per_s']:.4g} samples/s per replica of "
+                f"{supply['tensor_parallel']} ranks (given with --replica-supply, not measured here)\n")
+        return head + format_rates({**supply, "source": None, "tokens_per_s": 0, "batches": 0, "warmup_batches": 0, "seconds": 0,
+                                    "device": "-"}, demand).split("\n", 1)[1]
     return (f"  target supply  {supply['samples_per_s']:.4g} samples/s ({supply['tokens_per_s']:.4g} tokens/s) per "
             f"target rank: {supply['batches']} batches timed after {supply['warmup_batches']} warm-up, "
             f"{supply['seconds']:.3g} s on {supply['device']}{path}{_spread_text(supply)}\n"
@@ -197,13 +207,14 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def measure_target_supply(job, device: torch.device, batches: Optional[int] = None) -> dict:
+def measure_target_supply(job, device: torch.device, batches: Optional[int] = None, build=None) -> dict:
     """Samples/s and tokens/s of one target rank: the target built as ``target.loop.run_target`` builds it
     (same loader / random init, fast-path policy, ``build_capture``: the same packing, compile and padding),
     run on the plan's messages exactly as the target loop batches them (pad_batch + capture + device sync, what it
     counts as busy), after warm-up: 1 batch, or with anything compiled (packing, target.compile) one pass over
     the measured batches, so no compile lands in the timed ones. The batches are timed in rounds
-    (``timed_rounds``: topology.plan_rounds, plan_min_seconds); ``samples``/``tokens`` are one round's."""
+    (``timed_rounds``: topology.plan_rounds, plan_min_seconds); ``samples``/``tokens`` are one round's. ``build``: a callable returning the model (a
+    rank's shard of a replica: every rank of the replica runs this together, and the rate is the replica's)."""
     from dflash_dist.data.plan import pad_batch
     from dflash_dist.data.tokenize import TokenizedDataset
     from dflash_dist.model.fast_path import check_target_fast_path
@@ -212,7 +223,7 @@ def measure_target_supply(job, device: torch.device, batches: Optional[int] = No
     cfg = job.cfg
     ks = calibration_messages(job, batches or cfg.topology.plan_target_batches)
     t0 = time.monotonic()
-    model = build_target_model(cfg.target, device.type)
+    model = build() if build is not None else build_target_model(cfg.target, device.type)
     build_s = time.monotonic() - t0
     check_target_fast_path(model, cfg.target.fast_path, device.type)  # never time a refused fallback path
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
@@ -374,10 +385,34 @@ def auto_split(job, rank: int, world: int, device: torch.device) -> dict:
     import torch.distributed as dist
     store = dist.distributed_c10d._get_default_store()
     t0 = time.monotonic()
+    k = job.cfg.target.tensor_parallel
+    # target.tensor_parallel=k: the last k ranks measure as one replica (a group every rank creates, members or not)
+    members = list(range(world - k, world))
+    if k > 1:
+        from datetime import timedelta
+
+        from dflash_dist.model.hf import build_target_replica, random_target_dir
+        if world <= k:
+            from dflash_dist.config import ConfigError
+            raise ConfigError(f"topology.target_ranks=auto: a replica of {k} ranks leaves no drafter in a world of "
+                              f"{world}")
+        group = dist.new_group(ranks=members, timeout=timedelta(seconds=timeout))
+        rdir = os.path.join(random_target_dir(job.run_dir, 0), "plan")
+
+        def build():
+            return build_target_replica(job.cfg.target, device.type, group, rdir, build_random=rank == members[0],
+                                        ready=(lambda: store.set(KEY_PREFIX + "random_target", "1"),
+                                               lambda: store.wait([KEY_PREFIX + "random_target"],
+                                                                  timedelta(seconds=timeout))))
+        if rank in members[:-1]:
+            log.info("topology.target_ranks=auto: measuring the supply of replica %s with rank %d", members,
+                     world - 1)
+            measure_target_supply(job, device, build=build)
     if rank == world - 1:  # a target in every split
-        log.info("topology.target_ranks=auto: measuring target supply on this rank")
-        _report(store, "supply", lambda: measure_target_supply(job, device))
-    elif rank != 0:
+        log.info("topology.target_ranks=auto: measuring target supply on this rank%s",
+                 f" (replica {members} of target.tensor_parallel={k})" if k > 1 else "")
+        _report(store, "supply", lambda: measure_target_supply(job, device, build=build if k > 1 else None))
+    elif rank != 0 and rank not in members:
         log.info("topology.target_ranks=auto: waiting for the measurements of ranks 0 and %d", world - 1)
     if rank != 0:
         # rank 0 waits up to `timeout` for rank W-1 after its own measurement: give it time to say why
@@ -387,8 +422,11 @@ def auto_split(job, rank: int, world: int, device: torch.device) -> dict:
                  world - 1)
         demand = measure_drafter_demand(job, device)
         supply = wait_for(store, "supply", world - 1, "its target supply", timeout)
+        if k > 1:  # the replica's rate, per rank of it, for splits of whole replicas
+            supply.update(replica_samples_per_s=supply["samples_per_s"], tensor_parallel=k,
+                          samples_per_s=supply["samples_per_s"] / k, tokens_per_s=supply["tokens_per_s"] / k)
         res = choose_split(world, supply["samples_per_s"], demand["samples_per_s"], measured_range(supply),
-                           measured_range(demand))
+                           measured_range(demand), tensor_parallel=k)
         res.update(measured=True, measured_on={"drafter": 0, "target": world - 1}, supply=supply, demand=demand,
                    calibration_s=time.monotonic() - t0)
     except BaseException as e:

@@ -119,9 +119,17 @@ class TargetConfig:
     tuning: TargetTuning = field(default_factory=TargetTuning)
     """Performance knobs (``target.tuning.*``); the defaults are the measured best."""
 
+    tensor_parallel: int = 1
+    """Ranks per target replica: each replica is this many ranks of one node holding one copy of the target,
+    sharded by transformers' tensor-parallel plan (``tp_plan="auto"``) on a device mesh of those ranks. Every rank of
+    a replica runs the same messages; the first one sends the features. ``topology.target_ranks`` counts ranks and
+    must be a multiple of it. 1: every target rank holds the whole model."""
+
     def __post_init__(self) -> None:
         _check_choices(self, "target")
         self.tuning = _sub(self.tuning, TargetTuning, "target.tuning")
+        _require(type(self.tensor_parallel) is int and self.tensor_parallel >= 1,
+                 f"target.tensor_parallel={self.tensor_parallel!r}: use an integer >= 1")
         _require(self.compile is None or isinstance(self.compile, bool),
                  f"target.compile={self.compile!r}: use true, false or null (on CUDA, off on CPU)")
         _require(self.num_feature_layers >= 1, "target.num_feature_layers must be >= 1")
@@ -387,14 +395,18 @@ class TopologyTuning:
 @dataclass
 class TopologyConfig:
     target_ranks: Any = 1
-    """How many ranks run the target (the last T global ranks, W-T..W-1); the rest train the drafter. ``auto``:
+    """How many ranks run the target (one node: the last T global ranks, W-T..W-1; several nodes: the same share of
+    every node, see comm/topology.py); the rest train the drafter. A multiple of ``target.tensor_parallel``. ``auto``:
     measure on this job's ranks (rank 0 times drafter steps, rank W-1 target batches) and take the split with
     the highest predicted samples/s (``dflash_dist.cli.plan``; W = 2 is always 1 + 1, without measuring)."""
 
+    cross_node: bool = False
+    """Multi-node jobs: let features cross nodes. False (default): every node runs the same split (its own target
+    replicas and the drafters they feed) and a split that cannot be node-local is refused; True: a split that
+    cannot be node-local runs with the single-node layout (drafters first), and most messages cross the network."""
+
     max_in_flight: int = 4
     """Messages a target may have sent but not yet seen received, per drafter link (backpressure)."""
-
-
 
     timeout_s: float = 60.0
     """A rank that waits this long on a peer after warm-up declares the job dead and exits non-zero."""
@@ -679,6 +691,19 @@ def validate_job(cfg: JobConfig, world_size: Optional[int], num_target_layers: i
     else:
         _require(world_size >= 2, f"topology.target_ranks=auto needs at least 2 processes (one target, one "
                                   f"drafter), got a world of {world_size}: start more processes")
+    k = cfg.target.tensor_parallel
+    if k > 1 and world_size is not None:  # dflash-plan (no job) measures the drafter only
+        if cfg.topology.target_ranks != "auto":
+            t = int(cfg.topology.target_ranks)
+            _require(t % k == 0, f"topology.target_ranks={t} is not a multiple of target.tensor_parallel={k}: "
+                                 f"the target ranks form replicas of {k} ranks (use {max(k, t - t % k)})")
+        _require(not cfg.drafter.tuning.loss_on_target,
+                 "drafter.loss_on_target with target.tensor_parallel > 1 is not supported: the lm_head of a "
+                 "replica is sharded; set drafter.tuning.loss_on_target=false")
+        _require(cfg.train.eval_prompts <= 0,
+                 "in-training evaluation (train.eval_prompts > 0) with target.tensor_parallel > 1 is not supported "
+                 "yet (every rank of the replica would have to run the verify steps): set train.eval_prompts=0 and "
+                 "evaluate the exported drafter with dflash-eval")
     _require(not (cfg.drafter.tuning.loss_on_target and cfg.topology.tuning.rendezvous_sends is False),
              "drafter.loss_on_target needs rendezvous sends (a target serves head requests while it waits for its "
              "drafters): remove topology.tuning.rendezvous_sends=false")

@@ -14,7 +14,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from dflash_dist.comm.distributed import Dist, init_distributed, make_ctrl_group, make_groups, setup_logging
-from dflash_dist.comm.topology import Topology
+from dflash_dist.comm.topology import TopologyError, make_topology
 from dflash_dist.config import ConfigError, JobConfig, resolve_device, validate_job
 from dflash_dist.data.conversations import BadDataStats, builtin_conversations
 from dflash_dist.data.plan import build_plan
@@ -170,7 +170,12 @@ def setup(cfg: JobConfig) -> Job:
         if t >= world:
             raise ConfigError(f"topology.target_ranks={t} leaves no drafter rank in a world of {world}: set "
                               f"topology.target_ranks to at most {world - 1} or start more processes")
-    setup_logging(rank, "auto" if auto else Topology(world, rank, t).role)
+    def topology(t: int):
+        try:
+            return make_topology(world, rank, t, cfg.target.tensor_parallel, cfg.topology.cross_node)
+        except TopologyError as e:
+            raise ConfigError(f"topology.target_ranks={t}: {e}") from None
+    setup_logging(rank, "auto" if auto else topology(t).role)
     # Same group order on every rank and on both paths: ctrl now (the data preparation below waits on its
     # barrier), the drafters group once the split is known (with auto: measured after the data is ready).
     ctrl = make_ctrl_group(timeout_s)
@@ -183,7 +188,7 @@ def setup(cfg: JobConfig) -> Job:
         from dflash_dist.autosplit import auto_split
         job.auto_split = auto_split(job, rank, world, device)
         t = int(job.auto_split["target_ranks"])
-    topo = Topology(world, rank, t)
+    topo = topology(t)
     setup_logging(rank, topo.role)
     job.dist = make_groups(topo, device, timeout_s, ctrl, heads=cfg.drafter.tuning.loss_on_target)
     if job.resume_from is None and cfg.train.max_steps > 0:

@@ -47,7 +47,7 @@ def compose_config(overrides: list[str]):
     return JobConfig.from_omegaconf(compose(overrides, CONF_DIR))
 
 
-def plan_offline(cfg, world_sizes: list[int]) -> dict:
+def plan_offline(cfg, world_sizes: list[int], replica_supply: Optional[float] = None) -> dict:
     """dflash-plan: the job's data plan (as train.setup builds it), both measurements on one device, one after
     the other, and the best split for each world size."""
     import torch
@@ -57,12 +57,22 @@ def plan_offline(cfg, world_sizes: list[int]) -> dict:
     device_type = resolve_device(cfg)
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     job = build_job(cfg, rank=0, world_size=None, ctrl=None, device_type=device_type)
-    log.info("measuring target supply (%d batches of the plan) on %s", cfg.topology.plan_target_batches, device)
-    supply = measure_target_supply(job, device)
+    k = cfg.target.tensor_parallel
+    if replica_supply is not None:  # measured elsewhere (a replica of k > 1 ranks needs k processes)
+        supply = {"samples_per_s": replica_supply / k, "replica_samples_per_s": replica_supply,
+                  "tensor_parallel": k, "measured": False, "source": "--replica-supply"}
+    elif k > 1:
+        from dflash_dist.config import ConfigError
+        raise ConfigError(f"target.tensor_parallel={k}: one process cannot measure a replica of {k} ranks; measure "
+                          f"its supply in a job with that replica (the metrics' target<r>_samples_per_s of its "
+                          f"sending rank) and pass it as --replica-supply SAMPLES_PER_S")
+    else:
+        log.info("measuring target supply (%d batches of the plan) on %s", cfg.topology.plan_target_batches, device)
+        supply = measure_target_supply(job, device)
     log.info("measuring drafter demand (%d steps) on %s", cfg.topology.plan_drafter_steps, device)
     demand = measure_drafter_demand(job, device)
     splits = [choose_split(w, supply["samples_per_s"], demand["samples_per_s"], measured_range(supply),
-                           measured_range(demand)) for w in world_sizes]
+                           measured_range(demand), tensor_parallel=k) for w in world_sizes if w > k]
     return {"tool": "dflash-plan", "device": str(device), "supply": supply, "demand": demand, "splits": splits,
             "best": [{"world_size": s["world_size"], "target_ranks": s["target_ranks"],
                       "drafter_ranks": s["drafter_ranks"], "predicted_samples_per_s": s["predicted_samples_per_s"],
@@ -105,6 +115,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--gpus", default=None, help="comma list of world sizes (default: the visible GPU count, or "
                                                  "2..8 without 2 GPUs)")
     ap.add_argument("--out", default="plan.json", help="JSON output (default plan.json)")
+    ap.add_argument("--replica-supply", type=float, default=None,
+                    help="samples/s of one target replica, measured elsewhere (required with "
+                         "target.tensor_parallel > 1: one process cannot run a multi-rank replica); splits are then "
+                         "whole replicas")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for dflash-train (e.g. target=qwen3_8b_random)")
     args = ap.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s dflash-plan %(levelname)s %(message)s",
@@ -120,7 +134,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise
         except Exception as e:  # --gpus, or Hydra: unknown group or key, unparsable override
             raise ConfigError(f"{type(e).__name__}: {e}") from e
-        res = plan_offline(cfg, world_sizes)
+        res = plan_offline(cfg, world_sizes, args.replica_supply)
     except ConfigError as e:
         print(f"dflash-plan: configuration error: {e}", file=sys.stderr)
         return 2

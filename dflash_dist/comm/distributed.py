@@ -9,6 +9,9 @@ Groups are created on every rank in the same order, members or not (torch requir
 4. ``evals``: the leader drafter and the first target, for the drafter weights of in-training evaluations. A group
    of their own: NCCL orders point-to-point operations per pair of ranks and group, so weights sent on the data
    group would queue in front of feature receives (a deadlock on GPU);
+4b. ``tp`` (target.tensor_parallel > 1): one group per target replica (its ranks, in replica order; the device mesh of
+   the replica's tensor-parallel plan) and ``tp_ctrl``, a gloo group per replica for the replica's own agreement
+   (whether to run the next message); every rank creates all of them, members or not;
 5. ``heads`` and ``head_replies`` (only with ``drafter.tuning.loss_on_target``): all ranks, the hidden rows from drafters
    to targets and the loss replies back (head_offload.py), apart from the features for the same reason, and apart
    from each other: a drafter posts a reply's receive only right before that group's backward, after its later
@@ -39,6 +42,8 @@ class Dist:
     drafters: object
     store: object
     evals: object = None
+    tp: object = None       # this rank's replica group (target.tensor_parallel > 1; None otherwise / on drafters)
+    tp_ctrl: object = None  # the same ranks over gloo: per-message agreement inside the replica
     heads: object = None
     head_replies: object = None
 
@@ -76,13 +81,20 @@ def make_groups(topo: Topology, device: torch.device, timeout_s: float, ctrl=Non
     if ctrl is None:
         ctrl = make_ctrl_group(timeout_s)
     drafters = dist.new_group(ranks=topo.drafter_ranks, timeout=timeout)
-    evals = dist.new_group(ranks=sorted([topo.drafter_ranks[0], topo.target_ranks[0]]), timeout=timeout)
+    tp_group = tp_ctrl = None
+    if topo.tp > 1:
+        for g, rep in enumerate(topo.replicas):
+            grp = dist.new_group(ranks=rep, timeout=timeout)
+            ctl = dist.new_group(ranks=rep, timeout=timeout, backend="gloo")
+            if topo.role == "target" and topo.index == g:
+                tp_group, tp_ctrl = grp, ctl
+    evals = dist.new_group(ranks=sorted([topo.drafter_ranks[0], topo.feeders[0]]), timeout=timeout)
     head_group = dist.new_group(timeout=timeout) if heads else None
     reply_group = dist.new_group(timeout=timeout) if heads else None
     store = dist.distributed_c10d._get_default_store()
     log.info("process groups ready (rank %d, %s)", topo.rank, topo.role)
     return Dist(topo=topo, device=device, ctrl=ctrl, data=dist.group.WORLD, drafters=drafters, store=store,
-                evals=evals, heads=head_group, head_replies=reply_group)
+                evals=evals, tp=tp_group, tp_ctrl=tp_ctrl, heads=head_group, head_replies=reply_group)
 
 
 def shorten_timeouts(d: Dist, timeout_s: float) -> None:
@@ -91,7 +103,7 @@ def shorten_timeouts(d: Dist, timeout_s: float) -> None:
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     if set_timeout is None:
         return
-    for g in (None, d.drafters):
+    for g in [None, d.drafters] + [x for x in (d.tp, d.tp_ctrl) if x is not None]:
         try:
             set_timeout(timedelta(seconds=timeout_s), g)
         except Exception as e:  # non-member groups or backends without the hook

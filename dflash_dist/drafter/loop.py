@@ -30,12 +30,20 @@ from dflash_dist.telemetry.step_trace import format_timeline, traced_step
 log = logging.getLogger("dflash_dist")
 
 
+def weights_fingerprint(model) -> float:
+    """A cheap fingerprint of the drafter weights: the sum of the first trainable parameter (on the host)."""
+    for p in model.parameters():
+        if p.requires_grad:
+            return float(p.detach().double().sum().item())
+    return 0.0
+
+
 def drain(rx, topo, pending, ends_seen: set, target_stats: dict) -> int:
     """Receive (and drop) whatever the targets still send until each has said END; returns samples dropped.
     Used after a graceful stop: those samples were not trained and stay in the untrained part of the plan."""
     dropped = 0
     got = pending.complete() if pending is not None else None
-    for t in topo.target_ranks:
+    for t in topo.feeders:
         while t not in ends_seen:
             if got is None:
                 got = rx.post(t).complete()
@@ -116,10 +124,10 @@ def run_drafter(job) -> None:
         from dflash_dist.telemetry.plan_record import plan_record
         writer.log(job.start_step, plan_record(job.auto_split), kind="plan")
     channel = job_channel(d, cfg.topology, check=life.check, serve_heads=cfg.drafter.tuning.loss_on_target)
-    channel.connect(topo.target_ranks, sending=False)  # before any payload: see Channel.connect
+    channel.connect(topo.feeders, sending=False)  # before any payload: see Channel.connect
     head_channel = None
     if cfg.drafter.tuning.loss_on_target:
-        head_channel, reply_channel = head_channels(d, cfg.topology.warmup_timeout_s, life.check, topo.target_ranks,
+        head_channel, reply_channel = head_channels(d, cfg.topology.warmup_timeout_s, life.check, topo.feeders,
                                                     drafter=True)
         trainer.heads = HeadLossClient(head_channel, reply_channel, d.rank, trainer.lm_head.dtype,
                                        cfg.drafter.block_size, cfg.drafter.gamma)
@@ -190,8 +198,12 @@ def run_drafter(job) -> None:
         if msg is not None:
             rate.add(msg.num_samples, msg.num_tokens)
             if sample_log is not None:
-                sample_log.write(json.dumps({"k": msg.index, "step": trainer.step, "ids": msg.sample_ids.tolist()})
-                                 + "\n")
+                # who sent it from which node, and a fingerprint of the weights after the step (equal on every
+                # drafter at every step while their data-parallel steps stay in lockstep)
+                sample_log.write(json.dumps({"k": msg.index, "step": trainer.step, "ids": msg.sample_ids.tolist(),
+                                             "from": msg.src, "from_node": topo.node_of(msg.src), "to": d.rank,
+                                             "to_node": topo.node_of(d.rank),
+                                             "weights_fp": weights_fingerprint(trainer.model)}) + "\n")
         else:
             trainer.counts["empty_steps"] += 1
         trainer.step += 1
@@ -269,7 +281,7 @@ def run_drafter(job) -> None:
         dropped = drain(rx, topo, pending, ends_seen, target_stats)
         trainer.counts["samples_dropped_after_stop"] = dropped
     else:
-        for t in topo.target_ranks:  # every target says END once its share is sent
+        for t in topo.feeders:  # every target says END once its share is sent
             end = rx.post(t).complete()
             if not isinstance(end, EndOfStream):
                 raise RuntimeError(f"expected END from target rank {t}, got message {end.index}")

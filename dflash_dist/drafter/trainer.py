@@ -96,8 +96,8 @@ class DrafterTrainer:
         # per-step statistics accumulated on device, read once per logging window:
         # [loss_sum, weight_sum, correct[B], count[B], grad_norm, steps, model FLOPs, nonfinite samples per target[T]]
         self.i_flops = 2 + 2 * B + 2
-        self.acc = torch.zeros(self.i_flops + 1 + self.topo.num_targets, dtype=torch.float64, device=self.device)
-        self.nonfinite_by_target = [0] * self.topo.num_targets
+        self.acc = torch.zeros(self.i_flops + 1 + self.topo.num_replicas, dtype=torch.float64, device=self.device)
+        self.nonfinite_by_target = [0] * self.topo.num_replicas
         self.micro_batches = cfg.drafter.tuning.micro_batches
         # A bug on purpose, for scripts/leak_demo.sh only (never a config key): blocks see the target state at
         # their own anchor (kv <= a), the classic leak of other trainers.
@@ -153,7 +153,7 @@ class DrafterTrainer:
         batch.features = torch.nan_to_num(batch.features, nan=0.0, posinf=0.0, neginf=0.0)
         batch.labels = batch.labels.masked_fill(bad[:, None], -100)
         if msg is not None:
-            slot = self.i_flops + 1 + (msg.src - self.topo.num_drafters)
+            slot = self.i_flops + 1 + self.topo.replica_of(msg.src)
             self.acc[slot] += bad.sum()
         batch.src, batch.index = src, k
         return batch
@@ -311,7 +311,7 @@ class DrafterTrainer:
         dist.all_reduce(acc, group=self.d.drafters)
         v = acc.tolist()
         self.acc.zero_()
-        T = self.topo.num_targets
+        T = self.topo.num_replicas
         bad = [int(x) for x in v[len(v) - T:]]
         flops = v[self.i_flops]
         for t, n in enumerate(bad):
@@ -320,7 +320,7 @@ class DrafterTrainer:
         for t, n in enumerate(bad):
             if n:
                 log.warning("target rank %d sent %d samples with non-finite hidden states in this window "
-                            "(skipped; %d so far)", self.topo.num_drafters + t, n, self.nonfinite_by_target[t])
+                            "(skipped; %d so far)", self.topo.feeders[t], n, self.nonfinite_by_target[t])
         loss_sum, wsum = v[0], v[1]
         correct, count = v[2:2 + B], v[2 + B:2 + 2 * B]
         gnorm, nsteps = v[2 + 2 * B], v[3 + 2 * B]
@@ -343,7 +343,7 @@ class DrafterTrainer:
         if not self.topo.is_leader:
             return
         meta = {"reason": "final" if final else reason, "cursor": self.cursor, "total_messages": self.job.total_messages,
-                "num_targets": self.topo.num_targets, "num_drafters": self.topo.num_drafters,
+                "num_targets": self.topo.num_targets, "tensor_parallel": self.topo.tp, "num_drafters": self.topo.num_drafters,
                 "layer_ids": self.job.layer_ids, "mask_token_id": self.job.mask_token_id,
                 "block_size": self.cfg.drafter.block_size, "drafter_config": self.mcfg.__dict__,
                 "target_config": self.job.hf_config.to_dict(), "tokenizer": self.job.tokenizer_path,
@@ -380,7 +380,7 @@ def receive_head_weights(job, device):
         shape = (tc.vocab_size, tc.hidden_size)
         embed = torch.empty(shape, dtype=dtype, device=device)
         head = torch.empty(shape, dtype=dtype, device=device)
-        src = job.dist.topo.target_ranks[0]
+        src = job.dist.topo.feeders[0]
         dist.recv(embed, src, group=job.dist.data)
         dist.recv(head, src, group=job.dist.data)
     return embed.to(device=device, dtype=dtype), head.to(device=device, dtype=dtype)

@@ -93,7 +93,7 @@ def connect(job, leader: bool) -> None:
     would block the target until the leader's next step."""
     t = torch.ones(1, device=job.dist.device)
     if leader:
-        dist.send(t, job.dist.topo.target_ranks[0], group=job.dist.evals)
+        dist.send(t, job.dist.topo.feeders[0], group=job.dist.evals)
     else:
         dist.recv(t, job.dist.topo.drafter_ranks[0], group=job.dist.evals)
 
@@ -133,7 +133,7 @@ class LeaderEval:
     def __init__(self, job, model):
         self.job, self.model = job, model
         self.store = job.dist.store
-        self.dst = job.dist.topo.target_ranks[0]
+        self.dst = job.dist.topo.feeders[0]
         self.sent: list[int] = []      # requests made, results not yet logged
         self.steps: dict[int, int] = {}
         self.n = 0

@@ -127,3 +127,81 @@ def load_head_from_checkpoint(path: str, tied: bool) -> tuple[torch.Tensor, torc
     if embed is None:
         raise ConfigError(f"no embed_tokens.weight in {path}")
     return embed, (embed if head is None else head)
+
+
+# ---- target replicas: the target sharded over the k ranks of a replica (target.tensor_parallel) ----
+
+def _from_pretrained_tp(path: str, group, device: str, **kwargs):
+    """``from_pretrained`` with transformers' tensor-parallel plan (``tp_plan="auto"``: the model's
+    ``base_model_tp_plan``) on a device mesh of the ranks of ``group``, which need not be the whole world (the
+    drafter ranks are not part of it). transformers >= 5.2x builds its mesh from a ``DistributedConfig`` over the
+    whole world (``initialize_distributed_mesh`` refuses a tensor-parallel size other than WORLD_SIZE), so for the
+    length of this call its mesh is replaced by ours; older releases take ``tp_plan="auto", device_mesh=mesh``
+    and use the mesh as given. Either way transformers shards the parameters while it reads the checkpoint: no rank
+    materialises the whole model."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from transformers import AutoModelForCausalLM
+    mesh = DeviceMesh.from_group(group, device, mesh_dim_names=("tp",))
+    k = mesh.size()
+    try:
+        import transformers.distributed.mixin as mixin
+        from transformers.distributed import DistributedConfig
+    except ImportError:
+        mixin = None
+    if mixin is None or not hasattr(mixin, "initialize_distributed_mesh"):
+        return AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", device_mesh=mesh, **kwargs)
+
+    class _ReplicaMesh:  # transformers.distributed.utils.TransformersDeviceMesh for a dense model: every axis but tp is 1
+        def get_mesh(self, dims):
+            return mesh
+
+    here = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+    own = mixin.initialize_distributed_mesh
+    mixin.initialize_distributed_mesh = lambda distributed_config: (here, _ReplicaMesh())
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            path, distributed_config=DistributedConfig(tp_size=k, tp_plan="auto"), **kwargs)
+    finally:
+        mixin.initialize_distributed_mesh = own
+
+
+def local_parameter_bytes(model) -> tuple[int, int]:
+    """(bytes of the parameters this rank holds, bytes of the whole model's parameters)."""
+    local = full = 0
+    for p in model.parameters():
+        t = p.to_local() if hasattr(p, "to_local") else p
+        local += t.numel() * t.element_size()
+        full += p.numel() * p.element_size()
+    return local, full
+
+
+def random_target_dir(run_dir: str, node: int) -> str:
+    return os.path.join(run_dir, "random_target", f"node{node}")
+
+
+def build_target_replica(tcfg: TargetConfig, device: str, group, random_dir: Optional[str] = None,
+                         build_random: bool = False, ready=None):
+    """One rank's shard of a target replica (``target.tensor_parallel`` > 1), loaded with transformers' plan on the
+    replica's mesh. A random-init target (``hf_config``) is built once per node, whole and seeded exactly as
+    ``build_target_model`` builds it (so a k-rank replica computes what one rank would), by the rank with
+    ``build_random`` into ``random_dir`` as a safetensors checkpoint, then loaded sharded like a real one. That one
+    rank holds the whole random model while it writes it; the ranks of a real checkpoint never do. ``ready``:
+    (announce, wait) callables around the write."""
+    dtype = resolve_dtype(tcfg.dtype, device)
+    path, _ = resolve_source(tcfg)
+    if path is None:
+        if build_random:
+            model = build_target_model(tcfg, device)
+            model.save_pretrained(random_dir)
+            del model
+            ready[0]()
+        else:
+            ready[1]()
+        path = random_dir
+    model = _from_pretrained_tp(path, group, device, dtype=dtype, attn_implementation=tcfg.attn_implementation)
+    model.eval().requires_grad_(False)
+    local, full = local_parameter_bytes(model)
+    if local >= full:
+        raise RuntimeError(f"tensor-parallel load of {path}: this rank holds all {full} parameter bytes (the plan "
+                           "sharded nothing)")
+    return model

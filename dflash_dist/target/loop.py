@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import time
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -19,7 +20,15 @@ from dflash_dist.config import resolve_backend
 from dflash_dist.data.plan import pad_batch
 from dflash_dist.data.tokenize import TokenizedDataset
 from dflash_dist.eval.in_training import TargetEval, eval_enabled, expected_evals
-from dflash_dist.model.hf import build_target_model, head_weights, resolve_source
+from dflash_dist.model.hf import (
+    build_target_model,
+    build_target_replica,
+    head_weights,
+    load_head_from_checkpoint,
+    local_parameter_bytes,
+    random_target_dir,
+    resolve_source,
+)
 from dflash_dist.target.capture import build_capture
 from dflash_dist.telemetry.step_trace import TraceWindow, format_timeline, phase
 
@@ -27,12 +36,17 @@ log = logging.getLogger("dflash_dist")
 
 
 def send_head_weights(job, model) -> None:
-    """Random-init targets: the first target hands its embedding and lm_head to every drafter, once."""
+    """Random-init targets: the first target (replica 0's feeder) hands its embedding and lm_head to every
+    drafter, once. A sharded replica reads them whole by key from the checkpoint it was loaded from."""
     path, _ = resolve_source(job.cfg.target)
     topo = job.dist.topo
-    if path is not None or topo.index != 0:
+    if path is not None or topo.index != 0 or topo.replica_rank != 0:
         return
-    embed, head = head_weights(model)
+    if topo.tp > 1:
+        tied = bool(getattr(job.hf_config, "tie_word_embeddings", False))
+        embed, head = load_head_from_checkpoint(random_target_dir(job.run_dir, topo.node_of(topo.rank)), tied)
+    else:
+        embed, head = head_weights(model)
     for d in topo.drafter_ranks:
         dist.send(embed.detach().contiguous(), d, group=job.dist.data)
         dist.send(head.detach().contiguous(), d, group=job.dist.data)
@@ -146,13 +160,76 @@ def serve_last_evaluations(job, evaluator, stopped: bool) -> None:
         evaluator.close()
 
 
-def run_target(job) -> None:
+def load_target(job):
+    """This rank's target: the whole model, or (target.tensor_parallel > 1) its shard of the replica's."""
     cfg, d = job.cfg, job.dist
     topo = d.topo
     t0 = time.time()
-    model = build_target_model(cfg.target, d.device.type)
-    log.info("target loaded in %.1f s (%s, %s)", time.time() - t0, type(model).__name__,
-             next(model.parameters()).dtype)
+    if topo.tp == 1:
+        model = build_target_model(cfg.target, d.device.type)
+    else:
+        node = topo.node_of(topo.rank)
+        key = f"dflash/random_target/node{node}"
+        first_on_node = min(r for r in topo.target_ranks if topo.node_of(r) == node)
+
+        def announce():
+            d.store.set(key, "ready")
+
+        def wait():
+            d.store.wait([key], timedelta(seconds=cfg.topology.warmup_timeout_s))
+        model = build_target_replica(cfg.target, d.device.type, d.tp, random_target_dir(job.run_dir, node),
+                                     build_random=topo.rank == first_on_node, ready=(announce, wait))
+    local, full = local_parameter_bytes(model)
+    log.info("target loaded in %.1f s (%s, %s)%s", time.time() - t0, type(model).__name__,
+             next(model.parameters()).dtype,
+             f"; replica {topo.index} ranks {topo.my_replica}, tensor-parallel: this rank holds {local} of {full} "
+             f"parameter bytes ({100 * local / full:.0f}%)" if topo.tp > 1 else "")
+    return model
+
+
+def replica_stops(d, stop: bool) -> bool:
+    """The ranks of a replica agree whether to run the next message (any of them saw the stop: all stop), so none
+    enters a forward its peers never join. A single-rank replica decides alone."""
+    if d.tp_ctrl is None:
+        return stop
+    flag = torch.tensor([int(stop)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=d.tp_ctrl)
+    return bool(flag.item())
+
+
+def run_replica_follower(job, model) -> None:
+    """A rank of a replica other than its feeder: the same messages, the same forwards (the model's collectives
+    need every rank of the replica), nothing sent."""
+    cfg, d = job.cfg, job.dist
+    topo = d.topo
+    capture = build_capture(cfg.target, model, job.layer_ids, d.device.type)
+    dataset = TokenizedDataset.load(job.dataset_path)
+    fault = fault_for(d.rank)
+    run_messages = job.total_messages - job.start_cursor
+    done, t0 = 0, time.monotonic()
+    for j in topo.target_messages(run_messages):
+        job.life.stop_requested()
+        stop_at = job.life.stop_step()
+        if replica_stops(d, stop_at is not None and j >= (stop_at - job.start_step) * topo.num_drafters):
+            break
+        k = job.start_cursor + j
+        batch = [dataset[i] for i in job.plan[k]]
+        stall_if_due(fault, done)
+        ids, lengths, _, _ = pad_batch(batch, d.device, capture.packing)
+        apply_target_fault(fault, done, capture(ids, lengths))
+        done += 1
+    capture.close()
+    log.info("replica %d rank %d: %d messages run in %.1f s (features sent by rank %d)", topo.index, d.rank, done,
+             time.monotonic() - t0, topo.my_replica[0])
+
+
+def run_target(job) -> None:
+    cfg, d = job.cfg, job.dist
+    topo = d.topo
+    model = load_target(job)
+    if not topo.is_feeder:
+        run_replica_follower(job, model)
+        return
     from dflash_dist.model.fast_path import check_target_fast_path
     check_target_fast_path(model, cfg.target.fast_path, d.device.type)  # logs the binding; require raises
     send_head_weights(job, model)
@@ -203,7 +280,7 @@ def run_target(job) -> None:
     for j in topo.target_messages(run_messages):
         job.life.stop_requested()  # posts this rank's own signal, if it got one
         stop_at = job.life.stop_step()
-        if stop_at is not None and j >= (stop_at - job.start_step) * topo.num_drafters:
+        if replica_stops(d, stop_at is not None and j >= (stop_at - job.start_step) * topo.num_drafters):
             stopped = True  # the drafters stop after step stop_at: nothing later will be trained
             break
         if heads is not None:  # this rank's messages of two rounds back are trained before this one is captured
@@ -250,7 +327,9 @@ def run_target(job) -> None:
         if traced:
             tracer.finish()
         if trace is not None:
-            trace.write(json.dumps({"message": k, "to": topo.drafter_for(j), "samples": len(batch),
+            trace.write(json.dumps({"message": k, "from": d.rank, "from_node": topo.node_of(d.rank),
+                                    "to": topo.drafter_for(j), "to_node": topo.node_of(topo.drafter_for(j)),
+                                    "samples": len(batch),
                                     "tokens": int(lengths.sum()), "t_s": round(wall, 4),
                                     "stall_ms": round(stall_msg * 1e3, 3), "capture_ms": round(capture_msg * 1e3, 3),
                                     "backpressure_ms": round((tx.wait_s - waited) * 1e3, 3),

@@ -62,10 +62,11 @@ def _metrics_steps(run_dir):
 @pytest.mark.slow
 def test_two_agents_as_two_nodes(tmp_path):
     """Two torchrun agents on one machine, one process each, meet through a c10d rendezvous like two nodes would:
-    the drafter (global rank 0) on one, the target (global rank 1) on the other."""
+    the drafter (global rank 0) on one, the target (global rank 1) on the other: a split that cannot be node-local,
+    so it runs only with topology.cross_node=true."""
     out = tmp_path / "run"
     rdzv = f"127.0.0.1:{free_port()}"
-    args = ["-m", "dflash_dist.train", *SHORT_RUN, f"train.output_dir={out}"]
+    args = ["-m", "dflash_dist.train", *SHORT_RUN, f"train.output_dir={out}", "topology.cross_node=true"]
     procs = [torchrun(1, args, nnodes=2, node_rank=i, rdzv=rdzv, popen=True) for i in range(2)]
     results = _wait_all(procs, JOB_TIMEOUT)
     names = ["node 0", "node 1"]

@@ -328,3 +328,33 @@ def test_dflash_plan_cli(tmp_path, data_cache):
     bad = subprocess.run(_plan_cmd() + ["--gpus", "1"], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "every world size must be >= 2" in bad.stderr
+
+
+def test_replica_splits_are_whole_replicas():
+    res = choose_split(8, 10.0 / 2, 4.0, tensor_parallel=2)  # a replica of 2 supplies 10 samples/s
+    assert [r["targets"] for r in res["rows"]] == [2, 4, 6]
+    assert res["target_ranks"] == 4 and res["predicted_samples_per_s"] == pytest.approx(16.0)  # min(2 x 10, 4 x 4)
+    with pytest.raises(ValueError, match="leaves no drafter"):
+        choose_split(2, 1.0, 1.0, tensor_parallel=2)
+
+
+PLAN_MODULE = [sys.executable, "-m", "dflash_dist.cli.plan"]  # this checkout's module, whatever is installed
+
+
+def test_dflash_plan_with_a_replica_supply(tmp_path, data_cache):
+    """target.tensor_parallel=2: drafter demand measured, the replica's supply given (one process cannot run a
+    replica of 2, and says so without --replica-supply)."""
+    out_json = tmp_path / "plan.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    common = ["--gpus", "3,5", "--out", str(out_json), f"train.output_dir={tmp_path}", f"data.cache_dir={data_cache}",
+              "topology.plan_drafter_steps=2", "target.tensor_parallel=2"]
+    bad = subprocess.run(PLAN_MODULE + common, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "one process cannot measure a replica of 2 ranks" in bad.stderr, bad.stderr
+    r = subprocess.run(PLAN_MODULE + common + ["--replica-supply", "7.5"], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    res = json.load(open(out_json))
+    assert "7.5 samples/s per replica of 2 ranks (given with --replica-supply" in r.stdout
+    for split in res["splits"]:
+        assert all(row["targets"] % 2 == 0 for row in split["rows"])
+        assert split["rows"][0]["supply"] == pytest.approx(7.5)

@@ -1,0 +1,175 @@
+"""Target replicas (target.tensor_parallel) and node-local routing under torchrun on CPU (gloo)."""
+
+import json
+import os
+
+import pytest
+from launch_util import torchrun
+
+FEATURE_TOL = 1e-4  # fp32, hidden size 128: the sharded sums reorder the reductions (measured ~5e-6)
+
+
+@pytest.mark.parametrize("random_init", [False, True, "moe"])
+def test_replica_features_equal_one_rank(tmp_path, random_init):
+    """A replica of 2 ranks captures the same features as the whole target on one rank (fp32, within FEATURE_TOL),
+    both ranks of the replica hold the same features, and each holds about half the parameter bytes."""
+    out = tmp_path / "rep"
+    flag = {False: [], True: ["--random"], "moe": ["--moe"]}[random_init]
+    r = torchrun(2, ["tests/tp_features_worker.py", "--out", str(out)] + flag, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    reps = [json.load(open(f"{out}.rank{i}.json")) for i in range(2)]
+    assert reps[0]["max_abs_diff"] < FEATURE_TOL, reps[0]
+    assert reps[0]["max_abs_ref"] > 0.1  # features of a real magnitude were compared
+    assert all(x["ranks_agree"] for x in reps)
+    for x in reps:  # no rank holds the whole model: replicated norms only beside the halves
+        assert x["local_bytes"] < 0.55 * x["full_bytes"], x
+    print(f"features k=2 vs k=1 ({random_init}): max abs diff {reps[0]['max_abs_diff']:.2e} (max |feature| "
+          f"{reps[0]['max_abs_ref']:.2f}); rank bytes {reps[0]['local_bytes']} of {reps[0]['full_bytes']}")
+
+
+def _metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _train(run_dir):
+    return [r for r in _metrics(run_dir) if r["kind"] == "train"]
+
+
+def _accounting(run_dir):
+    return [r for r in _metrics(run_dir) if r["kind"] == "accounting"][-1]
+
+
+def _jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+JOB = ["-m", "dflash_dist.train", "logging.log_every=1", "logging.progress_bar=false", "logging.wandb.mode=disabled",
+       "train.eval_prompts=0", "logging.debug.record_sample_ids=true", "logging.debug.trace_target=true"]
+LOSS_RTOL = 1e-3  # the replica's features differ from one rank's by ~1e-6 relative (FEATURE_TOL above)
+
+
+def test_replica_of_two_trains_like_one_target_rank(tmp_path):
+    """3 ranks (1 drafter + one replica of 2) against 1 + 1 on the same plan: exit 0, closed sample accounting, the
+    same loss at every step within LOSS_RTOL; only the replica's first rank sent (target trace, sample log)."""
+    steps = 8
+    one, rep = tmp_path / "k1", tmp_path / "k2"
+    r1 = torchrun(2, JOB + [f"train.output_dir={one}", f"train.max_steps={steps}"], timeout=300)
+    assert r1.returncode == 0, (r1.stdout + r1.stderr)[-4000:]
+    r2 = torchrun(3, JOB + [f"train.output_dir={rep}", f"train.max_steps={steps}", "topology.target_ranks=2",
+                            "target.tensor_parallel=2"], timeout=300)
+    out = r2.stdout + r2.stderr
+    assert r2.returncode == 0, out[-4000:]
+    assert "replica 0 ranks [1, 2], tensor-parallel: this rank holds" in out
+    assert "replica 0 rank 2:" in out and "(features sent by rank 1)" in out
+    a, b = _train(one), _train(rep)
+    assert [x["step"] for x in a] == [x["step"] for x in b] == list(range(1, steps + 1))
+    for x, y in zip(a, b):
+        assert abs(x["loss"] - y["loss"]) <= LOSS_RTOL * abs(x["loss"]), (x["step"], x["loss"], y["loss"])
+    print("losses k=1:", [round(x["loss"], 5) for x in a], "\nlosses k=2:", [round(y["loss"], 5) for y in b],
+          "\nmax relative difference:", max(abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(a, b)))
+    acc = _accounting(rep)
+    assert acc["samples_sent"] == acc["samples_received"] + acc["samples_dropped_after_stop"]
+    assert acc["samples_received"] == (acc["samples_trained"] + acc["samples_skipped_nonfinite"]
+                                       + acc["samples_skipped_shape"])
+    assert acc["samples_trained"] == _accounting(one)["samples_trained"] > 0
+    assert not os.path.exists(rep / "target_trace" / "rank2.jsonl")  # the follower sends nothing
+    assert {x["from"] for x in _jsonl(rep / "sample_log" / "rank0.jsonl")} == {1}
+
+
+def test_killed_replica_rank_ends_the_job_by_name(tmp_path):
+    """kill -9 of the rank of a replica that sends nothing (rank 2 of replica [1, 2]): the job ends within 60 s,
+    naming it, without a checkpoint."""
+    import signal
+    import subprocess
+    import time
+
+    from test_failures import ARGS, _rank_pids, _wait_for_step
+    p = torchrun(3, ARGS + [f"train.output_dir={tmp_path}", "topology.target_ranks=2", "target.tensor_parallel=2"],
+                 popen=True)
+    _wait_for_step(tmp_path, 3, p)
+    pids = _rank_pids(p.pid)
+    t0 = time.time()
+    os.kill(pids[2], signal.SIGKILL)
+    try:
+        out, _ = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail("survivors still running 60 s after the kill")
+    took = time.time() - t0
+    assert p.returncode != 0 and took < 60
+    assert "rank 2 (target" in out and "died" in out, out[-3000:]
+    assert not os.path.exists(tmp_path / "checkpoints")
+    print(f"job ended {took:.1f} s after the kill")
+
+
+def test_resume_a_replica_run_with_one_rank_per_target(tmp_path):
+    """SIGTERM a 1 drafter + replica-of-2 run (one checkpoint), resume it as 1 + 1 (k=1): every message and every
+    sample of the plan is trained exactly once across the two runs."""
+    import glob
+    import time
+
+    from test_train_e2e import sample_log, sigterm_workers_when
+    common = JOB + [f"train.output_dir={tmp_path}", "data.source=synthetic:40:200", "train.epochs=1",
+                    "target.max_batch_samples=8", "logging.debug.trace_target=false"]
+    p = torchrun(3, common + ["topology.target_ranks=2", "target.tensor_parallel=2"], popen=True)
+    out1 = sigterm_workers_when(p, lambda: any(r["step"] >= 4 for r in _train(tmp_path)), tmp_path,
+                                "first run did not reach step 4")
+    assert p.returncode == 0, out1[-4000:]
+    ckpts = sorted(glob.glob(str(tmp_path / "checkpoints" / "step_*")))
+    assert len(ckpts) == 1
+    meta = json.load(open(os.path.join(ckpts[0], "meta.json")))
+    assert meta["tensor_parallel"] == 2 and 0 < meta["cursor"] < meta["total_messages"]
+    time.sleep(0.5)
+    r = torchrun(2, common + ["topology.target_ranks=1", "train.resume=auto"], timeout=300)
+    out2 = r.stdout + r.stderr
+    assert r.returncode == 0, out2[-4000:]
+    assert "resuming from" in out2
+    log = sample_log(tmp_path)
+    assert sorted(x["k"] for x in log) == list(range(meta["total_messages"]))
+    assert sorted(i for x in log for i in x["ids"]) == list(range(200))
+
+
+def test_two_agents_as_two_nodes_keep_every_message_on_its_node(tmp_path):
+    """Two torchrun agents as two nodes of 2 ranks, each node 1 target + 1 drafter (node-local by default): from
+    the job's own records (targets' per-message trace, drafters' sample log) no message crossed nodes, both nodes'
+    drafters trained, and after every step the two drafters' weights are equal (their data-parallel steps in
+    lockstep)."""
+    from launch_util import free_port
+    from test_launch import _report, _wait_all
+    out = tmp_path / "run"
+    rdzv = f"127.0.0.1:{free_port()}"
+    args = JOB + [f"train.output_dir={out}", "train.max_steps=6", "topology.target_ranks=2"]
+    procs = [torchrun(2, args, nnodes=2, node_rank=i, rdzv=rdzv, popen=True) for i in range(2)]
+    results = _wait_all(procs, 400)
+    assert all(rc == 0 for rc, _ in results), _report(results, ["node 0", "node 1"])
+    text = results[0][1] + results[1][1]
+    assert "node-local: every message stays on its node" in text
+    assert "node 0: drafter ranks [0]; replica 0 ranks [1] (sends from 1) -> drafter ranks [0]" in text
+    assert "node 1: drafter ranks [2]; replica 1 ranks [3] (sends from 3) -> drafter ranks [2]" in text
+    sent = _jsonl(out / "target_trace" / "rank1.jsonl") + _jsonl(out / "target_trace" / "rank3.jsonl")
+    got = {d: _jsonl(out / "sample_log" / f"rank{d}.jsonl") for d in (0, 2)}
+    assert len(sent) == 12 and all(x["from_node"] == x["to_node"] for x in sent)
+    assert all(x["from_node"] == x["to_node"] for v in got.values() for x in v)
+    assert {x["to_node"] for x in sent} == {0, 1}
+    steps = {d: {x["step"]: x["weights_fp"] for x in v} for d, v in got.items()}
+    assert sorted(steps[0]) == sorted(steps[2]) == list(range(6))
+    assert all(steps[0][s] == steps[2][s] for s in steps[0]), steps
+    assert len({steps[0][s] for s in steps[0]}) == 6  # the weights did change every step
+
+
+def test_auto_split_measures_a_replica(tmp_path):
+    """topology.target_ranks=auto with target.tensor_parallel=2: the last 2 ranks measure the supply as one replica,
+    the splits are whole replicas, and the job runs the chosen one."""
+    r = torchrun(3, JOB + [f"train.output_dir={tmp_path}", "train.max_steps=3", "topology.target_ranks=auto",
+                           "target.tensor_parallel=2", "topology.plan_target_batches=2",
+                           "topology.plan_drafter_steps=2"], timeout=400)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert "measuring target supply on this rank (replica [1, 2] of target.tensor_parallel=2)" in out
+    plan = json.load(open(tmp_path / "plan.json"))
+    assert plan["measured"] and plan["supply"]["tensor_parallel"] == 2 and plan["target_ranks"] == 2
+    assert plan["supply"]["replica_samples_per_s"] == 2 * plan["supply"]["samples_per_s"]
+    assert [row["targets"] for row in plan["rows"]] == [2]
+    assert _train(tmp_path)[-1]["step"] == 3

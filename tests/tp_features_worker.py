@@ -1,0 +1,82 @@
+"""Worker for tests/integration/test_replicas.py::test_replica_features_equal_one_rank (torchrun, gloo, 2 ranks).
+
+Both ranks form one target replica of 2 (target.tensor_parallel=2) and capture the same messages; rank 0 also
+builds the whole target alone (k=1) and captures them again. Writes a JSON report: max abs difference of the
+features, and each rank's parameter bytes against the whole model's. ``--random``: a random-init target
+(target.hf_config with the tiny shape), which goes through the sharded init path (built once, saved, loaded
+sharded)."""
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from dflash_dist.config import TargetConfig
+from dflash_dist.model.hf import build_target_model, build_target_replica, local_parameter_bytes, resolve_source
+from dflash_dist.target.capture import FeatureCapture
+
+TINY = {"model_type": "qwen3", "vocab_size": 2048, "hidden_size": 128, "intermediate_size": 384,
+        "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "tie_word_embeddings": False}
+# Qwen3-MoE-shaped (the 235B-A22B family): transformers' tp_plan="auto" shards every expert over the replica
+# ("moe_tp_experts"); its expert-parallel plan (ep_plan) is not used here
+TINY_MOE = {**TINY, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+            "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--random", action="store_true")
+    ap.add_argument("--moe", action="store_true", help="a random-init Qwen3-MoE-shaped target (implies --random)")
+    ap.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (nccl, one GPU per rank)")
+    args = ap.parse_args()
+    dev = args.device
+    if dev == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])))
+    else:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    group = dist.new_group(ranks=[0, 1])
+    store = dist.distributed_c10d._get_default_store()
+    args.random = args.random or args.moe
+    tcfg = TargetConfig(hf_config=dict(TINY_MOE if args.moe else TINY), init_seed=3, dtype="float32") if args.random else \
+        TargetConfig(hf_config={"builtin": "tiny"}, dtype="float32")
+    assert (resolve_source(tcfg)[0] is None) == args.random
+    rdir = os.path.join(os.path.dirname(args.out), "random_target")
+    model = build_target_replica(tcfg, dev, group, rdir, build_random=rank == 0,
+                                 ready=(lambda: store.set("ready", "1"), lambda: store.wait(["ready"])))
+    layer_ids = [1, 3, 5, 7]
+    cap = FeatureCapture(model, layer_ids)
+    g = torch.Generator().manual_seed(0)
+    msgs = []
+    for _ in range(4):
+        lengths = torch.randint(5, 60, (3,), generator=g)
+        ids = torch.zeros(3, int(lengths.max()), dtype=torch.long)
+        for i, n in enumerate(lengths.tolist()):
+            ids[i, :n] = torch.randint(0, 2048, (n,), generator=g)
+        msgs.append((ids.to(dev), lengths))
+    feats = [cap(ids, lengths) for ids, lengths in msgs]
+    local, full = local_parameter_bytes(model)
+    import transformers
+    rep = {"transformers": transformers.__version__, "torch": torch.__version__, "device": dev, "rank": rank, "local_bytes": local, "full_bytes": full, "shapes": [list(f.shape) for f in feats]}
+    if rank == 0:
+        ref = build_target_model(tcfg, dev)
+        rcap = FeatureCapture(ref, layer_ids)
+        refs = [rcap(ids, lengths) for ids, lengths in msgs]
+        rep["max_abs_diff"] = max(float((a - b).abs().max()) for a, b in zip(feats, refs))
+        rep["max_abs_ref"] = max(float(b.abs().max()) for b in refs)
+    other = [None, None]
+    dist.all_gather_object(other, [f.cpu().tolist() for f in feats])
+    rep["ranks_agree"] = other[0] == other[1]
+    with open(f"{args.out}.rank{rank}.json", "w") as f:
+        json.dump(rep, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
