@@ -8,19 +8,39 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 import torch.distributed as dist
 
 from dflash_dist.comm.lifecycle import Lifecycle
 from dflash_dist.config import ConfigError, JobConfig
+from dflash_dist.data.conversations import DataError
 from dflash_dist.job import setup
 
 log = logging.getLogger("dflash_dist")
 
 
+KEY_USAGE_ERROR = "dflash/usage_error"
+
+
+def quiet_profiler(cfg: JobConfig) -> None:
+    """Kineto prints a ``USDT: ... profiler_start`` / ``profiler_stop`` line at every profiler window (the startup
+    report profiles one step): silenced unless profiling was asked for (logging.profile_step) or KINETO_LOG_LEVEL
+    is set. Level 6 is above all of Kineto's levels (USDT is 5); it is read when the profiler starts."""
+    if cfg.logging.profile_step < 0:
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+
 def run(cfg: JobConfig) -> int:
+    quiet_profiler(cfg)
     job = setup(cfg)
+    if job.nothing_left is not None:  # a finished run resumed: say so once, every rank exits 0 now
+        if int(os.environ.get("RANK", "0")) == 0:
+            log.info("%s", job.nothing_left)
+        dist.barrier(group=job.ctrl)
+        dist.destroy_process_group()
+        return 0
     topo = job.dist.topo
     job.life = Lifecycle(job.dist.store, topo.rank, topo.role, topo.world_size, topo.role_of)
     try:
@@ -51,13 +71,40 @@ def _hydra_main():
     def entry(dcfg: DictConfig) -> None:
         try:
             run(JobConfig.from_omegaconf(dcfg))
-        except ConfigError as e:  # before any model loads: say what to change, exit 2
-            print(f"dflash_dist: configuration error: {e}", file=sys.stderr)
-            if dist.is_initialized():  # NCCL tears down badly without it (a peer segfaulted at exit)
-                dist.destroy_process_group()
-            sys.exit(2)
+        except (ConfigError, DataError) as e:  # before any model loads: say what to change, once; exit 2
+            usage_error_exit(e)
 
     entry()
+
+
+def _first_to_report(text: str) -> bool:
+    """One rank prints a configuration or data error: the first to post it in the rendezvous store (every rank
+    usually has the same one); rank 0 when there is no process group yet."""
+    rank = int(os.environ.get("RANK", "0"))
+    if not dist.is_initialized():
+        return rank == 0
+    try:
+        mine = f"{rank}\n{text}"
+        return dist.distributed_c10d._get_default_store().compare_set(KEY_USAGE_ERROR, "", mine).decode() == mine
+    except Exception:
+        return rank == 0
+
+
+def usage_error_exit(e: Exception) -> None:
+    """Print a ConfigError/DataError once (no traceback), exit 2 on every rank. torchrun SIGTERMs the other
+    workers as soon as one exits: they are on their way out with the same error, so a SIGTERM now exits 2 too."""
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(2))
+    kind = "configuration error" if isinstance(e, ConfigError) else "data error"
+    if _first_to_report(str(e)):
+        print(f"dflash_dist: {kind}: {e}", file=sys.stderr, flush=True)
+    if dist.is_initialized():  # NCCL tears down badly without it (a peer segfaulted at exit)
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(2)
 
 
 def main() -> None:
