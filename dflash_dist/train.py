@@ -10,6 +10,8 @@ import logging
 import os
 import signal
 import sys
+import time
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -22,6 +24,7 @@ log = logging.getLogger("dflash_dist")
 
 
 KEY_USAGE_ERROR = "dflash/usage_error"
+KEY_USAGE_ERROR_RANKS = "dflash/usage_error_ranks"
 
 
 def quiet_profiler(cfg: JobConfig) -> None:
@@ -90,11 +93,30 @@ def _first_to_report(text: str) -> bool:
         return rank == 0
 
 
+def _wait_for_peers(timeout_s: float = 20.0) -> None:
+    """Count this rank in and wait (bounded) until every rank has: torchrun SIGTERMs the other workers as soon as
+    one exits, and a rank still on its way to the same error (slower imports) would die of that signal (-15)
+    instead of exiting 2. A rank that never comes (another state) only delays the exit by ``timeout_s``."""
+    try:
+        if not dist.is_initialized():  # an error before the process group (the config itself): join one now
+            dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+        store, world = dist.distributed_c10d._get_default_store(), dist.get_world_size()
+        store.add(KEY_USAGE_ERROR_RANKS, 1)
+        deadline = time.monotonic() + timeout_s
+        while store.add(KEY_USAGE_ERROR_RANKS, 0) < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:
+        pass
+
+
 def usage_error_exit(e: Exception) -> None:
-    """Print a ConfigError/DataError once (no traceback), exit 2 on every rank. torchrun SIGTERMs the other
-    workers as soon as one exits: they are on their way out with the same error, so a SIGTERM now exits 2 too."""
+    """Print a ConfigError/DataError once (no traceback), exit 2 on every rank (they all raise it: the checks are
+    the same everywhere, rank 0's data preparation hands its errors to every rank). A SIGTERM from here on (torchrun
+    stopping the group once a worker exited) exits 2 as well."""
     signal.signal(signal.SIGTERM, lambda *_: os._exit(2))
     kind = "configuration error" if isinstance(e, ConfigError) else "data error"
+    if "RANK" in os.environ:
+        _wait_for_peers()
     if _first_to_report(str(e)):
         print(f"dflash_dist: {kind}: {e}", file=sys.stderr, flush=True)
     if dist.is_initialized():  # NCCL tears down badly without it (a peer segfaulted at exit)

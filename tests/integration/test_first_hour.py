@@ -37,7 +37,7 @@ def _timed_torchrun(nproc, args, cwd, timeout=240):
 
 
 def _rank_exit_codes(out):
-    return [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", out)]
+    return [int(c) for c in re.findall(r"exitcode\s+:\s*(-?\d+)", out)]
 
 
 def test_runs_get_their_own_directory_and_resume_never_hangs_or_mixes(tmp_path):
