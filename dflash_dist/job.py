@@ -306,6 +306,8 @@ def build_job(cfg: JobConfig, rank: int, world_size: Optional[int], ctrl, device
     if rank == 0:
         log.info("target layers %s of %d, mask token %d, device %s", layer_ids, tc.num_hidden_layers, mask_id,
                  device_type)
+        if world_size is not None:
+            log.info("run directory: %s (%s)", run_dir, f"resuming {resume_from}" if resume_from else "new run")
     cache = cfg.data.cache_dir or os.path.join(run_dir, "data_cache")
     ds_path, ho_path = prepare_data(cfg, rank, ctrl, cache, tok_path, tc.vocab_size, _cache_key(identity))
 
@@ -441,7 +443,6 @@ def write_run_files(job: Job) -> None:
         os.replace(path, os.path.join(d, f"config.before-step{job.start_step}.json"))
     with open(path, "w") as f:
         json.dump(job.cfg.to_dict(), f, indent=1)
-    log.info("run directory: %s (%s)", d, "resumed" if job.resume_from else "new run")
 
 
 
