@@ -424,7 +424,7 @@ def setup(cfg: JobConfig) -> Job:
         t = int(job.auto_split["target_ranks"])
     topo = Topology(world, rank, t)
     setup_logging(rank, topo.role)
-    job.dist = make_groups(topo, device, timeout_s, ctrl, heads=cfg.drafter.loss_on_target)
+    job.dist = make_groups(topo, device, timeout_s, ctrl, heads=cfg.drafter.tuning.loss_on_target)
     fix_total(job, topo.num_drafters)
     if rank == 0:
         log.info("topology: %s", topo.describe())

@@ -29,9 +29,9 @@ KEY_USAGE_ERROR_RANKS = "dflash/usage_error_ranks"
 
 def quiet_profiler(cfg: JobConfig) -> None:
     """Kineto prints a ``USDT: ... profiler_start`` / ``profiler_stop`` line at every profiler window (the startup
-    report profiles one step): silenced unless profiling was asked for (logging.profile_step) or KINETO_LOG_LEVEL
+    report profiles one step): silenced unless profiling was asked for (logging.debug.profile_step) or KINETO_LOG_LEVEL
     is set. Level 6 is above all of Kineto's levels (USDT is 5); it is read when the profiler starts."""
-    if cfg.logging.profile_step < 0:
+    if cfg.logging.debug.profile_step < 0:
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 
@@ -69,6 +69,9 @@ def run(cfg: JobConfig) -> int:
 def _hydra_main():
     import hydra
     from omegaconf import DictConfig
+
+    from dflash_dist.config import register_config_groups
+    register_config_groups()  # each group's dataclass defaults as its `base` option (conf/ holds only presets)
 
     @hydra.main(config_path="conf", config_name="config", version_base=None)
     def entry(dcfg: DictConfig) -> None:
