@@ -20,6 +20,8 @@ import json
 import os
 from typing import Optional
 
+from dflash_dist.data.conversations import builtin_conversations
+
 PARTS = ("data", "tokenizer", "target", "drafter", "plan")
 
 # what to look at when a part differs (the message of a refused resume)
@@ -68,7 +70,6 @@ def data_source_hash(source: str) -> str:
     if source.startswith("synthetic:"):
         return _sha(source.encode())
     if source == "builtin":
-        from dflash_dist.data.conversations import builtin_conversations
         return _sha(json.dumps(builtin_conversations(), sort_keys=True).encode())
     return file_sha256(source)
 
