@@ -242,14 +242,14 @@ def resolve_run(cfg: JobConfig, identity: dict) -> dict:
         if resume == "none":
             why = "a new run (train.resume=none) would mix its files with that run's"
         else:
-            why = "that run belongs to other settings:\n  - " + "\n  - ".join(differences(recorded, identity))
+            why = "this job cannot continue it:\n  - " + "\n  - ".join(differences(recorded, identity))
         raise ConfigError(f"train.output_dir={run_dir} already holds a run ({', '.join(markers)}); {why}.\n"
                           + _new_run_hint(run_dir))
     resume_from = ckpt_path or latest
     if resume_from is not None:
         diffs = differences(_meta(resume_from).get("identity"), identity)
         if diffs:
-            raise ConfigError(f"train.resume: checkpoint {resume_from} (run {run_dir}) belongs to other settings:"
+            raise ConfigError(f"train.resume: checkpoint {resume_from} (run {run_dir}) cannot be continued by this job:"
                               f"\n  - " + "\n  - ".join(diffs) + "\n" + _new_run_hint(run_dir))
     elif resume == "auto" and markers:
         log.warning("train.resume=auto: %s has no complete checkpoint: this run starts again from step 0 there",

@@ -25,6 +25,7 @@ log = logging.getLogger("dflash_dist")
 
 KEY_USAGE_ERROR = "dflash/usage_error"
 KEY_USAGE_ERROR_RANKS = "dflash/usage_error_ranks"
+_ROLES_RUNNING = False  # set once setup is done: a later ConfigError is one rank's, the others do not wait for it
 
 
 def quiet_profiler(cfg: JobConfig) -> None:
@@ -45,6 +46,8 @@ def run(cfg: JobConfig) -> int:
         dist.destroy_process_group()
         return 0
     topo = job.dist.topo
+    global _ROLES_RUNNING
+    _ROLES_RUNNING = True  # from here a rank's error is reported through the Lifecycle (the others exit 1)
     job.life = Lifecycle(job.dist.store, topo.rank, topo.role, topo.world_size, topo.role_of)
     try:
         if topo.role == "target":
@@ -118,7 +121,7 @@ def usage_error_exit(e: Exception) -> None:
     stopping the group once a worker exited) exits 2 as well."""
     signal.signal(signal.SIGTERM, lambda *_: os._exit(2))
     kind = "configuration error" if isinstance(e, ConfigError) else "data error"
-    if "RANK" in os.environ:
+    if "RANK" in os.environ and not _ROLES_RUNNING:
         _wait_for_peers()
     if _first_to_report(str(e)):
         print(f"dflash_dist: {kind}: {e}", file=sys.stderr, flush=True)
