@@ -191,3 +191,15 @@ def test_small_files_train_with_a_holdout_scaled_to_the_data(tmp_path, caplog):
     assert "5 held out" in caplog.text
     from dflash_dist.data.tokenize import TokenizedDataset
     assert len(TokenizedDataset.load(ds_path)) == 45
+
+
+def test_dflash_eval_finds_the_same_held_out_conversations(tmp_path):
+    """dflash-eval rebuilds the held-out prompts from the run's data section: the same scaled split."""
+    from dflash_dist.config import DataConfig
+    from dflash_dist.eval.prompts import holdout_conversations
+    with open(REGENERATED_JSONL) as f:
+        rows = [next(f) for _ in range(50)]
+    _, ho_path = _prepare(tmp_path, rows, holdout=64)
+    written = [json.loads(x)["messages"] for x in open(ho_path)]
+    again = holdout_conversations(DataConfig(source=str(tmp_path / "data.jsonl"), holdout=64))
+    assert [c["messages"] for c in again] == written and len(written) == 5
