@@ -56,7 +56,8 @@ class Job:
     sample_lengths: Optional[list] = None  # token length of every sample (plan shapes for the compile guard)
     auto_split: Optional[dict] = None  # topology.target_ranks=auto: measured rates and the chosen split (plan.json)
     identity: Optional[dict] = None    # what the run belongs to (checkpoint.identity), recorded in every checkpoint
-    epoch_messages: int = 0            # messages of one epoch of the plan
+    epoch_messages: int = 0            # messages of the first epoch of the plan
+    epochs_messages: int = 0           # messages of train.epochs epochs of the plan
     resumed_meta: Optional[dict] = None  # meta.json of the checkpoint resumed from
     nothing_left: Optional[str] = None   # a resumed run with nothing left to train: why (every rank exits 0)
     ctrl: object = None                  # the ctrl group while ``dist`` is None (a run with nothing left to train)
@@ -319,7 +320,8 @@ def build_job(cfg: JobConfig, rank: int, world_size: Optional[int], ctrl, device
     job = Job(cfg=cfg, dist=None, run_dir=run_dir, hf_config=hf_config, layer_ids=layer_ids, mask_token_id=mask_id,
               tokenizer_path=tok_path, dataset_path=ds_path, holdout_path=ho_path, plan=plan,
               total_messages=len(plan), start_cursor=0, start_step=0, resume_from=resume_from,
-              sample_lengths=lengths, identity=identity, epoch_messages=len(epoch_plan))
+              sample_lengths=lengths, identity=identity, epoch_messages=len(epoch_plan),
+              epochs_messages=len(plan))
     if resume_from is not None:
         meta = _meta(resume_from)
         diffs = differences(meta.get("identity"), identity, parts=("plan",))
@@ -355,13 +357,16 @@ def _nothing_left(job: Job) -> Optional[str]:
 
 
 def _epochs_total(job: Job) -> int:
-    return job.cfg.train.epochs * job.epoch_messages
+    """Messages of train.epochs epochs (each epoch packs its own shuffle: their sizes differ a little)."""
+    return job.epochs_messages
 
 
 def _extend_plan(job: Job, n_messages: int) -> None:
-    if len(job.plan) < n_messages:
-        epochs = -(-n_messages // max(job.epoch_messages, 1))
+    """More epochs of the same plan until it holds ``n_messages`` (the first epochs unchanged)."""
+    epochs = max(1, -(-n_messages // max(job.epoch_messages, 1)))
+    while len(job.plan) < n_messages:
         job.plan = plan_for(job.sample_lengths, job.cfg, epochs)
+        epochs += 1
 
 
 def fix_total(job: Job, num_drafters: int) -> None:
@@ -377,7 +382,7 @@ def fix_total(job: Job, num_drafters: int) -> None:
                f"epoch(s) of {job.epoch_messages} messages (train.epochs is not used)")
     else:
         want = _epochs_total(job)
-        how = f"train.epochs={t.epochs}: {want} messages ({job.epoch_messages} per epoch)"
+        how = f"train.epochs={t.epochs}: {want} messages"
     if meta is not None:
         before = (meta.get("job_config") or {}).get("train", {})
         same = before.get("max_steps") == t.max_steps and (t.max_steps > 0 or before.get("epochs") == t.epochs)

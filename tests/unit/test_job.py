@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 
 import pytest
@@ -111,7 +112,7 @@ def _job(c, lengths, resumed=None):
     j = jobmod.Job(cfg=c, dist=None, run_dir="x", hf_config=None, layer_ids=[1], mask_token_id=0, tokenizer_path="",
                    dataset_path="", holdout_path="", plan=jobmod.plan_for(lengths, c, c.train.epochs),
                    total_messages=0, start_cursor=0, start_step=0, resume_from=None, sample_lengths=lengths,
-                   epoch_messages=len(epoch))
+                   epoch_messages=len(epoch), epochs_messages=len(jobmod.plan_for(lengths, c, c.train.epochs)))
     if resumed:
         j.resume_from, j.resumed_meta = "ck", resumed
         j.start_step, j.start_cursor = resumed["step"], resumed["cursor"]
@@ -126,11 +127,19 @@ def test_max_steps_trains_exactly_that_many_steps_repeating_the_data():
     jobmod.fix_total(j, num_drafters=2)
     assert j.total_messages == 60 and len(j.plan) >= 60
     assert j.plan[:len(epoch)] == epoch  # more epochs of the same plan, the same order
+    # mixed lengths under a token budget: each epoch packs to its own number of messages (here 58, then fewer)
     c2 = cfg(max_steps=-1, epochs=3)
-    c2.target.max_batch_samples = 16
-    j2, epoch2 = _job(c2, [20] * 180)
+    c2.target.max_batch_samples, c2.target.max_batch_tokens, c2.data.sort_window_batches = 16, 1024, 1
+    r = random.Random(0)
+    lengths = [r.randint(16, 400) for _ in range(180)]
+    j2, epoch2 = _job(c2, lengths)
     jobmod.fix_total(j2, num_drafters=2)
-    assert j2.total_messages == 3 * len(epoch2)
+    assert j2.total_messages == len(jobmod.plan_for(lengths, c2, 3)) == len(j2.plan) != 3 * len(epoch2)
+    c3 = cfg(max_steps=100, epochs=3)
+    c3.target.max_batch_samples, c3.target.max_batch_tokens, c3.data.sort_window_batches = 16, 1024, 1
+    j3, _ = _job(c3, lengths)
+    jobmod.fix_total(j3, num_drafters=2)
+    assert j3.total_messages == 200 and len(j3.plan) >= 200
 
 
 def test_resume_with_a_larger_max_steps_extends_and_a_finished_run_has_nothing_left(caplog):
