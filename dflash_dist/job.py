@@ -28,9 +28,10 @@ from dflash_dist.checkpoint.store import checkpoint_problem, find_latest
 from dflash_dist.comm.distributed import Dist, init_distributed, make_ctrl_group, make_groups, setup_logging
 from dflash_dist.comm.topology import Topology
 from dflash_dist.config import ConfigError, JobConfig, resolve_device, validate_job
-from dflash_dist.data.conversations import BadDataStats, DataError, builtin_conversations, read_jsonl_conversations
-from dflash_dist.data.plan import build_plan, holdout_size, split_holdout
-from dflash_dist.data.tokenize import TokenizedDataset, build_tokenized_dataset
+from dflash_dist.data.conversations import BadDataStats, DataError
+from dflash_dist.data.plan import build_plan
+from dflash_dist.data.sources import no_usable_data, prepare_conversations
+from dflash_dist.data.tokenize import TokenizedDataset
 
 log = logging.getLogger("dflash_dist")
 
@@ -95,12 +96,6 @@ def _cache_key(identity: dict) -> str:
     return hashlib.sha1(json.dumps([identity["data"]["hash"], identity["tokenizer"]["hash"]]).encode()).hexdigest()[:12]
 
 
-def _no_usable_data(source: str, stats: BadDataStats) -> DataError:
-    what = "the packaged corpus" if source == "builtin" else f"data.source={source}"
-    return DataError(f"{what}: no usable conversation in {stats.total} row(s); fix the file or point data.source "
-                     f"at another one\n{stats.summary()}")
-
-
 def prepare_data(cfg: JobConfig, rank: int, ctrl, cache: str, tok_path: str, vocab: int,
                  key: str) -> tuple[str, str]:
     """Rank 0 tokenizes once (worker processes) into a cache; everyone else waits for it (``ctrl``) and reads it.
@@ -122,31 +117,24 @@ def prepare_data(cfg: JobConfig, rank: int, ctrl, cache: str, tok_path: str, voc
             return
         os.makedirs(cache, exist_ok=True)
         stats = BadDataStats()
-        if cfg.data.source == "builtin":
-            convs = builtin_conversations()
-        else:
-            convs = read_jsonl_conversations(cfg.data.source, stats)
-        if not convs:
-            raise _no_usable_data(cfg.data.source, stats)
-        n_hold = holdout_size(len(convs), cfg.data.holdout)
-        train_ids, holdout_ids = split_holdout(len(convs), n_hold, cfg.data.shuffle_seed)
         t0 = time.time()
-        ds = build_tokenized_dataset([convs[i] for i in train_ids], tok_path, cfg.data.max_length,
-                                     cfg.data.overlong, cfg.data.num_workers, stats, vocab_size=vocab)
+        # streamed (two passes: count, then tokenize): the corpus is never in memory, only its tokens; an empty
+        # source (no usable conversation) is one DataError naming it, its rows and why (data.sources)
+        ds, held = prepare_conversations(cfg.data.source, cfg.data.holdout, cfg.data.shuffle_seed, tok_path,
+                                         cfg.data.max_length, cfg.data.overlong, cfg.data.num_workers, stats,
+                                         vocab_size=vocab, chat_template_kwargs=cfg.data.chat_template_kwargs)
         if len(ds) == 0:
-            raise _no_usable_data(cfg.data.source, stats)
+            raise no_usable_data(cfg.data.source, stats)
         stats.check(cfg.data.max_bad_fraction)
         if stats.bad_rows or stats.notes:
             log.warning("data: %s", stats.summary())
-        log.info("data: %d conversations, %d held out for evaluation (data.holdout=%d, at most 10%% of the data)",
-                 len(convs), len(holdout_ids), cfg.data.holdout)
         log.info("data: %d training samples, %d tokens (tokenized in %.1f s)", len(ds), int(ds.lengths.sum()),
                  time.time() - t0)
         ds.save(ds_path)
         tmp = ho_path + ".tmp"
         with open(tmp, "w") as f:
-            for i in holdout_ids:
-                f.write(json.dumps(convs[i]) + "\n")
+            for conv in held:
+                f.write(json.dumps(conv) + "\n")
         os.replace(tmp, ho_path)
 
     on_rank0(ctrl, rank, build)
@@ -283,13 +271,15 @@ def build_job(cfg: JobConfig, rank: int, world_size: Optional[int], ctrl, device
     layer_ids = validate_job(cfg, world_size, tc.num_hidden_layers, tc.vocab_size, mask_id)
     from dflash_dist.model.drafter import DrafterModelConfig
     DrafterModelConfig.from_target(tc, num_layers=cfg.drafter.num_layers, num_feature_layers=len(layer_ids),
-                                   block_size=cfg.drafter.block_size, intermediate_size=cfg.drafter.intermediate_size)
+                                   block_size=cfg.drafter.block_size, intermediate_size=cfg.drafter.intermediate_size,
+                                   layer_types=cfg.drafter.layer_types, sliding_window=cfg.drafter.sliding_window)
     from dflash_dist.model.fast_path import check_fast_path_for_config
     check_fast_path_for_config(hf_config, cfg.target.fast_path, device_type, cfg.target.attn_implementation)
     check_packing_config(cfg.target, hf_config)  # target.packing=on for a hybrid: refused before weights load
     src = cfg.data.source
-    if src not in ("builtin",) and not src.startswith("synthetic:") and not os.path.isfile(src):
-        raise ConfigError(f"data.source={src!r}: no such file (use builtin or a JSONL path)")
+    if src != "builtin" and not src.startswith("synthetic:") and not os.path.exists(src):
+        raise ConfigError(f"data.source={src!r}: no such file or directory (builtin, a .jsonl/.json/.parquet/.arrow "
+                          "file or a datasets save_to_disk directory)")
     part = {"target": target_identity(cfg, hf_config),
             "drafter": drafter_identity(cfg, layer_ids, mask_id, tc.hidden_size)}
 

@@ -26,7 +26,7 @@ PARTS = ("data", "tokenizer", "target", "drafter", "plan")
 
 # what to look at when a part differs (the message of a refused resume)
 PART_KEYS = {
-    "data": "data.source (its content) and data.{max_length, overlong, holdout, shuffle_seed}",
+    "data": "data.source (its content) and data.{max_length, overlong, holdout, shuffle_seed, chat_template_kwargs}",
     "tokenizer": "target.tokenizer (the tokenizer files' content)",
     "target": "target.name_or_path / target.hf_config / target.init_seed",
     "drafter": "drafter.{num_layers, block_size, intermediate_size, mask_token_id}, target.layer_ids",
@@ -71,16 +71,25 @@ def data_source_hash(source: str) -> str:
         return _sha(source.encode())
     if source == "builtin":
         return _sha(json.dumps(builtin_conversations(), sort_keys=True).encode())
+    if os.path.isdir(source):  # a datasets save_to_disk directory: every file, by relative path and content
+        h = hashlib.sha256()
+        for root, dirs, files in os.walk(source):
+            dirs.sort()
+            for name in sorted(files):
+                path = os.path.join(root, name)
+                h.update(os.path.relpath(path, source).encode() + b"\0" + file_sha256(path).encode())
+        return h.hexdigest()
     return file_sha256(source)
 
 
 def data_identity(cfg, tok_path: str, vocab: int) -> dict:
     """The ``data`` and ``tokenizer`` parts (before anything is tokenized: also the data cache's key)."""
     d = cfg.data
-    settings = [d.max_length, d.overlong, d.holdout, d.shuffle_seed, int(vocab)]
+    settings = [d.max_length, d.overlong, d.holdout, d.shuffle_seed, int(vocab),
+                sorted((getattr(d, "chat_template_kwargs", None) or {}).items())]
     label = "builtin" if d.source == "builtin" else d.source if d.source.startswith("synthetic:") \
         else os.path.basename(d.source)
-    data = _sha(json.dumps([data_source_hash(d.source), settings]).encode())
+    data = _sha(json.dumps([data_source_hash(d.source), settings], default=repr).encode())
     return {"data": {"hash": data[:16], "label": f"{label}, max_length {d.max_length}, holdout {d.holdout}, "
                                                  f"seed {d.shuffle_seed}"},
             "tokenizer": {"hash": tokenizer_hash(tok_path)[:16], "label": os.path.basename(os.path.normpath(tok_path))}}
