@@ -352,7 +352,8 @@ class DataConfig:
     (less padding on the target). 1 = no bucketing: every batch mixes lengths (smoother loss on tiny data)."""
 
     holdout: int = 256
-    """Conversations kept out of training for acceptance evaluation (prompts only). 256: on the tiny default the
+    """Conversations kept out of training for acceptance evaluation (prompts only), at most 10% of the data's
+    conversations (none for fewer than 10; the log says how many). 256: on the tiny default the
     pooled tau over 256 held-out prompts has a bootstrap standard deviation of 0.10 (5% of 1.87) and z-lab's
     per-prompt-mean tau 0.36 (5% of 7.07); over 16 prompts they are 0.70 and 1.40 (docs/benchmarks.md)."""
 
@@ -465,14 +466,19 @@ class TrainTuning:
 
 @dataclass
 class TrainConfig:
-    output_dir: str = "outputs/default"
-    """Run directory: resolved config, metrics.jsonl, checkpoints, wandb files. One per job."""
+    output_dir: Optional[str] = None
+    """Run directory: run.json (what the run belongs to: data, tokenizer, target, drafter, plan, by content),
+    config.json (the resolved config), metrics.jsonl, checkpoints, wandb files. One run per directory. None: a new
+    ``outputs/run-YYYYmmdd-HHMMSS`` under the current directory for every run (rank 0 picks it, every rank uses
+    it). A directory that already holds a run is refused unless ``resume`` continues that run."""
 
     max_steps: int = -1
-    """Stop after this many optimizer steps; -1: run ``epochs`` over the data."""
+    """Train exactly this many optimizer steps, repeating the data as needed (more epochs in the plan); -1: run
+    ``epochs`` over the data. A resume with a larger value extends the run (logged)."""
 
     epochs: int = 6
-    """Passes over the training data (the paper's 6)."""
+    """Passes over the training data (the paper's 6); used only when ``max_steps`` is -1. A resume with a larger
+    value extends the run (logged)."""
 
     lr: float = 6e-4
     """Peak AdamW learning rate."""
@@ -505,7 +511,10 @@ class TrainConfig:
     """How many step checkpoints to keep."""
 
     resume: str = "none"
-    """none, auto (newest valid checkpoint in output_dir), or a checkpoint directory."""
+    """none (a new run), auto (the newest complete checkpoint of ``output_dir``; without ``output_dir``, of the
+    newest run under outputs/ with the same data, tokenizer, target and drafter), or a checkpoint directory.
+    A checkpoint of other data, tokenizer, target, drafter shape or batching plan is refused before any model
+    loads, naming what differs; one with nothing left to train ends the job at once (exit 0)."""
 
     eval_every: int = 0
     """Acceptance-length evaluation every N steps on the target ranks (0: only at the end if eval_prompts > 0)."""
@@ -584,7 +593,8 @@ class LoggingConfig:
     """Log metrics every N steps (console, metrics.jsonl, wandb)."""
 
     progress_bar: bool = True
-    """Rank 0 shows a progress bar with samples/s and ETA."""
+    """Rank 0 shows a progress bar with samples/s and ETA when its stderr is a terminal (else, and with false, one
+    log line per logged step)."""
 
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Weights & Biases settings."""

@@ -7,18 +7,30 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Optional
 
 import torch.distributed as dist
 
+from dflash_dist.checkpoint.identity import (
+    data_identity,
+    differences,
+    drafter_identity,
+    plan_identity,
+    read_run_json,
+    run_markers,
+    target_identity,
+    write_run_json,
+)
+from dflash_dist.checkpoint.store import checkpoint_problem, find_latest
 from dflash_dist.comm.distributed import Dist, init_distributed, make_ctrl_group, make_groups, setup_logging
 from dflash_dist.comm.topology import TopologyError, make_topology
 from dflash_dist.config import ConfigError, JobConfig, resolve_device, validate_job
-from dflash_dist.data.conversations import BadDataStats, builtin_conversations
+from dflash_dist.data.conversations import BadDataStats, DataError
 from dflash_dist.data.plan import build_plan
-from dflash_dist.data.sources import prepare_conversations
+from dflash_dist.data.sources import no_usable_data, prepare_conversations
 from dflash_dist.data.tokenize import TokenizedDataset
 
 log = logging.getLogger("dflash_dist")
@@ -44,74 +56,213 @@ class Job:
     life: object = None   # lifecycle.Lifecycle: signals, stop agreement, failure reports
     sample_lengths: Optional[list] = None  # token length of every sample (plan shapes for the compile guard)
     auto_split: Optional[dict] = None  # topology.target_ranks=auto: measured rates and the chosen split (plan.json)
+    identity: Optional[dict] = None    # what the run belongs to (checkpoint.identity), recorded in every checkpoint
+    epoch_messages: int = 0            # messages of the first epoch of the plan
+    epochs_messages: int = 0           # messages of train.epochs epochs of the plan
+    resumed_meta: Optional[dict] = None  # meta.json of the checkpoint resumed from
+    nothing_left: Optional[str] = None   # a resumed run with nothing left to train: why (every rank exits 0)
+    ctrl: object = None                  # the ctrl group while ``dist`` is None (a run with nothing left to train)
 
 
-def _dataset_key(cfg: JobConfig, tok_path: str, vocab: int) -> str:
-    src = cfg.data.source
-    if src.startswith("synthetic:"):
-        return hashlib.sha1(json.dumps([src, cfg.data.max_length, cfg.data.shuffle_seed, vocab]).encode()
-                            ).hexdigest()[:12]
-    if src != "builtin" and os.path.exists(src):
-        st = os.stat(src)
-        src = f"{os.path.abspath(src)}:{st.st_size}:{st.st_mtime_ns}"
-    builtin_stamp = ""
-    if cfg.data.source == "builtin":
-        builtin_stamp = str(len(builtin_conversations()))
-    blob = json.dumps([src, builtin_stamp, os.path.abspath(tok_path), cfg.data.max_length, cfg.data.overlong,
-                       cfg.data.holdout, cfg.data.shuffle_seed, vocab, sorted(cfg.data.chat_template_kwargs.items())],
-                      default=repr)
-    return hashlib.sha1(blob.encode()).hexdigest()[:12]
+def on_rank0(ctrl, rank: int, fn):
+    """Run ``fn`` on rank 0 and hand its result to every rank (``ctrl``: gloo group of all ranks; None: one process).
+    A ConfigError or DataError of rank 0 is raised on every rank with the same message, so that every rank stops
+    at the same point with the same exit status and none is left waiting in a collective on a dead peer."""
+    if ctrl is None:
+        return fn()
+    payload: list = [None]
+    err = None
+    if rank == 0:
+        try:
+            payload = [("ok", fn())]
+        except (ConfigError, DataError) as e:
+            err, payload = e, [(type(e).__name__, str(e))]
+        except BaseException as e:
+            err, payload = e, [("failed", f"rank 0 failed: {type(e).__name__}: {e}")]
+    dist.broadcast_object_list(payload, src=0, group=ctrl)
+    kind, value = payload[0]
+    if kind == "ok":
+        return value
+    if err is not None:
+        raise err
+    if kind == "ConfigError":
+        raise ConfigError(value)
+    if kind == "DataError":
+        raise DataError(value)
+    raise RuntimeError(value)
 
 
-def prepare_data(cfg: JobConfig, rank: int, ctrl, run_dir: str, tok_path: str, vocab: int) -> tuple[str, str]:
-    """Rank 0 tokenizes once (worker processes) into a cache; everyone else waits (``ctrl`` barrier) and reads
-    it. ``ctrl`` None: a single process (dflash-plan)."""
-    cache = cfg.data.cache_dir or os.path.join(run_dir, "data_cache")
-    key = _dataset_key(cfg, tok_path, vocab)
+def _cache_key(identity: dict) -> str:
+    return hashlib.sha1(json.dumps([identity["data"]["hash"], identity["tokenizer"]["hash"]]).encode()).hexdigest()[:12]
+
+
+def prepare_data(cfg: JobConfig, rank: int, ctrl, cache: str, tok_path: str, vocab: int,
+                 key: str) -> tuple[str, str]:
+    """Rank 0 tokenizes once (worker processes) into a cache; everyone else waits for it (``ctrl``) and reads it.
+    A data error is raised on every rank (on_rank0). ``ctrl`` None: a single process (dflash-plan)."""
     ds_path = os.path.join(cache, f"train-{key}.pt")
     ho_path = os.path.join(cache, f"holdout-{key}.jsonl")
-    if rank == 0 and cfg.data.source.startswith("synthetic:") and not os.path.exists(ds_path):
-        from dflash_dist.data.synthetic import synthetic_dataset
-        os.makedirs(cache, exist_ok=True)
-        synthetic_dataset(cfg.data.source, vocab, cfg.data.max_length, cfg.data.shuffle_seed).save(ds_path)
-        with open(ho_path, "w"):
-            pass
-    elif rank == 0 and not (os.path.exists(ds_path) and os.path.exists(ho_path)):
+
+    def build() -> None:
+        if cfg.data.source.startswith("synthetic:"):
+            if not os.path.exists(ds_path):
+                from dflash_dist.data.synthetic import synthetic_dataset
+                os.makedirs(cache, exist_ok=True)
+                synthetic_dataset(cfg.data.source, vocab, cfg.data.max_length, cfg.data.shuffle_seed).save(ds_path)
+                with open(ho_path, "w"):
+                    pass
+            return
+        if os.path.exists(ds_path) and os.path.exists(ho_path):
+            log.info("data: tokenized data from the cache %s", ds_path)
+            return
         os.makedirs(cache, exist_ok=True)
         stats = BadDataStats()
-        if cfg.data.source != "builtin" and not os.path.exists(cfg.data.source):
-            raise ConfigError(f"data.source={cfg.data.source!r}: no such file or directory (builtin, a .jsonl/.json/"
-                              ".parquet/.arrow file or a datasets save_to_disk directory)")
         t0 = time.time()
-        # streamed (two passes: count, then tokenize): the corpus is never in memory, only its tokens
+        # streamed (two passes: count, then tokenize): the corpus is never in memory, only its tokens; an empty
+        # source (no usable conversation) is one DataError naming it, its rows and why (data.sources)
         ds, held = prepare_conversations(cfg.data.source, cfg.data.holdout, cfg.data.shuffle_seed, tok_path,
                                          cfg.data.max_length, cfg.data.overlong, cfg.data.num_workers, stats,
                                          vocab_size=vocab, chat_template_kwargs=cfg.data.chat_template_kwargs)
+        if len(ds) == 0:
+            raise no_usable_data(cfg.data.source, stats)
         stats.check(cfg.data.max_bad_fraction)
         if stats.bad_rows or stats.notes:
             log.warning("data: %s", stats.summary())
-        log.info("data: %d training samples, %d tokens, %d held-out prompts (tokenized in %.1f s)",
-                 len(ds), int(ds.lengths.sum()), len(held), time.time() - t0)
+        log.info("data: %d training samples, %d tokens (tokenized in %.1f s)", len(ds), int(ds.lengths.sum()),
+                 time.time() - t0)
         ds.save(ds_path)
         tmp = ho_path + ".tmp"
         with open(tmp, "w") as f:
             for conv in held:
                 f.write(json.dumps(conv) + "\n")
         os.replace(tmp, ho_path)
-    if ctrl is not None:
-        dist.barrier(group=ctrl)
+
+    on_rank0(ctrl, rank, build)
     return ds_path, ho_path
 
 
+def looks_like_path(s: str) -> bool:
+    """A local path rather than a hub id ("org/name"): absolute, ./ ../ ~, or more than one '/'."""
+    return s.startswith(("/", ".", "~")) or s.count("/") > 1 or s.endswith("/") or os.sep != "/" and os.sep in s
+
+
+def check_target_paths(cfg: JobConfig) -> None:
+    """A target or tokenizer that looks like a local path and is not there: say so (before transformers reads it
+    as a hub id and answers "Repo id must be in the form 'repo_name'...")."""
+    for key, value in (("target.name_or_path", cfg.target.name_or_path), ("target.tokenizer", cfg.target.tokenizer)):
+        if value and looks_like_path(str(value)) and not os.path.isdir(os.path.expanduser(str(value))):
+            what = "is a file, not a model directory" if os.path.exists(os.path.expanduser(str(value))) \
+                else "no such directory"
+            raise ConfigError(f"{key}={value}: {what} (a local model directory with config.json, or a hub id "
+                              f"such as Qwen/Qwen3-8B)")
+
+
+def new_run_dir(root: str = "outputs") -> str:
+    """outputs/run-YYYYmmdd-HHMMSS (-2, -3... if taken), relative to the current directory."""
+    base = os.path.join(root, time.strftime("run-%Y%m%d-%H%M%S"))
+    path, k = base, 1
+    while os.path.exists(path):
+        k += 1
+        path = f"{base}-{k}"
+    return path
+
+
+def _checkpoint_run_dir(path: str) -> Optional[str]:
+    """<run>/checkpoints/step_N -> <run>."""
+    parent = os.path.dirname(os.path.normpath(path))
+    return os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else None
+
+
+def _newest_matching_run(identity: dict, root: str = "outputs") -> Optional[str]:
+    if not os.path.isdir(root):
+        return None
+    for name in sorted(os.listdir(root), reverse=True):
+        d = os.path.join(root, name)
+        rec = read_run_json(d)
+        if rec is not None and not differences(rec.get("identity"), identity):
+            return d
+    return None
+
+
+def _meta(path: str) -> dict:
+    with open(os.path.join(path, "meta.json")) as f:
+        return json.load(f)
+
+
+def _new_run_hint(run_dir: str) -> str:
+    return (f"To start a new run: leave train.output_dir unset (each run gets its own outputs/run-<date>-<time>) or "
+            f"set another one, with train.resume=none. To continue the run in {run_dir}: use its settings "
+            f"({os.path.join(run_dir, 'config.json')}) with train.output_dir={run_dir} train.resume=auto.")
+
+
+def resolve_run(cfg: JobConfig, identity: dict) -> dict:
+    """Rank 0: the run directory and the checkpoint to resume (None: a fresh start), or a ConfigError that names
+    the directory, what differs and what to set. Nothing is written here. ``identity``: this job's parts except
+    the plan (known only once the data is tokenized)."""
+    t = cfg.train
+    resume = t.resume if t.resume not in ("", None) else "none"
+    explicit = t.output_dir
+    ckpt_path = None if resume in ("none", "auto") else resume
+    if ckpt_path is not None:
+        if not os.path.isdir(ckpt_path):
+            raise ConfigError(f"train.resume={ckpt_path}: no such checkpoint directory (use auto, none or a "
+                              f"<run>/checkpoints/step_N directory)")
+        problem = checkpoint_problem(ckpt_path)
+        if problem:
+            raise ConfigError(f"train.resume={ckpt_path}: {problem}")
+    if explicit:
+        run_dir = explicit
+    elif ckpt_path is not None and _checkpoint_run_dir(ckpt_path):
+        run_dir = _checkpoint_run_dir(ckpt_path)
+    elif resume == "auto":
+        run_dir = _newest_matching_run(identity)
+        if run_dir is None:
+            run_dir = new_run_dir()
+            log.info("train.resume=auto: no earlier run of this data, target and drafter under outputs/: "
+                     "starting a new run")
+    else:
+        run_dir = new_run_dir()
+    markers = run_markers(run_dir)
+    recorded = (read_run_json(run_dir) or {}).get("identity")
+    latest = find_latest(run_dir) if resume == "auto" else None
+    if recorded is None and latest is not None:
+        recorded = _meta(latest).get("identity")
+    if markers and (resume == "none" or recorded is None or differences(recorded, identity)):
+        if resume == "none":
+            why = "a new run (train.resume=none) would mix its files with that run's"
+        else:
+            why = "this job cannot continue it:\n  - " + "\n  - ".join(differences(recorded, identity))
+        raise ConfigError(f"train.output_dir={run_dir} already holds a run ({', '.join(markers)}); {why}.\n"
+                          + _new_run_hint(run_dir))
+    resume_from = ckpt_path or latest
+    if resume_from is not None:
+        diffs = differences(_meta(resume_from).get("identity"), identity)
+        if diffs:
+            raise ConfigError(f"train.resume: checkpoint {resume_from} (run {run_dir}) cannot be continued by this job:"
+                              f"\n  - " + "\n  - ".join(diffs) + "\n" + _new_run_hint(run_dir))
+    elif resume == "auto" and markers:
+        log.warning("train.resume=auto: %s has no complete checkpoint: this run starts again from step 0 there",
+                    run_dir)
+    return {"run_dir": run_dir, "resume_from": resume_from}
+
+
+def plan_for(lengths: list, cfg: JobConfig, epochs: int) -> list:
+    return build_plan(lengths, list(range(len(lengths))), epochs=epochs, seed=cfg.data.shuffle_seed,
+                      max_batch_tokens=cfg.target.max_batch_tokens, max_batch_samples=cfg.target.max_batch_samples,
+                      sort_window_batches=cfg.data.sort_window_batches)
+
+
 def build_job(cfg: JobConfig, rank: int, world_size: Optional[int], ctrl, device_type: str) -> Job:
-    """Everything but the split: target config, tokenizer, validation (before any model loads), the tokenized
-    data and the batching plan, the resume point. Shared by ``setup`` (every rank; ``ctrl`` barrier around the
-    data) and dflash-plan (one process: world_size and ctrl None). ``dist`` is left None; ``total_messages`` is
-    the whole plan until ``setup`` caps it at train.max_steps * drafters (a resumed run keeps its own)."""
+    """Everything but the split: target config, tokenizer, validation (before any model loads), the run directory
+    and resume point (refused before any model loads when the run or checkpoint belongs to other settings), the
+    tokenized data and the batching plan. Shared by ``setup`` (every rank; ``ctrl`` agreement around rank 0's
+    decisions) and dflash-plan (one process: world_size and ctrl None, no run directory, no resume). ``dist`` is
+    left None; ``total_messages`` is the plan of train.epochs until ``setup`` fixes it for train.max_steps."""
     from transformers import AutoTokenizer
 
     from dflash_dist.model.hf import load_hf_config, text_config, tokenizer_path
     from dflash_dist.target.capture import check_packing_config
+    check_target_paths(cfg)
     hf_config = load_hf_config(cfg.target)
     tc = text_config(hf_config)
     tok_path = tokenizer_path(cfg.target)
@@ -125,35 +276,117 @@ def build_job(cfg: JobConfig, rank: int, world_size: Optional[int], ctrl, device
     from dflash_dist.model.fast_path import check_fast_path_for_config
     check_fast_path_for_config(hf_config, cfg.target.fast_path, device_type, cfg.target.attn_implementation)
     check_packing_config(cfg.target, hf_config)  # target.packing=on for a hybrid: refused before weights load
+    src = cfg.data.source
+    if src != "builtin" and not src.startswith("synthetic:") and not os.path.exists(src):
+        raise ConfigError(f"data.source={src!r}: no such file or directory (builtin, a .jsonl/.json/.parquet/.arrow "
+                          "file or a datasets save_to_disk directory)")
+    part = {"target": target_identity(cfg, hf_config),
+            "drafter": drafter_identity(cfg, layer_ids, mask_id, tc.hidden_size)}
 
-    run_dir = cfg.train.output_dir
+    def decide() -> dict:
+        identity = dict(data_identity(cfg, tok_path, tc.vocab_size), **part)
+        if world_size is None:  # dflash-plan: no run, no resume
+            run = {"run_dir": cfg.train.output_dir or os.path.join(tempfile.gettempdir(), "dflash-plan"),
+                   "resume_from": None}
+        else:
+            run = resolve_run(cfg, identity)
+        return dict(run, identity=identity)
+
+    run = on_rank0(ctrl, rank, decide)
+    run_dir, resume_from, identity = run["run_dir"], run["resume_from"], run["identity"]
     if rank == 0:
         log.info("target layers %s of %d, mask token %d, device %s", layer_ids, tc.num_hidden_layers, mask_id,
                  device_type)
-    ds_path, ho_path = prepare_data(cfg, rank, ctrl, run_dir, tok_path, tc.vocab_size)
+        if world_size is not None:
+            log.info("run directory: %s (%s)", run_dir, f"resuming {resume_from}" if resume_from else "new run")
+    cache = cfg.data.cache_dir or os.path.join(run_dir, "data_cache")
+    ds_path, ho_path = prepare_data(cfg, rank, ctrl, cache, tok_path, tc.vocab_size, _cache_key(identity))
 
     ds = TokenizedDataset.load(ds_path)
-    plan = build_plan(ds.lengths.tolist(), list(range(len(ds))), epochs=cfg.train.epochs,
-                               seed=cfg.data.shuffle_seed, max_batch_tokens=cfg.target.max_batch_tokens,
-                               max_batch_samples=cfg.target.max_batch_samples,
-                               sort_window_batches=cfg.data.sort_window_batches)
-    total = len(plan)
-    cursor, step, resume_from = 0, 0, None
-    from dflash_dist.checkpoint.store import checkpoint_problem, find_latest
-    if cfg.train.resume not in ("none", "", None):
-        resume_from = find_latest(run_dir) if cfg.train.resume == "auto" else cfg.train.resume
-        if resume_from is not None:
-            problem = checkpoint_problem(resume_from)
-            if problem:
-                raise ConfigError(f"train.resume={resume_from}: {problem}")
-            with open(os.path.join(resume_from, "meta.json")) as f:
-                meta = json.load(f)
-            cursor, step, total = meta["cursor"], meta["step"], meta["total_messages"]
-            if rank == 0:
-                log.info("resuming from %s: step %d, %d of %d messages trained", resume_from, step, cursor, total)
-    return Job(cfg=cfg, dist=None, run_dir=run_dir, hf_config=hf_config, layer_ids=layer_ids, mask_token_id=mask_id,
-               tokenizer_path=tok_path, dataset_path=ds_path, holdout_path=ho_path, plan=plan, total_messages=total,
-               start_cursor=cursor, start_step=step, resume_from=resume_from, sample_lengths=ds.lengths.tolist())
+    lengths = ds.lengths.tolist()
+    epoch_plan = plan_for(lengths, cfg, 1)
+    identity["plan"] = plan_identity(epoch_plan)
+    plan = plan_for(lengths, cfg, cfg.train.epochs)
+    job = Job(cfg=cfg, dist=None, run_dir=run_dir, hf_config=hf_config, layer_ids=layer_ids, mask_token_id=mask_id,
+              tokenizer_path=tok_path, dataset_path=ds_path, holdout_path=ho_path, plan=plan,
+              total_messages=len(plan), start_cursor=0, start_step=0, resume_from=resume_from,
+              sample_lengths=lengths, identity=identity, epoch_messages=len(epoch_plan),
+              epochs_messages=len(plan))
+    if resume_from is not None:
+        meta = _meta(resume_from)
+        diffs = differences(meta.get("identity"), identity, parts=("plan",))
+        if diffs:  # the same on every rank: every rank raises it
+            raise ConfigError(f"train.resume: checkpoint {resume_from} (run {run_dir}) belongs to another batching "
+                              f"plan:\n  - {diffs[0]}\n" + _new_run_hint(run_dir))
+        job.start_cursor, job.start_step = int(meta["cursor"]), int(meta["step"])
+        job.resumed_meta = meta
+        if rank == 0:
+            log.info("resuming from %s: step %d, %d of %d messages trained", resume_from, job.start_step,
+                     job.start_cursor, meta["total_messages"])
+    job.nothing_left = _nothing_left(job)
+    return job
+
+
+def _nothing_left(job: Job) -> Optional[str]:
+    """Why a resumed run has nothing to train (its settings asked for no more than it trained), or None."""
+    if job.resume_from is None:
+        return None
+    t = job.cfg.train
+    if t.max_steps > 0:
+        if job.start_step < t.max_steps:
+            return None
+        asked = f"train.max_steps={t.max_steps}"
+    else:
+        if job.start_cursor < _epochs_total(job):
+            return None
+        asked = f"train.epochs={t.epochs} ({_epochs_total(job)} messages)"
+    return (f"nothing left to train: {job.resume_from} has trained {job.start_step} steps ({job.start_cursor} "
+            f"messages) and {asked} asks for no more. To train on, raise train.max_steps (or train.epochs with "
+            f"train.max_steps=-1); for a new run, leave train.output_dir unset or set another one, with "
+            f"train.resume=none.")
+
+
+def _epochs_total(job: Job) -> int:
+    """Messages of train.epochs epochs (each epoch packs its own shuffle: their sizes differ a little)."""
+    return job.epochs_messages
+
+
+def _extend_plan(job: Job, n_messages: int) -> None:
+    """More epochs of the same plan until it holds ``n_messages`` (the first epochs unchanged)."""
+    epochs = max(1, -(-n_messages // max(job.epoch_messages, 1)))
+    while len(job.plan) < n_messages:
+        job.plan = plan_for(job.sample_lengths, job.cfg, epochs)
+        epochs += 1
+
+
+def fix_total(job: Job, num_drafters: int) -> None:
+    """The messages this run covers in total. train.max_steps > 0: exactly that many optimizer steps (the data
+    repeats as needed: more epochs in the plan); else train.epochs over the data. A resume continues the
+    checkpoint's total when these keys are unchanged, else trains up to what they now ask for (logged)."""
+    t, meta = job.cfg.train, job.resumed_meta
+    log0 = log.info if job.dist is None or job.dist.rank == 0 else log.debug
+    if t.max_steps > 0:
+        want = job.start_cursor + (t.max_steps - job.start_step) * num_drafters
+        how = (f"train.max_steps={t.max_steps}: {t.max_steps} optimizer steps x {num_drafters} drafter(s) = "
+               f"{t.max_steps * num_drafters} messages, {t.max_steps * num_drafters / max(job.epoch_messages, 1):.2f} "
+               f"epoch(s) of {job.epoch_messages} messages (train.epochs is not used)")
+    else:
+        want = _epochs_total(job)
+        how = f"train.epochs={t.epochs}: {want} messages"
+    if meta is not None:
+        before = (meta.get("job_config") or {}).get("train", {})
+        same = before.get("max_steps") == t.max_steps and (t.max_steps > 0 or before.get("epochs") == t.epochs)
+        old = int(meta["total_messages"])
+        if same:
+            want = old
+        elif want != old:
+            log0("resume: %s, so the run %s from %d to %d messages (the learning-rate schedule follows the new "
+                 "total); %d messages left to train", how, "extends" if want > old else "shortens", old, want,
+                 want - job.start_cursor)
+    else:
+        log0("%s", how)
+    _extend_plan(job, want)
+    job.total_messages = want
 
 
 def setup(cfg: JobConfig) -> Job:
@@ -179,11 +412,12 @@ def setup(cfg: JobConfig) -> Job:
     # Same group order on every rank and on both paths: ctrl now (the data preparation below waits on its
     # barrier), the drafters group once the split is known (with auto: measured after the data is ready).
     ctrl = make_ctrl_group(timeout_s)
-    if rank == 0:
-        os.makedirs(cfg.train.output_dir, exist_ok=True)
-        with open(os.path.join(cfg.train.output_dir, "config.json"), "w") as f:
-            json.dump(cfg.to_dict(), f, indent=1)
     job = build_job(cfg, rank, world, ctrl, device_type)
+    if job.nothing_left is not None:
+        job.ctrl = ctrl
+        return job  # train.run says so and every rank exits 0, before any model loads
+    if rank == 0:
+        write_run_files(job)
     if auto:
         from dflash_dist.autosplit import auto_split
         job.auto_split = auto_split(job, rank, world, device)
@@ -191,11 +425,26 @@ def setup(cfg: JobConfig) -> Job:
     topo = topology(t)
     setup_logging(rank, topo.role)
     job.dist = make_groups(topo, device, timeout_s, ctrl, heads=cfg.drafter.tuning.loss_on_target)
-    if job.resume_from is None and cfg.train.max_steps > 0:
-        job.total_messages = min(job.total_messages, cfg.train.max_steps * topo.num_drafters)
+    fix_total(job, topo.num_drafters)
     if rank == 0:
         log.info("topology: %s", topo.describe())
     return job
+
+
+def write_run_files(job: Job) -> None:
+    """Rank 0: run.json (what the run belongs to) and config.json (this launch's resolved config; a resume keeps
+    the earlier launch's as config.before-step<N>.json)."""
+    d = job.run_dir
+    os.makedirs(d, exist_ok=True)
+    write_run_json(d, job.identity, {"created": time.strftime("%Y-%m-%d %H:%M:%S")} if job.resume_from is None
+                   else dict(read_run_json(d) or {}, resumed=time.strftime("%Y-%m-%d %H:%M:%S")))
+    path = os.path.join(d, "config.json")
+    if job.resume_from is not None and os.path.exists(path):
+        os.replace(path, os.path.join(d, f"config.before-step{job.start_step}.json"))
+    with open(path, "w") as f:
+        json.dump(job.cfg.to_dict(), f, indent=1)
+
+
 
 
 def resolve_mask_token_id(cfg: JobConfig, tok, vocab_size: int) -> int:

@@ -8,20 +8,46 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import time
+from datetime import timedelta
 
 import torch.distributed as dist
 
 from dflash_dist.comm.lifecycle import Lifecycle
 from dflash_dist.config import ConfigError, JobConfig
+from dflash_dist.data.conversations import DataError
 from dflash_dist.job import setup
 
 log = logging.getLogger("dflash_dist")
 
 
+KEY_USAGE_ERROR = "dflash/usage_error"
+KEY_USAGE_ERROR_RANKS = "dflash/usage_error_ranks"
+_ROLES_RUNNING = False  # set once setup is done: a later ConfigError is one rank's, the others do not wait for it
+
+
+def quiet_profiler(cfg: JobConfig) -> None:
+    """Kineto prints a ``USDT: ... profiler_start`` / ``profiler_stop`` line at every profiler window (the startup
+    report profiles one step): silenced unless profiling was asked for (logging.debug.profile_step) or KINETO_LOG_LEVEL
+    is set. Level 6 is above all of Kineto's levels (USDT is 5); it is read when the profiler starts."""
+    if cfg.logging.debug.profile_step < 0:
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+
 def run(cfg: JobConfig) -> int:
+    quiet_profiler(cfg)
     job = setup(cfg)
+    if job.nothing_left is not None:  # a finished run resumed: say so once, every rank exits 0 now
+        if int(os.environ.get("RANK", "0")) == 0:
+            log.info("%s", job.nothing_left)
+        dist.barrier(group=job.ctrl)
+        dist.destroy_process_group()
+        return 0
     topo = job.dist.topo
+    global _ROLES_RUNNING
+    _ROLES_RUNNING = True  # from here a rank's error is reported through the Lifecycle (the others exit 1)
     job.life = Lifecycle(job.dist.store, topo.rank, topo.role, topo.world_size, topo.role_of)
     try:
         if topo.role == "target":
@@ -54,13 +80,59 @@ def _hydra_main():
     def entry(dcfg: DictConfig) -> None:
         try:
             run(JobConfig.from_omegaconf(dcfg))
-        except ConfigError as e:  # before any model loads: say what to change, exit 2
-            print(f"dflash_dist: configuration error: {e}", file=sys.stderr)
-            if dist.is_initialized():  # NCCL tears down badly without it (a peer segfaulted at exit)
-                dist.destroy_process_group()
-            sys.exit(2)
+        except (ConfigError, DataError) as e:  # before any model loads: say what to change, once; exit 2
+            usage_error_exit(e)
 
     entry()
+
+
+def _first_to_report(text: str) -> bool:
+    """One rank prints a configuration or data error: the first to post it in the rendezvous store (every rank
+    usually has the same one); rank 0 when there is no process group yet."""
+    rank = int(os.environ.get("RANK", "0"))
+    if not dist.is_initialized():
+        return rank == 0
+    try:
+        mine = f"{rank}\n{text}"
+        return dist.distributed_c10d._get_default_store().compare_set(KEY_USAGE_ERROR, "", mine).decode() == mine
+    except Exception:
+        return rank == 0
+
+
+def _wait_for_peers(timeout_s: float = 20.0) -> None:
+    """Count this rank in and wait (bounded) until every rank has: torchrun SIGTERMs the other workers as soon as
+    one exits, and a rank still on its way to the same error (slower imports) would die of that signal (-15)
+    instead of exiting 2. A rank that never comes (another state) only delays the exit by ``timeout_s``."""
+    try:
+        if not dist.is_initialized():  # an error before the process group (the config itself): join one now
+            dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+        store, world = dist.distributed_c10d._get_default_store(), dist.get_world_size()
+        store.add(KEY_USAGE_ERROR_RANKS, 1)
+        deadline = time.monotonic() + timeout_s
+        while store.add(KEY_USAGE_ERROR_RANKS, 0) < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:
+        pass
+
+
+def usage_error_exit(e: Exception) -> None:
+    """Print a ConfigError/DataError once (no traceback), exit 2 on every rank (they all raise it: the checks are
+    the same everywhere, rank 0's data preparation hands its errors to every rank). A SIGTERM from here on (torchrun
+    stopping the group once a worker exited) exits 2 as well."""
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(2))
+    kind = "configuration error" if isinstance(e, ConfigError) else "data error"
+    if "RANK" in os.environ and not _ROLES_RUNNING:
+        _wait_for_peers()
+    if _first_to_report(str(e)):
+        print(f"dflash_dist: {kind}: {e}", file=sys.stderr, flush=True)
+    if dist.is_initialized():  # NCCL tears down badly without it (a peer segfaulted at exit)
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(2)
 
 
 def main() -> None:

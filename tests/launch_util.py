@@ -15,8 +15,9 @@ def free_port() -> int:
 
 
 def torchrun(nproc: int, args: list, timeout: float = 300, env: dict | None = None, nnodes: int = 1,
-             node_rank: int | None = None, rdzv: str | None = None, popen: bool = False):
-    """Run `torchrun --standalone` (or a c10d multi-node agent) on this machine; returns CompletedProcess."""
+             node_rank: int | None = None, rdzv: str | None = None, popen: bool = False, cwd: str | None = None):
+    """Run `torchrun --standalone` (or a c10d multi-node agent) on this machine; returns CompletedProcess.
+    ``cwd``: the directory it runs in (default: the repository; runs without train.output_dir land in its outputs/)."""
     cmd = [sys.executable, "-m", "torch.distributed.run"]
     if nnodes == 1:
         cmd += ["--standalone", "--nproc-per-node", str(nproc)]
@@ -28,6 +29,6 @@ def torchrun(nproc: int, args: list, timeout: float = 300, env: dict | None = No
                     OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE=os.environ.get("WANDB_MODE", "offline"))
     full_env.update(env or {})
     if popen:
-        return subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        return subprocess.Popen(cmd, cwd=cwd or REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
-    return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout)

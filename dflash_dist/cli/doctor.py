@@ -391,7 +391,7 @@ def check_config(doc: Doctor, overrides: list[str]) -> None:
     where = t.name_or_path or (f"random init {t.hf_config.get('model_type', t.hf_config)}")
     detail = (f"{CONF_DIR}/config.yaml{' + ' + ' '.join(overrides) if overrides else ''}: target {where}, drafter "
               f"{cfg.drafter.num_layers} layers x block {cfg.drafter.block_size}, backend "
-              f"{cfg.drafter.attention_backend}, output {cfg.train.output_dir}")
+              f"{cfg.drafter.attention_backend}, output {cfg.train.output_dir or 'a new outputs/run-<date>-<time>'}")
     from dflash_dist.model.hf import load_hf_config, resolve_source
     path, _ = resolve_source(t)
     if path is None or os.path.isdir(path):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -110,8 +111,34 @@ def shorten_timeouts(d: Dist, timeout_s: float) -> None:
             log.debug("could not shorten timeout: %s", e)
 
 
+class _BarAwareHandler(logging.StreamHandler):
+    """Log lines that never land on a progress bar. In this process: written through ``tqdm.write`` (the bar is
+    cleared, the line written, the bar redrawn). Other ranks' lines share the terminal with rank 0's bar (torchrun
+    merges their output): on a terminal each line starts by erasing the partly drawn bar line (``\\r`` + erase line);
+    rank 0 redraws its bar at its next update."""
+
+    def __init__(self, stream, erase_line: bool):
+        super().__init__(stream)
+        self.prefix = "\r\x1b[2K" if erase_line else ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm import tqdm
+            msg = self.prefix + self.format(record)
+            if getattr(tqdm, "_instances", None):
+                tqdm.write(msg, file=self.stream)
+            else:
+                self.stream.write(msg + self.terminator)
+            self.flush()
+        except Exception:
+            self.handleError(record)
+
+
 def setup_logging(rank: int, role: str) -> None:
     fmt = f"%(asctime)s [rank {rank} {role}] %(levelname)s %(message)s"
-    logging.basicConfig(level=logging.INFO, format=fmt, datefmt="%H:%M:%S", force=True)
+    stream = sys.stderr
+    handler = _BarAwareHandler(stream, erase_line=rank != 0 and hasattr(stream, "isatty") and stream.isatty())
+    handler.setFormatter(logging.Formatter(fmt, datefmt="%H:%M:%S"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
     for noisy in ("httpx", "urllib3", "filelock", "torch._inductor", "torch._dynamo"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -11,6 +11,16 @@ from torch import Tensor
 
 from dflash_dist.data.conversations import DataError
 
+HOLDOUT_MAX_FRACTION = 0.1
+
+
+def holdout_size(n_conversations: int, requested: int) -> int:
+    """Conversations held out: ``data.holdout``, at most 10% of the data (rounded down: none for fewer than 10),
+    so a small file still trains."""
+    if requested < 0:
+        raise DataError(f"data.holdout={requested} must be >= 0")
+    return min(int(requested), int(n_conversations * HOLDOUT_MAX_FRACTION))
+
 
 def split_holdout(n_conversations: int, holdout: int, seed: int) -> tuple[list[int], list[int]]:
     """Deterministic split of ``range(n_conversations)`` into (train ids, holdout ids), both sorted."""

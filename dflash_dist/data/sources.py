@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import array
 import json
+import logging
 import multiprocessing as mp
 import os
 from concurrent.futures import ProcessPoolExecutor
@@ -45,6 +46,8 @@ from dflash_dist.data.conversations import (
     builtin_conversations,
     validate_conversation,
 )
+
+log = logging.getLogger("dflash_dist")
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 DATASETS_SUFFIXES = {".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
@@ -369,6 +372,13 @@ def parse_template_kwargs(value: Optional[str]) -> Optional[dict]:
 
 # ----------------------------------------------------------------------------------------------- the job's data
 
+def no_usable_data(source: str, stats: BadDataStats) -> DataError:
+    """The one message of a source without a single usable conversation: the file, its rows and why."""
+    what = "the packaged corpus" if source == "builtin" else f"data.source={source}"
+    return DataError(f"{what}: no usable conversation in {stats.total} row(s); fix the file or point data.source "
+                     f"at another one\n{stats.summary()}")
+
+
 def prepare_conversations(source: str, holdout: int, seed: int, tokenizer_path: str, max_length: int,
                           overlong: str, num_workers: int, stats: BadDataStats, vocab_size: Optional[int] = None,
                           chat_template_kwargs: Optional[dict] = None, window: int = 1024):
@@ -378,9 +388,15 @@ def prepare_conversations(source: str, holdout: int, seed: int, tokenizer_path: 
     split (``plan.split_holdout`` over that count) picks the held-out ones, the second tokenizes the others as a
     stream (:func:`tokenize_stream`) and keeps the few held-out ones. The same samples, ids, held-out set and
     stats as tokenizing the whole list; the memory is the tokenized result and a window, not the corpus."""
-    from dflash_dist.data.plan import split_holdout
-    n = sum(1 for _ in iter_conversations(source, BadDataStats()))
-    _, held_ids = split_holdout(n, holdout, seed)
+    from dflash_dist.data.plan import holdout_size, split_holdout
+    counted = BadDataStats()
+    n = sum(1 for _ in iter_conversations(source, counted))
+    if n == 0:
+        raise no_usable_data(source, counted)
+    n_hold = holdout_size(n, holdout)  # at most 10%: a small file still trains
+    log.info("data: %d conversations, %d held out for evaluation (data.holdout=%d, at most 10%% of the data)", n,
+             n_hold, holdout)
+    _, held_ids = split_holdout(n, n_hold, seed)
     held, held_convs = set(held_ids), []
 
     def training():

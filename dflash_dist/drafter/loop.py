@@ -24,7 +24,7 @@ from dflash_dist.drafter.startup_report import host_syncs, startup_report
 from dflash_dist.drafter.trainer import LEAKY_MASK_ENV, DrafterTrainer
 from dflash_dist.eval.in_training import LeaderEval, eval_enabled, eval_record, eval_steps
 from dflash_dist.telemetry.flops import nominal_peak_tflops
-from dflash_dist.telemetry.metrics import MetricsWriter, RateMeter, StreamWaitMeter, target_window_metrics
+from dflash_dist.telemetry.metrics import MetricsWriter, RateMeter, StreamWaitMeter, run_summary, target_window_metrics
 from dflash_dist.telemetry.step_trace import format_timeline, traced_step
 
 log = logging.getLogger("dflash_dist")
@@ -158,6 +158,7 @@ def run_drafter(job) -> None:
     leader_eval = LeaderEval(job, trainer.model) if eval_enabled(job) and topo.is_leader else None
     eval_at = set(eval_steps(job)) if leader_eval is not None else set()
     last_window = None
+    last_tau = None  # (step, tau) of the newest in-training evaluation
     t_start = time.monotonic()
     if trainer.precompile_plan:
         took = trainer.precompile()  # the compiles of the planned shapes now, not when training reaches them
@@ -254,12 +255,14 @@ def run_drafter(job) -> None:
             last_window = window
             if leader_eval is not None:
                 for at, res in leader_eval.ready():
-                    writer.log(at, eval_record(res, last_window), kind="eval")
+                    rec = eval_record(res, last_window)
+                    writer.log(at, rec, kind="eval")
+                    last_tau = (at, rec.get("tau"))
             if topo.is_leader:
                 writer.log(trainer.step, window)
                 writer.progress(trainer.step, {"loss": f"{window['loss']:.3f}", "acc": f"{window['acc']:.3f}",
                                                "samples/s": f"{window['samples_per_s']:.1f}"})
-                if not cfg.logging.progress_bar:
+                if writer.bar is None:  # no bar (logging.progress_bar=false, or not a terminal): a line
                     log.info("step %d/%d loss %.4f acc %.3f lr %.2e %.1f samples/s", trainer.step, total_steps,
                              window["loss"], window["acc"], window["lr"], window["samples_per_s"])
         if leader_eval is not None:
@@ -292,6 +295,7 @@ def run_drafter(job) -> None:
         for at, res in leader_eval.ready(block_s=cfg.topology.warmup_timeout_s):
             rec = eval_record(res, last_window)
             writer.log(at, rec, kind="eval")
+            last_tau = (at, rec.get("tau"))
             log.info("acceptance at step %d: tau %.3f (z-lab: mean over prompts), pooled %.3f (training accuracy "
                      "predicts %.3f) on %d held-out prompts", at, rec["tau"] or float("nan"),
                      rec.get("tau_pooled") or float("nan"), rec.get("tau_from_train_acc") or float("nan"),
@@ -303,6 +307,13 @@ def run_drafter(job) -> None:
                  trainer.step, trainer.cursor, job.total_messages, time.monotonic() - t_start,
                  {k: int(v) for k, v in accounting.items()})
     writer.close()
+    if topo.is_leader:  # the last lines of the run: what it did and where the results are
+        log.info("%s", run_summary(
+            stopped=stopped, steps=trainer.step, steps_this_run=trainer.step - job.start_step,
+            samples=int(accounting["samples_trained"]), wall_s=time.monotonic() - t_start,
+            loss=None if last_window is None else last_window.get("loss"), tau=last_tau,
+            checkpoint=trainer.last_checkpoint, metrics_path=writer.path, wandb_dir=writer.wandb_run_dir,
+            wandb_mode=writer.wandb_mode))
 
 
 def account(trainer, d, target_stats: dict, stopped: bool) -> dict:

@@ -81,6 +81,7 @@ class DrafterTrainer:
                                      weight_decay=cfg.train.weight_decay, fused=self.device.type == "cuda")
         self.step = job.start_step
         self.cursor = job.start_cursor
+        self.last_checkpoint = None  # the newest checkpoint this run wrote (the leader)
         if job.resume_from:
             weights, opt_state, meta = load_checkpoint(job.resume_from)
             self.model.load_state_dict(weights)
@@ -348,9 +349,11 @@ class DrafterTrainer:
                 "block_size": self.cfg.drafter.block_size, "drafter_config": self.mcfg.__dict__,
                 "target_config": self.job.hf_config.to_dict(), "tokenizer": self.job.tokenizer_path,
                 "job_config": self.cfg.to_dict(), "final": final, "counts": dict(self.counts),
-                "chat_template_kwargs": dict(self.cfg.data.chat_template_kwargs or {})}
+                "chat_template_kwargs": dict(self.cfg.data.chat_template_kwargs or {}),
+                "identity": self.job.identity}
         path = save_checkpoint(self.job.run_dir, self.step, self.model.state_dict(), self.opt.state_dict(), meta,
                                keep=self.cfg.train.keep_checkpoints)
+        self.last_checkpoint = path
         log.info("checkpoint %s", path)
 
 

@@ -27,7 +27,7 @@ from typing import Any, Optional, Sequence
 
 from dflash_dist.config import ConfigError, DataConfig, TargetConfig
 from dflash_dist.data.conversations import BadDataStats, builtin_conversations
-from dflash_dist.data.plan import split_holdout
+from dflash_dist.data.plan import holdout_size, split_holdout
 from dflash_dist.data.sources import read_conversations
 
 log = logging.getLogger("dflash_dist")
@@ -139,7 +139,11 @@ def holdout_conversations(data_cfg: DataConfig) -> list[dict]:
         if not os.path.exists(data_cfg.source):
             raise ConfigError(f"data.source={data_cfg.source!r} of the run is not here: pass --prompts FILE")
         convs = read_conversations(data_cfg.source, BadDataStats())
-    _, held = split_holdout(len(convs), data_cfg.holdout, data_cfg.shuffle_seed)
+    n_hold = holdout_size(len(convs), data_cfg.holdout)  # as the training run split it (job.prepare_data)
+    if n_hold == 0:
+        raise ConfigError(f"the run kept no held-out conversations ({len(convs)} conversations: the holdout is at "
+                          f"most 10%): pass --prompts FILE")
+    _, held = split_holdout(len(convs), n_hold, data_cfg.shuffle_seed)
     return [convs[i] for i in held]
 
 

@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import re
+import sys
 import time
 from collections import deque
 from typing import Optional
@@ -112,6 +113,8 @@ class MetricsWriter:
         self.wandb = None
         self.bar = None
         self.total_steps = total_steps
+        self.wandb_mode = "disabled"
+        self.wandb_run_dir = None  # <run_dir>/wandb/<offline-run-...>: what `wandb sync` takes
         self._last_train = None        # (step, time) of the last train record: the drafter's step time
         self._positions: dict = {}     # name -> (step, [(position, value)]) last seen, charted at close
         self._train_windows = 0
@@ -129,10 +132,14 @@ class MetricsWriter:
                                     name=wandb_cfg.name or os.path.basename(os.path.abspath(run_dir)),
                                     dir=run_dir, mode=mode, config=config, resume="allow",
                                     settings=wandb.Settings(init_timeout=30, console="off"))
-            log.info("wandb: mode=%s dir=%s", mode, self.wandb.dir if self.wandb else None)
+            if self.wandb is not None:
+                self.wandb_run_dir = os.path.dirname(os.path.normpath(self.wandb.dir))
+            log.info("wandb: mode=%s dir=%s", mode, self.wandb_run_dir)
             for key, agg in SUMMARIES:
                 self.wandb.define_metric(key, summary=agg)
-        if progress_bar:
+        if progress_bar and sys.stderr.isatty():
+            # On a terminal only (a log file or pipe gets a plain line per logged step instead). Log lines go
+            # through tqdm.write (comm.distributed.setup_logging), so they never land on the bar.
             from tqdm import tqdm
             self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0)
 
@@ -196,6 +203,25 @@ class MetricsWriter:
                 self.wandb.log({"acceptance/train_acc_per_position": self._position_chart(
                     "train_acc_per_position", *last)}, step=last[0])
             self.wandb.finish()
+
+
+def run_summary(*, stopped: bool, steps: int, steps_this_run: int, samples: int, wall_s: float,
+                loss: Optional[float], tau: Optional[tuple], checkpoint: Optional[str], metrics_path: str,
+                wandb_dir: Optional[str], wandb_mode: str) -> str:
+    """The few lines a run ends with (leader): what it trained and where its results are."""
+    def fmt(x, spec):
+        return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
+    lines = [f"run {'stopped' if stopped else 'finished'}: {steps} steps"
+             + (f" ({steps_this_run} in this launch)" if steps_this_run != steps else "")
+             + f", {samples} samples in {wall_s:.1f} s ({samples / max(wall_s, 1e-9):.1f} samples/s), "
+               f"final loss {fmt(loss, '.4f')}"
+             + (f", tau {fmt(tau[1], '.3f')} (acceptance at step {tau[0]})" if tau else ", tau not evaluated")]
+    lines.append(f"  checkpoint: {checkpoint or 'none written'}")
+    lines.append(f"  metrics:    {metrics_path}")
+    if wandb_dir:
+        lines.append(f"  wandb:      {wandb_dir}" + (f"   (offline: upload with `wandb sync {wandb_dir}`)"
+                                                    if wandb_mode == "offline" else ""))
+    return "\n".join(lines)
 
 
 class RateMeter:

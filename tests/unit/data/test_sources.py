@@ -239,15 +239,16 @@ def test_chat_template_kwargs_change_tokens_and_mask_alike_in_training_and_evalu
 
 
 def test_chat_template_kwargs_in_the_job_config_reach_the_dataset_and_key(qwen3_tok_dir, tmp_path):
+    from dflash_dist.checkpoint.identity import data_identity
     from dflash_dist.config import DataConfig, JobConfig
-    from dflash_dist.job import _dataset_key
 
     tgt = {"hf_config": {"builtin": "tiny"}}
     off = JobConfig.from_dict({"target": tgt, "data": {"chat_template_kwargs": {"enable_thinking": False}}})
     on = JobConfig.from_dict({"target": tgt})
     assert off.data.chat_template_kwargs == {"enable_thinking": False} and on.data.chat_template_kwargs == {}
     assert off.to_dict()["data"]["chat_template_kwargs"] == {"enable_thinking": False}  # checkpoint job_config
-    assert _dataset_key(off, qwen3_tok_dir, 2048) != _dataset_key(on, qwen3_tok_dir, 2048)
+    # the run's data identity (and so the data cache's key, job._cache_key) tells them apart
+    assert data_identity(off, qwen3_tok_dir, 2048)["data"] != data_identity(on, qwen3_tok_dir, 2048)["data"]
     with pytest.raises(Exception, match="chat_template_kwargs"):
         DataConfig(chat_template_kwargs=["enable_thinking"])
     from launch_util import REPO
@@ -300,7 +301,7 @@ def test_regeneration_renders_with_the_same_kwargs(qwen3_tok_dir):
 
 
 def test_prepare_conversations_streams_the_same_split_and_samples(tmp_path):
-    from dflash_dist.data.plan import split_holdout
+    from dflash_dist.data.plan import holdout_size, split_holdout
 
     rows = [MSG_ROW, SHAREGPT_ROW, {"messages": [{"role": "user", "content": "x"}]}, SHAREGPT_BAD_ROLE] * 6
     rows = [dict(r, n=i) for i, r in enumerate(rows)]
@@ -308,7 +309,7 @@ def test_prepare_conversations_streams_the_same_split_and_samples(tmp_path):
     p.write_text("".join(json.dumps(r) + "\n" for r in rows) + "{bad\n")
     s1, s2 = BadDataStats(), BadDataStats()
     convs = sources.read_conversations(str(p), s1)
-    tr, ho = split_holdout(len(convs), 3, 7)
+    tr, ho = split_holdout(len(convs), holdout_size(len(convs), 3), 7)  # data.holdout=3, at most 10% of 12
     ref = tokenize.build_tokenized_dataset([convs[i] for i in tr], ASSETS_TINY, 64, "truncate", 0, s1)
     ds, held = sources.prepare_conversations(str(p), 3, 7, ASSETS_TINY, 64, "truncate", 0, s2, window=5)
     assert held == [convs[i] for i in ho]

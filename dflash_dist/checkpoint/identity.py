@@ -1,0 +1,167 @@
+"""What a run (and each of its checkpoints) belongs to, recorded by content, never by this machine's paths.
+
+``<run_dir>/run.json`` and every checkpoint's ``meta.json`` carry an ``identity``: one short content hash per
+part, with a readable label beside it, so that a resume can name what differs:
+
+* ``data``: the training data (the JSONL file's bytes, the packaged corpus, or a synthetic spec) and the data
+  settings that change the samples (max_length, overlong, holdout, shuffle seed);
+* ``tokenizer``: the tokenizer's files (tokenizer*.json, vocab, merges, chat template...);
+* ``target``: the target's HF config (path-like and version keys left out) and, for a random-init target, its seed;
+* ``drafter``: the drafter's shape (layers, block size, MLP width, feature layers, mask token);
+* ``plan``: the batching plan of one epoch (sample lengths, seed, batch budgets): a resume replays the same order.
+
+A resume (``train.resume=auto`` or a checkpoint path) goes on only when every part matches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Optional
+
+from dflash_dist.data.conversations import builtin_conversations
+
+PARTS = ("data", "tokenizer", "target", "drafter", "plan")
+
+# what to look at when a part differs (the message of a refused resume)
+PART_KEYS = {
+    "data": "data.source (its content) and data.{max_length, overlong, holdout, shuffle_seed, chat_template_kwargs}",
+    "tokenizer": "target.tokenizer (the tokenizer files' content)",
+    "target": "target.name_or_path / target.hf_config / target.init_seed",
+    "drafter": "drafter.{num_layers, block_size, intermediate_size, mask_token_id}, target.layer_ids",
+    "plan": "target.max_batch_tokens, target.max_batch_samples, data.sort_window_batches",
+}
+
+_TOKENIZER_FILES = ("tokenizer", "special_tokens_map", "chat_template", "vocab", "merges", "added_tokens")
+# keys of an HF config that name a place or a version, not the model
+_HF_NON_IDENTITY = ("_name_or_path", "name_or_path", "transformers_version", "_commit_hash", "torch_dtype", "dtype",
+                    "_attn_implementation", "_attn_implementation_autoset", "attn_implementation")
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def file_sha256(path: str, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                return h.hexdigest()
+            h.update(b)
+
+
+def tokenizer_hash(tok_path: str) -> str:
+    """Hash of the tokenizer's files (a local directory), or of its name (a hub id: not on disk here)."""
+    h = hashlib.sha256()
+    if os.path.isdir(tok_path):
+        for name in sorted(os.listdir(tok_path)):
+            if name.startswith(_TOKENIZER_FILES) and os.path.isfile(os.path.join(tok_path, name)):
+                h.update(name.encode() + b"\0" + file_sha256(os.path.join(tok_path, name)).encode())
+    else:
+        h.update(b"hub:" + str(tok_path).encode())
+    return h.hexdigest()
+
+
+def data_source_hash(source: str) -> str:
+    """Hash of the training data's content: the JSONL file's bytes, the packaged corpus, a synthetic spec."""
+    if source.startswith("synthetic:"):
+        return _sha(source.encode())
+    if source == "builtin":
+        return _sha(json.dumps(builtin_conversations(), sort_keys=True).encode())
+    if os.path.isdir(source):  # a datasets save_to_disk directory: every file, by relative path and content
+        h = hashlib.sha256()
+        for root, dirs, files in os.walk(source):
+            dirs.sort()
+            for name in sorted(files):
+                path = os.path.join(root, name)
+                h.update(os.path.relpath(path, source).encode() + b"\0" + file_sha256(path).encode())
+        return h.hexdigest()
+    return file_sha256(source)
+
+
+def data_identity(cfg, tok_path: str, vocab: int) -> dict:
+    """The ``data`` and ``tokenizer`` parts (before anything is tokenized: also the data cache's key)."""
+    d = cfg.data
+    settings = [d.max_length, d.overlong, d.holdout, d.shuffle_seed, int(vocab),
+                sorted((getattr(d, "chat_template_kwargs", None) or {}).items())]
+    label = "builtin" if d.source == "builtin" else d.source if d.source.startswith("synthetic:") \
+        else os.path.basename(d.source)
+    data = _sha(json.dumps([data_source_hash(d.source), settings], default=repr).encode())
+    return {"data": {"hash": data[:16], "label": f"{label}, max_length {d.max_length}, holdout {d.holdout}, "
+                                                 f"seed {d.shuffle_seed}"},
+            "tokenizer": {"hash": tokenizer_hash(tok_path)[:16], "label": os.path.basename(os.path.normpath(tok_path))}}
+
+
+def target_identity(cfg, hf_config) -> dict:
+    cfg_dict = {k: v for k, v in hf_config.to_dict().items() if k not in _HF_NON_IDENTITY}
+    t = cfg.target
+    random_init = not t.name_or_path and not (t.hf_config or {}).get("builtin")
+    blob = json.dumps([cfg_dict, t.init_seed if random_init else None], sort_keys=True, default=repr)
+    if t.name_or_path:
+        label = os.path.basename(os.path.normpath(str(t.name_or_path)))
+    elif (t.hf_config or {}).get("builtin"):
+        label = f"builtin {t.hf_config['builtin']}"
+    else:
+        label = f"random-init {cfg_dict.get('model_type', '?')} (seed {t.init_seed})"
+    return {"hash": _sha(blob.encode())[:16], "label": label}
+
+
+def drafter_identity(cfg, layer_ids: list, mask_token_id: int, hidden_size: int) -> dict:
+    dc = cfg.drafter
+    shape = {"num_layers": dc.num_layers, "block_size": dc.block_size, "intermediate_size": dc.intermediate_size,
+             "layer_ids": list(layer_ids), "mask_token_id": int(mask_token_id), "hidden_size": int(hidden_size)}
+    label = (f"{dc.num_layers} layers, block {dc.block_size}, features of layers {list(layer_ids)}, "
+             f"mask {mask_token_id}")
+    return {"hash": _sha(json.dumps(shape, sort_keys=True).encode())[:16], "label": label}
+
+
+def plan_identity(epoch_plan: list) -> dict:
+    """Hash of the first epoch's batches: later epochs follow from the same inputs (data.plan.build_plan)."""
+    return {"hash": _sha(json.dumps(epoch_plan).encode())[:16], "label": f"{len(epoch_plan)} messages per epoch"}
+
+
+def differences(recorded: Optional[dict], now: dict, parts=PARTS) -> list[str]:
+    """Readable differences between a recorded identity and this job's (the parts present in ``now``)."""
+    if not recorded:
+        return ["it records no identity (written by an older dflash_dist): its data, target and drafter "
+                "cannot be checked"]
+    out = []
+    for p in parts:
+        if p not in now:
+            continue
+        a, b = recorded.get(p), now[p]
+        if a is None or a.get("hash") != b.get("hash"):
+            was = f"{a.get('label')} [{a.get('hash')}]" if a else "nothing recorded"
+            out.append(f"{p}: the run has {was}, this job {b.get('label')} [{b.get('hash')}] "
+                       f"(see {PART_KEYS[p]})")
+    return out
+
+
+RUN_JSON = "run.json"
+
+
+def read_run_json(run_dir: str) -> Optional[dict]:
+    try:
+        with open(os.path.join(run_dir, RUN_JSON)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def write_run_json(run_dir: str, identity: dict, extra: Optional[dict] = None) -> None:
+    os.makedirs(run_dir, exist_ok=True)
+    tmp = os.path.join(run_dir, f".{RUN_JSON}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(dict(extra or {}, identity=identity), f, indent=1)
+    os.replace(tmp, os.path.join(run_dir, RUN_JSON))
+
+
+# files and folders that make a directory "a run's"
+RUN_MARKERS = (RUN_JSON, "metrics.jsonl", "config.json", "checkpoints")
+
+
+def run_markers(run_dir: str) -> list[str]:
+    return [m for m in RUN_MARKERS if os.path.exists(os.path.join(run_dir, m))]
