@@ -213,8 +213,9 @@ def measure_target_supply(job, device: torch.device, batches: Optional[int] = No
     run on the plan's messages exactly as the target loop batches them (pad_batch + capture + device sync, what it
     counts as busy), after warm-up: 1 batch, or with anything compiled (packing, target.compile) one pass over
     the measured batches, so no compile lands in the timed ones. The batches are timed in rounds
-    (``timed_rounds``: topology.plan_rounds, plan_min_seconds); ``samples``/``tokens`` are one round's. ``build``: a callable returning the model (a
-    rank's shard of a replica: every rank of the replica runs this together, and the rate is the replica's)."""
+    (``timed_rounds``: topology.plan_rounds, plan_min_seconds); ``samples``/``tokens`` are one round's.
+    ``build``: a callable returning the model (a rank's shard of a replica: every rank of the replica runs this
+    together, and the rate is the replica's)."""
     from dflash_dist.data.plan import pad_batch
     from dflash_dist.data.tokenize import TokenizedDataset
     from dflash_dist.model.fast_path import check_target_fast_path
