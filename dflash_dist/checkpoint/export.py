@@ -32,7 +32,9 @@ from typing import Any, Optional
 import torch
 
 from dflash_dist.checkpoint.store import checkpoint_problem
+from dflash_dist.config import ConfigError
 from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
+from dflash_dist.model.rope import drafter_rope_parameters
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +116,9 @@ def build_export_config(drafter_config: DrafterModelConfig, target_config: dict,
     has_theta = tc.get("rope_theta") is not None
     if has_theta or not has_params:
         cfg["rope_theta"] = dc.rope_theta
-    if has_params:
-        cfg["rope_parameters"] = {"rope_theta": dc.rope_theta, "rope_type": "default"}
+    rope = dc.rope_params()  # the drafter's RoPE (model/rope.py): what the served model must compute
+    if has_params or rope["rope_type"] != "default":
+        cfg["rope_parameters"] = rope
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
         cfg[k] = tc.get(k)
     cfg.update({
@@ -138,19 +141,16 @@ def build_export_config(drafter_config: DrafterModelConfig, target_config: dict,
     return cfg
 
 
-def _rope_theta(cfg: dict) -> float:
+def _rope_parameters(cfg: dict) -> dict:
+    """The exported RoPE (rope_parameters, or tf-4 rope_theta + rope_scaling) as the drafter's rope parameters."""
+    try:
+        rope = drafter_rope_parameters(cfg)
+    except ConfigError as e:
+        raise ExportError(f"config.json RoPE: {e}") from e
     params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    for d in (params, scaling):
-        t = d.get("rope_type") or d.get("type") if isinstance(d, dict) else None
-        if t not in (None, "default"):
-            raise ExportError(f"rope type {t!r}: the drafter implements default RoPE only")
-    theta = cfg.get("rope_theta")
-    if theta is None and isinstance(params, dict):
-        theta = params.get("rope_theta")
-    if theta is None:
-        raise ExportError("config.json has neither rope_theta nor rope_parameters.rope_theta")
-    return float(theta)
+    if isinstance(params, dict) and (params.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise ExportError(f"partial_rotary_factor={params['partial_rotary_factor']}: DFlashDrafter rotates whole heads")
+    return rope
 
 
 def drafter_config_from_export(cfg: dict) -> DrafterModelConfig:
@@ -181,7 +181,8 @@ def drafter_config_from_export(cfg: dict) -> DrafterModelConfig:
         num_layers=int(cfg["num_hidden_layers"]),
         num_feature_layers=len(layer_ids),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(cfg),
+        rope_theta=_rope_parameters(cfg)["rope_theta"],
+        rope_parameters=_rope_parameters(cfg),
         block_size=int(block_size),
         vocab_size=int(cfg["vocab_size"]),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
