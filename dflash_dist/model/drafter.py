@@ -119,7 +119,7 @@ class DrafterModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=int(kv_heads),
             head_dim=int(head_dim),
-            intermediate_size=int(intermediate_size or _cfg_get(hf_config, "intermediate_size")),
+            intermediate_size=int(intermediate_size or _drafter_intermediate(hf_config)),
             num_layers=int(num_layers),
             num_feature_layers=int(num_feature_layers),
             rms_norm_eps=float(_cfg_get(hf_config, "rms_norm_eps", 1e-6)),
@@ -131,6 +131,21 @@ class DrafterModelConfig:
             initializer_range=float(_cfg_get(hf_config, "initializer_range", 0.02) or 0.02),
             rope_parameters=rope,
         )
+
+
+def _drafter_intermediate(hf_config: Any) -> int:
+    """The drafter MLP width when drafter.intermediate_size is unset: the target's ``intermediate_size`` (dense
+    MLP width; gpt-oss: its experts' width); a MoE config without one (Qwen3.5-MoE) gets its active width,
+    top-k experts plus the shared expert."""
+    inter = _cfg_get(hf_config, "intermediate_size")
+    if inter:
+        return int(inter)
+    moe = _cfg_get(hf_config, "moe_intermediate_size")
+    k = _cfg_get(hf_config, "num_experts_per_tok")
+    if moe and k:
+        return int(moe) * int(k) + int(_cfg_get(hf_config, "shared_expert_intermediate_size") or 0)
+    raise ConfigError("the target config has no intermediate_size (nor moe_intermediate_size x num_experts_per_tok):"
+                      " set drafter.intermediate_size")
 
 
 class RMSNorm(nn.Module):
