@@ -108,6 +108,9 @@ class DrafterModelConfig:
         """
         if not isinstance(hf_config, dict) and hasattr(hf_config, "get_text_config"):
             hf_config = hf_config.get_text_config()
+        problem = family_problem(hf_config)
+        if problem:
+            raise ConfigError(f"target family cannot be mirrored by the DFlash drafter: {problem}")
         hidden = int(_cfg_get(hf_config, "hidden_size"))
         heads = int(_cfg_get(hf_config, "num_attention_heads"))
         kv_heads = _cfg_get(hf_config, "num_key_value_heads") or heads
@@ -131,6 +134,24 @@ class DrafterModelConfig:
             initializer_range=float(_cfg_get(hf_config, "initializer_range", 0.02) or 0.02),
             rope_parameters=rope,
         )
+
+
+def family_problem(hf_config: Any) -> Optional[str]:
+    """Why the drafter cannot mirror this target family, or None. The drafter is a Qwen3-style model on the
+    target's hidden size, head shape, RoPE, embedding and lm_head; a target whose attention or heads differ in
+    kind would give a drafter that neither matches its features nor serves as a DFlash Qwen3 drafter."""
+    mt = str(_cfg_get(hf_config, "model_type", "") or "")
+    if _cfg_get(hf_config, "kv_lora_rank") or _cfg_get(hf_config, "q_lora_rank"):
+        return (f"{mt}: multi-head latent attention (kv_lora_rank / q_lora_rank, split rope/nope head dims): the "
+                "drafter's attention is GQA with one head_dim and whole-head RoPE")
+    if _cfg_get(hf_config, "final_logit_softcapping") or _cfg_get(hf_config, "attn_logit_softcapping"):
+        return (f"{mt}: logit softcapping: the drafter applies the target's lm_head without it, so its "
+                "distribution would not be the target's")
+    if mt.startswith("gemma"):
+        return f"{mt}: scaled input embeddings (embed * sqrt(hidden)): the drafter embeds with the raw table"
+    if _cfg_get(hf_config, "use_mla"):
+        return f"{mt}: multi-head latent attention"
+    return None
 
 
 def _drafter_intermediate(hf_config: Any) -> int:

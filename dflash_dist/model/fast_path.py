@@ -296,7 +296,7 @@ def sdpa_backend(config: Any, seq_len: int = 1024) -> Optional[str]:
 
 
 def _finish(kinds: dict, attn_impl: Optional[str], policy: str, device_type: str, kernelized: bool = False,
-            experts: Optional[dict] = None, attention: Optional[dict] = None) -> dict:
+            experts: Optional[dict] = None, attention: Optional[dict] = None, built: bool = False) -> dict:
     eff = resolve_policy(policy, device_type)
     missing = sorted({pkg for k in kinds.values() for pkg in _PREFILL_ROLES if not k[pkg]})
     if kernelized:  # transformers' kernels hub replaced whole layers: the per-function view does not apply
@@ -315,7 +315,7 @@ def _finish(kinds: dict, attn_impl: Optional[str], policy: str, device_type: str
     slow_experts = bool(experts) and experts["implementation"] in SLOW_EXPERTS
     if experts:
         summary += f"; MoE experts: {experts['implementation']} ({experts['detail']})"
-    else:
+    elif built:  # the config-only check cannot know: reported again once the model is built
         summary += "; MoE experts: none (dense MLP)"
     try:
         import transformers
@@ -365,7 +365,7 @@ def check_target_fast_path(model: Any, policy: str, device_type: str) -> dict:
         kinds[cls] = _kind_entry(cls, layers, _bindings(layer, modeling), modeling)
     return _finish(kinds, _attn_impl(getattr(model, "config", None)), policy, device_type,
                    kernelized=bool(getattr(model, "_use_kernels", False)), experts=experts_report(model),
-                   attention=attention_report(model, device_type))
+                   attention=attention_report(model, device_type), built=True)
 
 
 def _modeling_module(model_type: str) -> Optional[ModuleType]:

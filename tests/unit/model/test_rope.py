@@ -183,3 +183,13 @@ def test_tf4_rope_scaling_form():
                                                   "high_freq_factor": 4.0}})
     assert p == {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
                  "high_freq_factor": 4.0, "original_max_position_embeddings": 128}
+
+
+def test_unmirrorable_families_refused_by_name():
+    from transformers import DeepseekV3Config, Gemma2Config
+    ds = DeepseekV3Config(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=100)
+    with pytest.raises(ConfigError, match="deepseek_v3: multi-head latent attention"):
+        DrafterModelConfig.from_target(ds, num_layers=1, num_feature_layers=2, block_size=4)
+    g2 = Gemma2Config(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=100, head_dim=16)
+    with pytest.raises(ConfigError, match="gemma2: logit softcapping"):
+        DrafterModelConfig.from_target(g2, num_layers=1, num_feature_layers=2, block_size=4)
