@@ -41,10 +41,10 @@ import torch.nn.functional as F  # noqa: E402
 
 from dflash_dist.model.blocks import make_batch  # noqa: E402
 from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig  # noqa: E402
-from dflash_dist.model.rope import DrafterRope  # noqa: E402
 from dflash_dist.model.hf import load_hf_config, resolve_dtype, text_config  # noqa: E402
 from dflash_dist.model.loss import decayed_ce  # noqa: E402
 from dflash_dist.model.masks import dense_mask, flex_block_mask  # noqa: E402
+from dflash_dist.model.rope import DrafterRope  # noqa: E402
 from dflash_dist.telemetry.flops import drafter_step_flops as step_flops  # noqa: E402,F401  (the one formula)
 
 GPU_CONFIGS = "3072x512,550x256,3072x256,550x512"

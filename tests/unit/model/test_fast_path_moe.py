@@ -6,7 +6,6 @@ built model (what transformers resolved, and its own per-call grouped_mm test on
 import os
 
 import pytest
-import torch
 import yaml
 
 from dflash_dist.config import TargetConfig
