@@ -179,10 +179,13 @@ def short_error(e: BaseException, n: int = 400) -> str:
 # ---------------------------------------------------------------------------------------------- configs
 
 def load_conf(group: str, name: str) -> dict:
-    """conf/<group>/<name>.yaml of the repository, as a dict (the same files Hydra composes)."""
+    """conf/<group>/<name>.yaml of the repository, as a dict of the fields it sets (the same files Hydra composes
+    over the dataclass defaults)."""
     import yaml
     with open(os.path.join(REPO, "conf", group, f"{name}.yaml")) as f:
-        return dict(yaml.safe_load(f) or {})
+        preset = dict(yaml.safe_load(f) or {})
+    preset.pop("defaults", None)  # presets list only what differs from the dataclass defaults
+    return preset
 
 
 def target_config(name: str, **overrides):

@@ -39,12 +39,8 @@ def job_overrides(tiny: bool, target: Optional[str], drafter: Optional[str], mea
 
 def compose_job_config(overrides: list[str]):
     """The JobConfig that ``python -m dflash_dist.train <overrides>`` would run (Hydra compose of conf/)."""
-    from hydra import compose, initialize_config_dir
-
-    from dflash_dist.config import JobConfig
-    with initialize_config_dir(config_dir=os.path.join(C.REPO, "conf"), version_base=None):
-        dcfg = compose(config_name="config", overrides=list(overrides))
-    return JobConfig.from_omegaconf(dcfg)
+    from dflash_dist.config import JobConfig, compose_config
+    return JobConfig.from_omegaconf(compose_config(overrides, os.path.join(C.REPO, "conf")))
 
 
 def free_port() -> int:

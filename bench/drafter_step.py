@@ -104,7 +104,7 @@ def load_kernel_options(arg: Optional[str]) -> Optional[dict]:
 class Runner:
     def __init__(self, mc: DrafterModelConfig, dc, device, lr: float, dynamic: bool = False):
         self.mc, self.dc, self.device = mc, dc, device
-        self.dynamic = dynamic  # drafter.compile_dynamic: dynamic-shape flex kernel and mask builder
+        self.dynamic = dynamic  # drafter.tuning.compile_dynamic: dynamic-shape flex kernel and mask builder
         self.loss_mode = "auto"  # loss.decayed_ce: auto = fused (frozen head), or checkpoint
         self.kernel_options: Optional[dict] = None  # --kernel-options, used by the "+ko" backends
         torch.manual_seed(0)
@@ -127,11 +127,11 @@ class Runner:
         B = dc.block_size
         ids, loss_mask, cu, feats = inputs
         batch = make_batch(ids, loss_mask, cu, feats, num_anchors=num_anchors, block_size=B,
-                           mask_token_id=self.mc.vocab_size - 1, ctx_bucket=dc.ctx_bucket,
+                           mask_token_id=self.mc.vocab_size - 1, ctx_bucket=dc.tuning.ctx_bucket,
                            generator=torch.Generator().manual_seed(1_000_003 + k))
-        # flex_layers = flex + drafter.compile_layers (each decoder layer through torch.compile); a "+ko" suffix
-        # adds --kernel-options (drafter.flex_kernel_options)
-        # "+eagerloss": the fused loss's chunk math eager (drafter.compile_loss=false; compiled by default with flex)
+        # flex_layers = flex + drafter.tuning.compile_layers (each decoder layer through torch.compile); a "+ko" suffix
+        # adds --kernel-options (drafter.tuning.flex_kernel_options)
+        # "+eagerloss": the fused loss's chunk math eager (drafter.tuning.compile_loss=false; compiled by default with flex)
         base, *suffixes = backend.split("+")
         flex = base in ("flex", "flex_layers")
         opts = self.kernel_options if "ko" in suffixes else None
@@ -150,7 +150,7 @@ class Runner:
             block_embeds = F.embedding(batch.block_ids, self.embed)
             with self.autocast:
                 hidden = self.model(block_embeds, batch.features, batch.ctx_positions, batch.block_positions, mask)
-                parts = decayed_ce(hidden, self.lm_head, batch.labels, B, dc.gamma, dc.loss_chunk_rows,
+                parts = decayed_ce(hidden, self.lm_head, batch.labels, B, dc.gamma, dc.tuning.loss_chunk_rows,
                                    mode=self.loss_mode, compiled=compiled_loss)
             if train:
                 loss = parts.loss_sum / parts.weight_sum.clamp_min(1e-6)
@@ -279,17 +279,17 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default=None, help=f"CTXxANCHORS list (default {GPU_CONFIGS}; tiny {TINY_CONFIGS})")
     p.add_argument("--batch", default="1", help="samples per step, comma list (e.g. 1,4)")
     p.add_argument("--backends", default="flex_layers,sdpa",
-                   help="comma list of flex, flex_layers (flex + drafter.compile_layers), sdpa; suffixes: +ko "
-                        "(--kernel-options), +eagerloss (drafter.compile_loss=false; flex rows compile the loss)")
+                   help="comma list of flex, flex_layers (flex + drafter.tuning.compile_layers), sdpa; suffixes: +ko "
+                        "(--kernel-options), +eagerloss (drafter.tuning.compile_loss=false; flex rows compile the loss)")
     p.add_argument("--kernel-options", default=None,
-                   help="flex tile options (drafter.flex_kernel_options) for backends with a +ko suffix, e.g. "
+                   help="flex tile options (drafter.tuning.flex_kernel_options) for backends with a +ko suffix, e.g. "
                         "flex_layers+ko: a JSON dict, or a bench/flex_tune.py JSON file (its 'best_kernel_options')")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps incl. the first (default 2; tiny 1)")
     p.add_argument("--repeats", type=int, default=None, help="timed steps (default 10; tiny 3)")
     p.add_argument("--prompt-frac", type=float, default=0.3, help="leading share of each sample without loss")
     p.add_argument("--dynamic", choices=["off", "auto", "on"], default="on",
                    help="off: every shape compiles static (clean per-config compile time); auto: torch default; "
-                        "on: the trainer's CUDA default (drafter.compile_dynamic: dynamic-shape flex kernel and "
+                        "on: the trainer's CUDA default (drafter.tuning.compile_dynamic: dynamic-shape flex kernel and "
                         "mask builder, compiled once for all shapes)")
     p.add_argument("--peak-n", type=int, default=None, help="matmul size of the peak measurement (8192; tiny 256)")
     p.add_argument("--time-budget-s", type=float, default=0,
@@ -336,8 +336,9 @@ def main(argv=None) -> int:
               "drafter_yaml": "tiny" if tiny else "dflash", "shape": args.shape,
               "rope": DrafterRope(mc.rope_params(), head_dim=mc.head_dim, hidden_size=mc.hidden_size,
                                   num_attention_heads=mc.num_attention_heads,
-                                  max_position_embeddings=mc.max_position_embeddings).describe(), "loss_chunk_rows": dc.loss_chunk_rows,
-              "ctx_bucket": dc.ctx_bucket, "gamma": dc.gamma, "prompt_frac": args.prompt_frac,
+                                  max_position_embeddings=mc.max_position_embeddings).describe(),
+              "loss_chunk_rows": dc.tuning.loss_chunk_rows,
+              "ctx_bucket": dc.tuning.ctx_bucket, "gamma": dc.gamma, "prompt_frac": args.prompt_frac,
               "dynamic": args.dynamic, "loss_mode": args.loss_mode, "kernel_options": runner.kernel_options, "warmup": args.warmup, "repeats": args.repeats,
               "flop_formula": "docs/benchmarks.md#drafter-step-flops", "rows": [], "skipped": []}
     C.log(f"drafter: {mc.num_layers} layers, hidden {mc.hidden_size}, {runner.n_params / 1e6:.1f}M trainable params, "

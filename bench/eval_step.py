@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where the time of one verify step of the in-training evaluation goes.
 
-Call 19 measured 65 ms per verify step run whole and 97 ms in slices on the Qwen3-8B-shaped target (257 steps
+On 2x H200 (torch 2.11, 2026-11-30) the in-training evaluation measured 65 ms per verify step run whole and 97 ms in slices on the Qwen3-8B-shaped target (257 steps
 for 8 prompts x 32 tokens), where a 16-token forward of that target should take a few ms. This script runs the
 evaluation's own code (``spec_decode.speculative_steps`` with the evaluator's drafter: fp32 as ``TargetEval``
 builds it, and bf16) on random prompts and times, per drafter dtype, the median of: a whole slice, the target's
@@ -23,7 +23,8 @@ import _common as C  # noqa: E402
 import torch  # noqa: E402
 
 from dflash_dist.config import default_layer_ids  # noqa: E402
-from dflash_dist.eval.spec_decode import TargetRunner, _new_cache, make_dflash_draft_fn, speculative_steps
+from dflash_dist.eval.spec_decode import make_dflash_draft_fn, speculative_steps
+from dflash_dist.eval.target_runner import TargetRunner, new_cache
 from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig  # noqa: E402
 from dflash_dist.model.hf import head_weights, text_config  # noqa: E402
 
@@ -77,14 +78,14 @@ def main(argv=None) -> int:
         ids = torch.tensor([prompts[0]], device=dev)
         block = torch.full((1, B), 3, dtype=torch.long, device=dev)
         with runner.attached():
-            cache = _new_cache(model)
+            cache = new_cache(model)
             _, ctx = runner(ids, 0, cache, keep=1)
             n = ids.shape[1]
 
             def verify():
                 runner(block, n, cache, keep=B)
-                from dflash_dist.eval.spec_decode import _crop_cache
-                _crop_cache(cache, n)
+                from dflash_dist.eval.target_runner import crop_cache
+                crop_cache(cache, n)
             verify_ms = [timed(verify, dev) for _ in range(args.repeats)]
         draft_ms = [timed(lambda: draft(ctx, block, n), dev) for _ in range(args.repeats)]
         row = {"drafter_dtype": str(dtype).replace("torch.", ""), "slices": len(slices),

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Autotune the drafter's flex_attention tiles for one step shape and print ``drafter.flex_kernel_options``.
+"""Autotune the drafter's flex_attention tiles for one step shape and print ``drafter.tuning.flex_kernel_options``.
 
 The drafter's attention at Qwen3-8B shapes (32 query heads, 8 KV heads, head_dim 128, bf16) with the real DFlash
 BlockMask of a step (``blocks.make_batch`` + ``masks.flex_block_mask``). Three variants, each timed forward and
@@ -9,7 +9,7 @@ forward+backward (median of --repeats, CUDA events):
   autotuned  torch.compile(..., mode="max-autotune-no-cudagraphs"): inductor benchmarks its candidate tiles for
              the forward and the backward kernel; the winners are read from its AUTOTUNE report;
   explicit   the trainer's dynamic kernel again, with the winners passed as kernel_options (fwd_*/bwd_*): what
-             ``drafter.flex_kernel_options=<printed dict>`` runs.
+             ``drafter.tuning.flex_kernel_options=<printed dict>`` runs.
 
     python bench/flex_tune.py --out flex_tune.json                 # CUDA; then
     python bench/drafter_step.py --backends flex_layers,flex_layers+ko --kernel-options flex_tune.json

@@ -2,8 +2,8 @@
 """What one served head request costs a target: ``loss.frozen_head_ce`` (logits, decayed CE, argmax and the
 gradient wrt the rows, chunk by chunk) on R rows through a frozen [V, H] head, by chunk height and compiled or not.
 
-With ``drafter.loss_on_target`` a target serves each anchor group's rows this way; call 28 (2x H200, 8B shapes)
-measured 45 ms per 7,680-row request = 425 TFLOP/s, and the drafter waited for it: the serve's speed sets what the
+With ``drafter.tuning.loss_on_target`` a target serves each anchor group's rows this way; on 2x H200 (8B shapes,
+torch 2.11, 2026-11-30) the job measured 45 ms per 7,680-row request = 425 TFLOP/s, and the drafter waited for it: the serve's speed sets what the
 offload gains (docs/benchmarks.md, "The frozen lm_head and loss on the target"). FLOPs: 4 x R x H x V (logits and
 row gradient); the matmul peak of the same GPU is measured first, so the table also gives the fraction of it.
 
@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="auto")
     p.add_argument("--rows", default=None, help="rows per request (default 3840,7680,15360; tiny 150,300)")
-    p.add_argument("--chunk-rows", default=None, help="drafter.loss_chunk_rows values (default 2048,4096,8192)")
+    p.add_argument("--chunk-rows", default=None, help="drafter.tuning.loss_chunk_rows values (default 2048,4096,8192)")
     p.add_argument("--hidden", type=int, default=None, help="H (4096; tiny 64)")
     p.add_argument("--vocab", type=int, default=None, help="V (151936; tiny 1000)")
     p.add_argument("--block-size", type=int, default=16)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The packed, compiled target capture on short rows: the row rule of the trainer against no padding.
 
-Call 14's jobs on the builtin corpus (short dialogues: a 4-sample message can be under 128 tokens) died in the
+On 2x H200 (2026-11-30) jobs on the builtin corpus (short dialogues: a 4-sample message can be under 128 tokens) died in the
 target's first capture with an inductor error in the compiled flex kernel, whose block mask had one 128-token
 block (dynamic shapes specialise a size of 1). The trainer now pads such rows to 256 tokens
 (``target.packed_row_tokens``). This script runs the same message sequence (short rows first, then long ones)

@@ -204,7 +204,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
         proc.wait(timeout=5)
     except (subprocess.TimeoutExpired, ProcessLookupError):
         pass
-    try:  # always: ranks stuck in NCCL outlive their torchrun agent and spin on the GPUs (calls 25-26)
+    try:  # always: ranks stuck in NCCL outlive their torchrun agent and spin on the GPUs (seen on 2x H200)
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass

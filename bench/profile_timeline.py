@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The phase timeline of a traced training step (a Chrome trace written with ``logging.profile_step=N`` or
+"""The phase timeline of a traced training step (a Chrome trace written with ``logging.debug.profile_step=N`` or
 ``bench/pipeline.py --profile-step N``): per phase (each anchor group's forward, its loss or head request, the
 each group's backward, optimizer) its start, its span, its kernels' busy time and the GPU's idle
 time inside it; the NCCL kernels' totals.

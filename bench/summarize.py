@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""Combine the JSON files of one bench/run_all_gpu.sh run into results.json and a markdown summary.
+"""Combine the JSON files of one bench/run_gpu.sh run into results.json and a markdown summary.
 
     python bench/summarize.py WORK_DIR --json OUT/results.json --md OUT/summary.md
 
 Reads (each optional): drafter_step.json, target_capture.json, hybrid_without_cc1d.json, hybrid_with_cc1d.json,
-pipeline.json, threaded.json, plan_split.json, rcs (lines "part exit_code"). Prints the markdown.
+pipeline.json, threaded.json, plan_split.json, fresh_shapes.json, head_serve.json, send_overlap.json,
+transport_check.json, rcs (lines "part exit_code"). Prints the markdown.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import _common as C  # noqa: E402
 
 PARTS = ["drafter_step", "target_capture", "hybrid_without_cc1d", "hybrid_with_cc1d", "pipeline", "threaded",
          "plan_split"]
+# parts shown as a generic table of their "rows" (or their top-level numbers)
+OTHER_PARTS = ["fresh_shapes", "head_serve", "send_overlap", "transport_check"]
 
 
 def load(work: str) -> dict:
     out = {}
-    for name in PARTS:
+    for name in PARTS + OTHER_PARTS:
         path = os.path.join(work, f"{name}.json")
         if os.path.exists(path):
             try:
@@ -127,7 +130,24 @@ def markdown(res: dict) -> str:
         out.append(f"\nbest: {b.get('targets')}T + {b.get('drafters')}D -> {C.fmt(b.get('samples_per_s'))} samples/s "
                    f"({C.fmt(b.get('per_gpu'))}/GPU)")
         out.append("")
+    for i, name in enumerate(n for n in OTHER_PARTS if isinstance(res.get(n), dict)):
+        out.append(generic(name, res[name], f"6{chr(ord('a') + i)}"))
+        out.append("")
     return "\n".join(out)
+
+
+def _scalar(v) -> bool:
+    return isinstance(v, (int, float, str, bool)) or v is None
+
+
+def generic(name: str, d: dict, number: str) -> str:
+    """A part without a dedicated table: its rows' scalar columns, else its top-level scalars."""
+    rows = [r for r in d.get("rows", []) if isinstance(r, dict)]
+    if rows:
+        keys = [k for k in rows[0] if _scalar(rows[0][k])]
+        return C.table(rows, [(k, k) for k in keys], title=f"{number}. {name}")
+    items = [{"key": k, "value": v} for k, v in d.items() if _scalar(v) and k != "bench"]
+    return C.table(items, [("key", "key"), ("value", "value")], title=f"{number}. {name}")
 
 
 def main(argv=None) -> int:

@@ -19,7 +19,7 @@ passes (untimed, ``warmup_s``) run every batch, so compiled variants compile eve
 Hybrid mode (``--hybrid``): a reduced Qwen3-Next-shaped target (12 layers [linear, linear, linear, full] x 3,
 hidden 2048, GatedDeltaNet layers with 16 key / 32 value heads of dim 128, dense MLPs unless --hybrid-experts),
 with the kernels transformers bound reported by ``fast_path.check_target_fast_path(model, 'allow', ...)``. Run it
-once with and once without causal-conv1d importable to get the fast-path ratio (bench/run_all_gpu.sh does).
+once with and once without causal-conv1d importable to get the fast-path ratio (bench/run_gpu.sh does).
 
     python bench/target_capture.py --out target_capture.json
     python bench/target_capture.py --hybrid --out hybrid.json

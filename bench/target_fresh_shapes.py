@@ -8,7 +8,7 @@ samples of uniform 275..825 tokens, random ids), every one new, and reports the 
 half, and how many graphs dynamo compiled (``torch._dynamo.utils.counters``): a count that grows with the
 batches means a recompile per shape. ``--repeat``: then the same batches again (every shape seen once), so the
 cost of a new shape is the difference of the two passes' medians. Padded variants run once per
-``--pad-multiples`` value (``target.pad_multiple``: rows rounded up to that multiple). ``--profile``: the CPU
+``--pad-multiples`` value (``target.tuning.pad_multiple``: rows rounded up to that multiple). ``--profile``: the CPU
 ops of one batch of a new shape next to one of a seen shape (torch.profiler, top ops by self CPU time).
 
     python bench/target_fresh_shapes.py --out fresh.json        # CUDA, Qwen3-8B-shaped random-init target
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", default="qwen3_8b_random", help="conf/target group")
     p.add_argument("--variants", default="packed_compiled,packed,padded_compiled,padded")
-    p.add_argument("--pad-multiples", default="1", help="padded variants: target.pad_multiple values, comma list")
+    p.add_argument("--pad-multiples", default="1", help="padded variants: target.tuning.pad_multiple values, comma list")
     p.add_argument("--batches", type=int, default=24)
     p.add_argument("--samples-per-batch", type=int, default=4)
     p.add_argument("--repeat", action="store_true", help="a second pass over the same shapes")

@@ -35,6 +35,13 @@ import _standalone as S  # noqa: E402
 import torch  # noqa: E402
 from pipeline import add_job_args, finish_job_args, overrides  # noqa: E402
 
+# Imported here, in the main thread: a first import inside a thread races the other thread's import of
+# torch._dynamo (importlib's module lock reports a deadlock).
+from dflash_dist.comm.transport import Message  # noqa: E402
+from dflash_dist.data.plan import pad_batch  # noqa: E402
+from dflash_dist.model.fast_path import check_target_fast_path  # noqa: E402
+from dflash_dist.target.capture import build_capture  # noqa: E402
+
 COMPILE_MARKERS = ("torch._dynamo", "torch._inductor", "torch/_dynamo", "torch/_inductor", "torch.fx", "torch/fx",
                    "FX", "symbolic_trace", "is_fx_tracing", "compile", "Dynamo", "Inductor", "BackendCompilerFailed")
 
@@ -101,10 +108,6 @@ def main(argv=None) -> int:
         return False
 
     def target_thread():
-        from dflash_dist.comm.transport import Message
-        from dflash_dist.data.plan import pad_batch
-        from dflash_dist.model.fast_path import check_target_fast_path
-        from dflash_dist.target.capture import build_capture
         try:
             if dev_t.type == "cuda":
                 torch.cuda.set_device(dev_t)

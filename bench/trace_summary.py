@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Summary of a target trace (``logging.trace_target=true``: <run>/target_trace/rank<r>.jsonl): per column the
+"""Summary of a target trace (``logging.debug.trace_target=true``: <run>/target_trace/rank<r>.jsonl): per column the
 median and the maximum over the messages after the first --skip (load and compile), and the share of the traced
 time each part took.
 
@@ -13,7 +13,7 @@ import json
 import statistics
 import sys
 
-PARTS = ("stall_ms", "capture_ms", "backpressure_ms", "eval_ms")  # eval_ms: traces written after call 19
+PARTS = ("stall_ms", "capture_ms", "backpressure_ms", "eval_ms")  # eval_ms: absent in older traces
 
 
 def summarize(rows: list[dict]) -> dict:

@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     ctrl = dist.new_group(backend="gloo")
     store = dist.distributed_c10d._get_default_store() if args.rendezvous else None
     ch = Channel(ctrl, dist.group.WORLD, dev, timeout_s=120, store=store, comm_stream=args.comm_streams)
-    if args.connect:  # as the trainer does (without it the first payload receive hung, call 21)
+    if args.connect:  # as the trainer does (without it the first payload receive hung on 2x H200)
         ch.connect([1 - rank], sending=rank == 1)
     res = {"bench": "transport_check", "env": C.env_info(dev), "args": vars(args), "transport": ch.describe()}
     t0 = time.monotonic()

@@ -199,7 +199,7 @@ def measure_drafter_demand(job, device: torch.device, steps: Optional[int] = Non
         warm, shapes = [], set()
         for k, m in zip(ks, msgs):
             lens = [int(x) for x in (m.cu_seqlens[1:] - m.cu_seqlens[:-1])]
-            shape = (len(lens), max(1, math.ceil(max(lens) / cfg.drafter.ctx_bucket)))
+            shape = (len(lens), max(1, math.ceil(max(lens) / cfg.drafter.tuning.ctx_bucket)))
             if not warm or (trainer.backend == "flex" and shape not in shapes):
                 warm.append((k, m))
                 shapes.add(shape)

@@ -9,8 +9,10 @@ message that says what to change.
 from __future__ import annotations
 
 import dataclasses
+import os
+import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 
 class ConfigError(ValueError):
@@ -20,6 +22,48 @@ class ConfigError(ValueError):
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
+
+
+def _check_choices(obj, section: str) -> None:
+    """Every ``Literal[...]`` field of a config dataclass holds one of its choices (checked once, here)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        tp = hints[f.name]
+        args = typing.get_args(tp) if typing.get_origin(tp) is not Literal else (tp,)
+        for lit in [tp] + [a for a in args if typing.get_origin(a) is Literal]:
+            if typing.get_origin(lit) is Literal:
+                choices = typing.get_args(lit)
+                allowed = choices + ((None,) if type(None) in args else ())
+                v = getattr(obj, f.name)
+                _require(v in allowed, f"{section}.{f.name}={v!r}: use one of {', '.join(map(str, choices))}")
+                break
+
+
+def _sub(value, cls, section: str):
+    """A nested sub-group given as a dict (from YAML / Hydra) becomes its dataclass, unknown keys refused."""
+    if isinstance(value, cls):
+        return value
+    value = dict(value or {})
+    names = {f.name for f in dataclasses.fields(cls)}
+    bad = set(value) - names
+    _require(not bad, f"unknown keys {sorted(bad)} in '{section}'; known: {sorted(names)}")
+    return cls(**value)
+
+
+@dataclass
+class TargetTuning:
+    """Performance knobs of the target capture; the defaults are the measured best."""
+
+    pad_multiple: Optional[int] = None
+    """Padded capture (packing off: hybrids, CPU): each message's rows run right-padded to a multiple of this many
+    tokens, so the target meets a few dozen row lengths instead of one per message. The extra padding is invisible
+    to the real tokens (causal). Why: SDPA's cuDNN attention builds a plan for every new [b, S], 45-70 ms of host
+    time per new length on an H200 (a 550-token hybrid capture 100 ms on a new length, 30 ms on a seen
+    one). None: 64 on CUDA, 1 on CPU. Packed rows have their own rounding."""
+
+    def __post_init__(self) -> None:
+        _require(self.pad_multiple is None or (type(self.pad_multiple) is int and self.pad_multiple >= 1),
+                 f"target.tuning.pad_multiple={self.pad_multiple!r}: use an integer >= 1 or null")
 
 
 @dataclass
@@ -44,13 +88,13 @@ class TargetConfig:
     num_feature_layers: int = 5
     """How many target layers feed the drafter when ``layer_ids`` is None (DFlash uses 5)."""
 
-    dtype: str = "auto"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """Target weights/activations: auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16 or float32."""
 
     attn_implementation: str = "sdpa"
     """HF attention implementation of the target's attention layers (sdpa, flash_attention_2, eager)."""
 
-    fast_path: str = "auto"
+    fast_path: Literal["auto", "require", "warn", "allow"] = "auto"
     """Target fast paths (hybrid kernels fla / causal-conv1d; MoE experts not on eager on CUDA): require | warn |
     allow. auto = require on CUDA, allow on CPU."""
 
@@ -64,7 +108,7 @@ class TargetConfig:
     max_batch_samples: int = 64
     """Upper bound on samples per message, whatever their length."""
 
-    packing: str = "auto"
+    packing: Literal["auto", "on", "off"] = "auto"
     """Feature capture over packed batches: on | off | auto. on: the batch's samples run as one row without padding
     (per-sample positions, document-causal attention through compiled flex_attention); off: right-padded rows
     through ``attn_implementation``. Same features either way. auto = on for CUDA and attention-only targets
@@ -77,23 +121,14 @@ class TargetConfig:
     one), with packing or without; the capture hooks stay outside the compiled graphs. Evaluation runs uncompiled.
     None: on CUDA (Qwen3-8B shapes on an H200: 1.31x the packed capture, ~10 s of compile), off on CPU."""
 
-    pad_multiple: Optional[int] = None
-    """Padded capture (packing off: hybrids, CPU): each message's rows run right-padded to a multiple of this many
-    tokens, so the target meets a few dozen row lengths instead of one per message. The extra padding is invisible
-    to the real tokens (causal). Why: SDPA's cuDNN attention builds a plan for every new [b, S], 45-70 ms of host
-    time per new length on an H200 (call 34: a 550-token hybrid capture 100 ms on a new length, 30 ms on a seen
-    one). None: 64 on CUDA, 1 on CPU. Packed rows have their own rounding."""
+    tuning: TargetTuning = field(default_factory=TargetTuning)
+    """Performance knobs (``target.tuning.*``); the defaults are the measured best."""
 
     def __post_init__(self) -> None:
-        _require(self.packing in ("auto", "on", "off"), f"target.packing={self.packing!r}: use auto, on or off")
-        _require(self.pad_multiple is None or (type(self.pad_multiple) is int and self.pad_multiple >= 1),
-                 f"target.pad_multiple={self.pad_multiple!r}: use an integer >= 1 or null")
+        _check_choices(self, "target")
+        self.tuning = _sub(self.tuning, TargetTuning, "target.tuning")
         _require(self.compile is None or isinstance(self.compile, bool),
                  f"target.compile={self.compile!r}: use true, false or null (on CUDA, off on CPU)")
-        _require(self.dtype in ("auto", "bfloat16", "float16", "float32"),
-                 f"target.dtype={self.dtype!r}: use auto, bfloat16, float16 or float32")
-        _require(self.fast_path in ("auto", "require", "warn", "allow"),
-                 f"target.fast_path={self.fast_path!r}: use auto, require, warn or allow")
         _require(self.num_feature_layers >= 1, "target.num_feature_layers must be >= 1")
         _require(self.max_batch_tokens >= 16, "target.max_batch_tokens must be >= 16")
         _require(self.max_batch_samples >= 1, "target.max_batch_samples must be >= 1")
@@ -109,28 +144,8 @@ class TargetConfig:
 
 
 @dataclass
-class DrafterConfig:
-    num_layers: int = 5
-    """Number of DFlash draft layers (Qwen3 decoder layers with target features as extra keys/values)."""
-
-    block_size: int = 16
-    """Tokens drafted per block: slot 0 is the anchor (known) token, slots 1..B-1 are MASK tokens to predict."""
-
-    num_anchors: int = 512
-    """Blocks per sample per step: anchors sampled from supervised positions; fewer are padded (static shapes)."""
-
-    loss_gamma: Optional[float] = None
-    """Slot weight exp(-(k-1)/gamma); None: 7 for block 16, scaled as 7*B/16 otherwise."""
-
-    mask_token_id: Optional[int] = None
-    """Token id of MASK. None: the tokenizer's mask token (``<|MASK|>``/``mask_token``) or the packaged tiny one."""
-
-    attention_backend: str = "auto"
-    """flex (compiled flex_attention + BlockMask; CUDA default), sdpa (dense bool mask; needed on CPU:
-    flex_attention has no CPU backward) or auto (flex on CUDA, sdpa on CPU). The choice is printed at startup."""
-
-    compile: bool = True
-    """torch.compile the flex attention kernel and the mask builder (fullgraph). Required for flex."""
+class DrafterTuning:
+    """Compile, kernel and scheduling knobs of the drafter step; the defaults are the measured best."""
 
     compile_dynamic: bool = True
     """On CUDA, compile flex_attention and the mask builder with dynamic shapes: one kernel serves every (b, S_pad),
@@ -157,9 +172,6 @@ class DrafterConfig:
     ``{bwd_BLOCK_M1: 64, bwd_BLOCK_N1: 128, bwd_BLOCK_M2: 128, bwd_BLOCK_N2: 64, bwd_num_warps: 8,
     bwd_num_stages: 3}`` (``fwd_``/``bwd_`` prefixes pick the kernel). None: inductor's defaults for the GPU.
     ``python bench/flex_tune.py`` autotunes them for your shapes and prints the dict to paste here."""
-
-    intermediate_size: Optional[int] = None
-    """MLP width; None: the target's."""
 
     loss_chunk_rows: int = 2048
     """Rows of the vocab projection computed at once (the [rows, V] logits never exist whole)."""
@@ -192,34 +204,70 @@ class DrafterConfig:
     serving every group is faster (2x H200, 8B shapes, 2 groups: 1 local 1.06x, none local 1.18x). Must be
     < micro_batches."""
 
-    leaky_mask_demo: bool = False
-    """DEMONSTRATION ONLY, a bug on purpose: let blocks see the target state at their own anchor (kv <= a), the
-    classic leak of other trainers. Training accuracy soars, served acceptance does not (scripts/leak_demo.sh)."""
+    def __post_init__(self) -> None:
+        _require(self.loss_chunk_rows >= 16, "drafter.tuning.loss_chunk_rows must be >= 16")
+        _require(self.ctx_bucket >= 16 and self.ctx_bucket % 16 == 0,
+                 f"drafter.tuning.ctx_bucket={self.ctx_bucket}: must be a multiple of 16")
+        _require(self.micro_batches >= 1, f"drafter.tuning.micro_batches={self.micro_batches}: must be >= 1")
+        _require(0 <= self.local_loss_groups < self.micro_batches,
+                 f"drafter.tuning.local_loss_groups={self.local_loss_groups}: must be >= 0 and < "
+                 f"drafter.tuning.micro_batches={self.micro_batches} (at least one group's loss goes to the target)")
+        if self.flex_kernel_options is not None:
+            opts = dict(self.flex_kernel_options)
+            bad = {k: v for k, v in opts.items() if not isinstance(k, str) or not isinstance(v, (bool, int))}
+            _require(not bad, f"drafter.tuning.flex_kernel_options: keys must be option names and values int/bool, "
+                              f"got {bad}")
+            self.flex_kernel_options = opts
+
+
+@dataclass
+class DrafterConfig:
+    num_layers: int = 5
+    """Number of DFlash draft layers (Qwen3 decoder layers with target features as extra keys/values)."""
+
+    block_size: int = 16
+    """Tokens drafted per block: slot 0 is the anchor (known) token, slots 1..B-1 are MASK tokens to predict."""
+
+    num_anchors: int = 512
+    """Blocks per sample per step: anchors sampled from supervised positions; fewer are padded (static shapes)."""
+
+    loss_gamma: Optional[float] = None
+    """Slot weight exp(-(k-1)/gamma); None: 7 for block 16, scaled as 7*B/16 otherwise."""
+
+    mask_token_id: Optional[int] = None
+    """Token id of MASK. None: the tokenizer's mask token (``<|MASK|>``/``mask_token``) or the packaged tiny one."""
+
+    attention_backend: Literal["auto", "flex", "sdpa"] = "auto"
+    """flex (compiled flex_attention + BlockMask; CUDA default), sdpa (dense bool mask; needed on CPU:
+    flex_attention has no CPU backward) or auto (flex on CUDA, sdpa on CPU). The choice is printed at startup."""
+
+    compile: bool = True
+    """torch.compile the flex attention kernel and the mask builder (fullgraph). Required for flex."""
+
+
+
+
+
+
+    intermediate_size: Optional[int] = None
+    """MLP width; None: the target's."""
+
+    tuning: DrafterTuning = field(default_factory=DrafterTuning)
+    """Compile, kernel and scheduling knobs (``drafter.tuning.*``); the defaults are the measured best."""
 
     def __post_init__(self) -> None:
         _require(self.num_layers >= 1, f"drafter.num_layers={self.num_layers}: must be >= 1")
         _require(self.block_size >= 2, f"drafter.block_size={self.block_size}: must be >= 2 (slot 0 is the anchor)")
         _require(self.num_anchors > 0, f"drafter.num_anchors={self.num_anchors}: must be > 0")
-        _require(self.micro_batches >= 1 and self.num_anchors % self.micro_batches == 0,
-                 f"drafter.micro_batches={self.micro_batches}: must be >= 1 and divide drafter.num_anchors="
+        _check_choices(self, "drafter")
+        self.tuning = _sub(self.tuning, DrafterTuning, "drafter.tuning")
+        _require(self.num_anchors % self.tuning.micro_batches == 0,
+                 f"drafter.tuning.micro_batches={self.tuning.micro_batches}: must divide drafter.num_anchors="
                  f"{self.num_anchors}")
-        _require(0 <= self.local_loss_groups < self.micro_batches,
-                 f"drafter.local_loss_groups={self.local_loss_groups}: must be >= 0 and < drafter.micro_batches="
-                 f"{self.micro_batches} (at least one group's loss goes to the target)")
-        _require(self.attention_backend in ("auto", "flex", "sdpa"),
-                 f"drafter.attention_backend={self.attention_backend!r}: use flex, sdpa or auto")
         _require(self.loss_gamma is None or self.loss_gamma > 0, "drafter.loss_gamma must be > 0")
-        _require(self.loss_chunk_rows >= 16, "drafter.loss_chunk_rows must be >= 16")
-        _require(self.ctx_bucket >= 16 and self.ctx_bucket % 16 == 0,
-                 f"drafter.ctx_bucket={self.ctx_bucket}: must be a multiple of 16")
-        if self.flex_kernel_options is not None:
-            opts = dict(self.flex_kernel_options)
-            bad = {k: v for k, v in opts.items() if not isinstance(k, str) or not isinstance(v, (bool, int))}
-            _require(not bad, f"drafter.flex_kernel_options: keys must be option names and values int/bool, got {bad}")
-            self.flex_kernel_options = opts
-        if self.compile_layers and self.attention_backend == "sdpa":
-            raise ConfigError("drafter.compile_layers=true needs the flex backend: with attention_backend=sdpa set "
-                              "drafter.compile_layers=false (or null)")
+        if self.tuning.compile_layers and self.attention_backend == "sdpa":
+            raise ConfigError("drafter.tuning.compile_layers=true needs the flex backend: with attention_backend=sdpa "
+                              "set drafter.tuning.compile_layers=false (or null)")
         if self.attention_backend == "flex" and not self.compile:
             raise ConfigError("drafter.attention_backend=flex needs drafter.compile=true: uncompiled flex_attention "
                               "runs the dense fallback (43x slower, 200x the memory). Use sdpa to run without compile.")
@@ -238,7 +286,7 @@ class DataConfig:
     max_length: int = 3072
     """Longest sample in tokens (the paper's 3072)."""
 
-    overlong: str = "truncate"
+    overlong: Literal["truncate", "skip"] = "truncate"
     """What to do with a sample longer than max_length: truncate or skip (counted either way)."""
 
     max_bad_fraction: float = 0.05
@@ -262,10 +310,22 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _require(self.max_length >= 8, f"data.max_length={self.max_length}: must be >= 8")
-        _require(self.overlong in ("truncate", "skip"), f"data.overlong={self.overlong!r}: use truncate or skip")
+        _check_choices(self, "data")
         _require(0.0 <= self.max_bad_fraction <= 1.0, "data.max_bad_fraction must be in [0, 1]")
         _require(self.num_workers >= 0, "data.num_workers must be >= 0")
         _require(self.holdout >= 0, "data.holdout must be >= 0")
+
+
+@dataclass
+class TopologyTuning:
+    """Transport knobs; the defaults are the measured best."""
+
+    rendezvous_sends: Optional[bool] = None
+    """Post each payload send only after the drafter has posted the matching receive (a counter per link in the
+    rendezvous store). An NCCL send posted earlier runs on the target GPU until the drafter takes it and slowed
+    the target's capture 1.4-1.5x on an H200 (bench/send_overlap.py). None: on when the payloads go over NCCL,
+    off over gloo (CPU: a waiting gloo send costs nothing, and the target could post a payload only between its
+    synchronous CPU forwards). False: send at once."""
 
 
 @dataclass
@@ -278,20 +338,7 @@ class TopologyConfig:
     max_in_flight: int = 4
     """Messages a target may have sent but not yet seen received, per drafter link (backpressure)."""
 
-    rendezvous_sends: Optional[bool] = None
-    """Post each payload send only after the drafter has posted the matching receive (a counter per link in the
-    rendezvous store). An NCCL send posted earlier runs on the target GPU until the drafter takes it and slowed
-    the target's capture 1.4-1.5x on an H200 (bench/send_overlap.py). None: on when the payloads go over NCCL,
-    off over gloo (CPU: a waiting gloo send costs nothing, and the target could post a payload only between its
-    synchronous CPU forwards). False: send at once."""
 
-    comm_streams: bool = False
-    """CUDA, experimental: post payload sends and receives from a stream of their own. NCCL starts a
-    point-to-point operation only after the work already queued on the stream it was posted from, so a receive
-    posted from the drafter's compute stream begins on its GPU only after the queued training step, and a staged
-    send posted while the target's next capture is queued waits for that capture. Off by default: on 2x H200 it
-    did not speed up the target-bound job (30.51 vs 31.42 samples/s with rendezvous sends, docs/benchmarks.md)
-    and its GPU byte-for-byte check (bench/transport_check.py) has not completed yet. No effect on CPU."""
 
     timeout_s: float = 60.0
     """A rank that waits this long on a peer after warm-up declares the job dead and exits non-zero."""
@@ -307,7 +354,11 @@ class TopologyConfig:
     """``target_ranks=auto`` and dflash-plan: drafter training steps (on the same first messages, random
     features) timed to measure drafter demand, after warm-up (one step; with flex, one per new batch shape)."""
 
+    tuning: TopologyTuning = field(default_factory=TopologyTuning)
+    """Transport knobs (``topology.tuning.*``)."""
+
     def __post_init__(self) -> None:
+        self.tuning = _sub(self.tuning, TopologyTuning, "topology.tuning")
         t = self.target_ranks
         if isinstance(t, str) and t.strip().isdigit():
             t = int(t)
@@ -320,6 +371,18 @@ class TopologyConfig:
         _require(self.timeout_s > 0 and self.warmup_timeout_s > 0, "topology timeouts must be > 0")
         _require(self.plan_target_batches >= 1, "topology.plan_target_batches must be >= 1")
         _require(self.plan_drafter_steps >= 1, "topology.plan_drafter_steps must be >= 1")
+
+
+@dataclass
+class TrainTuning:
+    """Scheduling knobs of the training run; the defaults are the measured best."""
+
+    eval_in_slices: bool = True
+    """Run an in-training evaluation one verify step at a time while the target waits for its drafters to take
+    messages (its idle time in a drafter-bound job), so it does not delay the features. An evaluation still running
+    when the next one is due makes the leader skip that one (logged); the last one runs whole after the stream.
+    Needs waits the target can poll (NCCL, or rendezvous sends); else, and with false, each evaluation runs whole
+    between two messages and the drafters wait for it."""
 
 
 @dataclass
@@ -354,7 +417,7 @@ class TrainConfig:
     seed: int = 0
     """Seed for drafter init and anchor sampling (per rank: seed + rank)."""
 
-    device: str = "auto"
+    device: Literal["auto", "cuda", "cpu"] = "auto"
     """auto (cuda if available), cuda or cpu."""
 
     checkpoint_every: int = 0
@@ -375,20 +438,17 @@ class TrainConfig:
     eval_max_new_tokens: int = 64
     """Tokens generated per evaluation prompt."""
 
-    eval_in_slices: bool = True
-    """Run an in-training evaluation one verify step at a time while the target waits for its drafters to take
-    messages (its idle time in a drafter-bound job), so it does not delay the features. An evaluation still running
-    when the next one is due makes the leader skip that one (logged); the last one runs whole after the stream.
-    Needs waits the target can poll (NCCL, or rendezvous sends); else, and with false, each evaluation runs whole
-    between two messages and the drafters wait for it."""
+    tuning: TrainTuning = field(default_factory=TrainTuning)
+    """Scheduling knobs (``train.tuning.*``)."""
 
     def __post_init__(self) -> None:
+        _check_choices(self, "train")
+        self.tuning = _sub(self.tuning, TrainTuning, "train.tuning")
         _require(self.max_steps == -1 or self.max_steps > 0, f"train.max_steps={self.max_steps}: -1 or > 0")
         _require(self.epochs >= 1, f"train.epochs={self.epochs}: must be >= 1")
         _require(self.lr > 0, "train.lr must be > 0")
         _require(0 <= self.warmup_ratio < 1, "train.warmup_ratio must be in [0, 1)")
         _require(self.grad_clip > 0, "train.grad_clip must be > 0")
-        _require(self.device in ("auto", "cuda", "cpu"), f"train.device={self.device!r}: use auto, cuda or cpu")
         _require(self.checkpoint_every >= 0 and self.eval_every >= 0, "checkpoint_every/eval_every must be >= 0")
         _require(self.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1")
         _require(len(self.betas) == 2, "train.betas needs two values")
@@ -396,7 +456,7 @@ class TrainConfig:
 
 @dataclass
 class WandbConfig:
-    mode: Optional[str] = None
+    mode: Optional[Literal["online", "offline", "disabled"]] = None
     """online, offline or disabled. None: online only if credentials are configured, else offline
     (never wait ~90 s on a network that is not there)."""
 
@@ -410,25 +470,12 @@ class WandbConfig:
     """Run name; None: the output directory's name."""
 
     def __post_init__(self) -> None:
-        _require(self.mode in (None, "online", "offline", "disabled"),
-                 f"logging.wandb.mode={self.mode!r}: use online, offline or disabled")
+        _check_choices(self, "logging.wandb")
 
 
 @dataclass
-class LoggingConfig:
-    log_every: int = 10
-    """Log metrics every N steps (console, metrics.jsonl, wandb)."""
-
-    progress_bar: bool = True
-    """Rank 0 shows a progress bar with samples/s and ETA."""
-
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-    """Weights & Biases settings."""
-
-    peak_tflops: Optional[float] = None
-    """bf16 peak of one GPU (TFLOP/s) for the MFU metrics (drafter_mfu, target<r>_mfu). None: the vendor figure
-    for known GPUs (H100/H200 989.4, A100 312, ...); no MFU on CPU or unknown devices. Set it to a measured
-    matmul rate to report MFU against that instead."""
+class LoggingDebug:
+    """Audits, traces and profiles for finding out why a run is slow or wrong; all off by default."""
 
     record_sample_ids: bool = False
     """Append the sample ids of every trained message to <output_dir>/sample_log/rank<r>.jsonl (audits and
@@ -448,12 +495,34 @@ class LoggingConfig:
     drafter taking it), after their earlier sends are taken (target.loop.MessageTrace says why). -1: off."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.wandb, dict):
-            self.wandb = WandbConfig(**self.wandb)
-        _require(self.log_every >= 1, "logging.log_every must be >= 1")
         _require(self.profile_step == -1 or self.profile_step >= 4,
-                 f"logging.profile_step={self.profile_step}: use -1 (off) or a step >= 4 (steps 0-3 compile, run "
-                 "the startup report's profile and the host-sync check)")
+                 f"logging.debug.profile_step={self.profile_step}: use -1 (off) or a step >= 4 (steps 0-3 compile, "
+                 "run the startup report's profile and the host-sync check)")
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 10
+    """Log metrics every N steps (console, metrics.jsonl, wandb)."""
+
+    progress_bar: bool = True
+    """Rank 0 shows a progress bar with samples/s and ETA."""
+
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases settings."""
+
+    peak_tflops: Optional[float] = None
+    """bf16 peak of one GPU (TFLOP/s) for the MFU metrics (drafter_mfu, target<r>_mfu). None: the vendor figure
+    for known GPUs (H100/H200 989.4, A100 312, ...); no MFU on CPU or unknown devices. Set it to a measured
+    matmul rate to report MFU against that instead."""
+
+    debug: LoggingDebug = field(default_factory=LoggingDebug)
+    """Audits, traces and profiles (``logging.debug.*``); all off by default."""
+
+    def __post_init__(self) -> None:
+        self.wandb = _sub(self.wandb, WandbConfig, "logging.wandb")
+        self.debug = _sub(self.debug, LoggingDebug, "logging.debug")
+        _require(self.log_every >= 1, "logging.log_every must be >= 1")
         _require(self.peak_tflops is None or self.peak_tflops > 0, "logging.peak_tflops must be > 0 (or null)")
 
 
@@ -471,10 +540,8 @@ class JobConfig:
         known = {f.name for f in dataclasses.fields(JobConfig)}
         unknown = set(d) - known - {"hydra"}
         _require(not unknown, f"unknown config groups {sorted(unknown)}; known: {sorted(known)}")
-        classes = {"target": TargetConfig, "drafter": DrafterConfig, "data": DataConfig,
-                   "topology": TopologyConfig, "train": TrainConfig, "logging": LoggingConfig}
         parts = {}
-        for name, cls in classes.items():
+        for name, cls in GROUPS.items():
             section = dict(d.get(name) or {})
             names = {f.name for f in dataclasses.fields(cls)}
             bad = set(section) - names
@@ -489,6 +556,39 @@ class JobConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+GROUPS = {"target": TargetConfig, "drafter": DrafterConfig, "data": DataConfig, "topology": TopologyConfig,
+          "train": TrainConfig, "logging": LoggingConfig}
+
+
+def group_defaults(cls) -> dict:
+    """A config dataclass's field defaults as a plain dict (sub-groups nested), without validating them."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        v = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        out[f.name] = dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+    return out
+
+
+def register_config_groups() -> None:
+    """Each group's dataclass defaults become its ``base`` option in Hydra's ConfigStore: the YAML presets in
+    ``conf/`` list ``base`` first and hold only what they change, so every default lives in this file alone."""
+    from hydra.core.config_store import ConfigStore
+    cs = ConfigStore.instance()
+    for group, cls in GROUPS.items():
+        cs.store(group=group, name="base", node=group_defaults(cls))
+
+
+def compose_config(overrides: list[str], conf_dir: str):
+    """The job's Hydra config (the ``DictConfig``) from ``conf_dir`` and command-line style overrides, outside
+    ``@hydra.main`` (dflash-plan, dflash-doctor, benchmarks)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    register_config_groups()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=os.path.abspath(conf_dir), version_base=None):
+        return compose(config_name="config", overrides=list(overrides))
 
 
 def default_layer_ids(num_target_layers: int, n: int = 5) -> list[int]:
@@ -513,9 +613,9 @@ def validate_job(cfg: JobConfig, world_size: Optional[int], num_target_layers: i
     else:
         _require(world_size >= 2, f"topology.target_ranks=auto needs at least 2 processes (one target, one "
                                   f"drafter), got a world of {world_size}: start more processes")
-    _require(not (cfg.drafter.loss_on_target and cfg.topology.rendezvous_sends is False),
+    _require(not (cfg.drafter.tuning.loss_on_target and cfg.topology.tuning.rendezvous_sends is False),
              "drafter.loss_on_target needs rendezvous sends (a target serves head requests while it waits for its "
-             "drafters): remove topology.rendezvous_sends=false")
+             "drafters): remove topology.tuning.rendezvous_sends=false")
     layer_ids = cfg.target.layer_ids or default_layer_ids(num_target_layers, cfg.target.num_feature_layers)
     _require(len(set(layer_ids)) == len(layer_ids),
              f"the default layer ids {layer_ids} of a {num_target_layers}-layer target repeat: set target.layer_ids "

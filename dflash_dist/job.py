@@ -184,7 +184,7 @@ def setup(cfg: JobConfig) -> Job:
         t = int(job.auto_split["target_ranks"])
     topo = Topology(world, rank, t)
     setup_logging(rank, topo.role)
-    job.dist = make_groups(topo, device, timeout_s, ctrl, heads=cfg.drafter.loss_on_target)
+    job.dist = make_groups(topo, device, timeout_s, ctrl, heads=cfg.drafter.tuning.loss_on_target)
     if job.resume_from is None and cfg.train.max_steps > 0:
         job.total_messages = min(job.total_messages, cfg.train.max_steps * topo.num_drafters)
     if rank == 0:

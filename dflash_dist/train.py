@@ -47,6 +47,9 @@ def _hydra_main():
     import hydra
     from omegaconf import DictConfig
 
+    from dflash_dist.config import register_config_groups
+    register_config_groups()  # each group's dataclass defaults as its `base` option (conf/ holds only presets)
+
     @hydra.main(config_path="conf", config_name="config", version_base=None)
     def entry(dcfg: DictConfig) -> None:
         try:

@@ -5,10 +5,10 @@
 set -euo pipefail
 OUT=${1:-outputs/leak_demo}; shift || true
 for variant in correct leaky; do
-  leak=false; [ "$variant" = leaky ] && leak=true
+  leak=0; [ "$variant" = leaky ] && leak=1
   rm -rf "$OUT/$variant"
-  torchrun --standalone --nproc-per-node 3 -m dflash_dist.train train.output_dir="$OUT/$variant" \
-    drafter.leaky_mask_demo=$leak logging.progress_bar=false logging.wandb.mode=disabled "$@" 2>&1 \
+  DFLASH_LEAKY_MASK_DEMO=$leak torchrun --standalone --nproc-per-node 3 -m dflash_dist.train train.output_dir="$OUT/$variant" \
+    logging.progress_bar=false logging.wandb.mode=disabled "$@" 2>&1 \
     | grep -E "acceptance at step|done:" || true
 done
 python3 - "$OUT" <<'PY'

@@ -235,7 +235,8 @@ def check_causal_conv1d(doc: Doctor) -> None:
         ver = _version("causal-conv1d") or _version("causal_conv1d") or "?"
     except Exception as e:
         _kernel_missing(doc, "causal-conv1d", f"not importable ({type(e).__name__}: {str(e)[:80]}): build it against "
-                        "this torch (source-only; see shared/device/README.md: build_causal_conv1d.sh)", "",
+                        "this torch (source-only: docker/ builds it for one GPU architecture; or pip install causal-conv1d "
+                        "--no-build-isolation)", "",
                         "not installed (GPU only)")
         return
     if not torch.cuda.is_available():
@@ -380,15 +381,8 @@ def check_wandb(doc: Doctor) -> None:
 
 
 def check_config(doc: Doctor, overrides: list[str]) -> None:
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from dflash_dist.config import JobConfig
-    if GlobalHydra.instance().is_initialized():
-        GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        dcfg = compose(config_name="config", overrides=list(overrides))
-    cfg = JobConfig.from_omegaconf(dcfg)
+    from dflash_dist.config import JobConfig, compose_config
+    cfg = JobConfig.from_omegaconf(compose_config(overrides, CONF_DIR))
     doc.cfg = cfg
     t = cfg.target
     where = t.name_or_path or (f"random init {t.hf_config.get('model_type', t.hf_config)}")

@@ -41,15 +41,9 @@ from dflash_dist.paths import CONF_DIR
 
 def compose_config(overrides: list[str]):
     """The JobConfig ``python -m dflash_dist.train <overrides>`` would run (as dflash-doctor composes it)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
     from dflash_dist.config import JobConfig
-    if GlobalHydra.instance().is_initialized():
-        GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        dcfg = compose(config_name="config", overrides=list(overrides))
-    return JobConfig.from_omegaconf(dcfg)
+    from dflash_dist.config import compose_config as compose
+    return JobConfig.from_omegaconf(compose(overrides, CONF_DIR))
 
 
 def plan_offline(cfg, world_sizes: list[int]) -> dict:

@@ -10,9 +10,16 @@ remaining messages (chat template + generation prompt) and the answer becomes th
 ``{"messages": [..., {"role": "assistant", "content": <generated>}]}`` (other keys of the row are kept).
 
 Runs on as many processes as launched: plain ``python -m`` is one process; under torchrun every rank takes
-prompts ``i % world == rank`` (gloo is used for the one barrier, whatever the device), writes a part file,
-and rank 0 merges the parts in the original order after a barrier, atomically. Prompts are batched by length
-with left padding for HF ``generate``; greedy by default (``--temperature 0``), sampled otherwise (seeded).
+prompts ``i % world == rank`` (gloo is used for the barriers, whatever the device) and appends each finished
+batch to its part file (``OUT.partRRRRR-of-WWWWW``, flushed and fsynced per batch); rank 0 merges the parts in
+the original order after a barrier, atomically, and removes them. Prompts are batched by length with left
+padding for HF ``generate`` (``--batch-size``: 256 on CUDA, where a large batch is what makes generation fast,
+16 on CPU); greedy by default (``--temperature 0``), sampled otherwise (seeded per batch).
+
+Resume: a run that crashed or was stopped leaves its part files; the same command again reads every part file
+of ``OUT`` (any world size), skips the rows they already hold and generates only the rest, so no row is lost or
+written twice (a line cut short by the crash is dropped and regenerated). Greedy output is the same as an
+uninterrupted run's; sampled rows after the resume point are drawn with other batch seeds.
 
 Rows that cannot be used (bad JSON, no user turn to answer, prompt too long) are skipped and counted. A reply
 that decodes to nothing (EOS first), or whose text spells a special token, is by default replaced by the
@@ -65,6 +72,7 @@ def load_target_config(spec: Optional[str], name_or_path: Optional[str] = None) 
             fields = (json.load(f) if path.endswith(".json") else yaml.safe_load(f)) or {}
         if "target" in fields and isinstance(fields["target"], dict):  # a whole job config
             fields = fields["target"]
+        fields.pop("defaults", None)  # a conf/target preset: the rest are TargetConfig fields over its defaults
         if fields.get("name_or_path") == "???":
             fields["name_or_path"] = None
     if name_or_path:
@@ -120,16 +128,17 @@ def _read_rows(path: str) -> tuple[list[tuple[int, dict, list, Optional[str]]], 
 def regenerate_rows(model, tokenizer, items: list, *, max_new_tokens: int, temperature: float, top_p: float,
                     batch_size: int, top_k: int = 0, eos_ids: list, on_empty: str, seed: int,
                     chat_template_kwargs: Optional[dict] = None, max_positions: Optional[int] = None,
-                    progress=None) -> tuple[list[tuple[int, dict]], dict]:
+                    progress=None, on_batch=None) -> tuple[list[tuple[int, dict]], dict]:
     """Generate the final reply of each ``(index, row, prompt messages, original reply)``.
 
     Returns ([(index, output row)], counts). Batches are formed from length-sorted prompts (left padding);
     with sampling, each batch uses a generator seeded from ``seed`` and its first index, so a rerun with the
-    same world size and batch size reproduces the output."""
+    same world size and batch size reproduces the output. ``on_batch(rows, counts)``: called with each finished
+    batch's output rows and its counts (the CLI appends them to its part file)."""
     device = next(model.parameters()).device
     from dflash_dist.data.tokenize import template_info
     counts = {"generated": 0, "empty_replaced": 0, "empty_dropped": 0, "empty_kept": 0, "too_long": 0,
-              "hit_max_new_tokens": 0}
+              "hit_max_new_tokens": 0, "new_tokens": 0}
     specials = [s for s in template_info(tokenizer, chat_template_kwargs)[1] if s]
     enc = []
     for index, row, msgs, original in items:
@@ -144,6 +153,7 @@ def regenerate_rows(model, tokenizer, items: list, *, max_new_tokens: int, tempe
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     eos_set = set(eos_ids)
     out: list[tuple[int, dict]] = []
+    reported: dict = {}
     for start in range(0, len(enc), batch_size):
         batch = enc[start:start + batch_size]
         width = max(len(e[4]) for e in batch)
@@ -161,6 +171,7 @@ def regenerate_rows(model, tokenizer, items: list, *, max_new_tokens: int, tempe
             gen_kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         seqs = model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device), **gen_kwargs)
         new = seqs[:, width:].tolist()
+        done_before = len(out)
         for e, toks in zip(batch, new):
             index, row, msgs, original, _ = e
             cut = len(toks)
@@ -168,6 +179,7 @@ def regenerate_rows(model, tokenizer, items: list, *, max_new_tokens: int, tempe
                 if t in eos_set:
                     cut = j
                     break
+            counts["new_tokens"] += cut
             if cut == len(toks) and len(toks) >= max_new_tokens:
                 counts["hit_max_new_tokens"] += 1
             text = tokenizer.decode(toks[:cut], skip_special_tokens=True)
@@ -188,6 +200,9 @@ def regenerate_rows(model, tokenizer, items: list, *, max_new_tokens: int, tempe
             res = {"messages": msgs + [{"role": "assistant", "content": text}], **res}
             out.append((index, res))
             counts["generated"] += 1
+        if on_batch is not None:  # counts since the last call (the first also holds the prompts too long)
+            on_batch(out[done_before:], {k: v - reported.get(k, 0) for k, v in counts.items()})
+            reported = dict(counts)
         if progress is not None:
             progress(min(start + batch_size, len(enc)), len(enc))
     out.sort(key=lambda x: x[0])
@@ -198,6 +213,60 @@ def regenerate_rows(model, tokenizer, items: list, *, max_new_tokens: int, tempe
 
 def _part_path(out: str, rank: int, world: int) -> str:
     return f"{out}.part{rank:05d}-of-{world:05d}"
+
+
+def _part_files(out: str) -> list[str]:
+    """Every part file of ``out``, whatever world size wrote it (a resumed run may use another)."""
+    d, base = os.path.split(os.path.abspath(out))
+    if not os.path.isdir(d):
+        return []
+    return sorted(os.path.join(d, f) for f in os.listdir(d)
+                  if f.startswith(base + ".part") and "-of-" in f and not f.endswith(".tmp"))
+
+
+def read_parts(out: str) -> tuple[dict[int, dict], dict]:
+    """Rows ({input index: output row}) and summed counts of every part file of ``out``. A last line cut short
+    by a crash does not parse and is ignored: that row is generated again."""
+    rows: dict[int, dict] = {}
+    counts: dict = {}
+    for path in _part_files(out):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    obj = json.loads(line)
+                except ValueError:
+                    continue
+                if "counts" in obj:
+                    for k, v in obj["counts"].items():
+                        counts[k] = counts.get(k, 0) + v
+                elif "index" in obj:
+                    rows[int(obj["index"])] = obj["row"]
+    return rows, counts
+
+
+class PartWriter:
+    """Appends finished batches to one rank's part file, flushed and fsynced, after trimming a partial last line
+    a crash may have left (the next line must not be glued to it)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        if os.path.exists(path):
+            with open(path, "rb+") as f:
+                data = f.read()
+                keep = data.rfind(b"\n") + 1
+                if keep != len(data):
+                    f.truncate(keep)
+        self.f = open(path, "a", encoding="utf-8")
+
+    def __call__(self, rows: list[tuple[int, dict]], counts: dict) -> None:
+        for index, row in rows:
+            self.f.write(json.dumps({"index": index, "row": row}, ensure_ascii=False) + "\n")
+        self.f.write(json.dumps({"counts": counts}) + "\n")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+
+    def close(self) -> None:
+        self.f.close()
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -213,7 +282,8 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0: no top-k filtering")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=None, help="prompts per generate call (default: 256 on "
+                   "CUDA, 16 on CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=int, default=None, help="only the first N usable rows")
     p.add_argument("--on-empty", default="original", choices=["original", "drop", "keep"],
@@ -236,7 +306,7 @@ def _run(args) -> int:
     from dflash_dist.eval.prompts import eos_token_ids
     from dflash_dist.model.hf import build_target_model, text_config, tokenizer_path
 
-    if args.max_new_tokens < 1 or args.batch_size < 1 or args.temperature < 0:
+    if args.max_new_tokens < 1 or (args.batch_size is not None and args.batch_size < 1) or args.temperature < 0:
         raise ConfigError("--max-new-tokens and --batch-size must be >= 1, --temperature >= 0")
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank = int(os.environ.get("RANK", 0)) if distributed else 0
@@ -262,7 +332,9 @@ def _run(args) -> int:
         rows, bad = _read_rows(args.prompts)
         if args.limit is not None:
             rows = rows[:args.limit]
-        mine = [r for r in rows if r[0] % world == rank]
+        done, _ = read_parts(args.out)  # rows a crashed or stopped run already wrote: not generated again
+        mine = [r for r in rows if r[0] % world == rank and r[0] not in done]
+        batch_size = args.batch_size or (256 if device.startswith("cuda") else 16)
         t0 = time.monotonic()
         model = build_target_model(tcfg, device.split(":")[0] if device.startswith("cuda") else device)
         model.to(device)
@@ -272,8 +344,11 @@ def _run(args) -> int:
         max_pos = getattr(text_config(model.config), "max_position_embeddings", None)
         if rank == 0:
             log.info("regenerating %d rows (%s skipped: %s) on %d rank(s), target %s, eos %s, max_new_tokens %d, "
-                     "temperature %g", len(rows), sum(bad.values()), bad or "none", world,
-                     tcfg.name_or_path or tcfg.hf_config, eos, args.max_new_tokens, args.temperature)
+                     "temperature %g, batch size %d", len(rows), sum(bad.values()), bad or "none", world,
+                     tcfg.name_or_path or tcfg.hf_config, eos, args.max_new_tokens, args.temperature, batch_size)
+            if done:
+                log.info("resuming: %d rows already written by an earlier run (its part files), %d to go",
+                         len(done), len(rows) - len(done))
         kwargs = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else None
         last = [0.0]
 
@@ -282,39 +357,31 @@ def _run(args) -> int:
                 last[0] = time.monotonic()
                 log.info("rank 0: %d/%d prompts (%.1f s)", done, total, time.monotonic() - t0)
 
-        out, counts = regenerate_rows(model, tok, mine, max_new_tokens=args.max_new_tokens,
-                                      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                      batch_size=args.batch_size,
-                                      eos_ids=eos, on_empty=args.on_empty, seed=args.seed,
-                                      chat_template_kwargs=kwargs, max_positions=max_pos, progress=progress)
-        part = _part_path(args.out, rank, world)
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(part + ".tmp", "w", encoding="utf-8") as f:
-            for index, row in out:
-                f.write(json.dumps({"index": index, "row": row}, ensure_ascii=False) + "\n")
-            f.write(json.dumps({"counts": counts, "rank": rank}) + "\n")
-        os.replace(part + ".tmp", part)
+        writer = PartWriter(_part_path(args.out, rank, world))
+        t_gen = time.monotonic()
+        try:
+            _, counts = regenerate_rows(model, tok, mine, max_new_tokens=args.max_new_tokens,
+                                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                        batch_size=batch_size, eos_ids=eos, on_empty=args.on_empty, seed=args.seed,
+                                        chat_template_kwargs=kwargs, max_positions=max_pos, progress=progress,
+                                        on_batch=writer)
+        finally:
+            writer.close()
+        gen_s = time.monotonic() - t_gen
+        log.info("rank %d: %d new tokens in %.1f s (%.0f tokens/s)", rank, counts["new_tokens"], gen_s,
+                 counts["new_tokens"] / max(gen_s, 1e-9))
         if distributed:
             dist.barrier()
         if rank == 0:
-            merged, total = [], {}
-            for r in range(world):
-                with open(_part_path(args.out, r, world), encoding="utf-8") as f:
-                    for line in f:
-                        obj = json.loads(line)
-                        if "counts" in obj:
-                            for k, v in obj["counts"].items():
-                                total[k] = total.get(k, 0) + v
-                        else:
-                            merged.append((obj["index"], obj["row"]))
-            merged.sort(key=lambda x: x[0])
+            merged, total = read_parts(args.out)
             tmp = args.out + f".tmp.{os.getpid()}"
             with open(tmp, "w", encoding="utf-8") as f:
-                for _, row in merged:
-                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                for index in sorted(merged):
+                    f.write(json.dumps(merged[index], ensure_ascii=False) + "\n")
             os.replace(tmp, args.out)
-            for r in range(world):
-                os.unlink(_part_path(args.out, r, world))
+            for path in _part_files(args.out):
+                os.unlink(path)
             log.info("wrote %s: %d rows in %.1f s; %s; skipped input rows: %s", args.out, len(merged),
                      time.monotonic() - t0, total, bad or "none")
         if distributed:

@@ -9,7 +9,7 @@ Groups are created on every rank in the same order, members or not (torch requir
 4. ``evals``: the leader drafter and the first target, for the drafter weights of in-training evaluations. A group
    of their own: NCCL orders point-to-point operations per pair of ranks and group, so weights sent on the data
    group would queue in front of feature receives (a deadlock on GPU);
-5. ``heads`` and ``head_replies`` (only with ``drafter.loss_on_target``): all ranks, the hidden rows from drafters
+5. ``heads`` and ``head_replies`` (only with ``drafter.tuning.loss_on_target``): all ranks, the hidden rows from drafters
    to targets and the loss replies back (head_offload.py), apart from the features for the same reason, and apart
    from each other: a drafter posts a reply's receive only right before that group's backward, after its later
    groups' rows, so on one group the rows would queue behind a reply the target cannot send yet.
@@ -71,7 +71,7 @@ def make_ctrl_group(timeout_s: float):
 
 def make_groups(topo: Topology, device: torch.device, timeout_s: float, ctrl=None, heads: bool = False) -> Dist:
     """The groups of a split. ``ctrl``: the group from ``make_ctrl_group`` (made here first if None). ``heads``:
-    also the group of ``drafter.loss_on_target`` (same value on every rank: it comes from the job's config)."""
+    also the group of ``drafter.tuning.loss_on_target`` (same value on every rank: it comes from the job's config)."""
     timeout = timedelta(seconds=timeout_s)
     if ctrl is None:
         ctrl = make_ctrl_group(timeout_s)

@@ -1,4 +1,4 @@
-"""The frozen lm_head and the decayed CE of a drafter step, run on a target rank (``drafter.loss_on_target``).
+"""The frozen lm_head and the decayed CE of a drafter step, run on a target rank (``drafter.tuning.loss_on_target``).
 
 Why: in a drafter-bound job the target GPUs idle part of the time (at SpecForge's config the best 8-GPU split
 leaves 43% of two target GPUs unused), while the frozen vocab projection is ~28% of a drafter step's FLOPs (550
@@ -6,18 +6,18 @@ tokens, 256 anchors, Qwen3-8B shapes). The head takes no weight gradient, so all
 the loss sum, the argmax (accuracy) and the gradient with respect to its final hidden rows: [rows, H] each way,
 ~34 MB per sample at 256 anchors, a fraction of a millisecond over NVLink. The target already holds the head.
 
-A step on the drafter (``drafter.micro_batches`` = M groups of anchors): for each group, the forward, then its
+A step on the drafter (``drafter.tuning.micro_batches`` = M groups of anchors): for each group, the forward, then its
 rows and labels are posted to the target that sent the message; the next group's forward runs while the target
 computes. Then each group's backward in order, each once its own reply is in: the drafter posts the reply's
-receives right before that backward (a receive pending on the GPU holds 16 SMs spinning: in call 31 the second
+receives right before that backward (a receive pending on the GPU holds 16 SMs spinning: on an H200 the second
 group's forward took 33.8 ms of kernel time beside one, the first 28.4) and its stream waits for them there (the
 host does not), the rows taking their received gradient (``_ReceivedGrad``); the last reply arrives while the
 earlier groups' backward runs.
-``drafter.local_loss_groups``: the last groups' loss stays on the drafter. The numbers are those of the local
-fused loss (``loss.frozen_head_ce`` on both sides; bit for bit on CPU, ``tests/test_head_offload.py``). Measured
-on 2x H200 (docs/benchmarks.md, call 32, drafter-bound 1 + 1 job, 8B shapes): 2 groups 1.18x the local loss, 4
+``drafter.tuning.local_loss_groups``: the last groups' loss stays on the drafter. The numbers are those of the local
+fused loss (``loss.frozen_head_ce`` on both sides; bit for bit on CPU, ``tests/integration/test_head_offload.py``). Measured
+on 2x H200 (docs/benchmarks.md, drafter-bound 1 + 1 job, 8B shapes): 2 groups 1.18x the local loss, 4
 groups 1.10x. With one backward for all groups waiting for every reply, and the receives posted with the requests
-(call 28): 1.06x.
+(one group kept local): 1.06x.
 
 On a target (``HeadLossServer``): it serves the requests of the messages it sent, in the order it sent them,
 between captures and whenever it waits on its drafters, and captures its message j only once the requests of
@@ -29,7 +29,7 @@ appearance also says the rows were posted, so the target never leaves a receive 
 queues the receive it posts the feature payloads whose receives are posted, which the rows may depend on). The
 rows and labels travel over the group ``heads``, the loss sum, argmax and gradient back over ``head_replies``
 (NCCL on GPU, gloo on CPU), each connected at startup (NCCL connects a direction on first use and can block there
-until the peer makes its own: calls 25-27 hung in their first step without this). Groups of their own: NCCL
+until the peer makes its own: the first GPU runs hung in their first step without this). Groups of their own: NCCL
 orders point-to-point operations per pair and group, so replies on the data group would queue against the
 feature sends, and on one group with the rows a drafter's later rows would queue behind a reply receive it posts
 only at that group's backward (a cycle).
@@ -73,10 +73,10 @@ def head_flops(rows: int, hidden: int, vocab: int) -> float:
 
 
 def head_channels(d, timeout_s: float, check, peers, drafter: bool) -> tuple[Channel, Channel]:
-    """The channels of ``drafter.loss_on_target`` on one rank (``d``: its distributed setup): rows over ``heads``,
+    """The channels of ``drafter.tuning.loss_on_target`` on one rank (``d``: its distributed setup): rows over ``heads``,
     replies over ``head_replies``, each connected at startup with every peer, drafters sending rows and receiving
     replies, targets the other way (NCCL connects a direction of a pair on its first operation, which can block
-    until the peer makes its own: call 27's first reply receive blocked before its request reached the store).
+    until the peer makes its own: a first reply receive blocked before its request reached the store).
     Both roles connect ``heads`` first. Returns (rows, replies)."""
     rows, replies = (Channel(d.ctrl, g, d.device, timeout_s=timeout_s, check=check, store=d.store)
                      for g in (d.heads, d.head_replies))
@@ -125,7 +125,7 @@ class HeadLossClient:
     def __init__(self, channel: Channel, replies: Channel, rank: int, head_dtype: torch.dtype, block_size: int,
                  gamma: float):
         if channel.store is None:
-            raise ValueError("drafter.loss_on_target needs the rendezvous store")
+            raise ValueError("drafter.tuning.loss_on_target needs the rendezvous store")
         self.ch, self.replies, self.rank, self.dtype = channel, replies, rank, head_dtype
         self.block_size, self.gamma = block_size, gamma
         self.sent: dict[int, int] = {}   # requests posted per target
@@ -158,7 +158,7 @@ class HeadLossClient:
         """Post the reply's receives (on the reply group) and make the compute stream wait for them (CUDA; CPU:
         the host waits); returns the group's LossParts. Posted this late, right before the group's backward, a
         receive never sits on the GPU while the target computes: a pending NCCL receive holds 16 SMs spinning
-        (call 31: the second group's forward took 33.8 ms beside one, the first 28.4)."""
+        (the second group's forward took 33.8 ms beside one, the first 28.4)."""
         g = self.replies.data_group
         p.works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, p.loss, target, g),
                                           dist.P2POp(dist.irecv, p.pred, target, g),
@@ -177,13 +177,13 @@ class HeadLossServer:
                  gamma: float, chunk_rows: int, compiled: bool, requests_per_message: int,
                  before_serve: Optional[Callable[[], None]] = None):
         if channel.store is None:
-            raise ValueError("drafter.loss_on_target needs the rendezvous store")
+            raise ValueError("drafter.tuning.loss_on_target needs the rendezvous store")
         self.ch, self.replies, self.rank, self.weight = channel, replies, rank, weight.detach()
         self.block_size, self.gamma, self.chunk_rows, self.compiled = block_size, gamma, chunk_rows, compiled
         self.requests_per_message = requests_per_message
         # posts the feature payloads whose receives are posted (Sender.pump), before a request's receive is queued:
         # a payload posted later from the compute stream would wait behind the request's receive, which waits for
-        # the drafter's forward of that payload (call 25: that cycle hung the first step). The drafter counts its
+        # the drafter's forward of that payload (that cycle hung the first step). The drafter counts its
         # payload receive in the store before it writes the request's key, so reading the key first sees the count.
         self.before_serve = before_serve
         self._timing: deque = deque()           # CUDA (start, end) events of served requests, not yet read

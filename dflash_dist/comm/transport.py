@@ -24,7 +24,9 @@ posts staged payloads up to that count whenever it polls (``Sender.pump``: betwe
 for its GPU, while it waits on backpressure). NCCL matches the two sides' point-to-point operations per
 pair in posting order, and both sides count the same payloads, so the counter is all they share.
 
-Communication streams (``Channel.stream``, CUDA; ``topology.comm_streams``, experimental, off by default): NCCL starts an operation only after the work queued on the
+Communication streams (``Channel(comm_stream=True)``, CUDA): an experiment that measured no gain in a job (2x H200,
+target-bound 1 + 1 job: 30.51 vs 31.42 samples/s), so no job setting reaches it; ``bench/transport_check.py`` exercises it.
+NCCL starts an operation only after the work queued on the
 stream it is posted from. Posted from the compute stream, a drafter's receive began on its GPU only after the
 training step queued before it (a send waiting for it spun on the target's GPU meanwhile), and a staged send
 posted while the target's next capture was queued waited for that capture. So payloads are posted from a stream
@@ -165,7 +167,7 @@ RENDEZVOUS_GRACE_S = 0.005  # how long a sender waits, right after a header, for
 
 
 def use_rendezvous(setting: Optional[bool], data_group) -> bool:
-    """``topology.rendezvous_sends``: None means on exactly when the payloads travel over NCCL."""
+    """``topology.tuning.rendezvous_sends``: None means on exactly when the payloads travel over NCCL."""
     if setting is not None:
         return bool(setting)
     return dist.get_backend(data_group) == "nccl"
@@ -174,11 +176,11 @@ def use_rendezvous(setting: Optional[bool], data_group) -> bool:
 def job_channel(d, topology, check: Optional[Callable[[], None]] = None, serve_heads: bool = False) -> "Channel":
     """The channel of a training job's rank: ``d`` its distributed setup (groups, device, store), ``topology``
     the TopologyConfig (warm-up timeout first, rendezvous sends, communication streams). ``serve_heads``
-    (drafter.loss_on_target): rendezvous sends whatever the backend, so a target can serve head requests
+    (drafter.tuning.loss_on_target): rendezvous sends whatever the backend, so a target can serve head requests
     while it waits for its drafters (a waiting gloo send cannot be polled)."""
-    rendezvous = serve_heads or use_rendezvous(topology.rendezvous_sends, d.data)
+    rendezvous = serve_heads or use_rendezvous(topology.tuning.rendezvous_sends, d.data)
     return Channel(d.ctrl, d.data, d.device, timeout_s=topology.warmup_timeout_s, check=check,
-                   store=d.store if rendezvous else None, comm_stream=topology.comm_streams)
+                   store=d.store if rendezvous else None, comm_stream=False)
 
 
 def posted_key(src: int, dst: int) -> str:
@@ -208,7 +210,7 @@ class Channel:
         (targets ``sending`` to all their drafters, drafters receiving from all their targets; one batch each,
         so any order of arrival pairs up). A pair's first NCCL point-to-point call can block until the peer
         makes its own: then a drafter's first payload receive blocks before it can post its rendezvous count,
-        while the sender waits for that count (call 21: bench/transport_check.py hung so on 2x H200, in all
+        while the sender waits for that count (bench/transport_check.py hung so on 2x H200, in all
         three variants). The trainer's jobs ran without it, their ranks having exchanged weights point to
         point first (not isolated); connecting here makes the first payload depend on nothing else. Returns the
         peers, in order."""
@@ -275,7 +277,7 @@ class Sender:
         # any. Only there: right after a header or during a capture the GPU is not idle.
         self.idle_work: Optional[Callable[[], bool]] = None
         self.idle_work_s = 0.0
-        # served first while blocked: the drafters' head requests (drafter.loss_on_target), timed by their server
+        # served first while blocked: the drafters' head requests (drafter.tuning.loss_on_target), timed by their server
         self.serve: Optional[Callable[[], bool]] = None
         self.serve_s = 0.0
 

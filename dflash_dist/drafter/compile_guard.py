@@ -14,7 +14,7 @@ Three failure modes of ``torch.compile`` are silent by default and each one cost
 3. **Graph breaks.** The flex call is compiled with ``fullgraph=True`` (a break is a compile error); other
    compiled regions are checked with ``report_graph_breaks``.
 
-Usage on a drafter rank (see the report of issue [2/6] for the wiring into DrafterTrainer)::
+Usage on a drafter rank (DrafterTrainer wires it in)::
 
     guard = install_guard(num_shape_buckets=len(shapes), expected_shapes=shapes, warmup_steps=2)
     for batch in ...:
@@ -94,7 +94,7 @@ def plan_step_lengths(plan: Sequence[Sequence[int]], sample_lengths: Sequence[in
 def precompile_steps(sample_lengths_per_step: Iterable[Sequence[int]], ctx_bucket: int) -> list[list[int]]:
     """Sample lengths of the planned steps worth a dry run before training (``DrafterTrainer.precompile``):
     for one-sample batches and for batches of several (dynamo specialises a size of 1 apart), the first two
-    context lengths S_pad of each (with dynamic shapes the second compiles the dynamic variant). In call 22
+    context lengths S_pad of each (with dynamic shapes the second compiles the dynamic variant). On an H200
     the step that first had one sample compiled at step 8, for 27-34 s, while its target waited."""
     picked: dict[bool, list[int]] = {True: [], False: []}
     out: list[list[int]] = []
@@ -341,7 +341,7 @@ def _translate(e: BaseException, shape, seen, step: Optional[int], steady: bool,
         return CompileGuardError(
             f"compile guard{where}: recompilation refused in steady state: {what}.\n  dynamo:\n{_dynamo_reason(e)}\n"
             f"  Fix: add the shape to the warm-up (or to expected_shapes), or make the shape static "
-            f"(drafter.ctx_bucket / fixed samples per message).")
+            f"(drafter.tuning.ctx_bucket / fixed samples per message).")
     if _is_limit_hit(e):
         return CompileGuardError(
             f"compile guard{where}: dynamo's recompile limit was hit for batch {shape_s} (more compiled variants "

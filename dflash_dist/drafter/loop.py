@@ -21,7 +21,7 @@ from dflash_dist.comm.head_offload import HeadLossClient, head_channels
 from dflash_dist.comm.transport import EndOfStream, Receiver, job_channel
 from dflash_dist.drafter.compile_guard import batch_shape, dynamo_counters, report_graph_breaks
 from dflash_dist.drafter.startup_report import host_syncs, startup_report
-from dflash_dist.drafter.trainer import DrafterTrainer
+from dflash_dist.drafter.trainer import LEAKY_MASK_ENV, DrafterTrainer
 from dflash_dist.eval.in_training import LeaderEval, eval_enabled, eval_record, eval_steps
 from dflash_dist.telemetry.flops import nominal_peak_tflops
 from dflash_dist.telemetry.metrics import MetricsWriter, RateMeter, StreamWaitMeter, target_window_metrics
@@ -70,7 +70,7 @@ def profiled_step(trainer, batch, first_step_s, job) -> None:
 
 
 def trace_step(trainer, batch, s: int, job) -> None:
-    """logging.profile_step: train step ``s`` under torch.profiler, write its Chrome trace to
+    """logging.debug.profile_step: train step ``s`` under torch.profiler, write its Chrome trace to
     <run_dir>/profile/drafter_rank<r>_step<s>.json and log its phase timeline (step_trace.timeline)."""
     r = job.dist.rank
     path = os.path.join(job.run_dir, "profile", f"drafter_rank{r}_step{s}.json")
@@ -96,12 +96,13 @@ def run_drafter(job) -> None:
     life = job.life
     trainer = DrafterTrainer(job)
     n_params = sum(p.numel() for p in trainer.model.parameters())
-    if cfg.drafter.leaky_mask_demo:
-        log.warning("drafter.leaky_mask_demo=true: training with the LEAKY mask (kv <= anchor) on purpose")
+    if trainer.leaky_mask:
+        log.warning("%s=1: training with the LEAKY mask (kv <= anchor) on purpose (a demonstration, never use it)",
+                    LEAKY_MASK_ENV)
     flex_desc = (f" (compiled flex_attention, {'dynamic' if trainer.flex_dynamic else 'static'} shapes"
                  f"{', compiled layers' if trainer.compile_layers else ''}"
                  f"{', compiled loss' if trainer.compile_loss else ''}"
-                 f"{', kernel options ' + str(cfg.drafter.flex_kernel_options) if cfg.drafter.flex_kernel_options else ''})")
+                 f"{', kernel options ' + str(cfg.drafter.tuning.flex_kernel_options) if cfg.drafter.tuning.flex_kernel_options else ''})")
     log.info("drafter: %d layers, %.2fM trainable params, attention backend=%s%s, anchors=%d, block=%d",
              cfg.drafter.num_layers, n_params / 1e6, trainer.backend,
              flex_desc if trainer.backend == "flex" else " (dense bool mask, SDPA)",
@@ -114,20 +115,20 @@ def run_drafter(job) -> None:
     if job.auto_split is not None:  # topology.target_ranks=auto: the measured rates and the split, once
         from dflash_dist.telemetry.plan_record import plan_record
         writer.log(job.start_step, plan_record(job.auto_split), kind="plan")
-    channel = job_channel(d, cfg.topology, check=life.check, serve_heads=cfg.drafter.loss_on_target)
+    channel = job_channel(d, cfg.topology, check=life.check, serve_heads=cfg.drafter.tuning.loss_on_target)
     channel.connect(topo.target_ranks, sending=False)  # before any payload: see Channel.connect
     head_channel = None
-    if cfg.drafter.loss_on_target:
+    if cfg.drafter.tuning.loss_on_target:
         head_channel, reply_channel = head_channels(d, cfg.topology.warmup_timeout_s, life.check, topo.target_ranks,
                                                     drafter=True)
         trainer.heads = HeadLossClient(head_channel, reply_channel, d.rank, trainer.lm_head.dtype,
                                        cfg.drafter.block_size, cfg.drafter.gamma)
     if trainer.micro_batches > 1 or head_channel is not None:
-        served = trainer.micro_batches - cfg.drafter.local_loss_groups
+        served = trainer.micro_batches - cfg.drafter.tuning.local_loss_groups
         log.info("drafter step: %d group(s) of %d anchors, each its own forward; lm_head and loss %s",
                  trainer.micro_batches, cfg.drafter.num_anchors // trainer.micro_batches,
-                 f"of {served} group(s) on the target that sent the message (drafter.loss_on_target), of "
-                 f"{cfg.drafter.local_loss_groups} on this rank" if head_channel is not None else "on this rank")
+                 f"of {served} group(s) on the target that sent the message (drafter.tuning.loss_on_target), of "
+                 f"{cfg.drafter.tuning.local_loss_groups} on this rank" if head_channel is not None else "on this rank")
     rx = Receiver(channel, d.rank)
     mine = list(topo.drafter_messages(run_messages))
     pending = rx.post(topo.target_for(mine[0]), job.start_cursor + mine[0]) if mine else None
@@ -142,7 +143,7 @@ def run_drafter(job) -> None:
     stopped = False
     stop_at = None
     sample_log = None
-    if cfg.logging.record_sample_ids:
+    if cfg.logging.debug.record_sample_ids:
         os.makedirs(os.path.join(job.run_dir, "sample_log"), exist_ok=True)
         sample_log = open(os.path.join(job.run_dir, "sample_log", f"rank{d.rank}.jsonl"), "a", buffering=1)
     fault = fault_for(d.rank)  # failure tests only
@@ -180,7 +181,7 @@ def run_drafter(job) -> None:
             profiled_step(trainer, trainer.build(msg, k), first_step_s, job)
         elif s == SYNC_CHECK_STEP:  # after warm-up: does a step make the host wait for the GPU?
             log_host_syncs(lambda: trainer.train_step(trainer.build(msg, k)), trainer.step, d.device)
-        elif s == cfg.logging.profile_step:  # a step's phases on the GPU timeline, asked for
+        elif s == cfg.logging.debug.profile_step:  # a step's phases on the GPU timeline, asked for
             trace_step(trainer, trainer.build(msg, k), s, job)
         else:
             trainer.train_step(trainer.build(msg, k))

@@ -91,9 +91,9 @@ def dense_attention_bytes(b: int, heads: int, q_len: int, k_len: int, num_layers
 def _is_score_shape(shape, q_len: int, k_len: int, min_dims: int = 3, lead: Optional[set] = None) -> bool:
     """``min_dims``: a multi-head score matrix carries a (batch x) head dimension, so 3 by default. A 2-D
     [tokens, features] operand can have a [Q, K] shape by coincidence: 64 anchors x 16 = 1,024 queries over
-    512 + 1,024 keys against a [1,536, 1,024] k_proj of a model whose kv width is 1,024 (call 20). ``lead``: the
+    512 + 1,024 keys against a [1,536, 1,024] k_proj of a model whose kv width is 1,024. ``lead``: the
     products of the leading dimensions a score matrix can have (heads, b x heads): a [b, S+Q, H] activation
-    whose hidden size equals the queries of a micro-batch (drafter.micro_batches) has [K, Q]'s last two."""
+    whose hidden size equals the queries of a micro-batch (drafter.tuning.micro_batches) has [K, Q]'s last two."""
     if not (isinstance(shape, (list, tuple)) and len(shape) >= min_dims
             and tuple(shape[-2:]) in ((q_len, k_len), (k_len, q_len))):
         return False
@@ -352,7 +352,7 @@ def host_syncs(fn: Callable[[], Any], device) -> tuple[Any, Optional[list[str]]]
         return fn(), None
     with sync_warnings_recorded() as where:
         torch.cuda.set_sync_debug_mode("warn")
-        # the switch itself is reported as a sync (torch 2.11, calls 17-19: "1 at __init__.py:1270 <- this line"),
+        # the switch itself is reported as a sync (torch 2.11: "1 at __init__.py:1270 <- this line"),
         # not one of the step's
         del where[:]
         try:

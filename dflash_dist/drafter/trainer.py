@@ -30,6 +30,8 @@ from dflash_dist.model.masks import dense_mask, flex_block_mask
 from dflash_dist.telemetry.flops import attention_flops_per_pair, drafter_step_flops
 from dflash_dist.telemetry.step_trace import phase
 
+LEAKY_MASK_ENV = "DFLASH_LEAKY_MASK_DEMO"
+
 log = logging.getLogger("dflash_dist")
 
 
@@ -63,14 +65,14 @@ class DrafterTrainer:
                                                    block_size=cfg.drafter.block_size,
                                                    intermediate_size=cfg.drafter.intermediate_size)
         torch.manual_seed(cfg.train.seed)
-        self.flex_dynamic = self.backend == "flex" and cfg.drafter.compile_dynamic and self.device.type == "cuda"
-        cl = cfg.drafter.compile_layers
+        self.flex_dynamic = self.backend == "flex" and cfg.drafter.tuning.compile_dynamic and self.device.type == "cuda"
+        cl = cfg.drafter.tuning.compile_layers
         self.compile_layers = self.backend == "flex" if cl is None else bool(cl)
-        closs = cfg.drafter.compile_loss
+        closs = cfg.drafter.tuning.compile_loss
         self.compile_loss = self.backend == "flex" if closs is None else bool(closs)
         self.model = DFlashDrafter(self.mcfg, self.backend).to(self.device).configure_compile(
             flex_dynamic=self.flex_dynamic, compile_layers=self.compile_layers,
-            kernel_options=cfg.drafter.flex_kernel_options)
+            kernel_options=cfg.drafter.tuning.flex_kernel_options)
         log.info("drafter RoPE: %s, through transformers' %s init (model/rope.py)", self.model.rope.describe(),
                  self.model.rope.rope_type)
         self.embed, self.lm_head = head_weights if head_weights is not None else receive_head_weights(job, self.device)
@@ -96,12 +98,15 @@ class DrafterTrainer:
         self.i_flops = 2 + 2 * B + 2
         self.acc = torch.zeros(self.i_flops + 1 + self.topo.num_targets, dtype=torch.float64, device=self.device)
         self.nonfinite_by_target = [0] * self.topo.num_targets
-        self.micro_batches = cfg.drafter.micro_batches
-        self.heads = None  # head_offload.HeadLossClient, set by run_drafter with drafter.loss_on_target
+        self.micro_batches = cfg.drafter.tuning.micro_batches
+        # A bug on purpose, for scripts/leak_demo.sh only (never a config key): blocks see the target state at
+        # their own anchor (kv <= a), the classic leak of other trainers.
+        self.leaky_mask = os.environ.get(LEAKY_MASK_ENV) == "1"
+        self.heads = None  # head_offload.HeadLossClient, set by run_drafter with drafter.tuning.loss_on_target
         self.planned_steps = self._planned_steps()
         dc = cfg.drafter
-        self.precompile_plan = (precompile_steps(self.planned_steps, dc.ctx_bucket)
-                                if self.backend == "flex" and dc.precompile and self.planned_steps else [])
+        self.precompile_plan = (precompile_steps(self.planned_steps, dc.tuning.ctx_bucket)
+                                if self.backend == "flex" and dc.tuning.precompile and self.planned_steps else [])
         self.precompile_s: float | None = None  # seconds of the dry steps, once run
         self.guard = self.make_guard() if self.backend == "flex" else None
 
@@ -119,7 +124,7 @@ class DrafterTrainer:
         step's shape is one the plan says this drafter will see (see compile_guard)."""
         dc = self.cfg.drafter
         steps = self.planned_steps or []
-        shapes = expected_shapes(steps + [[2]], dc.ctx_bucket, dc.num_anchors * dc.block_size)  # + empty
+        shapes = expected_shapes(steps + [[2]], dc.tuning.ctx_bucket, dc.num_anchors * dc.block_size)  # + empty
         # dynamo: static, then dynamic b, dynamic S_pad, b == 1 specialised -> at most ~4 variants per function;
         # the dry steps of precompile() are warm-up steps too
         return install_guard(num_shape_buckets=min(len(shapes), 4), margin=2,
@@ -143,7 +148,7 @@ class DrafterTrainer:
         else:
             ids, mask, cu, feats = msg.input_ids, msg.loss_mask, msg.cu_seqlens, msg.features
         batch = make_batch(ids, mask, cu, feats, num_anchors=cfg.num_anchors, block_size=cfg.block_size,
-                           mask_token_id=self.job.mask_token_id, ctx_bucket=cfg.ctx_bucket, generator=gen)
+                           mask_token_id=self.job.mask_token_id, ctx_bucket=cfg.tuning.ctx_bucket, generator=gen)
         bad = ~torch.isfinite(batch.features).flatten(1).all(1)                        # [b]
         batch.features = torch.nan_to_num(batch.features, nan=0.0, posinf=0.0, neginf=0.0)
         batch.labels = batch.labels.masked_fill(bad[:, None], -100)
@@ -155,7 +160,7 @@ class DrafterTrainer:
 
     def attention_mask(self, batch):
         B = self.cfg.drafter.block_size
-        leak = self.cfg.drafter.leaky_mask_demo  # False except in the leak demonstration
+        leak = self.leaky_mask  # False except in the leak demonstration
         if self.backend == "flex":
             return flex_block_mask(batch.anchors, batch.valid, batch.ctx_len, B, compile=self.cfg.drafter.compile,
                                    context_inclusive=leak, dynamic=self.flex_dynamic)
@@ -168,7 +173,7 @@ class DrafterTrainer:
             self._train_step(batch)
 
     def _group_losses(self, batch) -> list:
-        """Forward of one batch (what a training step and a dry step share), drafter.micro_batches groups of
+        """Forward of one batch (what a training step and a dry step share), drafter.tuning.micro_batches groups of
         anchors, each its own forward; per group in order its LossParts (loss here) or, with loss_on_target and a
         batch from a target, its posted head request (the target that sent the batch computes one group's loss
         while this rank runs the next group's forward; ``_backward`` collects the reply)."""
@@ -187,13 +192,13 @@ class DrafterTrainer:
                         hidden = self.ddp(block_embeds, batch.features, batch.ctx_positions, group.block_positions,
                                           mask)
                 with self.autocast:
-                    if remote and i < len(groups) - dc.local_loss_groups:
+                    if remote and i < len(groups) - dc.tuning.local_loss_groups:
                         with phase(f"group{i} head request"):
                             out.append(self.heads.request(batch.src, batch.index, hidden, group.labels))
                     else:
                         with phase(f"group{i} loss"):
                             out.append(decayed_ce(hidden, self.lm_head, group.labels, dc.block_size, dc.gamma,
-                                                  dc.loss_chunk_rows, compiled=self.compile_loss))
+                                                  dc.tuning.loss_chunk_rows, compiled=self.compile_loss))
         return out
 
     def _backward(self, groups: list, src, scale) -> LossParts:
@@ -239,7 +244,7 @@ class DrafterTrainer:
             sup = torch.ones(t, dtype=torch.bool, device=self.device)
             feats = torch.zeros(t, self.feature_width, dtype=self.lm_head.dtype, device=self.device)
             batch = make_batch(ids, sup, cu, feats, num_anchors=dc.num_anchors, block_size=dc.block_size,
-                               mask_token_id=self.job.mask_token_id, ctx_bucket=dc.ctx_bucket, generator=gen)
+                               mask_token_id=self.job.mask_token_id, ctx_bucket=dc.tuning.ctx_bucket, generator=gen)
             no_sync = self.ddp.no_sync() if self.ddp is not self.model else contextlib.nullcontext()
             guard = self.guard.step(batch_shape(batch)) if self.guard is not None else contextlib.nullcontext()
             with guard, no_sync:
@@ -283,7 +288,7 @@ class DrafterTrainer:
         fixed = drafter_step_flops(self.mcfg, b, batch.ctx_len, n, self.lm_head.shape[0], 0.0)
         if self.heads is not None and batch.src is not None:  # the head's FLOPs of the served groups: the target's
             dc = self.cfg.drafter
-            fixed["model"] -= fixed["lm_head"] * (dc.micro_batches - dc.local_loss_groups) / dc.micro_batches
+            fixed["model"] -= fixed["lm_head"] * (dc.tuning.micro_batches - dc.tuning.local_loss_groups) / dc.tuning.micro_batches
         fixed = fixed["model"]
         pairs = (B * (batch.anchors + B) * batch.valid).sum(dtype=torch.float64)
         return pairs * attention_flops_per_pair(self.mcfg) + fixed

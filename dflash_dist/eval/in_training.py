@@ -5,7 +5,7 @@ tensor on its device: bf16 on GPU). The first target takes the request between m
 ``evals`` group and says so under ``dflash/eval_ready/<n>``; the leader sends at its next step (a rendezvous: no
 send waits on either GPU for a receive that is not there). The target then runs real greedy speculative decoding
 on held-out prompts (spec_decode.evaluate_steps), a verify step at a time while it waits for its drafters
-(``train.eval_in_slices``) or whole, and posts the result as JSON under ``dflash/eval_res/<n>``; the leader logs it
+(``train.tuning.eval_in_slices``) or whole, and posts the result as JSON under ``dflash/eval_res/<n>``; the leader logs it
 when it appears, next to the training accuracy and the tau that accuracy predicts, so the train/serve gap is on
 the dashboard. No extra engine, no extra GPU.
 """
@@ -153,8 +153,8 @@ class LeaderEval:
                     self._deferred = step  # requested by ready() once the running one is done
                     return
                 log.warning("evaluation at step %d skipped: the one of step %d is still running%s", step,
-                            self.steps[prev], " (on the target's idle time; train.eval_in_slices=false runs each "
-                            "whole, pausing training)" if self.job.cfg.train.eval_in_slices else "")
+                            self.steps[prev], " (on the target's idle time; train.tuning.eval_in_slices=false runs each "
+                            "whole, pausing training)" if self.job.cfg.train.tuning.eval_in_slices else "")
                 self.store.set(f"{REQ}{self.n}", SKIP)  # the target counts it and expects no weights
                 self.n += 1
                 return

@@ -27,8 +27,6 @@ a slice at a time between their other forwards.
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import math
 import time
 from typing import Any, Callable, Generator, Iterable, Optional, Sequence, Union
@@ -37,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash_dist.model.hf import decoder_layers, head_weights, text_config
+from dflash_dist.eval.target_runner import TargetRunner, cache_supported, crop_cache, new_cache
+from dflash_dist.model.hf import head_weights
 from dflash_dist.model.masks import dense_mask
 
 __all__ = ["TargetRunner", "make_dflash_draft_fn", "speculative_generate", "speculative_steps", "target_greedy",
@@ -50,128 +49,6 @@ DraftFn = Callable[[Tensor, Tensor, int], Tensor]
 
 # ----------------------------------------------------------------------------------------------- target
 
-def _forward_params(model) -> set:
-    try:
-        return set(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        return set()
-
-
-def cache_supported(model) -> bool:
-    """True when an HF DynamicCache of this target can be cropped back exactly (pure full attention)."""
-    params = _forward_params(model)
-    if not ({"cache", "past_key_values"} & params):
-        return False
-    types = getattr(text_config(model.config), "layer_types", None)
-    return types is None or all(t == "full_attention" for t in types)
-
-
-def _new_cache(model):
-    from transformers import DynamicCache
-    try:
-        return DynamicCache(config=model.config)
-    except TypeError:
-        return DynamicCache()
-
-
-def _cache_len(cache) -> int:
-    return int(cache.get_seq_length())
-
-
-def _crop_cache(cache, new_len: int) -> None:
-    """Keep the first ``new_len`` positions. A negative argument removes that many tokens both in transformers
-    5.2x (``crop(tokens_to_remove)``, positive values refused) and in 4.x (``crop(max_length)``)."""
-    cur = _cache_len(cache)
-    if new_len > cur:
-        raise RuntimeError(f"cannot crop a cache of {cur} positions to {new_len}")
-    if new_len < cur:
-        cache.crop(new_len - cur)
-    if _cache_len(cache) != new_len:
-        raise RuntimeError(f"cache crop to {new_len} left {_cache_len(cache)} positions")
-
-
-class TargetRunner:
-    """Full forwards of the HF target returning logits and the selected layers' outputs.
-
-    Layer id i is the output of decoder layer i (HF ``hidden_states[i+1]``); the last layer's output is taken
-    after the final norm, as HF and :class:`~dflash_dist.target.capture.FeatureCapture` do, so the drafter sees the
-    features it was trained on. Use inside :meth:`attached`, which registers the hooks and, for its duration,
-    sets aside any other forward hooks on the decoder layers (a training FeatureCapture's hooks would
-    otherwise stop the forward), restoring them afterwards.
-    """
-
-    def __init__(self, model, layer_ids: Sequence[int]):
-        self.model = model
-        self.base, self.layers = decoder_layers(model)
-        self.layer_ids = [int(i) for i in layer_ids]
-        self.num_layers = len(self.layers)
-        bad = [i for i in self.layer_ids if not 0 <= i < self.num_layers]
-        if bad:
-            raise ValueError(f"layer ids {bad} out of range for a target with {self.num_layers} decoder layers")
-        params = _forward_params(model)
-        self.cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.has_logits_to_keep = "logits_to_keep" in params
-        self._captured: dict[int, Tensor] = {}
-        self._active = False
-
-    def _hook(self, layer_id: int):
-        def hook(module, args, output):
-            out = output[0] if isinstance(output, (tuple, list)) else output
-            if layer_id == self.num_layers - 1:
-                out = self.base.norm(out)
-            self._captured[layer_id] = out
-        return hook
-
-    @contextlib.contextmanager
-    def attached(self):
-        if self._active:
-            yield self
-            return
-        stashed = []
-        for layer in self.layers:
-            stashed.append(dict(layer._forward_hooks))
-            layer._forward_hooks.clear()
-        handles = [self.layers[i].register_forward_hook(self._hook(i)) for i in sorted(set(self.layer_ids))]
-        self._active = True
-        try:
-            yield self
-        finally:
-            self._active = False
-            for h in handles:
-                h.remove()
-            for layer, hooks in zip(self.layers, stashed):
-                layer._forward_hooks.clear()
-                layer._forward_hooks.update(hooks)
-            self._captured = {}
-
-    def __call__(self, input_ids: Tensor, start: int, cache=None, keep: int = 0) -> tuple[Tensor, Optional[Tensor]]:
-        """input_ids [1, S] at positions start..start+S-1 (``cache`` must hold exactly ``start`` positions).
-
-        Returns (logits [1, keep or S, V] of the last ``keep`` positions, features [1, S, n*H] or None)."""
-        if not self._active:
-            raise RuntimeError("TargetRunner must be used inside `with runner.attached():`")
-        s = input_ids.shape[1]
-        if cache is not None and _cache_len(cache) != start:
-            raise RuntimeError(f"cache holds {_cache_len(cache)} positions, forward starts at {start}")
-        kwargs: dict[str, Any] = {"input_ids": input_ids, "use_cache": cache is not None}
-        if cache is None and start:
-            kwargs["position_ids"] = torch.arange(start, start + s, device=input_ids.device)[None]
-        # else HF's default positions (cache length + arange) are exactly start..start+S-1, and models with
-        # their own position scheme (multimodal RoPE) keep it
-        if cache is not None:
-            kwargs[self.cache_kw] = cache
-        if keep and self.has_logits_to_keep:
-            kwargs["logits_to_keep"] = keep
-        self._captured = {}
-        out = self.model(**kwargs)
-        logits = out.logits
-        if keep:
-            logits = logits[:, -keep:]
-        feats = None
-        if self.layer_ids:
-            feats = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
-        self._captured = {}
-        return logits, feats
 
 
 # ----------------------------------------------------------------------------------------------- drafter
@@ -341,7 +218,7 @@ def speculative_steps(target, drafter: Union[nn.Module, DraftFn], embed: Optiona
     if max_new_tokens <= 0:
         return [], _stats(acc_lens, per_pos, out, n_prompt, stop, clock.seconds())
     # the cache lives across slices; the hooks do not (the caller's forwards between slices need their own)
-    cache = _new_cache(target) if use_cache else None
+    cache = new_cache(target) if use_cache else None
     with runner.attached():
         logits, ctx = runner(ids, 0, cache, keep=1)
     bonus = int(logits[0, -1].argmax())
@@ -368,7 +245,7 @@ def speculative_steps(target, drafter: Union[nn.Module, DraftFn], embed: Optiona
         acc_lens.append(acc + 1)
         new = block[0, 1:acc + 1].tolist() + [int(posterior[acc])]
         if use_cache:
-            _crop_cache(cache, p + acc + 1)
+            crop_cache(cache, p + acc + 1)
             ctx = torch.cat([ctx, feats[:, :acc + 1]], dim=1)
         else:
             ctx = feats[:, :p + acc + 1]
@@ -417,7 +294,7 @@ def target_greedy(target, prompt_ids: Union[Tensor, Sequence[int]], max_new_toke
         return out
     runner = TargetRunner(target, [])
     with runner.attached():
-        cache = _new_cache(target) if use_cache else None
+        cache = new_cache(target) if use_cache else None
         logits, _ = runner(ids, 0, cache, keep=1)
         while True:
             t = int(logits[0, -1].argmax())

@@ -45,7 +45,7 @@ class DrafterBatch:
 
 
 def split_anchors(batch: DrafterBatch, groups: int) -> list[DrafterBatch]:
-    """``groups`` batches of N/groups consecutive blocks each, sharing the context (drafter.micro_batches). A block
+    """``groups`` batches of N/groups consecutive blocks each, sharing the context (drafter.tuning.micro_batches). A block
     attends to the context before its anchor and to its own block only, so each block's output is the same as in
     the whole batch; only the context's projections run once per group."""
     if groups == 1:

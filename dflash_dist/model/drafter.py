@@ -40,7 +40,7 @@ __all__ = ["DrafterModelConfig", "DFlashDrafter", "RMSNorm", "rotary_cos_sin", "
 
 # Compiled once per process; flex_attention must never run uncompiled (the eager path materialises the
 # full score matrix). fullgraph: a graph break here would silently fall back to that path.
-# Static shapes (CPU, or drafter.compile_dynamic=false) and dynamic shapes (CUDA default: one Triton kernel for
+# Static shapes (CPU, or drafter.tuning.compile_dynamic=false) and dynamic shapes (CUDA default: one Triton kernel for
 # every (b, S_pad); a static compile per new shape costs tens of seconds, the dynamic kernel reads the sizes
 # at run time). CPU cannot use the dynamic one: inductor's C++ flex template fails to build (torch 2.13).
 flex_attention_compiled = torch.compile(flex_attention, fullgraph=True)
@@ -219,7 +219,7 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.flex_dynamic = False  # set by DFlashDrafter.configure_compile
-        self.flex_kernel_options: Optional[dict] = None  # idem (drafter.flex_kernel_options)
+        self.flex_kernel_options: Optional[dict] = None  # idem (drafter.tuning.flex_kernel_options)
 
     def forward(self, x: Tensor, ctx: Tensor, rope_q: tuple[Tensor, Tensor], rope_k: tuple[Tensor, Tensor],
                 mask: Any, backend: str) -> Tensor:
@@ -296,9 +296,9 @@ class DFlashDrafter(nn.Module):
         """flex_dynamic: use the dynamic-shape compiled flex kernel (CUDA). compile_layers: run each decoder layer
         through torch.compile (fullgraph; the flex call is traced into the layer's graph), so the norms, RoPE and
         the SiLU gate fuse. All layers share one code object, so they share the compiled graph. kernel_options:
-        flex_attention tile options (drafter.flex_kernel_options), None = inductor's defaults."""
+        flex_attention tile options (drafter.tuning.flex_kernel_options), None = inductor's defaults."""
         if compile_layers and self.backend != "flex":
-            raise ConfigError("drafter.compile_layers=true needs the flex backend (the sdpa backend is the "
+            raise ConfigError("drafter.tuning.compile_layers=true needs the flex backend (the sdpa backend is the "
                               "uncompiled reference path)")
         self.flex_dynamic = bool(flex_dynamic)
         self.flex_kernel_options = dict(kernel_options) if kernel_options else None

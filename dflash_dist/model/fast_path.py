@@ -73,9 +73,8 @@ INSTALL_HINTS = {
             "(chunk_gated_delta_rule), several times slower."),
     "causal_conv1d": ("causal-conv1d is missing: it is source-only on the registry; build it for your GPU against "
                       "the installed torch: `pip download --no-deps --no-binary=:all: --no-build-isolation "
-                      "causal-conv1d==1.7.0 -d DIR`, then `build_causal_conv1d.sh DIR/causal_conv1d-1.7.0.tar.gz "
-                      "TARGET_DIR sm_90` and put TARGET_DIR on PYTHONPATH (script and a prebuilt sm_90 / torch "
-                      "2.11.0+cu130 / py3.12 build: shared/device/ beside the repository, see its README.md), or "
+                      "causal-conv1d==1.7.0 -d DIR`, then `bash docker/build_causal_conv1d.sh DIR/causal_conv1d-1.7.0.tar.gz "
+                      "TARGET_DIR sm_90` and put TARGET_DIR on PYTHONPATH (docker/Dockerfile does the same for its image), or "
                       "`pip install causal-conv1d --no-build-isolation` (builds every architecture: slow). "
                       "Measured: 1.16x faster prefill of a Qwen3-Next-shaped target with it."),
 }

@@ -114,7 +114,7 @@ def frozen_head_ce(h: Tensor, weight: Tensor, labels: Tensor, w: Tensor, chunk_r
                    ) -> tuple[Tensor, Tensor, Tensor]:
     """Weighted CE sum of rows ``h`` [R, H] through a frozen head [V, H], chunk by chunk: (loss sum fp32 [],
     argmax [R], d(loss sum)/dh [R, H] in the head's dtype). No autograd; what the drafter's fused loss runs,
-    and what a target rank runs for it with ``drafter.loss_on_target`` (head_offload.py)."""
+    and what a target rank runs for it with ``drafter.tuning.loss_on_target`` (head_offload.py)."""
     hc = h.to(weight.dtype)
     grad_h = torch.empty_like(hc)
     sums, preds = [], []
@@ -157,7 +157,7 @@ def decayed_ce(hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, block_siz
     tensor on hidden's device.
     ``mode``: fused, checkpoint, or auto (fused when the head is frozen and hidden needs
     a gradient; see the module docstring). ``compiled``: the fused path's per-chunk softmax/CE/gradient runs
-    through torch.compile (``drafter.compile_loss``; same math as the eager chain, fewer passes over the logits).
+    through torch.compile (``drafter.tuning.compile_loss``; same math as the eager chain, fewer passes over the logits).
     """
     rows_h, rows_y, rows_w = loss_rows(hidden, labels, block_size, gamma)
     if mode not in ("auto", "fused", "checkpoint"):

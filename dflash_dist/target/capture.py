@@ -70,7 +70,7 @@ def packed_row_tokens(total: int, device_type: str) -> int:
     CPU: a power of two >= 256, so the static CPU kernels see a few lengths only, all on the same side of 128.
     CUDA: at least 256, so the dynamic kernels never meet a row of one 128-token mask block: dynamic shapes
     specialise a size of 1, and the compile of the flex kernel for that block mask failed in inductor (2x H200, torch
-    2.11, call 14: the builtin corpus's short samples, a 4-sample message under 128 tokens). Longer rows are
+    2.11: the builtin corpus's short samples, a 4-sample message under 128 tokens). Longer rows are
     not padded."""
     if device_type == "cpu":
         return max(256, 1 << (total - 1).bit_length())
@@ -261,12 +261,12 @@ def resolve_compile(tcfg: TargetConfig, model, device_type: str) -> bool:
 
 
 def resolve_pad_multiple(tcfg: TargetConfig, model, device_type: str, packed: bool) -> int:
-    """target.pad_multiple -> the padded capture's row-length multiple: None = 64 on CUDA (SDPA's cuDNN kernel
-    plans each new [b, S] once, ~45-70 ms, measured in call 34), 1 on CPU; packed rows: 1 (rounded on their own)."""
+    """target.tuning.pad_multiple -> the padded capture's row-length multiple: None = 64 on CUDA (SDPA's cuDNN kernel
+    plans each new [b, S] once, ~45-70 ms, measured on an H200), 1 on CPU; packed rows: 1 (rounded on their own)."""
     if packed:
         return 1
-    if tcfg.pad_multiple is not None:
-        return tcfg.pad_multiple
+    if tcfg.tuning.pad_multiple is not None:
+        return tcfg.tuning.pad_multiple
     return 64 if device_type == "cuda" else 1
 
 
@@ -429,7 +429,7 @@ class FeatureCapture:
 
 
 def build_capture(tcfg: TargetConfig, model, layer_ids: list[int], device_type: str) -> FeatureCapture:
-    """The capture a target rank runs: target.packing, target.compile and target.pad_multiple resolved for this
+    """The capture a target rank runs: target.packing, target.compile and target.tuning.pad_multiple resolved for this
     model and device (one place, so the rank, dflash-plan's calibration and the benchmarks run the same path)."""
     packed = resolve_packing(tcfg, model, device_type)
     return FeatureCapture(model, layer_ids, packing=packed, compile=resolve_compile(tcfg, model, device_type),

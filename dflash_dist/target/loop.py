@@ -57,25 +57,25 @@ def capture_flops_fn(model, job, packed: bool = False, pad_multiple: int = 1):
 
 
 def head_server(job, model, tx):
-    """drafter.loss_on_target: connect the head groups and build this rank's HeadLossServer (None when off). Its
+    """drafter.tuning.loss_on_target: connect the head groups and build this rank's HeadLossServer (None when off). Its
     requests are served first whenever the Sender waits on a drafter."""
     cfg, d = job.cfg, job.dist
-    if not cfg.drafter.loss_on_target:
+    if not cfg.drafter.tuning.loss_on_target:
         return None
     # after the data group's connection, as on the drafters
     ch, replies = head_channels(d, cfg.topology.warmup_timeout_s, job.life.check, d.topo.drafter_ranks, drafter=False)
     dc = cfg.drafter
-    compiled = dc.compile_loss if dc.compile_loss is not None else resolve_backend(cfg, d.device.type) == "flex"
-    server = HeadLossServer(ch, replies, d.rank, head_weights(model)[1], dc.block_size, dc.gamma, dc.loss_chunk_rows,
-                            bool(compiled), dc.micro_batches - dc.local_loss_groups, before_serve=tx.pump)
+    compiled = dc.tuning.compile_loss if dc.tuning.compile_loss is not None else resolve_backend(cfg, d.device.type) == "flex"
+    server = HeadLossServer(ch, replies, d.rank, head_weights(model)[1], dc.block_size, dc.gamma, dc.tuning.loss_chunk_rows,
+                            bool(compiled), dc.tuning.micro_batches - dc.tuning.local_loss_groups, before_serve=tx.pump)
     tx.serve = server.poll
-    log.info("lm_head and loss of the drafters' steps run here (drafter.loss_on_target): %d request(s) per "
-             "message, %s loss", dc.micro_batches - dc.local_loss_groups, "compiled" if compiled else "eager")
+    log.info("lm_head and loss of the drafters' steps run here (drafter.tuning.loss_on_target): %d request(s) per "
+             "message, %s loss", dc.tuning.micro_batches - dc.tuning.local_loss_groups, "compiled" if compiled else "eager")
     return server
 
 
 def open_trace(job):
-    """logging.trace_target: <run_dir>/target_trace/rank<r>.jsonl, one line per message, appended (a resumed job
+    """logging.debug.trace_target: <run_dir>/target_trace/rank<r>.jsonl, one line per message, appended (a resumed job
     continues the file)."""
     path = os.path.join(job.run_dir, "target_trace")
     os.makedirs(path, exist_ok=True)
@@ -93,7 +93,7 @@ EVAL_REQUEST_PATIENCE_S = 120.0
 
 
 class MessageTrace:
-    """logging.profile_step on a target rank: its first message for drafter step N (capture, send, the drafter
+    """logging.debug.profile_step on a target rank: its first message for drafter step N (capture, send, the drafter
     taking it) under torch.profiler; the Chrome trace goes to <run_dir>/profile/target_rank<r>_step<N>.json and its
     phase timeline to the log. Nothing this rank posted is in flight when the window starts or stops: a profiler
     start or stop while a gloo isend is in flight crashed the sender (bench/profiler_gloo_window.py), and the
@@ -101,7 +101,7 @@ class MessageTrace:
     head reply before it starts, ends once the traced message is taken, and runs no evaluation slice."""
 
     def __init__(self, job, tx: Sender, heads: Optional[HeadLossServer]):
-        self.step, self.job, self.tx, self.heads = job.cfg.logging.profile_step, job, tx, heads
+        self.step, self.job, self.tx, self.heads = job.cfg.logging.debug.profile_step, job, tx, heads
         self.window: Optional[TraceWindow] = None
         self.done = self.step < 0
         self._idle_work = None
@@ -161,7 +161,7 @@ def run_target(job) -> None:
     log.info("target capture: %s", capture.describe())
     flops_per_batch = capture_flops_fn(model, job, packed, capture.pad_multiple)
     dataset = TokenizedDataset.load(job.dataset_path)
-    channel = job_channel(d, cfg.topology, check=job.life.check, serve_heads=cfg.drafter.loss_on_target)
+    channel = job_channel(d, cfg.topology, check=job.life.check, serve_heads=cfg.drafter.tuning.loss_on_target)
     channel.connect(topo.drafter_ranks, sending=True)  # before any payload: see Channel.connect
     tx = Sender(channel, d.rank, cfg.topology.max_in_flight)
     heads = head_server(job, model, tx)
@@ -175,18 +175,18 @@ def run_target(job) -> None:
     fault = fault_for(d.rank)
     evaluator = None
     if eval_enabled(job) and topo.index == 0:
-        slices = cfg.train.eval_in_slices and channel.can_idle()
+        slices = cfg.train.tuning.eval_in_slices and channel.can_idle()
         evaluator = TargetEval(job, model, slices=slices)
         if slices:
             tx.idle_work = evaluator.work
             how = "one verify step at a time while waiting for the drafters"
-        elif cfg.train.eval_in_slices:
-            how = ("whole, between two messages (train.eval_in_slices needs waits this target can poll: NCCL or "
+        elif cfg.train.tuning.eval_in_slices:
+            how = ("whole, between two messages (train.tuning.eval_in_slices needs waits this target can poll: NCCL or "
                    "rendezvous sends; gloo sends block)")
         else:
-            how = "whole, between two messages (train.eval_in_slices=false)"
+            how = "whole, between two messages (train.tuning.eval_in_slices=false)"
         log.info("in-training evaluation: %s", how)
-    trace = open_trace(job) if cfg.logging.trace_target else None
+    trace = open_trace(job) if cfg.logging.debug.trace_target else None
     tracer = MessageTrace(job, tx, heads)
 
     def stats() -> tuple:

@@ -7,7 +7,7 @@ long it ran (to the next phase's start), how long its kernels were busy and how 
 step's time goes, e.g. whether splitting the anchors into groups costs more than the loss the targets take over.
 On CPU (no GPU timeline) the phases' host starts are used.
 
-    logging.profile_step=N   a training job's drafter ranks trace step N, its targets their message for step N
+    logging.debug.profile_step=N   a training job's drafter ranks trace step N, its targets their message for step N
                              -> <output_dir>/profile/
     python bench/profile_timeline.py TRACE.json   the table of a written trace
 """

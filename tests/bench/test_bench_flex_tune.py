@@ -1,4 +1,4 @@
-"""bench/flex_tune.py: reading inductor's autotune report into drafter.flex_kernel_options (the GPU run itself
+"""bench/flex_tune.py: reading inductor's autotune report into drafter.tuning.flex_kernel_options (the GPU run itself
 is a device script, see docs/benchmarks.md)."""
 
 import os
@@ -9,9 +9,9 @@ from launch_util import REPO as REPO_ROOT
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "bench"))
 import flex_tune  # noqa: E402
-from tests.unit.model.test_drafter import cfg as tiny_cfg  # noqa: E402
 
 from dflash_dist.model.drafter import DFlashDrafter  # noqa: E402
+from tests.unit.model.test_drafter import cfg as tiny_cfg  # noqa: E402
 
 # the shape of inductor's report (select_algorithm.log_results): fastest row first
 REPORT = """AUTOTUNE flex_attention(1x32x8192x128, 1x8x11264x128, ...)

@@ -52,7 +52,7 @@ ARGS = ["-m", "dflash_dist.train", "train.max_steps=400", "logging.log_every=1",
                                                    (1, "drafter", "true")])
 def test_kill9_any_rank_ends_the_job_fast_and_names_it(tmp_path, victim, role, rendezvous):
     """rendezvous=true: the target may be polling the store for a dead drafter's receive; it must still say who."""
-    p = torchrun(3, ARGS + [f"train.output_dir={tmp_path}", f"topology.rendezvous_sends={rendezvous}"], popen=True)
+    p = torchrun(3, ARGS + [f"train.output_dir={tmp_path}", f"topology.tuning.rendezvous_sends={rendezvous}"], popen=True)
     _wait_for_step(tmp_path, 3, p)
     pids = _rank_pids(p.pid)
     t0 = time.time()
@@ -175,9 +175,9 @@ def test_a_drafter_silent_after_warm_up_is_dead_within_the_timeout(tmp_path):
 
 
 def test_a_drafter_silent_with_the_loss_on_the_target_is_dead_within_the_timeout(tmp_path):
-    """drafter.loss_on_target: the target waits for head rows before it captures further; a drafter silent after
+    """drafter.tuning.loss_on_target: the target waits for head rows before it captures further; a drafter silent after
     warm-up ends the job within the steady timeout there too, and the target names what it waited for."""
-    out = _drafter_silent_at_step_6(tmp_path, "drafter.loss_on_target=true", "drafter.micro_batches=2")
+    out = _drafter_silent_at_step_6(tmp_path, "drafter.tuning.loss_on_target=true", "drafter.tuning.micro_batches=2")
     assert "waiting for drafter rank 0 to send the head rows of message" in out, out[-3000:]
 
 

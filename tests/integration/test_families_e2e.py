@@ -71,7 +71,9 @@ def test_family_trains_exports_reloads(family, tmp_path):
     trained = DFlashDrafter(DrafterModelConfig(**ck_meta["drafter_config"]), "sdpa").eval()
     trained.load_state_dict({k.removeprefix("module."): v for k, v in load_file(ckpt / "model.safetensors").items()})
     with open(os.path.join(REPO, "conf", "target", f"{conf}.yaml")) as f:
-        target = build_target_model(TargetConfig(**yaml.safe_load(f)), "cpu")
+        d = yaml.safe_load(f)
+        d.pop("defaults", None)
+        target = build_target_model(TargetConfig(**d), "cpu")
     lm_head = target.get_output_embeddings().weight.float()
     hidden, n_feat = back.config.hidden_size, len(meta["layer_ids"])
     assert torch.equal(_drafter_logits(back, lm_head, hidden, n_feat), _drafter_logits(trained, lm_head, hidden, n_feat))
@@ -85,10 +87,12 @@ def test_unmirrorable_family_refused_before_weights_load(tmp_path):
     conf.mkdir(parents=True)
     with open(os.path.join(REPO, "conf", "target", "tiny_llama3.yaml")) as f:
         d = yaml.safe_load(f)
+    d.pop("defaults", None)  # a preset: the fields that differ from TargetConfig's defaults
     d["hf_config"] = {"model_type": "deepseek_v3", "vocab_size": 2048, "hidden_size": 64, "num_hidden_layers": 8,
                       "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 128,
                       "moe_intermediate_size": 32, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8,
                       "qk_nope_head_dim": 8, "v_head_dim": 16}
+    d = {"defaults": ["base", "_self_"], **d}
     with open(conf / "tiny_deepseek.yaml", "w") as f:
         yaml.safe_dump(d, f)
     r = torchrun(2, ["-m", "dflash_dist.train", f"train.output_dir={tmp_path / 'run'}", "drafter=tiny",

@@ -1,4 +1,4 @@
-"""drafter.loss_on_target and drafter.micro_batches: the lm_head and the loss on the target rank, anchors in groups.
+"""drafter.tuning.loss_on_target and drafter.tuning.micro_batches: the lm_head and the loss on the target rank, anchors in groups.
 
 The offloaded loss runs the same function on the same inputs as the local fused loss, so on CPU the trained
 weights are bit for bit those of the local run with the same groups; the groups change only the order of sums."""
@@ -109,9 +109,9 @@ def test_loss_on_target_trains_the_same_weights(tmp_path):
     """1 target + 2 data-parallel drafters, 8 steps, anchors in 2 groups: with the loss on the target the final
     weights equal those of the local loss bit for bit; with the anchors in one group they agree to rounding.
     The target says what it served, and its FLOPs count them."""
-    local, _ = _job(tmp_path, "local", "drafter.micro_batches=2")
-    offload, out = _job(tmp_path, "offload", "drafter.micro_batches=2", "drafter.loss_on_target=true",
-                        "logging.peak_tflops=0.001", "logging.profile_step=5")
+    local, _ = _job(tmp_path, "local", "drafter.tuning.micro_batches=2")
+    offload, out = _job(tmp_path, "offload", "drafter.tuning.micro_batches=2", "drafter.tuning.loss_on_target=true",
+                        "logging.peak_tflops=0.001", "logging.debug.profile_step=5")
     whole, _ = _job(tmp_path, "whole")
     assert "lm_head and loss of 2 group(s) on the target that sent the message" in out
     assert "lm_head and loss of the drafters' steps run here" in out
@@ -148,8 +148,8 @@ def test_loss_on_target_two_targets_one_drafter_sigterm(tmp_path):
     will not be trained, every rank exits 0 after one checkpoint, and the accounting closes."""
     from test_train_e2e import accounting, check_accounting, sigterm_workers_when, train_records
     p = torchrun(3, ["-m", "dflash_dist.train", f"train.output_dir={tmp_path}", "data.source=synthetic:40:400",
-                     "train.epochs=1", "topology.target_ranks=2", "drafter.loss_on_target=true",
-                     "drafter.micro_batches=4", "drafter.local_loss_groups=1", "target.max_batch_samples=8",
+                     "train.epochs=1", "topology.target_ranks=2", "drafter.tuning.loss_on_target=true",
+                     "drafter.tuning.micro_batches=4", "drafter.tuning.local_loss_groups=1", "target.max_batch_samples=8",
                      "logging.log_every=2",
                      "logging.progress_bar=false", "logging.wandb.mode=disabled"], popen=True)
     out = sigterm_workers_when(p, lambda: any(r["step"] >= 6 for r in train_records(tmp_path)), tmp_path,
@@ -169,7 +169,7 @@ def test_loss_on_target_with_the_evaluation_in_slices(tmp_path):
     """The target's waits serve head requests first and run the in-training evaluation's verify steps otherwise:
     both happen in one job, every requested evaluation is logged or skipped (said so), nothing is lost."""
     from test_train_e2e import accounting, check_accounting, metrics
-    run, out = _job(tmp_path, "eval", "drafter.micro_batches=2", "drafter.loss_on_target=true",
+    run, out = _job(tmp_path, "eval", "drafter.tuning.micro_batches=2", "drafter.tuning.loss_on_target=true",
                     "train.eval_every=4", "train.eval_max_new_tokens=32", eval_prompts=8)
     assert "in-training evaluation: one verify step at a time while waiting for the drafters" in out
     assert "32 head requests served" in out, out[-3000:]  # 8 steps x 2 drafters x 2 groups

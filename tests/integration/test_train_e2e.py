@@ -66,13 +66,13 @@ def test_default_job_one_target_two_drafters(tmp_path):
 
 
 def test_evaluation_in_slices_on_idle_target_time(tmp_path):
-    """train.eval_in_slices with rendezvous sends (waits the target can poll): the evaluation runs one verify step
+    """train.tuning.eval_in_slices with rendezvous sends (waits the target can poll): the evaluation runs one verify step
     at a time while the target waits for the drafter to take a message, every requested evaluation is either
     logged or skipped (said so), the last one is never skipped and runs after the stream, and no sample is lost.
     The evaluations are long enough (16 prompts x 64 tokens) that a request comes while one is still running."""
     r = torchrun(2, ["-m", "dflash_dist.train", f"train.output_dir={tmp_path}", "train.max_steps=16",
                      "train.eval_every=4", "train.eval_prompts=16", "train.eval_max_new_tokens=64",
-                     "topology.rendezvous_sends=true", "topology.max_in_flight=1", "logging.log_every=4",
+                     "topology.tuning.rendezvous_sends=true", "topology.max_in_flight=1", "logging.log_every=4",
                      "logging.progress_bar=false", "logging.wandb.mode=disabled"], timeout=300)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
@@ -94,7 +94,7 @@ def test_hybrid_target_job(tmp_path):
     """The embedded tiny hybrid (GatedDeltaNet) target trains a drafter end to end: padded capture, rows rounded to
     the configured multiple, the kernels it bound reported, every sample trained."""
     r = torchrun(2, ["-m", "dflash_dist.train", f"train.output_dir={tmp_path}", "target=tiny_hybrid",
-                     "drafter=tiny", "train.max_steps=6", "train.eval_prompts=0", "target.pad_multiple=16",
+                     "drafter=tiny", "train.max_steps=6", "train.eval_prompts=0", "target.tuning.pad_multiple=16",
                      "logging.log_every=3", "logging.progress_bar=false", "logging.wandb.mode=disabled"],
                  timeout=300)
     out = r.stdout + r.stderr
@@ -108,8 +108,8 @@ def test_hybrid_target_job(tmp_path):
 def test_two_targets_one_drafter(tmp_path):
     r = torchrun(3, ["-m", "dflash_dist.train", f"train.output_dir={tmp_path}", "train.max_steps=6",
                      "topology.target_ranks=2", "logging.log_every=3", "logging.progress_bar=false",
-                     "logging.wandb.mode=disabled", "logging.peak_tflops=0.001", "logging.trace_target=true",
-                     "topology.rendezvous_sends=true"],
+                     "logging.wandb.mode=disabled", "logging.peak_tflops=0.001", "logging.debug.trace_target=true",
+                     "topology.tuning.rendezvous_sends=true"],
                 timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     recs = train_records(tmp_path)
@@ -163,7 +163,7 @@ def test_sigterm_then_resume_with_another_split(tmp_path):
     """SIGTERM to every rank (as SLURM does): one checkpoint, exit 0. Resume with 2+1 instead of 1+2: every
     sample of the plan is trained exactly once across the two runs and the loss curve continues."""
     common = ["-m", "dflash_dist.train", f"train.output_dir={tmp_path}", "data.source=synthetic:40:400",
-              "train.epochs=1", "logging.log_every=2", "logging.progress_bar=false", "logging.record_sample_ids=true",
+              "train.epochs=1", "logging.log_every=2", "logging.progress_bar=false", "logging.debug.record_sample_ids=true",
               "target.max_batch_samples=8", "logging.wandb.mode=disabled"]
     p = torchrun(3, common + ["topology.target_ranks=1"], popen=True)
     out1 = sigterm_workers_when(p, lambda: any(r["step"] >= 6 for r in train_records(tmp_path)),
@@ -197,7 +197,7 @@ def test_sigterm_while_an_evaluation_runs(tmp_path):
     step): the evaluation is dropped, both ranks stop after the same step with one checkpoint and exit 0."""
     p = torchrun(2, ["-m", "dflash_dist.train", f"train.output_dir={tmp_path}", "train.max_steps=400",
                      "train.eval_every=1", "train.eval_prompts=16", "train.eval_max_new_tokens=64",
-                     "topology.rendezvous_sends=true", "topology.max_in_flight=1", "logging.log_every=2",
+                     "topology.tuning.rendezvous_sends=true", "topology.max_in_flight=1", "logging.log_every=2",
                      "logging.progress_bar=false", "logging.wandb.mode=disabled"], popen=True)
     out = sigterm_workers_when(p, lambda: any(r["kind"] == "eval" for r in metrics(tmp_path))
                                and train_records(tmp_path)[-1]["step"] >= 8, tmp_path, "no evaluation by step 8")

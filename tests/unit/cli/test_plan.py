@@ -55,7 +55,7 @@ def test_ties_go_to_fewer_targets(w, s, d, t):
 
 
 def test_idle_target_capacity_is_shown():
-    """The H200 rates at SpecForge's config (call 7): 8 GPUs -> 2 + 6, the targets 58% loaded."""
+    """The H200 rates at SpecForge's config: 8 GPUs -> 2 + 6, the targets 58% loaded."""
     r = choose_split(8, 81.3, 15.67)
     assert (r["target_ranks"], r["drafter_ranks"]) == (2, 6)
     assert r["best"]["target_util"] == pytest.approx(6 * 15.67 / (2 * 81.3)) and r["best"]["drafter_util"] == 1.0

@@ -95,3 +95,49 @@ def test_two_ranks_under_torchrun(tmp_path):
     ref, _ = regenerate_rows(model, AutoTokenizer.from_pretrained(TINY_DIR), items, max_new_tokens=5,
                              temperature=0.0, top_p=1.0, batch_size=1, eos_ids=[0, 2], on_empty="keep", seed=0)
     assert [row for _, row in ref] == got
+
+
+def test_resume_after_a_crash_generates_only_the_missing_rows(tmp_path):
+    """A crashed 2-rank run left one part file: two finished rows and a line cut short. The same command again
+    (one process now) keeps those two rows as written, regenerates the cut one and the rest, and writes every
+    usable row exactly once, in input order, equal to an uninterrupted run elsewhere."""
+    import subprocess
+    import sys
+
+    rows = write_inputs(tmp_path / "in.jsonl")
+    (tmp_path / "target.json").write_text(json.dumps(TARGET))
+    args = ["--prompts", str(tmp_path / "in.jsonl"), "--target-config", str(tmp_path / "target.json"),
+            "--max-new-tokens", "5", "--batch-size", "2", "--on-empty", "keep", "--device", "cpu"]
+    ref_out = tmp_path / "ref" / "out.jsonl"
+    r = subprocess.run([sys.executable, "-m", "dflash_dist.cli.regenerate", *args, "--out", str(ref_out)],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref = [json.loads(line) for line in ref_out.read_text().splitlines()]
+
+    out = tmp_path / "out.jsonl"
+    kept = {1: {"id": rows[1]["id"], "messages": ref[1]["messages"][:-1] + [{"role": "assistant",
+                                                                              "content": "FROM THE CRASHED RUN"}]},
+            3: {"id": rows[3]["id"], "messages": ref[3]["messages"]}}
+    part = tmp_path / "out.jsonl.part00001-of-00002"
+    lines = [json.dumps({"index": i, "row": row}) for i, row in kept.items()] + [json.dumps({"counts": {"generated": 2}})]
+    part.write_text("\n".join(lines) + "\n" + '{"index": 5, "row": {"id": 5, "mess')  # killed mid-line
+    r = subprocess.run([sys.executable, "-m", "dflash_dist.cli.regenerate", *args, "--out", str(out)],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming: 2 rows already written" in r.stderr
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [g["id"] for g in got] == [g["id"] for g in ref]            # every usable row once, in order
+    assert got[1]["messages"][-1]["content"] == "FROM THE CRASHED RUN"  # written rows are not generated again
+    assert [g for i, g in enumerate(got) if i != 1] == [g for i, g in enumerate(ref) if i != 1]
+    assert not list(tmp_path.glob("out.jsonl.part*"))                   # parts merged and removed
+
+
+def test_part_writer_trims_a_partial_last_line(tmp_path):
+    from dflash_dist.cli.regenerate import PartWriter, read_parts
+    path = tmp_path / "o.jsonl.part00000-of-00001"
+    path.write_text(json.dumps({"index": 0, "row": {"a": 1}}) + "\n" + '{"index": 1, "ro')
+    w = PartWriter(str(path))
+    w([(2, {"b": 2})], {"generated": 1})
+    w.close()
+    rows, counts = read_parts(str(tmp_path / "o.jsonl"))
+    assert rows == {0: {"a": 1}, 2: {"b": 2}} and counts == {"generated": 1}

@@ -57,7 +57,7 @@ def test_message_validate_rejects_bad_shapes():
 
 
 def test_rendezvous_setting(monkeypatch):
-    """topology.rendezvous_sends: null is on exactly over NCCL; true/false win over the backend."""
+    """topology.tuning.rendezvous_sends: null is on exactly over NCCL; true/false win over the backend."""
     from dflash_dist.comm import transport
     monkeypatch.setattr(transport.dist, "get_backend", lambda group: group)  # the "group" names its backend here
     assert transport.use_rendezvous(None, "nccl") and not transport.use_rendezvous(None, "gloo")
@@ -73,14 +73,13 @@ def test_job_channel_from_topology_config(monkeypatch):
     from dflash_dist.config import TopologyConfig
     monkeypatch.setattr(transport.dist, "get_backend", lambda group: group)
     d = SimpleNamespace(ctrl="gloo", data="nccl", device=torch.device("cpu"), store="the store")
-    for comm in (False, True):
-        ch = transport.job_channel(d, TopologyConfig(comm_streams=comm, warmup_timeout_s=123.0))
-        assert ch.store == "the store" and ch.timeout_s == 123.0
-        assert ch.stream is None and ch.describe() == "posted from the host (no CUDA streams)"
+    ch = transport.job_channel(d, TopologyConfig(warmup_timeout_s=123.0))
+    assert ch.store == "the store" and ch.timeout_s == 123.0
+    assert ch.stream is None and ch.describe() == "posted from the host (no CUDA streams)"
     d.data = "gloo"
     assert transport.job_channel(d, TopologyConfig()).store is None
-    assert transport.job_channel(d, TopologyConfig(rendezvous_sends=True)).store == "the store"
-    assert TopologyConfig().comm_streams is False  # experimental: off unless asked for
+    assert transport.job_channel(d, TopologyConfig(tuning={"rendezvous_sends": True})).store == "the store"
+    assert not hasattr(TopologyConfig(), "comm_streams")  # measured no gain: not a job setting
 
 
 def test_poll_does_idle_work_instead_of_sleeping():

@@ -302,7 +302,7 @@ def test_precompile_steps_pick_one_and_several_samples_two_lengths_each():
 
 
 def test_activation_whose_width_equals_the_micro_batch_queries_is_not_a_score_matrix():
-    """drafter.micro_batches=2 on the embedded default (CPU): 8 anchors x 16 = 128 queries per forward, 128 + 128
+    """drafter.tuning.micro_batches=2 on the embedded default (CPU): 8 anchors x 16 = 128 queries per forward, 128 + 128
     keys, hidden size 128: the k_proj input [b=15, S+Q=256, H=128] has [K, Q]'s last two dimensions. Its leading
     dimension is the batch, not heads or batch x heads; a real [b, heads, Q, K] or [b*heads, Q, K] still counts."""
     from types import SimpleNamespace

@@ -26,7 +26,7 @@ def test_precompile_dry_steps_update_nothing(tmp_path):
         steps = list(plan_step_lengths(job.plan, job.sample_lengths, 0, job.total_messages, 1, 0))
         assert trainer.planned_steps == steps  # a list: make_guard and precompile_steps both read it
         assert trainer.precompile_plan == []   # sdpa: nothing to compile
-        trainer.precompile_plan = precompile_steps(trainer.planned_steps + [[300]], cfg.drafter.ctx_bucket)
+        trainer.precompile_plan = precompile_steps(trainer.planned_steps + [[300]], cfg.drafter.tuning.ctx_bucket)
         sizes = [len(x) for x in trainer.precompile_plan]
         assert sizes[0] == len(steps[0]) > 1 and 1 in sizes and len(sizes) <= 4, trainer.precompile_plan
         before = {k: v.clone() for k, v in trainer.model.state_dict().items()}

@@ -167,7 +167,7 @@ def test_flex_compiled_forward_matches_sdpa():
 
 
 def test_compiled_layers_forward_matches_sdpa_and_is_reported():
-    """drafter.compile_layers: each layer through torch.compile(fullgraph) with the flex call traced inside."""
+    """drafter.tuning.compile_layers: each layer through torch.compile(fullgraph) with the flex call traced inside."""
     import torch._dynamo
     from torch._dynamo.utils import counters
     sdpa = make_model("sdpa")

@@ -18,6 +18,7 @@ CONF = os.path.join(os.path.dirname(__file__), "..", "..", "..", "conf", "target
 def _tcfg(name: str, **over) -> TargetConfig:
     with open(os.path.join(CONF, f"{name}.yaml")) as f:
         d = yaml.safe_load(f)
+    d.pop("defaults", None)  # a preset: the fields that differ from TargetConfig's defaults
     d.update(over)
     return TargetConfig(**d)
 

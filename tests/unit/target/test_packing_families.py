@@ -17,6 +17,7 @@ CONF = os.path.join(os.path.dirname(__file__), "..", "..", "..", "conf", "target
 def _model(name: str, **hf_over):
     with open(os.path.join(CONF, f"{name}.yaml")) as f:
         d = yaml.safe_load(f)
+    d.pop("defaults", None)  # a preset: the fields that differ from TargetConfig's defaults
     d["hf_config"].update(hf_over)
     return build_target_model(TargetConfig(**d), "cpu")
 

@@ -45,7 +45,7 @@ def test_capture_equals_hf_hidden_states(kind):
     # right padding does not change the real tokens' features (causal): sample 1 alone
     alone = FeatureCapture.__call__(cap, ids[1:2, :7], torch.tensor([7]))
     torch.testing.assert_close(alone, feats[11:], rtol=1e-5, atol=1e-5)
-    # rows rounded up to a multiple (target.pad_multiple): 11 -> 16 tokens, the same features
+    # rows rounded up to a multiple (target.tuning.pad_multiple): 11 -> 16 tokens, the same features
     rounded = FeatureCapture(model, layer_ids, pad_multiple=8)
     shapes = []
     hook = model.get_decoder().layers[0].register_forward_hook(lambda m, a, o: shapes.append(a[0].shape[1]))
@@ -211,8 +211,8 @@ def test_pad_multiple_resolution_and_the_built_capture():
     from dflash_dist.target.capture import build_capture, resolve_pad_multiple
     dense = AutoModelForCausalLM.from_config(tiny("qwen3")).eval()
     hybrid = AutoModelForCausalLM.from_config(tiny("qwen3_next")).eval()
-    cfg = lambda pad, **kw: TargetConfig(hf_config={"builtin": "tiny"}, pad_multiple=pad, **kw)  # noqa: E731
-    assert resolve_pad_multiple(cfg(None), hybrid, "cuda", packed=False) == 64   # cuDNN plans per shape: call 34
+    cfg = lambda pad, **kw: TargetConfig(hf_config={"builtin": "tiny"}, tuning={"pad_multiple": pad}, **kw)  # noqa: E731
+    assert resolve_pad_multiple(cfg(None), hybrid, "cuda", packed=False) == 64   # cuDNN plans per shape
     assert resolve_pad_multiple(cfg(None), dense, "cuda", packed=False) == 64
     assert resolve_pad_multiple(cfg(None), hybrid, "cpu", packed=False) == 1
     assert resolve_pad_multiple(cfg(32), dense, "cpu", packed=False) == 32
@@ -221,7 +221,7 @@ def test_pad_multiple_resolution_and_the_built_capture():
     assert (cap.packing, cap.compile, cap.pad_multiple) == (False, False, 16)
     cap.close()
     for bad in (0, -64, 2.5, "64", True):
-        with pytest.raises(ConfigError, match="target.pad_multiple"):
+        with pytest.raises(ConfigError, match="target.tuning.pad_multiple"):
             cfg(bad)
 
 

@@ -47,17 +47,17 @@ def test_trainer_step_flops_matches_the_formula():
     feats = torch.randn(sum(lens), 16)
     batch = make_batch(ids, mask, cu, feats, num_anchors=5, block_size=4, mask_token_id=9, ctx_bucket=16,
                        generator=g)
-    fake = SimpleNamespace(cfg=SimpleNamespace(drafter=SimpleNamespace(block_size=4, micro_batches=2,
-                                                                        local_loss_groups=0)),
+    fake = SimpleNamespace(cfg=SimpleNamespace(drafter=SimpleNamespace(block_size=4, tuning=SimpleNamespace(
+        micro_batches=2, local_loss_groups=0))),
                            mcfg=m, lm_head=torch.zeros(10, 8), heads=None)
     got = DrafterTrainer.step_flops(fake, batch)
     pairs = float((4 * (batch.anchors + 4) * batch.valid).sum())
     want = drafter_step_flops(m, 2, batch.ctx_len, 5, 10, pairs)
     assert float(got) == pytest.approx(want["model"])
-    # drafter.loss_on_target: the served groups' head FLOPs are the target's (counted there), not the drafter's
+    # drafter.tuning.loss_on_target: the served groups' head FLOPs are the target's (counted there), not the drafter's
     fake.heads, batch.src = object(), 1
     assert float(DrafterTrainer.step_flops(fake, batch)) == pytest.approx(want["model"] - want["lm_head"])
-    fake.cfg.drafter.local_loss_groups = 1
+    fake.cfg.drafter.tuning.local_loss_groups = 1
     assert float(DrafterTrainer.step_flops(fake, batch)) == pytest.approx(want["model"] - want["lm_head"] / 2)
 
 
@@ -100,7 +100,9 @@ def _family(name):
     from dflash_dist.model.hf import build_target_model
     conf = os.path.join(os.path.dirname(__file__), "..", "..", "..", "conf", "target", f"{name}.yaml")
     with open(conf) as f:
-        return build_target_model(TargetConfig(**yaml.safe_load(f)), "cpu")
+        d = yaml.safe_load(f)
+        d.pop("defaults", None)
+        return build_target_model(TargetConfig(**d), "cpu")
 
 
 def test_moe_counts_active_experts_by_hand():
