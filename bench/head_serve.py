@@ -22,6 +22,7 @@ import _common as C  # noqa: E402
 import torch  # noqa: E402
 
 from dflash_dist.comm.head_offload import head_flops  # noqa: E402
+from dflash_dist.config import paper_gamma  # noqa: E402
 from dflash_dist.model.loss import frozen_head_ce, row_weights  # noqa: E402
 
 
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
         x = torch.randn(r, h, dtype=dtype, device=dev, generator=g)
         y = torch.randint(0, v, (r,), device=dev, generator=g)
         y[::7] = -100  # some rows without a label, as padding blocks and prompts give
-        w = row_weights(y, bsz, 7.0 * bsz / 16)
+        w = row_weights(y, bsz, paper_gamma(bsz))
         for chunk in chunks:
             for compiled in compiled_opts:
                 row = {"rows": r, "chunk_rows": chunk, "compiled": compiled}

@@ -232,7 +232,20 @@ class DrafterConfig:
     """Blocks per sample per step: anchors sampled from supervised positions; fewer are padded (static shapes)."""
 
     loss_gamma: Optional[float] = None
-    """Slot weight exp(-(k-1)/gamma); None: 7 for block 16, scaled as 7*B/16 otherwise."""
+    """Slot weight exp(-(k-1)/gamma). None: the paper's gamma for the block size (7, 5, 4 for B = 16, 10, 8);
+    other B get :func:`paper_gamma`'s piecewise-linear interpolation through those three points (a rule of this
+    project, not the paper's)."""
+
+    layer_types: Optional[list[str]] = None
+    """Attention kind of each drafter layer, ``full_attention`` or ``sliding_attention`` (num_layers entries).
+    None: every layer full attention, or every layer sliding when ``sliding_window`` is set."""
+
+    sliding_window: Optional[int] = None
+    """Window W of the sliding_attention layers: a block query at position p sees context keys before its anchor
+    with p - k < W, and its own block (model/masks.py), as the z-lab model and vLLM serve it; the export writes
+    ``layer_types``, ``use_sliding_window``, ``sliding_window``. W >= block_size: the block then sees itself whole,
+    so loaders with a left-only window (SGLang keeps ``sliding_window - 1`` as window_left) and with a symmetric
+    one (vLLM, z-lab) agree. None: no sliding layers."""
 
     mask_token_id: Optional[int] = None
     """Token id of MASK. None: the tokenizer's mask token (``<|MASK|>``/``mask_token``) or the packaged tiny one."""
@@ -265,6 +278,24 @@ class DrafterConfig:
                  f"drafter.tuning.micro_batches={self.tuning.micro_batches}: must divide drafter.num_anchors="
                  f"{self.num_anchors}")
         _require(self.loss_gamma is None or self.loss_gamma > 0, "drafter.loss_gamma must be > 0")
+        if self.layer_types is not None:
+            self.layer_types = [str(t) for t in self.layer_types]
+            bad = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
+            _require(not bad and len(self.layer_types) == self.num_layers,
+                     f"drafter.layer_types={self.layer_types}: give drafter.num_layers={self.num_layers} entries, "
+                     "each full_attention or sliding_attention")
+        elif self.sliding_window is not None:
+            self.layer_types = ["sliding_attention"] * self.num_layers
+        sliding = "sliding_attention" in (self.layer_types or [])
+        _require(not sliding or self.sliding_window is not None,
+                 "drafter.layer_types has sliding_attention layers: set drafter.sliding_window")
+        if self.sliding_window is not None:
+            _require(sliding, f"drafter.sliding_window={self.sliding_window} but drafter.layer_types has no "
+                     "sliding_attention layer")
+            _require(int(self.sliding_window) >= self.block_size,
+                     f"drafter.sliding_window={self.sliding_window}: must be >= drafter.block_size="
+                     f"{self.block_size} (a block sees itself whole)")
+            self.sliding_window = int(self.sliding_window)
         if self.tuning.compile_layers and self.attention_backend == "sdpa":
             raise ConfigError("drafter.tuning.compile_layers=true needs the flex backend: with attention_backend=sdpa "
                               "set drafter.tuning.compile_layers=false (or null)")
@@ -274,7 +305,22 @@ class DrafterConfig:
 
     @property
     def gamma(self) -> float:
-        return float(self.loss_gamma) if self.loss_gamma is not None else 7.0 * self.block_size / 16.0
+        return float(self.loss_gamma) if self.loss_gamma is not None else paper_gamma(self.block_size)
+
+
+PAPER_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}
+"""Loss decay gamma of the DFlash paper per block size (w_k = exp(-(k-1)/gamma))."""
+
+
+def paper_gamma(block_size: int) -> float:
+    """The paper's gamma for B = 8, 10, 16 (4, 5, 7). Any other B: NOT from the paper, a rule of this project:
+    piecewise-linear interpolation through (8, 4), (10, 5), (16, 7), the end segments extended beyond them
+    (slope 1/2 below 10, 1/3 above 10), floored at 1: B=12 -> 5.67, B=4 -> 2, B=2 -> 1, B=32 -> 12.33."""
+    b = int(block_size)
+    if b in PAPER_GAMMA:
+        return PAPER_GAMMA[b]
+    (b0, g0), (b1, g1) = ((8, 4.0), (10, 5.0)) if b < 10 else ((10, 5.0), (16, 7.0))
+    return max(1.0, g0 + (b - b0) * (g1 - g0) / (b1 - b0))
 
 
 @dataclass

@@ -120,7 +120,8 @@ def build_job(cfg: JobConfig, rank: int, world_size: Optional[int], ctrl, device
     layer_ids = validate_job(cfg, world_size, tc.num_hidden_layers, tc.vocab_size, mask_id)
     from dflash_dist.model.drafter import DrafterModelConfig
     DrafterModelConfig.from_target(tc, num_layers=cfg.drafter.num_layers, num_feature_layers=len(layer_ids),
-                                   block_size=cfg.drafter.block_size, intermediate_size=cfg.drafter.intermediate_size)
+                                   block_size=cfg.drafter.block_size, intermediate_size=cfg.drafter.intermediate_size,
+                                   layer_types=cfg.drafter.layer_types, sliding_window=cfg.drafter.sliding_window)
     from dflash_dist.model.fast_path import check_fast_path_for_config
     check_fast_path_for_config(hf_config, cfg.target.fast_path, device_type, cfg.target.attn_implementation)
     check_packing_config(cfg.target, hf_config)  # target.packing=on for a hybrid: refused before weights load

@@ -11,9 +11,12 @@ Prints one row per check with PASS / WARN / FAIL / N/A and exits non-zero if any
   forward and backward on GPU, forward only on CPU (no CPU backward), with eager flex turned into an error;
 * the inductor cache directory (where compiled kernels are reused from) is writable;
 * wandb: the mode a run would use and whether ``online`` would block (a <= 2 s TCP connect to the wandb host);
-* the Hydra config (``conf/config.yaml`` + overrides) composes and validates into ``JobConfig``.
+* the Hydra config (``conf/config.yaml`` + overrides) composes and validates into ``JobConfig``;
+* with ``--export DIR``: the export carries every field vLLM, SGLang, the z-lab model and transformers 4.x/5.x
+  read (``checkpoint.export.export_problems``), its attention settings read the same in all of them, and the
+  tensors match the config (the checks ``load_export`` makes, without loading the weights).
 
-Usage: ``dflash-doctor [--json PATH] [--no-flex] [hydra overrides ...]``.
+Usage: ``dflash-doctor [--json PATH] [--no-flex] [--export DIR] [hydra overrides ...]``.
 """
 
 from __future__ import annotations
@@ -404,12 +407,53 @@ def check_config(doc: Doctor, overrides: list[str]) -> None:
     doc.add("config", PASS, detail)
 
 
+def check_export(doc: Doctor, path: str) -> None:
+    from safetensors import safe_open
+
+    from dflash_dist.checkpoint.export import (
+        ExportError,
+        drafter_config_from_export,
+        export_problems,
+        validate_export_tensors,
+    )
+    cfg_path, st_path = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
+    if not (os.path.exists(cfg_path) and os.path.exists(st_path)):
+        doc.add("export", FAIL, f"{path}: not an export directory (needs config.json and model.safetensors)")
+        return
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    problems = list(export_problems(cfg, path))
+    try:
+        dcfg = drafter_config_from_export(cfg)
+        with safe_open(st_path, "pt") as f:
+            shapes = {k: _Shape(f.get_slice(k).get_shape()) for k in f.keys()}
+        validate_export_tensors(shapes, cfg)
+    except (ExportError, ValueError) as e:
+        problems.append(str(e))
+        dcfg = None
+    if problems:
+        doc.add("export", FAIL, f"{path}:\n" + "\n".join(f"- {p}" for p in problems), problems=problems)
+        return
+    dfc = cfg["dflash_config"]
+    kinds = sorted(set(dcfg.kinds))
+    doc.add("export", PASS, f"{path}: {dcfg.num_layers} layers ({', '.join(kinds)}"
+            + (f", window {dcfg.sliding_window}" if dcfg.sliding_window else "") + f"), block {dcfg.block_size}, "
+            f"target layers {dfc['target_layer_ids']} (vLLM aux {cfg['eagle_aux_hidden_state_layer_ids']}), mask "
+            f"{dfc['mask_token']!r} = {dfc['mask_token_id']}, rope_theta {cfg['rope_theta']:g}")
+
+
+class _Shape:
+    def __init__(self, shape):
+        self.shape = tuple(shape)
+
+
 # ---------------------------------------------------------------------------------------------- main
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="dflash-doctor", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--no-flex", action="store_true", help="skip the flex_attention compile check")
+    ap.add_argument("--export", metavar="DIR", help="also check a dflash-export directory for every loader")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for dflash-train (e.g. target=qwen3_8b_random)")
     args = ap.parse_args(argv)
     doc = Doctor()
@@ -425,6 +469,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         doc.run("flex_attention", check_flex)
     doc.run("inductor cache", check_inductor_cache)
     doc.run("wandb", check_wandb)
+    if args.export:
+        doc.run("export", lambda d: check_export(d, args.export))
     print(doc.table())
     print(f"({time.time() - t0:.1f} s)")
     if args.json:

@@ -38,7 +38,10 @@ def main(argv: Optional[list] = None) -> int:
     n = sum(int(torch.Size(s).numel()) for s in expected_tensor_shapes(cfg).values())
     print(f"exported {args.checkpoint_dir} -> {out}: {cfg['num_hidden_layers']} layers, {n / 1e6:.2f}M params, "
           f"{args.dtype}, block {cfg['block_size']}, target layers {cfg['dflash_config']['target_layer_ids']} "
-          f"of {cfg['num_target_layers']}, mask token {cfg['dflash_config']['mask_token_id']}")
+          f"of {cfg['num_target_layers']} (vLLM aux {cfg['eagle_aux_hidden_state_layer_ids']}), mask token "
+          f"{cfg['dflash_config']['mask_token']!r} = {cfg['dflash_config']['mask_token_id']}, rope_theta "
+          f"{cfg['rope_theta']:g}, layers {', '.join(cfg['layer_types'])}"
+          + (f" (window {cfg['sliding_window']})" if cfg.get("sliding_window") else ""))
     return 0
 
 

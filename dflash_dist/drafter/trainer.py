@@ -26,7 +26,7 @@ from dflash_dist.model.blocks import make_batch, split_anchors
 from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
 from dflash_dist.model.hf import load_head_from_checkpoint, resolve_dtype, resolve_source, text_config
 from dflash_dist.model.loss import LossParts, decayed_ce
-from dflash_dist.model.masks import dense_mask, flex_block_mask
+from dflash_dist.model.masks import dense_mask, flex_block_mask, layer_masks, visible_pairs
 from dflash_dist.telemetry.flops import attention_flops_per_pair, drafter_step_flops
 from dflash_dist.telemetry.step_trace import phase
 
@@ -63,7 +63,9 @@ class DrafterTrainer:
         self.mcfg = DrafterModelConfig.from_target(tc, num_layers=cfg.drafter.num_layers,
                                                    num_feature_layers=len(job.layer_ids),
                                                    block_size=cfg.drafter.block_size,
-                                                   intermediate_size=cfg.drafter.intermediate_size)
+                                                   intermediate_size=cfg.drafter.intermediate_size,
+                                                   layer_types=cfg.drafter.layer_types,
+                                                   sliding_window=cfg.drafter.sliding_window)
         torch.manual_seed(cfg.train.seed)
         self.flex_dynamic = self.backend == "flex" and cfg.drafter.tuning.compile_dynamic and self.device.type == "cuda"
         cl = cfg.drafter.tuning.compile_layers
@@ -162,9 +164,15 @@ class DrafterTrainer:
         B = self.cfg.drafter.block_size
         leak = self.leaky_mask  # False except in the leak demonstration
         if self.backend == "flex":
-            return flex_block_mask(batch.anchors, batch.valid, batch.ctx_len, B, compile=self.cfg.drafter.compile,
-                                   context_inclusive=leak, dynamic=self.flex_dynamic)
-        return dense_mask(batch.anchors, batch.valid, batch.ctx_len, B, context_inclusive=leak)
+            def build(w):
+                return flex_block_mask(batch.anchors, batch.valid, batch.ctx_len, B, compile=self.cfg.drafter.compile,
+                                       context_inclusive=leak, dynamic=self.flex_dynamic, sliding_window=w)
+        else:
+            def build(w):
+                return dense_mask(batch.anchors, batch.valid, batch.ctx_len, B, context_inclusive=leak,
+                                  sliding_window=w)
+        # one mask, or {kind: mask} when some layers are sliding_attention (each kind built once per step)
+        return layer_masks(self.mcfg.layer_types, build, self.mcfg.sliding_window)
 
     def train_step(self, batch) -> None:
         if self.guard is None:
@@ -290,7 +298,12 @@ class DrafterTrainer:
             dc = self.cfg.drafter
             fixed["model"] -= fixed["lm_head"] * (dc.tuning.micro_batches - dc.tuning.local_loss_groups) / dc.tuning.micro_batches
         fixed = fixed["model"]
-        pairs = (B * (batch.anchors + B) * batch.valid).sum(dtype=torch.float64)
+        kinds = self.mcfg.kinds
+        n_swa = kinds.count("sliding_attention")
+        pairs = visible_pairs(batch.anchors, batch.valid, B)
+        if n_swa:  # mean over the layers: a sliding layer's queries see fewer keys
+            swa = visible_pairs(batch.anchors, batch.valid, B, self.mcfg.sliding_window)
+            pairs = (pairs * (len(kinds) - n_swa) + swa * n_swa) / len(kinds)
         return pairs * attention_flops_per_pair(self.mcfg) + fixed
 
     # ------------------------------------------------------------------ bookkeeping

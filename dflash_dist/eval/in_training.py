@@ -57,7 +57,8 @@ def _model_config(job) -> DrafterModelConfig:
     c = job.cfg
     return DrafterModelConfig.from_target(text_config(job.hf_config), num_layers=c.drafter.num_layers,
                                           num_feature_layers=len(job.layer_ids), block_size=c.drafter.block_size,
-                                          intermediate_size=c.drafter.intermediate_size)
+                                          intermediate_size=c.drafter.intermediate_size,
+                                          layer_types=c.drafter.layer_types, sliding_window=c.drafter.sliding_window)
 
 
 def eval_enabled(job) -> bool:

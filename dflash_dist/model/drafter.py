@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflash_dist.config import ConfigError
+from dflash_dist.model.masks import window_mask
 from dflash_dist.model.rope import DrafterRope, drafter_rope_parameters
 
 __all__ = ["DrafterModelConfig", "DFlashDrafter", "RMSNorm", "rotary_cos_sin", "apply_rotary"]
@@ -74,11 +75,26 @@ class DrafterModelConfig:
     max_position_embeddings: int
     hidden_act: str = "silu"
     initializer_range: float = 0.02
+    layer_types: Optional[list] = None   # per layer "full_attention" / "sliding_attention"; None: all full
+    sliding_window: Optional[int] = None  # the window W of the sliding_attention layers (masks.py: |q - k| < W)
     # transformers 5 rope_parameters of the drafter (rope_type, rope_theta, scaling fields; model/rope.py);
     # None: default RoPE with rope_theta (checkpoints written before RoPE scaling was supported)
     rope_parameters: Optional[dict] = None
 
     def __post_init__(self) -> None:
+        if self.layer_types is not None:
+            self.layer_types = [str(t) for t in self.layer_types]
+            bad = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
+            if bad or len(self.layer_types) != self.num_layers:
+                raise ConfigError(f"layer_types={self.layer_types}: need {self.num_layers} entries, each "
+                                  "full_attention or sliding_attention")
+        sliding = "sliding_attention" in (self.layer_types or [])
+        if sliding and (self.sliding_window is None or int(self.sliding_window) < 1):
+            raise ConfigError(f"sliding_attention layers need sliding_window >= 1, got {self.sliding_window}")
+        if self.sliding_window is not None:
+            if not sliding:
+                raise ConfigError(f"sliding_window={self.sliding_window} but no layer is sliding_attention")
+            self.sliding_window = int(self.sliding_window)
         if self.hidden_act != "silu":
             raise ConfigError(f"hidden_act={self.hidden_act!r}: the drafter implements silu only")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -99,7 +115,8 @@ class DrafterModelConfig:
 
     @staticmethod
     def from_target(hf_config: Any, *, num_layers: int, num_feature_layers: int, block_size: int,
-                    intermediate_size: Optional[int] = None) -> "DrafterModelConfig":
+                    intermediate_size: Optional[int] = None, layer_types: Optional[list] = None,
+                    sliding_window: Optional[int] = None) -> "DrafterModelConfig":
         """Copy the Qwen3/LLaMA fields of the target's HF config (object or dict).
 
         RoPE: the target's rope type, theta and scaling (``rope.drafter_rope_parameters``: every rope type
@@ -132,8 +149,15 @@ class DrafterModelConfig:
             max_position_embeddings=int(_cfg_get(hf_config, "max_position_embeddings", 32768)),
             hidden_act=str(_cfg_get(hf_config, "hidden_act", "silu")),
             initializer_range=float(_cfg_get(hf_config, "initializer_range", 0.02) or 0.02),
+            layer_types=list(layer_types) if layer_types is not None else None,
+            sliding_window=sliding_window,
             rope_parameters=rope,
         )
+
+    @property
+    def kinds(self) -> list:
+        """Attention kind of every layer (``layer_types``, all ``full_attention`` when None)."""
+        return list(self.layer_types) if self.layer_types is not None else ["full_attention"] * self.num_layers
 
 
 def family_problem(hf_config: Any) -> Optional[str]:
@@ -353,6 +377,27 @@ class DFlashDrafter(nn.Module):
         rope_c = rotary_cos_sin(ctx_positions, inv_freq, dtype, scale)
         return rope_q, (torch.cat([rope_c[0], rope_q[0]], dim=1), torch.cat([rope_c[1], rope_q[1]], dim=1))
 
+    def _prepare_masks(self, mask: Any, b: int, q_len: int, k_len: int, ctx_positions: Tensor,
+                       block_positions: Tensor) -> dict:
+        """{attention kind: prepared mask} for the kinds this drafter's layers use. ``mask`` is one mask (every
+        layer full attention) or ``{kind: mask}`` (``masks.layer_masks``). Given one dense mask, the sdpa backend
+        derives the sliding layers' mask from positions (``masks.window_mask``); flex needs the dict."""
+        kinds = set(self.config.kinds)
+        if not isinstance(mask, dict):
+            if kinds == {"full_attention"}:
+                return {"full_attention": self._prepare_mask(mask, b, q_len, k_len)}
+            if self.backend == "flex":
+                raise TypeError("this drafter has sliding_attention layers: pass {kind: BlockMask} "
+                                "(masks.layer_masks with flex_block_mask(..., sliding_window=W))")
+            self._prepare_mask(mask, b, q_len, k_len)  # type/shape check of the full mask
+            k_pos = torch.cat([ctx_positions, block_positions], dim=1)
+            mask = {"full_attention": mask,
+                    "sliding_attention": mask & window_mask(block_positions, k_pos, self.config.sliding_window)}
+        missing = sorted(kinds - set(mask))
+        if missing:
+            raise ValueError(f"no mask for the {missing} layers (got masks for {sorted(mask)})")
+        return {k: self._prepare_mask(mask[k], b, q_len, k_len) for k in kinds}
+
     def _prepare_mask(self, mask: Any, b: int, q_len: int, k_len: int) -> Any:
         if self.backend == "flex":
             if not isinstance(mask, BlockMask):
@@ -372,14 +417,15 @@ class DFlashDrafter(nn.Module):
     def forward(self, block_embeds: Tensor, features: Tensor, ctx_positions: Tensor, block_positions: Tensor,
                 mask: Any) -> Tensor:
         """block_embeds [b, Q, H] (target embedding of block_ids), features [b, S, n*H], ctx_positions [b, S],
-        block_positions [b, Q], mask: BlockMask (flex) or bool [b, Q, S+Q] (sdpa). Returns [b, Q, H]."""
+        block_positions [b, Q], mask: BlockMask (flex) or bool [b, Q, S+Q] (sdpa), or ``{layer kind: mask}`` for
+        a drafter with sliding_attention layers (see ``_prepare_masks``). Returns [b, Q, H]."""
         b, q_len, _ = block_embeds.shape
-        mask = self._prepare_mask(mask, b, q_len, features.shape[1] + q_len)
+        masks = self._prepare_masks(mask, b, q_len, features.shape[1] + q_len, ctx_positions, block_positions)
         ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
         h = block_embeds.to(ctx.dtype)
         rope_q, rope_k = self.rotary(ctx_positions, block_positions, h.dtype)
-        for layer in self._layer_fns:
-            h = layer(h, ctx, rope_q, rope_k, mask, self.backend)
+        for kind, layer in zip(self.config.kinds, self._layer_fns):
+            h = layer(h, ctx, rope_q, rope_k, masks[kind], self.backend)
         # counted here, outside any compiled region (a counter mutated inside one would become a guard)
         n = len(self.layers)
         self.attention_calls["flex_compiled" if self.backend == "flex" else "sdpa"] += n

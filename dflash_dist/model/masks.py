@@ -22,15 +22,26 @@ at inference) and exists only for the leak demonstration script; never use it fo
 Both forms are computed from the same two per-block integers so they cannot drift apart:
 ``limit[b, i]`` (context keys < limit are visible; 0 for padding blocks) and ``block_id[b, i]`` (i, or -1 for
 padding blocks).
+
+Sliding-window layers (``sliding_window=W``, the drafter's ``sliding_attention`` layers) keep the rule above and
+also need the key within W positions of the query, both ways, on absolute positions: slot s of block i (position
+a_i + s) sees context key j iff j < a_i and a_i + s - j < W, and slot s' of its own block iff |s - s'| < W. This
+is the non-causal window of the z-lab reference (``dflash/model.py`` ``_attention_mask``: ``q - k < W`` and
+``k - q < W``) and of vLLM (``qwen3_dflash.py``: a symmetric window for non-causal sliding layers, PR #46104).
+:func:`window_mask` gives the same restriction from positions alone (the drafter's sdpa path uses it when it is
+handed one full-attention mask).
 """
 
 from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-__all__ = ["dense_mask", "make_mask_mod", "flex_block_mask", "mask_build_calls"]
+__all__ = ["dense_mask", "make_mask_mod", "flex_block_mask", "window_mask", "layer_masks", "visible_pairs",
+           "mask_build_calls"]
 
 # Module-level compiled builder: compiled once per process, new mask_mods (fresh closures over new anchor
 # tensors) reuse the graph because dynamo guards on the closure tensors' metadata, not their identity.
@@ -53,20 +64,43 @@ def _block_tables(anchors: Tensor, valid: Tensor, context_inclusive: bool) -> tu
     return limit, block_id
 
 
+def _check_window(sliding_window) -> None:
+    if sliding_window is not None and int(sliding_window) < 1:
+        raise ValueError(f"sliding_window={sliding_window}: must be >= 1 (or None for full attention)")
+
+
 def dense_mask(anchors: Tensor, valid: Tensor, ctx_len: int, block_size: int,
-               context_inclusive: bool = False) -> Tensor:
-    """Bool mask [b, N*B, ctx_len + N*B], True = query may attend to key (see the module docstring)."""
+               context_inclusive: bool = False, sliding_window: Optional[int] = None) -> Tensor:
+    """Bool mask [b, N*B, ctx_len + N*B], True = query may attend to key (see the module docstring);
+    ``sliding_window``: the sliding-window layers' mask."""
+    _check_window(sliding_window)
     limit, block_id = _block_tables(anchors, valid, context_inclusive)
     b, n = limit.shape
     dev = limit.device
-    q_block = torch.arange(n * block_size, device=dev) // block_size                  # [Q]
+    q_idx = torch.arange(n * block_size, device=dev)
+    q_block = q_idx // block_size                                                     # [Q]
     ctx = torch.arange(ctx_len, device=dev)[None, None, :] < limit[:, q_block, None]  # [b, Q, ctx_len]
     own = block_id[:, q_block, None] == q_block[None, None, :]                        # [b, Q, Q]
+    if sliding_window is not None:
+        w = int(sliding_window)
+        q_pos = anchors.long()[:, q_block] + (q_idx % block_size)[None]               # [b, Q] a_i + s
+        ctx = ctx & (q_pos[:, :, None] - torch.arange(ctx_len, device=dev)[None, None, :] < w)
+        slot = q_idx % block_size
+        own = own & ((slot[:, None] - slot[None, :]).abs() < w)[None]
     return torch.cat([ctx, own], dim=-1)
 
 
-def make_mask_mod(anchors: Tensor, valid: Tensor, ctx_len: int, block_size: int, context_inclusive: bool = False):
+def window_mask(q_positions: Tensor, k_positions: Tensor, sliding_window: int) -> Tensor:
+    """Bool [b, Q, K]: |q_pos - k_pos| < W. ``dense_mask(..., sliding_window=W)`` equals
+    ``dense_mask(...) & window_mask(block_positions, [ctx_positions | block_positions], W)`` (tested)."""
+    _check_window(sliding_window)
+    return (q_positions[:, :, None] - k_positions[:, None, :]).abs() < int(sliding_window)
+
+
+def make_mask_mod(anchors: Tensor, valid: Tensor, ctx_len: int, block_size: int, context_inclusive: bool = False,
+                  sliding_window: Optional[int] = None):
     """flex_attention ``mask_mod(b, h, q_idx, kv_idx)`` implementing the same rule as :func:`dense_mask`."""
+    _check_window(sliding_window)
     limit, block_id = _block_tables(anchors, valid, context_inclusive)
 
     def dflash_mask_mod(b, h, q_idx, kv_idx):
@@ -75,11 +109,59 @@ def make_mask_mod(anchors: Tensor, valid: Tensor, ctx_len: int, block_size: int,
         in_own_block = (kv_idx >= ctx_len) & ((kv_idx - ctx_len) // block_size == block_id[b, i])
         return in_ctx | in_own_block
 
-    return dflash_mask_mod
+    if sliding_window is None:
+        return dflash_mask_mod
+    w, inc = int(sliding_window), int(context_inclusive)
+
+    # two captured tensors, no abs(), no %: a first form with the anchors as a third tensor, abs() and % failed to
+    # build in inductor's CPU flex template (torch 2.13, C++ compile error)
+    def dflash_sliding_mask_mod(b, h, q_idx, kv_idx):
+        i = q_idx // block_size
+        s = q_idx - i * block_size                          # slot of the query
+        j = kv_idx - ctx_len                                # block-key index (negative: a context key)
+        t = j - (j // block_size) * block_size              # slot of a block key
+        lim = limit[b, i]                                   # the anchor (+1 if inclusive); 0 for padding blocks
+        in_ctx = (kv_idx < lim) & (lim - inc + s - kv_idx < w)
+        in_own_block = (kv_idx >= ctx_len) & (j // block_size == block_id[b, i]) & (s - t < w) & (t - s < w)
+        return in_ctx | in_own_block
+
+    return dflash_sliding_mask_mod
+
+
+def visible_pairs(anchors: Tensor, valid: Tensor, block_size: int, sliding_window: Optional[int] = None) -> Tensor:
+    """The number of True entries of ``dense_mask(anchors, valid, ., block_size, sliding_window=...)`` (fp64
+    scalar on the anchors' device, no host sync): B * (a + B) per valid block; with a window W >= B, slot s sees
+    min(a, W - 1 - s) context keys and its whole block. The drafter's attention FLOPs (telemetry/flops.py)."""
+    B = int(block_size)
+    if sliding_window is None:
+        return (B * (anchors + B) * valid).sum(dtype=torch.float64)
+    if int(sliding_window) < B:
+        raise ValueError(f"sliding_window={sliding_window} < block_size={B}")
+    slot = torch.arange(B, device=anchors.device)
+    ctx = torch.minimum(anchors.long()[:, :, None], int(sliding_window) - 1 - slot)
+    return ((ctx + B) * valid[:, :, None]).sum(dtype=torch.float64)
+
+
+def layer_masks(layer_types: Optional[Sequence[str]], build: Callable[[Optional[int]], Any],
+                sliding_window: Optional[int]) -> Any:
+    """The mask argument of ``DFlashDrafter.forward`` for a drafter with these ``layer_types``: one mask
+    (``build(None)``) when every layer is full attention, else ``{layer_type: mask}`` with
+    ``build(sliding_window)`` for ``sliding_attention``. ``build(w)`` is e.g.
+    ``lambda w: flex_block_mask(anchors, valid, ctx_len, B, sliding_window=w)``."""
+    kinds = set(layer_types or ["full_attention"])
+    if kinds == {"full_attention"}:
+        return build(None)
+    out = {}
+    if "full_attention" in kinds:
+        out["full_attention"] = build(None)
+    if "sliding_attention" in kinds:
+        out["sliding_attention"] = build(sliding_window)
+    return out
 
 
 def flex_block_mask(anchors: Tensor, valid: Tensor, ctx_len: int, block_size: int, compile: bool = True,
-                    context_inclusive: bool = False, dynamic: bool = False) -> BlockMask:
+                    context_inclusive: bool = False, dynamic: bool = False,
+                    sliding_window: Optional[int] = None) -> BlockMask:
     """BlockMask for one step (H=None: shared by all heads), built once and reused by every layer.
 
     ``compile=True`` uses the module-level ``torch.compile(create_block_mask)`` on accelerators, so the
@@ -90,7 +172,7 @@ def flex_block_mask(anchors: Tensor, valid: Tensor, ctx_len: int, block_size: in
     """
     b, n = anchors.shape
     q_len = n * block_size
-    mask_mod = make_mask_mod(anchors, valid, ctx_len, block_size, context_inclusive)
+    mask_mod = make_mask_mod(anchors, valid, ctx_len, block_size, context_inclusive, sliding_window)
     if compile and anchors.device.type != "cpu":
         mask_build_calls["compiled"] += 1
         builder = _create_block_mask_compiled_dynamic if dynamic else _create_block_mask_compiled

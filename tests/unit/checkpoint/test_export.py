@@ -7,7 +7,15 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dflash_dist.checkpoint.export import META_NAME, ExportError, expected_tensor_shapes, export_checkpoint, load_export
+from dflash_dist.checkpoint.export import (
+    META_NAME,
+    ExportError,
+    expected_tensor_shapes,
+    export_checkpoint,
+    export_problems,
+    load_export,
+    mask_token_string,
+)
 from dflash_dist.checkpoint.store import save_checkpoint
 from dflash_dist.cli.export import main
 from dflash_dist.config import JobConfig, TargetConfig
@@ -23,15 +31,17 @@ TARGET_HF = dict(model_type="qwen3", vocab_size=2048, hidden_size=H, intermediat
                  pad_token_id=0)
 
 
-def target_config_dict():
+def target_config_dict(**over):
     from transformers import Qwen3Config
-    cfg = {k: v for k, v in TARGET_HF.items() if k != "model_type"}
+    cfg = {k: v for k, v in {**TARGET_HF, **over}.items() if k != "model_type"}
     return Qwen3Config(**cfg).to_dict()
 
 
-def make_drafter(seed=0):
-    dcfg = DrafterModelConfig.from_target(target_config_dict(), num_layers=LAYERS, num_feature_layers=len(LAYER_IDS),
-                                          block_size=BLOCK, intermediate_size=48)
+def make_drafter(seed=0, layer_types=None, sliding_window=None, rope_theta=None):
+    tc = target_config_dict(**({"rope_theta": rope_theta} if rope_theta else {}))
+    dcfg = DrafterModelConfig.from_target(tc, num_layers=LAYERS, num_feature_layers=len(LAYER_IDS),
+                                          block_size=BLOCK, intermediate_size=48, layer_types=layer_types,
+                                          sliding_window=sliding_window)
     torch.manual_seed(seed)
     m = DFlashDrafter(dcfg, "sdpa").eval()
     with torch.no_grad():
@@ -41,13 +51,13 @@ def make_drafter(seed=0):
     return m
 
 
-def make_checkpoint(tmp_path, model=None, step=7):
+def make_checkpoint(tmp_path, model=None, step=7, target_config=None, mask=MASK, run="run"):
     model = model or make_drafter()
     job = JobConfig(target=TargetConfig(hf_config=dict(TARGET_HF), tokenizer=TINY_DIR, layer_ids=LAYER_IDS))
-    meta = {"cursor": 5, "total_messages": 10, "layer_ids": LAYER_IDS, "mask_token_id": MASK, "block_size": BLOCK,
-            "drafter_config": model.config.__dict__, "target_config": target_config_dict(), "tokenizer": TINY_DIR,
-            "job_config": job.to_dict(), "final": False}
-    return save_checkpoint(str(tmp_path / "run"), step, model.state_dict(), None, meta), model
+    meta = {"cursor": 5, "total_messages": 10, "layer_ids": LAYER_IDS, "mask_token_id": mask, "block_size": BLOCK,
+            "drafter_config": model.config.__dict__, "target_config": target_config or target_config_dict(),
+            "tokenizer": TINY_DIR, "job_config": job.to_dict(), "final": False}
+    return save_checkpoint(str(tmp_path / run), step, model.state_dict(), None, meta), model
 
 
 def drafter_out(model, seed=1):
@@ -69,11 +79,18 @@ def test_config_fields_and_tensor_layout(tmp_path):
               "vocab_size", "rms_norm_eps", "bos_token_id", "eos_token_id", "pad_token_id"):
         assert cfg[k] == TARGET_HF[k], k
     assert cfg["intermediate_size"] == 48  # the drafter's, not the target's 96
-    assert cfg["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}  # the target's key (tf 5)
+    assert cfg["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}  # transformers 5
+    assert cfg["rope_theta"] == 10000.0 and cfg["rope_scaling"] is None                # transformers 4.x
     assert cfg["num_hidden_layers"] == LAYERS and cfg["num_target_layers"] == TARGET_LAYERS
     assert cfg["block_size"] == BLOCK
-    assert cfg["dflash_config"] == {"mask_token_id": MASK, "target_layer_ids": LAYER_IDS, "block_size": BLOCK}
+    assert cfg["dflash_config"] == {"mask_token_id": MASK, "mask_token": "<|MASK|>", "target_layer_ids": LAYER_IDS,
+                                    "block_size": BLOCK}
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in LAYER_IDS]      # vLLM's capture points
+    assert cfg["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+    assert os.path.exists(os.path.join(out, "modeling_dflash.py"))
+    assert export_problems(cfg, out) == []
     assert cfg["layer_types"] == ["full_attention"] * LAYERS
+    assert cfg["use_sliding_window"] is False and cfg["sliding_window"] is None and "use_swa" not in cfg["dflash_config"]
     assert cfg["torch_dtype"] == cfg["dtype"] == "bfloat16"
     assert cfg["use_cache"] is False and cfg["is_causal"] is False and cfg["tie_word_embeddings"] is False
     assert cfg["hidden_act"] == "silu" and cfg["attention_bias"] is False and cfg["attention_dropout"] == 0.0
@@ -174,3 +191,152 @@ def test_load_zlab_style_config(tmp_path):
     back, meta = load_export(out)
     assert meta["block_size"] == BLOCK and meta["tokenizer"] is None and "target" not in meta
     assert torch.equal(drafter_out(back), drafter_out(model))
+
+
+def multi_block_inputs(seed=2):
+    """Three blocks (one padding) over a 12-token context: the mask matters (anchors 2, 6, pad)."""
+    g = torch.Generator().manual_seed(seed)
+    ctx, n = 12, 3
+    anchors, valid = torch.tensor([[2, 6, 0]]), torch.tensor([[True, True, False]])
+    feats = torch.randn(1, ctx, len(LAYER_IDS) * H, generator=g)
+    embeds = torch.randn(1, n * BLOCK, H, generator=g)
+    blk_pos = (anchors[:, :, None] + torch.arange(BLOCK)).reshape(1, -1)
+    return feats, embeds, torch.arange(ctx)[None], blk_pos, dense_mask(anchors, valid, ctx, BLOCK)
+
+
+def auto_model(path):
+    from transformers import AutoModel
+    m = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=torch.float32)
+    assert type(m).__name__ == "DFlashDraftModel" and type(m).__module__.endswith("modeling_dflash")
+    return m.eval()
+
+
+def unique_dir(tmp_path, name):
+    # transformers caches remote code per directory basename: a name no other test (or helper) uses
+    return str(tmp_path / f"{name}_{os.getpid()}_{tmp_path.name}")
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_automodel_trust_remote_code_equals_load_export(tmp_path, sliding):
+    """AutoModel.from_pretrained(export, trust_remote_code=True) builds the exported drafter (modeling_dflash.py)
+    with outputs identical to load_export's: one block with no mask, and several blocks under the training mask
+    (for a sliding-window drafter the window comes from the positions in both)."""
+    kw = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5} if sliding else {}
+    model = make_drafter(**kw)
+    ckpt, _ = make_checkpoint(tmp_path, model)
+    out = export_checkpoint(ckpt, unique_dir(tmp_path, "auto_swa" if sliding else "auto"), dtype="float32")
+    back, _ = load_export(out)
+    auto = auto_model(out)
+    assert set(auto.state_dict()) == set(back.state_dict())
+    g = torch.Generator().manual_seed(1)
+    ctx, p = 9, 9
+    feats = torch.randn(1, ctx, len(LAYER_IDS) * H, generator=g)
+    embeds = torch.randn(1, BLOCK, H, generator=g)
+    pos = torch.arange(ctx + BLOCK)[None]
+    with torch.no_grad():
+        ref = back(embeds, feats, pos[:, :ctx], pos[:, ctx:], dense_mask(torch.tensor([[p]]), torch.tensor([[True]]),
+                                                                         ctx, BLOCK))
+        got = auto(position_ids=pos, noise_embedding=embeds, target_hidden=feats)
+        assert torch.equal(got, ref) and torch.equal(ref, drafter_out(model))
+        feats, embeds, cpos, bpos, mask = multi_block_inputs()
+        ref = back(embeds, feats, cpos, bpos, mask)
+        got = auto(position_ids=torch.cat([cpos, bpos], 1), noise_embedding=embeds, target_hidden=feats,
+                   attention_mask=mask)
+        assert torch.equal(got, ref)
+        lm_head = torch.randn(2048, H, generator=g)
+        assert torch.equal(got @ lm_head.T, ref @ lm_head.T)
+    if sliding:  # the window changed something, so the equality above tested it
+        full = make_drafter()
+        full.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            assert not torch.equal(full(embeds, feats, cpos, bpos, mask), ref)
+
+
+def test_qwen3_8b_shaped_target_exports_rope_theta_1e6(tmp_path):
+    """transformers 5 saves a Qwen3-8B config with rope_parameters only; the export still carries the top-level
+    rope_theta that a transformers-4.57 Qwen3Config reads (it would default to 10000), and 5.x reads 1e6 too."""
+    tc = target_config_dict(rope_theta=1_000_000.0)
+    assert tc.get("rope_theta") is None and tc["rope_parameters"]["rope_theta"] == 1e6  # what tf 5 writes
+    ckpt, model = make_checkpoint(tmp_path, make_drafter(rope_theta=1_000_000.0), target_config=tc)
+    out = export_checkpoint(ckpt, str(tmp_path / "e8b"), tokenizer=False)
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert cfg["rope_theta"] == 1e6 and cfg["rope_scaling"] is None
+    assert cfg["rope_parameters"] == {"rope_theta": 1e6, "rope_type": "default"}
+    from transformers import AutoConfig
+    assert AutoConfig.from_pretrained(out).rope_parameters["rope_theta"] == 1e6
+    back, _ = load_export(out)
+    assert back.config.rope_theta == 1e6
+
+
+def test_mask_token_string_is_the_tokenizers(tmp_path):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(TINY_DIR)
+    assert mask_token_string(tok, MASK) == "<|MASK|>" == tok.convert_ids_to_tokens(MASK)
+    assert mask_token_string(tok, 7) == tok.convert_ids_to_tokens(7)   # any id with a token: that token
+    with pytest.raises(ExportError, match="no token"):                 # nothing names the id for SGLang
+        mask_token_string(tok, len(tok) + 3)
+    ckpt, _ = make_checkpoint(tmp_path, mask=7)
+    cfg = json.load(open(os.path.join(export_checkpoint(ckpt, str(tmp_path / "m7"), tokenizer=False), "config.json")))
+    assert cfg["dflash_config"]["mask_token_id"] == 7
+    assert tok.get_vocab()[cfg["dflash_config"]["mask_token"]] == 7    # the check SGLang's worker makes
+
+
+def test_sliding_window_export_round_trip(tmp_path):
+    types = ["sliding_attention", "sliding_attention"]
+    model = make_drafter(layer_types=types, sliding_window=6)
+    ckpt, _ = make_checkpoint(tmp_path, model)
+    out = export_checkpoint(ckpt, str(tmp_path / "swa"), dtype="float32", tokenizer=False)
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert cfg["layer_types"] == types and cfg["sliding_window"] == 6 and cfg["use_sliding_window"] is True
+    assert cfg["is_causal"] is False and cfg["dflash_config"]["use_swa"] is True
+    from transformers import AutoConfig
+    hf = AutoConfig.from_pretrained(out)          # what the z-lab model reads: window kept, per-layer types
+    assert hf.sliding_window == 6 and hf.layer_types == types
+    back, _ = load_export(out)
+    assert back.config.layer_types == types and back.config.sliding_window == 6
+    feats, embeds, cpos, bpos, mask = multi_block_inputs()
+    with torch.no_grad():
+        assert torch.equal(back(embeds, feats, cpos, bpos, mask), model(embeds, feats, cpos, bpos, mask))
+
+    def refused(match, **edit):
+        bad = dict(cfg, **edit)
+        json.dump(bad, open(os.path.join(out, "config.json"), "w"))
+        with pytest.raises(ExportError, match=match):
+            load_export(out)
+
+    refused("use_sliding_window", use_sliding_window=False)   # transformers would drop the window
+    refused("sliding_window=None", sliding_window=None)
+    refused("is_causal", is_causal=True)
+    refused("swa_window_size", dflash_config={**cfg["dflash_config"], "swa_window_size": 8})
+    no_causal = {k: v for k, v in cfg.items() if k != "is_causal"}
+    json.dump(no_causal, open(os.path.join(out, "config.json"), "w"))
+    with pytest.raises(ExportError, match="is_causal"):
+        load_export(out, require_complete=False)             # vLLM would make these layers causal
+    full_swa = dict(cfg, layer_types=["full_attention"] * LAYERS)
+    json.dump(full_swa, open(os.path.join(out, "config.json"), "w"))
+    with pytest.raises(ExportError, match="use_swa"):
+        load_export(out)                                      # vLLM: SWA everywhere, the z-lab model: none
+
+
+def test_load_export_refuses_an_incomplete_export(tmp_path):
+    ckpt, _ = make_checkpoint(tmp_path)
+    out = export_checkpoint(ckpt, str(tmp_path / "inc"), dtype="float32", tokenizer=False)
+    path = os.path.join(out, "config.json")
+    good = json.load(open(path))
+    for drop, match in [("rope_theta", "rope_theta"), ("rope_scaling", "rope_scaling"),
+                        ("eagle_aux_hidden_state_layer_ids", "eagle_aux"), ("auto_map", "auto_map")]:
+        json.dump({k: v for k, v in good.items() if k != drop}, open(path, "w"))
+        with pytest.raises(ExportError, match=match):
+            load_export(out)
+    dfc = {k: v for k, v in good["dflash_config"].items() if k != "mask_token"}
+    json.dump(dict(good, dflash_config=dfc), open(path, "w"))
+    with pytest.raises(ExportError, match="mask_token"):
+        load_export(out)
+    json.dump(dict(good, eagle_aux_hidden_state_layer_ids=LAYER_IDS), open(path, "w"))  # off by one
+    with pytest.raises(ExportError, match=r"target_layer_ids \+ 1"):
+        load_export(out)
+    json.dump(good, open(path, "w"))
+    os.unlink(os.path.join(out, "modeling_dflash.py"))
+    with pytest.raises(ExportError, match="modeling_dflash.py"):
+        load_export(out)
+    load_export(out, require_complete=False)                  # the weights themselves still load

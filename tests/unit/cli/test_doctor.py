@@ -50,3 +50,29 @@ def test_network_probe_is_bounded():
     t0 = time.monotonic()
     doctor._tcp_reachable("10.255.255.1", 443, timeout_s=0.5)   # non-routable: would hang without the bound
     assert time.monotonic() - t0 < 1.5
+
+
+def test_export_check_passes_a_complete_export_and_names_what_is_missing(tmp_path):
+    from dflash_dist.checkpoint.export import export_checkpoint
+    from tests.unit.checkpoint.test_export import make_checkpoint, make_drafter
+    model = make_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+    ckpt, _ = make_checkpoint(tmp_path, model)
+    out = export_checkpoint(ckpt, str(tmp_path / "e"), tokenizer=False)
+    doc = doctor.Doctor()
+    doctor.check_export(doc, out)
+    assert doc.rows[-1]["status"] == "PASS", doc.rows[-1]
+    assert "window 6" in doc.rows[-1]["detail"] and "'<|MASK|>' = 3" in doc.rows[-1]["detail"]
+    cfg_path = os.path.join(out, "config.json")
+    cfg = json.load(open(cfg_path))
+    for k in ("rope_theta", "eagle_aux_hidden_state_layer_ids"):
+        cfg.pop(k)
+    cfg["use_sliding_window"] = False
+    json.dump(cfg, open(cfg_path, "w"))
+    os.unlink(os.path.join(out, "modeling_dflash.py"))
+    doctor.check_export(doc, out)
+    row = doc.rows[-1]
+    assert row["status"] == "FAIL"
+    for what in ("rope_theta", "eagle_aux_hidden_state_layer_ids", "modeling_dflash.py", "use_sliding_window"):
+        assert what in row["detail"], what
+    doctor.check_export(doc, str(tmp_path / "nowhere"))
+    assert doc.rows[-1]["status"] == "FAIL"

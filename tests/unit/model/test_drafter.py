@@ -305,3 +305,89 @@ def test_mix_order_reduction_off_only_where_inductor_miscompiles_it(monkeypatch)
     monkeypatch.setattr(drafter_mod, "_torch_version", lambda: (2, 11))
     make_model("flex").configure_compile(compile_layers=True)
     assert ic.triton.mix_order_reduction is False
+
+
+def sliding_cfg(window=6, types=("sliding_attention", "full_attention")):
+    c = cfg()
+    return DrafterModelConfig(**{**c.__dict__, "layer_types": list(types), "sliding_window": window})
+
+
+def test_sliding_window_layers_use_the_window_mask():
+    """A drafter with a sliding layer: sdpa with {kind: mask} == sdpa with one full mask (window derived from the
+    positions) == compiled flex with {kind: BlockMask}; it differs from the all-full drafter with the same weights;
+    each layer gets its own kind's mask."""
+    from dflash_dist.model.masks import layer_masks
+    assert LAYERS == 2
+    torch.manual_seed(0)
+    full = make_model("sdpa")
+    swa = DFlashDrafter(sliding_cfg(), "sdpa")
+    swa.load_state_dict(full.state_dict())
+    flex = DFlashDrafter(sliding_cfg(), "flex")
+    flex.load_state_dict(full.state_dict())
+    x, anchors, valid = inputs(3)
+    per_kind = layer_masks(swa.config.layer_types, lambda w: dense_mask(anchors, valid, CTX, BS, sliding_window=w), 6)
+    with torch.no_grad():
+        out_dict = swa(**x, mask=per_kind)
+        out_one = swa(**x, mask=dense_mask(anchors, valid, CTX, BS))
+        out_full = full(**x, mask=dense_mask(anchors, valid, CTX, BS))
+        out_flex = flex(**x, mask=layer_masks(flex.config.layer_types,
+                                              lambda w: flex_block_mask(anchors, valid, CTX, BS, sliding_window=w), 6))
+        # layer kinds swapped: a different function of the same weights
+        out_swapped = DFlashDrafter(sliding_cfg(types=("full_attention", "sliding_attention")), "sdpa")
+        out_swapped.load_state_dict(full.state_dict())
+        out_swapped = out_swapped(**x, mask=dense_mask(anchors, valid, CTX, BS))
+    assert torch.equal(out_dict, out_one)
+    torch.testing.assert_close(out_flex, out_dict, atol=1e-5, rtol=1e-5)
+    assert (out_dict - out_full).abs().max() > 1e-3 and (out_swapped - out_dict).abs().max() > 1e-3
+    with pytest.raises(TypeError, match="sliding_attention"):
+        flex(**x, mask=flex_block_mask(anchors, valid, CTX, BS))
+    with pytest.raises(ValueError, match="sliding_attention"):
+        swa(**x, mask={"full_attention": dense_mask(anchors, valid, CTX, BS)})
+
+
+def test_sliding_window_config_is_validated():
+    with pytest.raises(ConfigError, match="sliding_window"):
+        sliding_cfg(window=None)
+    with pytest.raises(ConfigError, match="layer_types"):
+        sliding_cfg(types=("sliding_attention",))
+    with pytest.raises(ConfigError, match="no layer is sliding"):
+        sliding_cfg(types=("full_attention", "full_attention"))
+    from dflash_dist.config import DrafterConfig
+    assert DrafterConfig(num_layers=2, sliding_window=32).layer_types == ["sliding_attention"] * 2
+    with pytest.raises(ConfigError, match="block_size"):
+        DrafterConfig(num_layers=2, block_size=16, sliding_window=8)
+    with pytest.raises(ConfigError, match="sliding_window"):
+        DrafterConfig(num_layers=2, layer_types=["full_attention", "sliding_attention"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: flex's backward and the dynamic kernel")
+def test_sliding_window_flex_on_cuda_matches_sdpa_forward_and_backward():
+    """The training path on a GPU: compiled layers, dynamic-shape flex, {kind: BlockMask} (compiled builder) for a
+    drafter with sliding and full layers == the sdpa drafter (dense masks) in outputs and weight gradients."""
+    from dflash_dist.model.masks import layer_masks
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    ref = DFlashDrafter(sliding_cfg(window=6), "sdpa").to(dev)
+    with torch.no_grad():
+        for mod in ref.modules():
+            if isinstance(mod, RMSNorm):
+                mod.weight.uniform_(0.5, 1.5)
+    flex = DFlashDrafter(sliding_cfg(window=6), "flex").to(dev).configure_compile(flex_dynamic=True,
+                                                                                 compile_layers=True)
+    flex.load_state_dict(ref.state_dict())
+    for seed in (1, 2):  # two calls: the dynamic kernel and the compiled layers reused
+        x, anchors, valid = inputs(seed)
+        x = {k: v.to(dev) for k, v in x.items()}
+        anchors, valid = anchors.to(dev), valid.to(dev)
+        outs, grads = [], []
+        for m, build in ((ref, lambda w: dense_mask(anchors, valid, CTX, BS, sliding_window=w)),
+                         (flex, lambda w: flex_block_mask(anchors, valid, CTX, BS, dynamic=True, sliding_window=w))):
+            m.zero_grad()
+            out = m(**x, mask=layer_masks(m.config.layer_types, build, 6))
+            (out.float() ** 2).sum().backward()
+            outs.append(out.detach())
+            grads.append({k: p.grad.detach().clone() for k, p in m.named_parameters()})
+        torch.testing.assert_close(outs[1], outs[0], atol=2e-4, rtol=2e-4)
+        for k in grads[0]:
+            torch.testing.assert_close(grads[1][k], grads[0][k], atol=2e-3, rtol=2e-3, msg=k)
+    assert flex.attention_calls["compiled_layers"] == 2 * LAYERS and flex.attention_calls["flex_dynamic"] == 2 * LAYERS

@@ -131,3 +131,69 @@ def test_flex_attention_with_block_mask_equals_dense_attention():
     ref = p @ vv
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert (out[2] == 0).all()  # all-padding sample: zero output
+
+
+def naive_sliding_mask(anchors, valid, ctx_len, block_size, window):
+    """Per-element restatement of the sliding-window rule (z-lab's / vLLM's non-causal window on absolute
+    positions): slot s of block i (position a+s) sees context j iff j < a and a+s-j < W, own-block slot t iff
+    |s-t| < W."""
+    b, n = anchors.shape
+    q_len = n * block_size
+    out = torch.zeros(b, q_len, ctx_len + q_len, dtype=torch.bool)
+    for r in range(b):
+        for q in range(q_len):
+            i, s = divmod(q, block_size)
+            if not valid[r, i]:
+                continue
+            a = int(anchors[r, i])
+            for j in range(ctx_len + q_len):
+                if j < ctx_len:
+                    out[r, q, j] = j < a and (a + s) - j < window
+                else:
+                    t = (j - ctx_len) % block_size
+                    out[r, q, j] = (j - ctx_len) // block_size == i and abs(s - t) < window
+    return out
+
+
+def test_sliding_window_mask_round_trip():
+    """dense == per-element reference == flex mask_mod materialised == BlockMask tiles == full mask & window from
+    positions, for windows narrower and wider than the context; W >= ctx+B is the full mask again."""
+    anchors, valid = cases()
+    b, n = anchors.shape
+    q_len = n * B
+    block_pos = (anchors[:, :, None] + torch.arange(B)).reshape(b, q_len)
+    k_pos = torch.cat([torch.arange(CTX).expand(b, CTX), block_pos], dim=1)
+    full = dense_mask(anchors, valid, CTX, B)
+    for w in (1, 3, B, 7, 12, CTX + B):
+        got = dense_mask(anchors, valid, CTX, B, sliding_window=w)
+        assert torch.equal(got, naive_sliding_mask(anchors, valid, CTX, B, w)), w
+        assert torch.equal(got, full & masks.window_mask(block_pos, k_pos, w)), w
+        mat = create_mask(make_mask_mod(anchors, valid, CTX, B, sliding_window=w), b, None, q_len, CTX + q_len,
+                          device="cpu")[:, 0]
+        assert torch.equal(mat, got), w
+        bm = flex_block_mask(anchors, valid, CTX, B, sliding_window=w)
+        assert torch.equal(bm.to_dense()[:, 0].bool(), _tile_any(got, 128)), w
+        if w < CTX:
+            assert (got.sum() < full.sum()) and not (got & ~full).any()   # strictly fewer keys, never new ones
+    assert torch.equal(dense_mask(anchors, valid, CTX, B, sliding_window=CTX + B), full)
+    # the FLOP count's visible pairs (drafter/trainer.step_flops) are the mask's True entries
+    assert masks.visible_pairs(anchors, valid, B) == full.sum()
+    for w in (B, 7, 12, CTX + B):
+        assert masks.visible_pairs(anchors, valid, B, w) == dense_mask(anchors, valid, CTX, B, sliding_window=w).sum()
+    # the z-lab window counts the query itself: W=1 leaves each slot only itself
+    one = dense_mask(anchors, valid, CTX, B, sliding_window=1)
+    assert not one[..., :CTX].any() and torch.equal(one[..., CTX:], full[..., CTX:] & torch.eye(q_len, dtype=torch.bool))
+
+
+def test_layer_masks_one_mask_or_per_kind():
+    anchors, valid = cases()
+
+    def build(w):
+        return dense_mask(anchors, valid, CTX, B, sliding_window=w)
+
+    assert torch.equal(masks.layer_masks(None, build, None), build(None))
+    assert torch.equal(masks.layer_masks(["full_attention"] * 2, build, None), build(None))
+    mixed = masks.layer_masks(["sliding_attention", "full_attention"], build, 5)
+    assert set(mixed) == {"full_attention", "sliding_attention"}
+    assert torch.equal(mixed["sliding_attention"], build(5)) and torch.equal(mixed["full_attention"], build(None))
+    assert set(masks.layer_masks(["sliding_attention"] * 3, build, 5)) == {"sliding_attention"}
