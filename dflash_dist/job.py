@@ -16,9 +16,10 @@ import torch.distributed as dist
 from dflash_dist.comm.distributed import Dist, init_distributed, make_ctrl_group, make_groups, setup_logging
 from dflash_dist.comm.topology import Topology
 from dflash_dist.config import ConfigError, JobConfig, resolve_device, validate_job
-from dflash_dist.data.conversations import BadDataStats, builtin_conversations, read_jsonl_conversations
-from dflash_dist.data.plan import build_plan, split_holdout
-from dflash_dist.data.tokenize import TokenizedDataset, build_tokenized_dataset
+from dflash_dist.data.conversations import BadDataStats, builtin_conversations
+from dflash_dist.data.plan import build_plan
+from dflash_dist.data.sources import prepare_conversations
+from dflash_dist.data.tokenize import TokenizedDataset
 
 log = logging.getLogger("dflash_dist")
 
@@ -57,7 +58,8 @@ def _dataset_key(cfg: JobConfig, tok_path: str, vocab: int) -> str:
     if cfg.data.source == "builtin":
         builtin_stamp = str(len(builtin_conversations()))
     blob = json.dumps([src, builtin_stamp, os.path.abspath(tok_path), cfg.data.max_length, cfg.data.overlong,
-                       cfg.data.holdout, cfg.data.shuffle_seed, vocab])
+                       cfg.data.holdout, cfg.data.shuffle_seed, vocab, sorted(cfg.data.chat_template_kwargs.items())],
+                      default=repr)
     return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
 
@@ -77,26 +79,24 @@ def prepare_data(cfg: JobConfig, rank: int, ctrl, run_dir: str, tok_path: str, v
     elif rank == 0 and not (os.path.exists(ds_path) and os.path.exists(ho_path)):
         os.makedirs(cache, exist_ok=True)
         stats = BadDataStats()
-        if cfg.data.source == "builtin":
-            convs = builtin_conversations()
-        else:
-            if not os.path.exists(cfg.data.source):
-                raise ConfigError(f"data.source={cfg.data.source!r}: no such file (use builtin or a JSONL path)")
-            convs = read_jsonl_conversations(cfg.data.source, stats)
-        train_ids, holdout_ids = split_holdout(len(convs), cfg.data.holdout, cfg.data.shuffle_seed)
+        if cfg.data.source != "builtin" and not os.path.exists(cfg.data.source):
+            raise ConfigError(f"data.source={cfg.data.source!r}: no such file or directory (builtin, a .jsonl/.json/"
+                              ".parquet/.arrow file or a datasets save_to_disk directory)")
         t0 = time.time()
-        ds = build_tokenized_dataset([convs[i] for i in train_ids], tok_path, cfg.data.max_length,
-                                              cfg.data.overlong, cfg.data.num_workers, stats, vocab_size=vocab)
+        # streamed (two passes: count, then tokenize): the corpus is never in memory, only its tokens
+        ds, held = prepare_conversations(cfg.data.source, cfg.data.holdout, cfg.data.shuffle_seed, tok_path,
+                                         cfg.data.max_length, cfg.data.overlong, cfg.data.num_workers, stats,
+                                         vocab_size=vocab, chat_template_kwargs=cfg.data.chat_template_kwargs)
         stats.check(cfg.data.max_bad_fraction)
         if stats.bad_rows or stats.notes:
             log.warning("data: %s", stats.summary())
         log.info("data: %d training samples, %d tokens, %d held-out prompts (tokenized in %.1f s)",
-                 len(ds), int(ds.lengths.sum()), len(holdout_ids), time.time() - t0)
+                 len(ds), int(ds.lengths.sum()), len(held), time.time() - t0)
         ds.save(ds_path)
         tmp = ho_path + ".tmp"
         with open(tmp, "w") as f:
-            for i in holdout_ids:
-                f.write(json.dumps(convs[i]) + "\n")
+            for conv in held:
+                f.write(json.dumps(conv) + "\n")
         os.replace(tmp, ho_path)
     if ctrl is not None:
         dist.barrier(group=ctrl)

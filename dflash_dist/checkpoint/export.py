@@ -479,7 +479,8 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, dtype: str = "bfloat16"
                 "layer_ids": list(meta["layer_ids"]), "mask_token_id": int(meta["mask_token_id"]),
                 "block_size": int(meta["block_size"]), "drafter_config": meta["drafter_config"],
                 "target": job.get("target"), "data": job.get("data"), "tokenizer_source": tok_src,
-                "dtype": dtype}
+                "dtype": dtype, "chat_template_kwargs": meta.get("chat_template_kwargs",
+                                                                 (job.get("data") or {}).get("chat_template_kwargs", {}))}
         with open(os.path.join(tmp, META_NAME), "w") as f:
             json.dump(side, f, indent=1)
         # read back what a consumer reads: names/shapes of the file against the config in the file
@@ -578,6 +579,6 @@ def load_export(path: str, device: Any = "cpu", dtype: Optional[torch.dtype] = t
     if os.path.exists(side_path):
         with open(side_path) as f:
             side = json.load(f)
-        for k in ("target", "data", "source_checkpoint", "step", "tokenizer_source"):
+        for k in ("target", "data", "source_checkpoint", "step", "tokenizer_source", "chat_template_kwargs"):
             meta[k] = side.get(k)
     return model, meta

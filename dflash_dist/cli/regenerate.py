@@ -84,7 +84,10 @@ def load_target_config(spec: Optional[str], name_or_path: Optional[str] = None) 
 
 
 def prepare_row(obj: Any) -> tuple[Optional[dict], Optional[list], Optional[str], str]:
-    """(row, prompt messages, original final reply or None, "") or (None, None, None, reason)."""
+    """(row, prompt messages, original final reply or None, "") or (None, None, None, reason). A ShareGPT row
+    (``conversations`` of ``from``/``value``) is read as its messages row (the output row has ``messages``)."""
+    from dflash_dist.data.sources import normalize_row
+    obj = normalize_row(obj)
     if not isinstance(obj, dict) or not isinstance(obj.get("messages"), list) or not obj["messages"]:
         return None, None, None, "no messages list"
     msgs = []
@@ -288,7 +291,9 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--limit", type=int, default=None, help="only the first N usable rows")
     p.add_argument("--on-empty", default="original", choices=["original", "drop", "keep"],
                    help="an empty generated reply: keep the original reply (or drop the row if none), drop, keep")
-    p.add_argument("--chat-template-kwargs", default=None, help='JSON, e.g. \'{"enable_thinking": false}\'')
+    p.add_argument("--chat-template-kwargs", default=None, help='JSON, e.g. \'{"enable_thinking": false}\', or a '
+                   "training config.json / checkpoint meta.json whose data.chat_template_kwargs to use: the same "
+                   "rendering as training and evaluation")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--timeout-min", type=float, default=240.0, help="barrier timeout (slowest rank's generation)")
     args = p.parse_args(argv)
@@ -349,7 +354,10 @@ def _run(args) -> int:
             if done:
                 log.info("resuming: %d rows already written by an earlier run (its part files), %d to go",
                          len(done), len(rows) - len(done))
-        kwargs = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else None
+        from dflash_dist.data.sources import parse_template_kwargs
+        kwargs = parse_template_kwargs(args.chat_template_kwargs)
+        if rank == 0:
+            log.info("chat template kwargs: %s (train with the same data.chat_template_kwargs)", kwargs or {})
         last = [0.0]
 
         def progress(done, total):

@@ -280,8 +280,10 @@ def run_drafter(job) -> None:
         for at, res in leader_eval.ready(block_s=cfg.topology.warmup_timeout_s):
             rec = eval_record(res, last_window)
             writer.log(at, rec, kind="eval")
-            log.info("acceptance at step %d: tau %.3f (training accuracy predicts %.3f) on %d held-out prompts", at,
-                     rec["tau"] or float("nan"), rec.get("tau_from_train_acc") or float("nan"), rec["n_prompts"])
+            log.info("acceptance at step %d: tau %.3f (z-lab: mean over prompts), pooled %.3f (training accuracy "
+                     "predicts %.3f) on %d held-out prompts", at, rec["tau"] or float("nan"),
+                     rec.get("tau_pooled") or float("nan"), rec.get("tau_from_train_acc") or float("nan"),
+                     rec["n_prompts"])
     accounting = account(trainer, d, target_stats, stopped)
     if topo.is_leader:
         writer.log(trainer.step, accounting, kind="accounting")

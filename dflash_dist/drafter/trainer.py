@@ -349,7 +349,8 @@ class DrafterTrainer:
                 "layer_ids": self.job.layer_ids, "mask_token_id": self.job.mask_token_id,
                 "block_size": self.cfg.drafter.block_size, "drafter_config": self.mcfg.__dict__,
                 "target_config": self.job.hf_config.to_dict(), "tokenizer": self.job.tokenizer_path,
-                "job_config": self.cfg.to_dict(), "final": final, "counts": dict(self.counts)}
+                "job_config": self.cfg.to_dict(), "final": final, "counts": dict(self.counts),
+                "chat_template_kwargs": dict(self.cfg.data.chat_template_kwargs or {})}
         path = save_checkpoint(self.job.run_dir, self.step, self.model.state_dict(), self.opt.state_dict(), meta,
                                keep=self.cfg.train.keep_checkpoints)
         log.info("checkpoint %s", path)

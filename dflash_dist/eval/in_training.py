@@ -218,7 +218,7 @@ class TargetEval:
         from transformers import AutoTokenizer
 
         from dflash_dist.data.conversations import DataError
-        from dflash_dist.eval.prompts import encode_prompts, eos_token_ids, prompts_from_jsonl
+        from dflash_dist.eval.prompts import encode_prompts, eos_token_ids, prompts_from_jsonl, spread_subset
         self.job, self.model, self.slices = job, model, slices
         self.store = job.dist.store
         self.n = 0  # requests taken
@@ -230,10 +230,10 @@ class TargetEval:
         self.numel = sum(v.numel() for v in self.drafter.state_dict().values())
         tok = AutoTokenizer.from_pretrained(job.tokenizer_path)
         try:
-            convs = prompts_from_jsonl(job.holdout_path)[: c.train.eval_prompts]
+            convs = spread_subset(prompts_from_jsonl(job.holdout_path), c.train.eval_prompts)
         except (DataError, OSError, ValueError):
             convs = []
-        self.prompts = encode_prompts(tok, convs) if convs else []
+        self.prompts = encode_prompts(tok, convs, c.data.chat_template_kwargs or None) if convs else []
         self.eos = eos_token_ids(tok, job.hf_config)
         if not self.prompts:
             log.warning("evaluation requested but there are no held-out prompts (data.holdout=0?)")
@@ -333,16 +333,22 @@ class TargetEval:
         res = {"step": step, "n_prompts": 0, "seconds": r["wall_s"], "weights_s": recv_s,
                "span_s": time.monotonic() - run.taken_at, "slices": slices}
         if self.prompts:
-            res.update({"tau": r["tau"], "n_prompts": r["n_prompts"],
+            res.update({"tau": r["tau"], "tau_pooled": r["tau_pooled"], "tau_stderr": r.get("tau_stderr"),
+                        "n_prompts": r["n_prompts"], "max_new_tokens": r["max_new_tokens"],
+                        "prompts_one_step": r.get("prompts_one_step"),
                         "per_position_acceptance": r["per_position_acceptance"]})
         self.store.set(f"{RES}{n}", json.dumps(res))
-        log.info("evaluation at step %d: tau %.3f on %d held-out prompts (%.1f s of target time%s; weights "
-                 "in after %.1f s)", step, res.get("tau", float("nan")), res["n_prompts"], res["seconds"],
+        log.info("evaluation at step %d: tau %.3f (z-lab: mean over prompts), pooled %.3f, on %d held-out prompts "
+                 "(%s ended in their first block; max %s new tokens; %.1f s of target time%s; weights "
+                 "in after %.1f s)", step, res.get("tau") or float("nan"), res.get("tau_pooled") or float("nan"),
+                 res["n_prompts"], res.get("prompts_one_step"), res.get("max_new_tokens"), res["seconds"],
                  f" in {slices} slices over {res['span_s']:.1f} s" if slices else "", recv_s)
 
 
 def eval_record(result: dict, train_window: dict | None) -> dict:
-    rec = {"tau": result.get("tau"), "n_prompts": result.get("n_prompts"), "eval_seconds": result.get("seconds"),
+    rec = {"tau": result.get("tau"), "tau_pooled": result.get("tau_pooled"), "tau_stderr": result.get("tau_stderr"),
+           "n_prompts": result.get("n_prompts"), "max_new_tokens": result.get("max_new_tokens"),
+           "prompts_one_step": result.get("prompts_one_step"), "eval_seconds": result.get("seconds"),
            "eval_span_s": result.get("span_s"), "eval_slices": result.get("slices"),
            "eval_weights_s": result.get("weights_s")}
     for k, v in enumerate(result.get("per_position_acceptance") or [], start=1):

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from dflash_dist.config import ConfigError, DataConfig, TargetConfig
-from dflash_dist.data.conversations import BadDataStats, builtin_conversations, read_jsonl_conversations
+from dflash_dist.data.conversations import BadDataStats, builtin_conversations
 from dflash_dist.data.plan import split_holdout
+from dflash_dist.data.sources import read_conversations
 
 log = logging.getLogger("dflash_dist")
 
@@ -115,6 +116,19 @@ def prompts_from_jsonl(path: str) -> list[dict]:
     return rows
 
 
+def spread_subset(rows: Sequence, n: int, seed: int = 0) -> list:
+    """``n`` of ``rows`` drawn at random (fixed seed), kept in their order; all of them if there are no more.
+
+    Not the first ``n``: the held-out conversations come in corpus order, and a corpus grouped by topic or source
+    gives its first rows a tau of their own (on the tiny default the first 64 of 256 held-out prompts have none
+    that ends in its first block, the whole set 134)."""
+    n = max(0, int(n))
+    if len(rows) <= n:
+        return list(rows)
+    import random
+    return [rows[i] for i in sorted(random.Random(f"eval:{seed}").sample(range(len(rows)), n))]
+
+
 def holdout_conversations(data_cfg: DataConfig) -> list[dict]:
     """The held-out conversations of a training run with this data section (same source, same split)."""
     if data_cfg.holdout <= 0:
@@ -124,7 +138,7 @@ def holdout_conversations(data_cfg: DataConfig) -> list[dict]:
     else:
         if not os.path.exists(data_cfg.source):
             raise ConfigError(f"data.source={data_cfg.source!r} of the run is not here: pass --prompts FILE")
-        convs = read_jsonl_conversations(data_cfg.source, BadDataStats())
+        convs = read_conversations(data_cfg.source, BadDataStats())
     _, held = split_holdout(len(convs), data_cfg.holdout, data_cfg.shuffle_seed)
     return [convs[i] for i in held]
 
@@ -139,6 +153,7 @@ class EvalSetup:
     data: Optional[DataConfig]
     tokenizer: Optional[str]
     source: str
+    chat_template_kwargs: Optional[dict] = None  # what training rendered the chat template with
 
 
 def load_drafter(checkpoint: Optional[str] = None, export: Optional[str] = None, device: str = "cpu") -> EvalSetup:
@@ -158,8 +173,9 @@ def load_drafter(checkpoint: Optional[str] = None, export: Optional[str] = None,
         job = meta.get("job_config") or {}
         tgt = TargetConfig(**job["target"]) if job.get("target") else None
         dat = DataConfig(**job["data"]) if job.get("data") else None
+        kw = meta.get("chat_template_kwargs", (job.get("data") or {}).get("chat_template_kwargs"))
         return EvalSetup(model, list(meta["layer_ids"]), int(meta["mask_token_id"]), int(meta["block_size"]), tgt,
-                         dat, meta.get("tokenizer"), os.path.abspath(checkpoint))
+                         dat, meta.get("tokenizer"), os.path.abspath(checkpoint), kw)
     from dflash_dist.checkpoint.export import ExportError, load_export
     try:
         model, meta = load_export(export, device=device)
@@ -167,8 +183,9 @@ def load_drafter(checkpoint: Optional[str] = None, export: Optional[str] = None,
         raise ConfigError(str(e)) from e
     tgt = TargetConfig(**meta["target"]) if meta.get("target") else None
     dat = DataConfig(**meta["data"]) if meta.get("data") else None
+    kw = meta.get("chat_template_kwargs", (meta.get("data") or {}).get("chat_template_kwargs"))
     return EvalSetup(model, meta["layer_ids"], meta["mask_token_id"], meta["block_size"], tgt, dat,
-                     meta.get("tokenizer"), os.path.abspath(export))
+                     meta.get("tokenizer"), os.path.abspath(export), kw)
 
 
 def check_pair(target, setup: EvalSetup) -> None:

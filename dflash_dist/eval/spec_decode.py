@@ -315,8 +315,14 @@ def target_greedy(target, prompt_ids: Union[Tensor, Sequence[int]], max_new_toke
 def summarize_acceptance(per_prompt_lengths: Sequence[Sequence[int]], block_size: int) -> dict:
     """τ and per-position acceptance from the acceptance lengths (acc+1 per verify step) of each prompt.
 
-    ``tau``: mean over prompts of each prompt's mean acceptance length (the DFlash benchmark's "average
-    acceptance length"); ``tau_pooled``: all emitted tokens / all verify steps. ``per_position_acceptance[k-1]``:
+    ``tau``: mean over prompts of each prompt's mean acceptance length: z-lab's benchmark figure ("Average
+    Acceptance length" of ``dflash/benchmark.py``: ``np.mean([np.mean(r.acceptance_lengths) for r in
+    responses])``), where a prompt that ends in one verify step weighs as much as one that runs 100;
+    ``tau_stderr``: its standard error over prompts (None under 2 prompts); ``tau_pooled``: all acc+1 tokens /
+    all verify steps (every verify step weighs the same: what a long generation sees); ``prompts_scored``:
+    prompts with a verify step; ``prompts_one_step``: prompts whose generation ended inside their first
+    block (one verify step: their whole output came from one draft, and they pull ``tau`` towards that block's
+    acceptance). ``per_position_acceptance[k-1]``:
     fraction of verify steps whose draft slot k was accepted (acceptance length >= k+1);
     ``per_position_conditional[k-1]``: the same among steps that accepted slots 1..k-1 (None if none did);
     ``acceptance_histogram[L]``: fraction of steps with acceptance length L (0..B). Prompts without a verify
@@ -329,11 +335,18 @@ def summarize_acceptance(per_prompt_lengths: Sequence[Sequence[int]], block_size
         raise ValueError(f"acceptance lengths must be in 1..{B}, got {bad[:5]}")
     means = [sum(s) / len(s) for s in per_prompt_lengths if len(s)]
     n = len(lens)
+    tau = (sum(means) / len(means)) if means else None
+    # standard error of tau (mean over prompts): the spread of the per-prompt means / sqrt(prompts)
+    sem = (math.sqrt(sum((m - tau) ** 2 for m in means) / (len(means) - 1) / len(means))
+           if len(means) > 1 else None)
     reached = [sum(1 for x in lens if x >= k) for k in range(1, B + 1)]      # slot k-1 accepted or k==1
     accepted = [sum(1 for x in lens if x >= k + 1) for k in range(1, B)]     # slot k accepted
     return {
-        "tau": (sum(means) / len(means)) if means else None,
+        "tau": tau,
+        "tau_stderr": sem,
         "tau_pooled": (sum(lens) / n) if n else None,
+        "prompts_scored": len(means),
+        "prompts_one_step": sum(1 for s in per_prompt_lengths if len(s) == 1),
         "per_position_acceptance": [a / n if n else None for a in accepted],
         "per_position_conditional": [accepted[k - 1] / reached[k - 1] if reached[k - 1] else None
                                      for k in range(1, B)],
@@ -429,9 +442,13 @@ def format_table(result: dict) -> str:
     """A short human-readable report of :func:`evaluate_prompts`' result."""
     def f(x, spec=".3f"):
         return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+    se = result.get("tau_stderr")
     lines = [f"prompts {result['n_prompts']}  block {result['block_size']}  max_new_tokens {result['max_new_tokens']}"
-             f"  mean new tokens {f(result['mean_new_tokens'], '.1f')}  verify steps {result['total_steps']}",
-             f"tau (mean acceptance length) {f(result['tau'])}   pooled {f(result['tau_pooled'])}   lossless "
+             f"  mean new tokens {f(result['mean_new_tokens'], '.1f')}  verify steps {result['total_steps']}"
+             f"  ended in their first block {result.get('prompts_one_step', '-')}",
+             f"tau (z-lab: mean over prompts of each prompt's mean acceptance length) {f(result['tau'])}"
+             + (f" +- {f(se)} (std. error)" if se is not None else ""),
+             f"tau pooled (all accepted+1 tokens / all verify steps) {f(result['tau_pooled'])}   lossless "
              f"{f(result['lossless_fraction'])}",
              "slot  accepted  conditional"]
     for k, (a, c) in enumerate(zip(result["per_position_acceptance"], result["per_position_conditional"]), start=1):

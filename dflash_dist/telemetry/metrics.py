@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 from collections import deque
 from typing import Optional
@@ -30,6 +31,79 @@ def wandb_mode(requested: Optional[str]) -> str:
     return "online" if has_key else "offline"
 
 
+# ----------------------------------------------------------------------------------------------- dashboard
+
+# wandb sections (the part of a key before its first "/"): each reads as one dashboard panel group.
+THROUGHPUT_KEYS = ("samples_per_s", "tokens_per_s", "link_gb_per_s", "epoch_progress",
+                   "target_capacity_samples_per_s", "drafter_capacity_samples_per_s")
+ACCEPTANCE_EVAL_KEYS = ("tau", "tau_pooled", "tau_stderr", "tau_from_train_acc", "train_serve_gap", "train_acc",
+                        "n_prompts", "max_new_tokens", "prompts_one_step")
+_TARGET = re.compile(r"target(\d+)_(.+)")
+_SLOT = re.compile(r"acc_slot_(\d+)")
+_POS = re.compile(r"accept_pos_(\d+)")
+# define_metric summaries: (key, aggregations)
+SUMMARIES = (("throughput/samples_per_s", "max,mean,last"), ("throughput/tokens_per_s", "max,mean"),
+             ("throughput/link_gb_per_s", "max,mean"), ("train/loss", "min,last"),
+             ("acceptance/tau", "max,last"), ("acceptance/tau_pooled", "max,last"))
+
+
+def dashboard_key(kind: str, key: str) -> Optional[str]:
+    """The wandb key of a metrics.jsonl value: ``throughput/`` (job samples/s, tokens/s, link GB/s, supply and
+    demand capacity), ``target/`` (per target rank: ``rank<r>_tokens_per_s``, busy/wait fractions, MFU),
+    ``drafter/`` (busy, stream wait, MFU, step time), ``train/`` (loss, lr, grad norm, accuracy),
+    ``acceptance/`` (tau both ways, the tau training accuracy predicts), ``eval/`` (evaluation timings), other
+    kinds under their kind. None: a per-position value, logged as one chart instead (:func:`position_values`)."""
+    if "/" in key:
+        return key
+    if kind == "train":
+        if key in THROUGHPUT_KEYS:
+            return f"throughput/{key}"
+        m = _TARGET.fullmatch(key)
+        if m:
+            return f"target/rank{m.group(1)}_{m.group(2)}"
+        if key.startswith("drafter_"):
+            return f"drafter/{key[len('drafter_'):]}"
+        if _SLOT.fullmatch(key):
+            return None
+        if key == "tau_from_acc":
+            return "acceptance/tau_from_train_acc"
+        return f"train/{key}"
+    if kind == "eval":
+        if _POS.fullmatch(key):
+            return None
+        return f"acceptance/{key}" if key in ACCEPTANCE_EVAL_KEYS else f"eval/{key}"
+    return f"{kind}/{key}"
+
+
+def position_values(kind: str, values: dict) -> list:
+    """[(block position k, value)] of a record: training accuracy per slot, or measured acceptance per position."""
+    pat = _SLOT if kind == "train" else _POS if kind == "eval" else None
+    if pat is None:
+        return []
+    out = [(int(m.group(1)), v) for k, v in values.items() for m in [pat.fullmatch(k)] if m and v is not None]
+    return sorted(out)
+
+
+def capacity_metrics(values: dict) -> dict:
+    """Supply and demand of a training window in samples/s: what the targets would send if never blocked (each
+    target's samples/s over its busy fraction, summed) and what the drafters would take if never starved
+    (the job's samples/s over the drafters' busy fraction). The smaller side bounds the job."""
+    out = {}
+    supply = 0.0
+    for k, v in values.items():
+        m = _TARGET.fullmatch(k)
+        if m and m.group(2) == "samples_per_s":
+            busy = values.get(f"target{m.group(1)}_busy_frac")
+            if v is not None and busy:
+                supply += v / busy
+    if supply:
+        out["target_capacity_samples_per_s"] = supply
+    busy = values.get("drafter_busy_frac")
+    if values.get("samples_per_s") is not None and busy:
+        out["drafter_capacity_samples_per_s"] = values["samples_per_s"] / busy
+    return out
+
+
 class MetricsWriter:
     def __init__(self, run_dir: str, config: dict, wandb_cfg, total_steps: int, enabled: bool,
                  progress_bar: bool = True):
@@ -38,6 +112,10 @@ class MetricsWriter:
         self.wandb = None
         self.bar = None
         self.total_steps = total_steps
+        self._last_train = None        # (step, time) of the last train record: the drafter's step time
+        self._positions: dict = {}     # name -> (step, [(position, value)]) last seen, charted at close
+        self._train_windows = 0
+        self.position_chart_every = 10  # training windows between per-position charts (each is a wandb Table)
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
@@ -52,6 +130,8 @@ class MetricsWriter:
                                     dir=run_dir, mode=mode, config=config, resume="allow",
                                     settings=wandb.Settings(init_timeout=30, console="off"))
             log.info("wandb: mode=%s dir=%s", mode, self.wandb.dir if self.wandb else None)
+            for key, agg in SUMMARIES:
+                self.wandb.define_metric(key, summary=agg)
         if progress_bar:
             from tqdm import tqdm
             self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0)
@@ -59,12 +139,44 @@ class MetricsWriter:
     def log(self, step: int, values: dict, kind: str = "train") -> None:
         if not self.enabled:
             return
-        rec = {"step": step, "kind": kind, "time": time.time()}
+        now = time.time()
+        if kind == "train":
+            values = {**values, **capacity_metrics(values)}
+            prev = self._last_train
+            if prev is not None and step > prev[0]:  # the drafter's mean step time over the window
+                values["drafter_step_time_s"] = (now - prev[1]) / (step - prev[0])
+            self._last_train = (step, now)
+        rec = {"step": step, "kind": kind, "time": now}
         rec.update({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in values.items()})
         self._file.write(json.dumps(rec) + "\n")
         if self.wandb is not None:
-            self.wandb.log({f"{kind}/{k}" if "/" not in k else k: v for k, v in values.items()
-                            if isinstance(v, (int, float))}, step=step)
+            self._wandb_log(step, kind, values)
+
+    def _wandb_log(self, step: int, kind: str, values: dict) -> None:
+        out = {}
+        for k, v in values.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                continue
+            key = dashboard_key(kind, k)
+            if key is not None:
+                out[key] = v
+        pos = position_values(kind, values)
+        if pos:
+            name = "train_acc_per_position" if kind == "train" else "per_position"
+            self._positions[name] = (step, pos)
+            if kind != "train" or self._train_windows % self.position_chart_every == 0:
+                out[f"acceptance/{name}"] = self._position_chart(name, step, pos)
+        if kind == "train":
+            self._train_windows += 1
+        if out:
+            self.wandb.log(out, step=step)
+
+    def _position_chart(self, name: str, step: int, pos: list):
+        import wandb
+        what = "training accuracy" if name.startswith("train") else "measured acceptance"
+        table = wandb.Table(data=[[k, v] for k, v in pos], columns=["block_position", "acceptance"])
+        return wandb.plot.line(table, "block_position", "acceptance",
+                               title=f"{what} per block position (step {step})")
 
     def progress(self, step: int, postfix: dict) -> None:
         if self.bar is not None:
@@ -79,6 +191,10 @@ class MetricsWriter:
             self.bar.close()
         self._file.close()
         if self.wandb is not None:
+            last = self._positions.get("train_acc_per_position")
+            if last is not None and (self._train_windows - 1) % self.position_chart_every != 0:
+                self.wandb.log({"acceptance/train_acc_per_position": self._position_chart(
+                    "train_acc_per_position", *last)}, step=last[0])
             self.wandb.finish()
 
 

@@ -42,6 +42,8 @@ def test_prepare_row_drops_only_the_final_assistant_turn():
     assert prepare_row({"messages": [{"role": "user", "content": "a"}]})[2] is None
     assert prepare_row({"messages": [{"role": "system", "content": "s"}]})[3] == "no user turn to answer"
     assert prepare_row({"text": "x"})[0] is None
+    share = prepare_row({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]})
+    assert share[1] == [{"role": "user", "content": "q"}] and share[2] == "a" and "messages" in share[0]
     assert load_target_config(None).hf_config == {"builtin": "tiny"}
     assert load_target_config("tiny", "some/model").name_or_path == "some/model"
 

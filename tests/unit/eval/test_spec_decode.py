@@ -11,6 +11,7 @@ from dflash_dist.eval.spec_decode import (
     TargetRunner,
     evaluate_prompts,
     evaluate_steps,
+    format_table,
     make_dflash_draft_fn,
     pack_state,
     run_to_end,
@@ -171,6 +172,29 @@ def test_summarize_acceptance_by_hand():
         summarize_acceptance([[5]], 4)
 
 
+def test_tau_both_ways_on_a_hand_made_trace():
+    """The README's situation: short prompts that end inside their first block weigh as much as long ones in
+    z-lab's tau (mean over prompts of per-prompt means), and the pooled tau (tokens / verify steps) differs."""
+    B = 16
+    trace = [[12], [9], [16], [2, 1, 3, 1, 2, 1, 1, 3], [1, 2, 1, 1, 2, 1], [3, 1, 2, 2]]
+    r = summarize_acceptance(trace, B)
+    per_prompt = [12, 9, 16, 14 / 8, 8 / 6, 8 / 4]
+    assert r["tau"] == pytest.approx(sum(per_prompt) / 6)             # 7.01: z-lab's "Average Acceptance length"
+    assert r["tau_pooled"] == pytest.approx((12 + 9 + 16 + 14 + 8 + 8) / (1 + 1 + 1 + 8 + 6 + 4))  # 67/21 = 3.19
+    assert r["prompts_one_step"] == 3 and r["prompts_scored"] == 6 and r["total_steps"] == 21
+    m = sum(per_prompt) / 6
+    sd = (sum((x - m) ** 2 for x in per_prompt) / 5) ** 0.5
+    assert r["tau_stderr"] == pytest.approx(sd / 6 ** 0.5)
+    # without the one-step prompts both figures are close: the gap comes from how prompts are weighed
+    r2 = summarize_acceptance(trace[3:], B)
+    assert r2["prompts_one_step"] == 0 and abs(r2["tau"] - r2["tau_pooled"]) < 0.2
+    assert summarize_acceptance([[3]], B)["tau_stderr"] is None
+    table = format_table({**r, "n_prompts": 6, "block_size": B, "max_new_tokens": 64, "mean_new_tokens": 11.2,
+                          "lossless_fraction": None})
+    assert "z-lab" in table and "pooled" in table and "ended in their first block 3" in table
+    assert "max_new_tokens 64" in table and "prompts 6" in table
+
+
 def test_evaluate_prompts_with_capture_attached(target):
     """On a target rank the training FeatureCapture stays registered: evaluation must not trip its hooks.
     The drafter arrives as one flat tensor (what the leader would dist.send)."""
@@ -299,7 +323,7 @@ def test_dflash_eval_cli(tmp_path):
     drafter = DFlashDrafter(dcfg, "sdpa")
     meta = {"layer_ids": [1, 2], "mask_token_id": 3, "block_size": B, "drafter_config": dcfg.__dict__,
             "target_config": tgt.config.to_dict(), "tokenizer": TINY_DIR,
-            "job_config": JobConfig(target=tcfg).to_dict()}
+            "job_config": JobConfig(target=tcfg).to_dict(), "chat_template_kwargs": {"enable_thinking": False}}
     ckpt = save_checkpoint(str(tmp_path / "run"), 1, drafter.state_dict(), None, meta)
     rows = tmp_path / "p.jsonl"
     rows.write_text("\n".join(json.dumps(r) for r in [
@@ -309,8 +333,20 @@ def test_dflash_eval_cli(tmp_path):
     assert eval_main(["--checkpoint", ckpt, "--prompts", str(rows), "--max-new-tokens", "6", "--out", str(out)]) == 0
     res = json.load(open(out))
     assert res["n_prompts"] == 2 and res["lossless_fraction"] == 1.0 and res["eos_ids"] == [0, 2]
+    assert res["chat_template_kwargs"] == {"enable_thinking": False}  # what training recorded
+    assert res["prompts_one_step"] is not None and res["tau_pooled"] is not None
     exp = export_checkpoint(ckpt, str(tmp_path / "export"), dtype="float32")
     out2 = tmp_path / "eval2.json"
     assert eval_main(["--export", exp, "--prompts", str(rows), "--max-new-tokens", "6", "--out", str(out2)]) == 0
     res2 = json.load(open(out2))
+    assert res2["chat_template_kwargs"] == {"enable_thinking": False}  # recorded in the export too
     assert [r["acceptance_lengths"] for r in res2["per_prompt"]] == [r["acceptance_lengths"] for r in res["per_prompt"]]
+
+
+def test_spread_subset_draws_across_the_held_out_set():
+    from dflash_dist.eval.prompts import spread_subset
+    rows = list(range(256))
+    got = spread_subset(rows, 16)
+    assert len(got) == 16 and got == sorted(got) and got == spread_subset(rows, 16)  # fixed seed, corpus order kept
+    assert max(got) >= 128 and min(got) < 128      # not the front of the corpus
+    assert spread_subset(rows[:10], 16) == rows[:10]
