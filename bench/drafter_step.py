@@ -19,6 +19,8 @@ reported as hardware FLOPs (HFU), not in MFU.
 
     python bench/drafter_step.py --out drafter_step.json                 # GPU: both backends, 4 configs
     python bench/drafter_step.py --tiny --out /tmp/ds.json               # CPU smoke: sdpa train, flex forward-only
+    python bench/drafter_step.py --shape llama31_8b --out ds_llama.json  # Llama-3.1-8B-shaped drafter (vocab 128,256,
+                                                                         # llama3 RoPE); --tiny: tiny_llama3
 
 On CPU, flex_attention has no backward (torch 2.13): the flex rows there are forward-only (+ loss), and say so.
 """
@@ -42,6 +44,7 @@ from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig  # noqa:
 from dflash_dist.model.hf import load_hf_config, resolve_dtype, text_config  # noqa: E402
 from dflash_dist.model.loss import decayed_ce  # noqa: E402
 from dflash_dist.model.masks import dense_mask, flex_block_mask  # noqa: E402
+from dflash_dist.model.rope import DrafterRope  # noqa: E402
 from dflash_dist.telemetry.flops import drafter_step_flops as step_flops  # noqa: E402,F401  (the one formula)
 
 GPU_CONFIGS = "3072x512,550x256,3072x256,550x512"
@@ -58,9 +61,14 @@ def visible_pairs(batch, block_size: int) -> float:
 
 # ---------------------------------------------------------------------------------------------- model
 
-def model_config(tiny: bool, num_layers: int, block_size: int) -> DrafterModelConfig:
+# --shape name -> (conf/target of the real shape, tiny conf/target of the same family)
+SHAPES = {"qwen3_8b": ("qwen3_8b_random", "tiny"), "llama31_8b": ("llama31_8b_random", "tiny_llama3")}
+
+
+def model_config(tiny: bool, num_layers: int, block_size: int, shape: str = "qwen3_8b") -> DrafterModelConfig:
     """The drafter shape train.py would build: DrafterModelConfig.from_target(target HF config)."""
-    tcfg = C.target_config("tiny" if tiny else "qwen3_8b_random")
+    full, small = SHAPES[shape]
+    tcfg = C.target_config(small if tiny else full)
     tc = text_config(load_hf_config(tcfg))
     return DrafterModelConfig.from_target(tc, num_layers=num_layers, num_feature_layers=tcfg.num_feature_layers,
                                           block_size=block_size)
@@ -264,6 +272,8 @@ def run_one(runner: Runner, ctx: int, anchors: int, b: int, backend: str, train:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="CPU-sized smoke run (tiny target shape, 2-layer drafter)")
+    p.add_argument("--shape", default="qwen3_8b", choices=sorted(SHAPES),
+                   help="the target whose drafter is measured (llama31_8b: vocab 128,256, llama3 RoPE)")
     p.add_argument("--out", default=None, help="JSON output path (rewritten after every configuration)")
     p.add_argument("--device", default="auto")
     p.add_argument("--configs", default=None, help=f"CTXxANCHORS list (default {GPU_CONFIGS}; tiny {TINY_CONFIGS})")
@@ -312,7 +322,7 @@ def main(argv=None) -> int:
         dyn.automatic_dynamic_shapes = False
 
     dc = C.drafter_config("tiny" if tiny else "dflash")
-    mc = model_config(tiny, dc.num_layers, dc.block_size)
+    mc = model_config(tiny, dc.num_layers, dc.block_size, args.shape)
     peak = C.peak_matmul_tflops(dev, n=args.peak_n or (256 if tiny else 8192))
     nominal = C.nominal_peak_tflops(dev)
     C.log(f"measured matmul peak {peak['tflops']:.1f} TFLOP/s ({peak['dtype']} {peak['n']}^3); nominal {nominal}")
@@ -323,7 +333,11 @@ def main(argv=None) -> int:
         C.log("a +ko backend without --kernel-options (or the tune found none): it runs inductor's defaults")
     result = {"bench": "drafter_step", "env": C.env_info(dev), "tiny": tiny, "peak_matmul": peak,
               "nominal_peak_tflops": nominal, "drafter_config": mc.__dict__, "trainable_params": runner.n_params,
-              "drafter_yaml": "tiny" if tiny else "dflash", "loss_chunk_rows": dc.tuning.loss_chunk_rows,
+              "drafter_yaml": "tiny" if tiny else "dflash", "shape": args.shape,
+              "rope": DrafterRope(mc.rope_params(), head_dim=mc.head_dim, hidden_size=mc.hidden_size,
+                                  num_attention_heads=mc.num_attention_heads,
+                                  max_position_embeddings=mc.max_position_embeddings).describe(),
+              "loss_chunk_rows": dc.tuning.loss_chunk_rows,
               "ctx_bucket": dc.tuning.ctx_bucket, "gamma": dc.gamma, "prompt_frac": args.prompt_frac,
               "dynamic": args.dynamic, "loss_mode": args.loss_mode, "kernel_options": runner.kernel_options, "warmup": args.warmup, "repeats": args.repeats,
               "flop_formula": "docs/benchmarks.md#drafter-step-flops", "rows": [], "skipped": []}

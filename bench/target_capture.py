@@ -25,6 +25,19 @@ once with and once without causal-conv1d importable to get the fast-path ratio (
     python bench/target_capture.py --hybrid --out hybrid.json
     python bench/target_capture.py --variants padded,packed_compiled --out tc.json
     python bench/target_capture.py --tiny --out /tmp/tc.json          # CPU smoke (packaged tiny target)
+
+MoE shapes (``--shape``): random-init bf16 targets of a real MoE model's shape, the bound experts implementation
+reported (``fast_path.experts_report``: grouped_mm / eager / grouped_mm->fallback_loop, what really runs) with
+the fast-path summary (attention, SDPA backend), FLOPs counting active experts only (``flops.target_capture_flops``):
+
+* ``qwen3_30b_a3b``: Qwen3-30B-A3B (48 layers, hidden 2048, 128 experts of 768, top-8, GQA 32/4 x 128);
+* ``gpt_oss_20b``: gpt-oss-20b (24 layers, hidden 2880, 32 experts of 2880, top-4, 64/8 heads x 64, alternating
+  sliding-128/full attention with sinks, YaRN). Padded rows run transformers' ``flex_attention`` on CUDA (sdpa is
+  refused for gpt-oss: sinks), eager on CPU; packed rows the project's document-causal flex (window masks, sinks).
+
+    python bench/target_capture.py --shape qwen3_30b_a3b --variants padded,packed_compiled --out moe.json
+    python bench/target_capture.py --shape gpt_oss_20b --variants padded,packed_compiled --out gptoss.json
+    python bench/target_capture.py --shape qwen3_30b_a3b --tiny --out /tmp/moe.json   # CPU smoke, tiny same family
 """
 
 from __future__ import annotations
@@ -49,7 +62,7 @@ from dflash_dist.data.plan import (
 from dflash_dist.data.synthetic import synthetic_dataset  # noqa: E402
 from dflash_dist.model.hf import text_config  # noqa: E402
 from dflash_dist.target.capture import FeatureCapture, packed_stats  # noqa: E402
-from dflash_dist.telemetry.flops import target_forward_flops  # noqa: E402
+from dflash_dist.telemetry.flops import nominal_peak_tflops, target_forward_flops  # noqa: E402
 
 
 def mix_source(mix: str, tokens: int) -> tuple[str, float]:
@@ -113,14 +126,51 @@ def kernel_packages() -> dict:
     return out
 
 
+# --shape name -> (HF config of the real model's shape, tiny conf/target of the same family for --tiny)
+SHAPES = {
+    "qwen3_30b_a3b": ({"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+                       "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+                       "decoder_sparse_step": 1, "norm_topk_prob": True, "num_hidden_layers": 48,
+                       "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                       "max_position_embeddings": 40960, "rope_parameters": {"rope_type": "default",
+                                                                             "rope_theta": 1000000.0},
+                       "rms_norm_eps": 1e-6, "tie_word_embeddings": False}, "tiny_qwen3_moe"),
+    "gpt_oss_20b": ({"model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+                     "num_local_experts": 32, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+                     "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "sliding_window": 128,
+                     "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+                     "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                         "original_max_position_embeddings": 4096},
+                     "rms_norm_eps": 1e-5, "tie_word_embeddings": False}, "tiny_gpt_oss"),
+}
+
+
+def shape_target_config(shape: str, tiny: bool, dev_type: str, max_batch_tokens: int) -> TargetConfig:
+    hf, tiny_name = SHAPES[shape]
+    if tiny:
+        return C.target_config(tiny_name, fast_path="allow", max_batch_tokens=max_batch_tokens)
+    attn = "sdpa"
+    if hf["model_type"] == "gpt_oss":  # sdpa has no sinks (transformers refuses it for gpt_oss)
+        attn = "flex_attention" if dev_type == "cuda" else "eager"
+    return TargetConfig(hf_config=dict(hf), attn_implementation=attn, fast_path="allow",
+                        max_batch_tokens=max_batch_tokens)
+
+
 def layer_matmul_params(model) -> int:
     from dflash_dist.model.hf import decoder_layers
     _, layers = decoder_layers(model)
     return sum(p.numel() for p in layers[0].parameters() if p.dim() >= 2)
 
 
-def approx_flops(tc, per_layer_params: int, layers_run: int, batches: list, lm_head: bool) -> float:
-    """Dense Qwen3 forward FLOPs over the batches as they run, [(b, S), ...] (``flops.target_forward_flops``)."""
+def approx_flops(tc, per_layer_params: int, layers_run: int, batches: list, lm_head: bool, model=None) -> float:
+    """Forward FLOPs over the batches as they run, [(b, S), ...]: with ``model``, ``flops.target_capture_flops``
+    (active experts, linear-attention layers, sliding windows); else the dense formula."""
+    if model is not None:
+        from dflash_dist.model.hf import decoder_layers
+        from dflash_dist.telemetry.flops import target_capture_flops, target_layers_profile
+        _, layers = decoder_layers(model)
+        return target_capture_flops(target_layers_profile(list(layers)[:layers_run], tc), tc, batches, lm_head)
     return target_forward_flops(tc, per_layer_params * layers_run, layers_run, batches, lm_head)
 
 
@@ -180,6 +230,10 @@ def main(argv=None) -> int:
     p.add_argument("--hybrid-hidden", type=int, default=2048)
     p.add_argument("--hybrid-experts", type=int, default=0, help="0: dense MLPs; N: N experts (top-10) per layer")
     p.add_argument("--target", default=None, help="conf/target/<name>.yaml for dense mode (default qwen3_8b_random)")
+    p.add_argument("--shape", default=None, choices=sorted(SHAPES),
+                   help="a MoE model's shape, random init (with --tiny: the tiny config of the same family)")
+    p.add_argument("--experts-implementation", default=None,
+                   help="target.experts_implementation for --shape (default: transformers' own, grouped_mm)")
     p.add_argument("--mixes", default=None, help="length mixes, comma list: 550 (275..825) or LO-HI (uniform)")
     p.add_argument("--budgets", default=None, help="token budgets per forward, comma list")
     p.add_argument("--max-batch-samples", type=int, default=64)
@@ -214,6 +268,12 @@ def main(argv=None) -> int:
         hf, dropped = hybrid_hf_config(tiny, args.hybrid_layers, args.hybrid_hidden, args.hybrid_experts)
         tcfg = TargetConfig(hf_config=hf, fast_path="allow", max_batch_tokens=max(budgets))
         name = "qwen3_next (reduced)"
+    elif args.shape:
+        tcfg = shape_target_config(args.shape, tiny, dev.type, max(budgets))
+        if args.experts_implementation:
+            tcfg.experts_implementation = args.experts_implementation
+        name = args.shape + (" (tiny)" if tiny else "")
+        dropped = []
     else:
         name = args.target or ("tiny" if tiny else "qwen3_8b_random")
         tcfg = C.target_config(name)
@@ -232,6 +292,17 @@ def main(argv=None) -> int:
               "max_batch_samples": args.max_batch_samples, "tokens_per_pass": tokens_per_pass,
               "warmup_passes": args.warmup, "repeats": args.repeats, "variants": variants, "rows": [],
               "skipped": []}
+    if args.shape:
+        from dflash_dist.model.fast_path import check_target_fast_path
+        fp = check_target_fast_path(model, "allow", dev.type)
+        ex = fp.get("experts") or {}
+        result.update({"fast_path": fp, "fast_path_summary": fp["summary"],
+                       "experts_implementation": ex.get("implementation"), "experts": ex,
+                       "attn_implementation": fp.get("attn_implementation"),
+                       "sdpa_backend": (fp.get("attention") or {}).get("sdpa_backend")})
+        C.log(f"fast path: {fp['summary']}")
+        C.log(f"experts implementation bound: {ex.get('implementation')}")
+        C.write_json(args.out, result)
     if args.hybrid:
         from dflash_dist.model.fast_path import check_target_fast_path
         fp = check_target_fast_path(model, "allow", dev.type)
@@ -274,8 +345,11 @@ def main(argv=None) -> int:
                     row["tokens_run"] = real if packed else padded
                     if not args.hybrid:  # FLOPs as run: padded rows include the padding, packed rows per sample
                         runs = [(1, lengths[i]) for b in plan for i in b] if packed else shapes
-                        row["capture_tflops"] = approx_flops(tc, per_layer, max(layer_ids) + 1, runs,
-                                                             False) / row["capture_s"] / 1e12
+                        row["capture_tflops"] = approx_flops(tc, per_layer, max(layer_ids) + 1, runs, False,
+                                                             model) / row["capture_s"] / 1e12
+                        peak = nominal_peak_tflops(dev)
+                        if peak:
+                            row["capture_mfu"] = row["capture_tflops"] / peak
                     C.log(f"  {variant}: {row['capture_tokens_per_s']:,.0f} tok/s, {row['capture_samples_per_s']:.1f} "
                           f"samples/s, warm-up {row['warmup_s']:.1f} s [{row['capture_path']}]")
                     if full and variant == "padded":
@@ -291,7 +365,8 @@ def main(argv=None) -> int:
                                     "full_peak_mem_gb": C.mem_gb(dev)["peak_gb"],
                                     "capture_speedup_vs_full": medf / row["capture_s"]})
                         if not args.hybrid:
-                            row["full_tflops"] = approx_flops(tc, per_layer, n_layers, shapes, True) / medf / 1e12
+                            row["full_tflops"] = approx_flops(tc, per_layer, n_layers, shapes, True,
+                                                              model) / medf / 1e12
                         C.log(f"  full:    {row['full_tokens_per_s']:,.0f} tok/s -> capture is "
                               f"{row['capture_speedup_vs_full']:.2f}x faster")
                 except Exception as e:
@@ -314,9 +389,11 @@ def main(argv=None) -> int:
             ("mean_samples_per_batch", "samples/batch"), ("pad_frac", "pad frac"),
             ("capture_tokens_per_s", "capture tok/s"), ("speedup_vs_padded", "vs padded"),
             ("capture_samples_per_s", "capture samples/s"), ("capture_tflops", "capture TFLOP/s"),
+            ("capture_mfu", "capture MFU"),
             ("full_tokens_per_s", "full tok/s"), ("capture_speedup_vs_full", "capture/full speed"),
             ("capture_peak_mem_gb", "peak GB"), ("error", "error")]
-    title = f"target capture ({name}, {dev.type}" + (f"; {result.get('fast_path_summary')}" if args.hybrid else "") + ")"
+    title = (f"target capture ({name}, {dev.type}" + (f"; {result.get('fast_path_summary')}"
+                                                      if args.hybrid or args.shape else "") + ")")
     print()
     print(C.table(result["rows"], cols, title=title))
     result["wall_s"] = time.time() - t_start

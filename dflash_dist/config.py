@@ -95,7 +95,12 @@ class TargetConfig:
     """HF attention implementation of the target's attention layers (sdpa, flash_attention_2, eager)."""
 
     fast_path: Literal["auto", "require", "warn", "allow"] = "auto"
-    """Hybrid-model kernels (fla, causal-conv1d): require | warn | allow. auto = require on CUDA, allow on CPU."""
+    """Target fast paths (hybrid kernels fla / causal-conv1d; MoE experts not on eager on CUDA): require | warn |
+    allow. auto = require on CUDA, allow on CPU."""
+
+    experts_implementation: Optional[str] = None
+    """MoE targets: transformers' ``experts_implementation`` (grouped_mm, batched_mm, eager, ...); None:
+    transformers' default (grouped_mm where the class supports it). What really runs is reported at startup."""
 
     max_batch_tokens: int = 8192
     """Token budget of one target forward (= one message). Samples of similar length are grouped up to it."""

@@ -40,7 +40,9 @@ from typing import Any, Optional
 import torch
 
 from dflash_dist.checkpoint.store import checkpoint_problem
+from dflash_dist.config import ConfigError
 from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
+from dflash_dist.model.rope import drafter_rope_parameters
 
 log = logging.getLogger(__name__)
 
@@ -152,14 +154,16 @@ def build_export_config(drafter_config: DrafterModelConfig, target_config: dict,
         "attention_dropout": 0.0,
         "tie_word_embeddings": False,
     }
-    # RoPE: the drafter's own (default RoPE, DrafterModelConfig refuses scaling), under every key a loader reads.
-    # transformers 4.x Qwen3Config (the z-lab reference pins 4.57.1) reads top-level rope_theta (default 10000,
-    # wrong for Qwen3's 1e6) and rope_scaling (None = default RoPE); 5.x, current vLLM and SGLang read
-    # rope_parameters, and 5.x lets a rope_scaling dict replace rope_parameters (modeling_rope_utils
-    # convert_rope_params_to_dict), so the two say the same.
+    # RoPE: the drafter's (model/rope.py: the target's rope type and scaling through transformers' own init
+    # functions), under every key a loader reads. transformers 4.x Qwen3Config (the z-lab reference pins 4.57.1)
+    # reads top-level rope_theta (default 10000, wrong for Qwen3's 1e6) and rope_scaling (None = default RoPE);
+    # 5.x, current vLLM and SGLang read rope_parameters, and 5.x lets a rope_scaling dict replace rope_parameters
+    # (modeling_rope_utils convert_rope_params_to_dict), so the two say the same.
+    rope = dc.rope_params()
     cfg["rope_theta"] = float(dc.rope_theta)
-    cfg["rope_scaling"] = None
-    cfg["rope_parameters"] = {"rope_theta": float(dc.rope_theta), "rope_type": "default"}
+    cfg["rope_scaling"] = None if rope["rope_type"] == "default" else {k: v for k, v in rope.items()
+                                                                        if k != "rope_theta"}
+    cfg["rope_parameters"] = rope
     for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
         cfg[k] = tc.get(k)
     kinds = dc.kinds
@@ -251,19 +255,16 @@ def export_problems(cfg: dict, path: Optional[str] = None) -> list[str]:
     return out
 
 
-def _rope_theta(cfg: dict) -> float:
+def _rope_parameters(cfg: dict) -> dict:
+    """The exported RoPE (rope_parameters, or tf-4 rope_theta + rope_scaling) as the drafter's rope parameters."""
+    try:
+        rope = drafter_rope_parameters(cfg)
+    except ConfigError as e:
+        raise ExportError(f"config.json RoPE: {e}") from e
     params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    for d in (params, scaling):
-        t = d.get("rope_type") or d.get("type") if isinstance(d, dict) else None
-        if t not in (None, "default"):
-            raise ExportError(f"rope type {t!r}: the drafter implements default RoPE only")
-    theta = cfg.get("rope_theta")
-    if theta is None and isinstance(params, dict):
-        theta = params.get("rope_theta")
-    if theta is None:
-        raise ExportError("config.json has neither rope_theta nor rope_parameters.rope_theta")
-    return float(theta)
+    if isinstance(params, dict) and (params.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise ExportError(f"partial_rotary_factor={params['partial_rotary_factor']}: DFlashDrafter rotates whole heads")
+    return rope
 
 
 def drafter_config_from_export(cfg: dict) -> DrafterModelConfig:
@@ -292,7 +293,8 @@ def drafter_config_from_export(cfg: dict) -> DrafterModelConfig:
         num_layers=int(cfg["num_hidden_layers"]),
         num_feature_layers=len(layer_ids),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(cfg),
+        rope_theta=_rope_parameters(cfg)["rope_theta"],
+        rope_parameters=_rope_parameters(cfg),
         block_size=int(block_size),
         vocab_size=int(cfg["vocab_size"]),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),

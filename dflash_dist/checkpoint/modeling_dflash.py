@@ -152,10 +152,30 @@ class DFlashDraftModel(PreTrainedModel):
         self.hidden_norm = DFlashRMSNorm(h, config.rms_norm_eps)
         self.norm = DFlashRMSNorm(h, config.rms_norm_eps)
         rope = _rope_params(config)
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise NotImplementedError(f"rope type {rope.get('rope_type')!r}: this model implements default RoPE")
+        self.rope_type = rope.get("rope_type", rope.get("type", "default"))
         self.rope_theta = float(rope["rope_theta"])
+        # scaled RoPE (linear, dynamic, yarn, longrope, llama3, ...): transformers' own init function for this config,
+        # on the CPU in fp32 (what dflash_dist.model.rope computes); default RoPE: the formula below
+        self._rope_fn, self._inv_freq, self.attention_scaling = None, None, 1.0
+        if self.rope_type != "default":
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+            self._rope_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
+            with torch.device("cpu"):
+                inv, scale = self._rope_fn(config, device=torch.device("cpu"))
+            self._inv_freq, self.attention_scaling = inv.float(), float(scale)
         self.post_init()
+
+    def _scaled_inv_freq(self, seq_len: int) -> torch.Tensor:
+        """dynamic / longrope: transformers' forward-time choice for seq_len, without its state."""
+        if "dynamic" in self.rope_type and seq_len > self.config.max_position_embeddings:
+            with torch.device("cpu"):
+                return self._rope_fn(self.config, device=torch.device("cpu"), seq_len=seq_len)[0].float()
+        if self.rope_type == "longrope":
+            omax = int(_rope_params(self.config)["original_max_position_embeddings"])
+            if seq_len > omax:
+                with torch.device("cpu"):
+                    return self._rope_fn(self.config, device=torch.device("cpu"), seq_len=omax + 1)[0].float()
+        return self._inv_freq
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -164,13 +184,19 @@ class DFlashDraftModel(PreTrainedModel):
         elif isinstance(module, DFlashRMSNorm):
             module.weight.fill_(1.0)
 
-    def _rotary(self, positions: torch.Tensor, dtype: torch.dtype):
-        d = self.layers[0].self_attn.head_dim
-        exponent = torch.arange(0, d, 2, dtype=torch.float32, device=positions.device) / d
-        inv_freq = 1.0 / (self.rope_theta ** exponent)
+    def _rotary(self, positions: torch.Tensor, dtype: torch.dtype, seq_len: Optional[int] = None):
+        if self._rope_fn is None:
+            d = self.layers[0].self_attn.head_dim
+            exponent = torch.arange(0, d, 2, dtype=torch.float32, device=positions.device) / d
+            inv_freq = 1.0 / (self.rope_theta ** exponent)
+        else:
+            inv_freq = (self._scaled_inv_freq(seq_len) if seq_len is not None else self._inv_freq).to(positions.device)
         freqs = positions.float()[..., None] * inv_freq.float()
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
 
     def compute_logits(self, hidden_states: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         return lm_head(hidden_states)
@@ -187,8 +213,11 @@ class DFlashDraftModel(PreTrainedModel):
             raise ValueError(f"position_ids cover {pos.shape[1]} positions; the context and the block are "
                              f"{ctx_len} + {q_len}")
         ctx_pos, blk_pos = pos[:, :ctx_len], pos[:, ctx_len:]
-        rope_q = self._rotary(blk_pos, h.dtype)
-        rope_c = self._rotary(ctx_pos, h.dtype)
+        seq_len = None
+        if "dynamic" in self.rope_type or self.rope_type == "longrope":
+            seq_len = int(pos.max()) + 1
+        rope_q = self._rotary(blk_pos, h.dtype, seq_len)
+        rope_c = self._rotary(ctx_pos, h.dtype, seq_len)
         rope_k = (torch.cat([rope_c[0], rope_q[0]], dim=1), torch.cat([rope_c[1], rope_q[1]], dim=1))
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
         k_pos = pos if past == 0 else torch.cat(

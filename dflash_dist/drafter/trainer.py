@@ -75,6 +75,8 @@ class DrafterTrainer:
         self.model = DFlashDrafter(self.mcfg, self.backend).to(self.device).configure_compile(
             flex_dynamic=self.flex_dynamic, compile_layers=self.compile_layers,
             kernel_options=cfg.drafter.tuning.flex_kernel_options)
+        log.info("drafter RoPE: %s, through transformers' %s init (model/rope.py)", self.model.rope.describe(),
+                 self.model.rope.rope_type)
         self.embed, self.lm_head = head_weights if head_weights is not None else receive_head_weights(job, self.device)
         self.feature_width = len(job.layer_ids) * tc.hidden_size
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas),

@@ -35,6 +35,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflash_dist.config import ConfigError
 from dflash_dist.model.masks import window_mask
+from dflash_dist.model.rope import DrafterRope, drafter_rope_parameters
 
 __all__ = ["DrafterModelConfig", "DFlashDrafter", "RMSNorm", "rotary_cos_sin", "apply_rotary"]
 
@@ -76,6 +77,9 @@ class DrafterModelConfig:
     initializer_range: float = 0.02
     layer_types: Optional[list] = None   # per layer "full_attention" / "sliding_attention"; None: all full
     sliding_window: Optional[int] = None  # the window W of the sliding_attention layers (masks.py: |q - k| < W)
+    # transformers 5 rope_parameters of the drafter (rope_type, rope_theta, scaling fields; model/rope.py);
+    # None: default RoPE with rope_theta (checkpoints written before RoPE scaling was supported)
+    rope_parameters: Optional[dict] = None
 
     def __post_init__(self) -> None:
         if self.layer_types is not None:
@@ -98,6 +102,16 @@ class DrafterModelConfig:
                              f"num_key_value_heads={self.num_key_value_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.rope_parameters is not None:
+            self.rope_parameters = dict(self.rope_parameters)
+            theta = self.rope_parameters.setdefault("rope_theta", self.rope_theta)
+            self.rope_parameters.setdefault("rope_type", "default")
+            if float(theta) != float(self.rope_theta):
+                raise ValueError(f"rope_theta={self.rope_theta} but rope_parameters['rope_theta']={theta}")
+
+    def rope_params(self) -> dict:
+        """The drafter's rope_parameters (default RoPE with rope_theta when none were given)."""
+        return dict(self.rope_parameters or {"rope_type": "default", "rope_theta": float(self.rope_theta)})
 
     @staticmethod
     def from_target(hf_config: Any, *, num_layers: int, num_feature_layers: int, block_size: int,
@@ -105,37 +119,27 @@ class DrafterModelConfig:
                     sliding_window: Optional[int] = None) -> "DrafterModelConfig":
         """Copy the Qwen3/LLaMA fields of the target's HF config (object or dict).
 
-        rope_theta comes from ``rope_theta`` or ``rope_parameters['rope_theta']`` (transformers 5). Only the
-        default RoPE is implemented: any rope scaling type raises. ``partial_rotary_factor`` of hybrid
-        targets is not copied: the drafter is its own model and uses full-head RoPE (the export must write
-        the drafter's rope settings, not the target's).
+        RoPE: the target's rope type, theta and scaling (``rope.drafter_rope_parameters``: every rope type
+        transformers implements); not its ``partial_rotary_factor`` or M-RoPE sections: the drafter is exported as
+        a Qwen3, which rotates whole heads with 1-D positions (see model/rope.py).
         """
         if not isinstance(hf_config, dict) and hasattr(hf_config, "get_text_config"):
             hf_config = hf_config.get_text_config()
+        problem = family_problem(hf_config)
+        if problem:
+            raise ConfigError(f"target family cannot be mirrored by the DFlash drafter: {problem}")
         hidden = int(_cfg_get(hf_config, "hidden_size"))
         heads = int(_cfg_get(hf_config, "num_attention_heads"))
         kv_heads = _cfg_get(hf_config, "num_key_value_heads") or heads
         head_dim = _cfg_get(hf_config, "head_dim") or hidden // heads
-        rope_params = _cfg_get(hf_config, "rope_parameters") or {}
-        rope_scaling = _cfg_get(hf_config, "rope_scaling") or {}
-        rope_type = None
-        for d in (rope_params, rope_scaling):
-            if isinstance(d, dict):
-                rope_type = rope_type or d.get("rope_type") or d.get("type")
-        if rope_type not in (None, "default"):
-            raise ConfigError(f"target rope type {rope_type!r}: the drafter implements default RoPE only; "
-                                      "add the scaling to drafter.rotary_cos_sin or train with default RoPE")
-        theta = _cfg_get(hf_config, "rope_theta")
-        if theta is None and isinstance(rope_params, dict):
-            theta = rope_params.get("rope_theta")
-        if theta is None:
-            raise ValueError("target config has neither rope_theta nor rope_parameters['rope_theta']")
+        rope = drafter_rope_parameters(hf_config)
+        theta = rope["rope_theta"]
         return DrafterModelConfig(
             hidden_size=hidden,
             num_attention_heads=heads,
             num_key_value_heads=int(kv_heads),
             head_dim=int(head_dim),
-            intermediate_size=int(intermediate_size or _cfg_get(hf_config, "intermediate_size")),
+            intermediate_size=int(intermediate_size or _drafter_intermediate(hf_config)),
             num_layers=int(num_layers),
             num_feature_layers=int(num_feature_layers),
             rms_norm_eps=float(_cfg_get(hf_config, "rms_norm_eps", 1e-6)),
@@ -147,12 +151,46 @@ class DrafterModelConfig:
             initializer_range=float(_cfg_get(hf_config, "initializer_range", 0.02) or 0.02),
             layer_types=list(layer_types) if layer_types is not None else None,
             sliding_window=sliding_window,
+            rope_parameters=rope,
         )
 
     @property
     def kinds(self) -> list:
         """Attention kind of every layer (``layer_types``, all ``full_attention`` when None)."""
         return list(self.layer_types) if self.layer_types is not None else ["full_attention"] * self.num_layers
+
+
+def family_problem(hf_config: Any) -> Optional[str]:
+    """Why the drafter cannot mirror this target family, or None. The drafter is a Qwen3-style model on the
+    target's hidden size, head shape, RoPE, embedding and lm_head; a target whose attention or heads differ in
+    kind would give a drafter that neither matches its features nor serves as a DFlash Qwen3 drafter."""
+    mt = str(_cfg_get(hf_config, "model_type", "") or "")
+    if _cfg_get(hf_config, "kv_lora_rank") or _cfg_get(hf_config, "q_lora_rank"):
+        return (f"{mt}: multi-head latent attention (kv_lora_rank / q_lora_rank, split rope/nope head dims): the "
+                "drafter's attention is GQA with one head_dim and whole-head RoPE")
+    if _cfg_get(hf_config, "final_logit_softcapping") or _cfg_get(hf_config, "attn_logit_softcapping"):
+        return (f"{mt}: logit softcapping: the drafter applies the target's lm_head without it, so its "
+                "distribution would not be the target's")
+    if mt.startswith("gemma"):
+        return f"{mt}: scaled input embeddings (embed * sqrt(hidden)): the drafter embeds with the raw table"
+    if _cfg_get(hf_config, "use_mla"):
+        return f"{mt}: multi-head latent attention"
+    return None
+
+
+def _drafter_intermediate(hf_config: Any) -> int:
+    """The drafter MLP width when drafter.intermediate_size is unset: the target's ``intermediate_size`` (dense
+    MLP width; gpt-oss: its experts' width); a MoE config without one (Qwen3.5-MoE) gets its active width,
+    top-k experts plus the shared expert."""
+    inter = _cfg_get(hf_config, "intermediate_size")
+    if inter:
+        return int(inter)
+    moe = _cfg_get(hf_config, "moe_intermediate_size")
+    k = _cfg_get(hf_config, "num_experts_per_tok")
+    if moe and k:
+        return int(moe) * int(k) + int(_cfg_get(hf_config, "shared_expert_intermediate_size") or 0)
+    raise ConfigError("the target config has no intermediate_size (nor moe_intermediate_size x num_experts_per_tok):"
+                      " set drafter.intermediate_size")
 
 
 class RMSNorm(nn.Module):
@@ -170,11 +208,16 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rotary_cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos/sin [..., head_dim] for integer positions (rotate_half layout: frequencies repeated twice)."""
+def rotary_cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype, attention_scaling: float = 1.0
+                   ) -> tuple[Tensor, Tensor]:
+    """cos/sin [..., head_dim] for integer positions (rotate_half layout: frequencies repeated twice), times
+    transformers' ``attention_scaling`` (yarn, longrope)."""
     freqs = positions.float()[..., None] * inv_freq.float()
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if attention_scaling != 1.0:
+        cos, sin = cos * attention_scaling, sin * attention_scaling
+    return cos.to(dtype), sin.to(dtype)
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -267,6 +310,9 @@ class DFlashDrafter(nn.Module):
         self.flex_kernel_options: Optional[dict] = None
         self.compiled_layers = False
         self._layer_fns = list(self.layers)
+        self.rope = DrafterRope(cfg.rope_params(), head_dim=cfg.head_dim, hidden_size=h,
+                                num_attention_heads=cfg.num_attention_heads,
+                                max_position_embeddings=cfg.max_position_embeddings)
         self.reset_parameters()
 
     def configure_compile(self, flex_dynamic: bool = False, compile_layers: bool = False,
@@ -313,11 +359,23 @@ class DFlashDrafter(nn.Module):
             elif isinstance(m, RMSNorm):
                 m.weight.fill_(1.0)
 
-    def inv_freq(self, device) -> Tensor:
-        """RoPE inverse frequencies, fp32, computed per call: a buffer would be cast to bf16 by .to(dtype)."""
-        d = self.config.head_dim
-        exponent = torch.arange(0, d, 2, dtype=torch.float32, device=device) / d
-        return 1.0 / (self.config.rope_theta ** exponent)
+    def inv_freq(self, device, seq_len: Optional[int] = None) -> Tensor:
+        """RoPE inverse frequencies, fp32, from transformers' init function for the drafter's rope parameters
+        (model/rope.py); not a buffer: .to(dtype) would cast it to bf16. ``seq_len``: for the length-dependent
+        types (dynamic, longrope)."""
+        return self.rope.inv_freq_on(device, seq_len)
+
+    def rotary(self, ctx_positions: Tensor, block_positions: Tensor, dtype: torch.dtype
+               ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+        """((cos, sin) of the block queries [b, Q, d], (cos, sin) of the keys [b, S+Q, d]: context then block)."""
+        seq_len = None
+        if self.rope.depends_on_length:  # one host sync, only for dynamic / longrope
+            seq_len = int(max(ctx_positions.max(), block_positions.max())) + 1
+        inv_freq = self.inv_freq(block_positions.device, seq_len)
+        scale = self.rope.attention_scaling
+        rope_q = rotary_cos_sin(block_positions, inv_freq, dtype, scale)
+        rope_c = rotary_cos_sin(ctx_positions, inv_freq, dtype, scale)
+        return rope_q, (torch.cat([rope_c[0], rope_q[0]], dim=1), torch.cat([rope_c[1], rope_q[1]], dim=1))
 
     def _prepare_masks(self, mask: Any, b: int, q_len: int, k_len: int, ctx_positions: Tensor,
                        block_positions: Tensor) -> dict:
@@ -365,10 +423,7 @@ class DFlashDrafter(nn.Module):
         masks = self._prepare_masks(mask, b, q_len, features.shape[1] + q_len, ctx_positions, block_positions)
         ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
         h = block_embeds.to(ctx.dtype)
-        inv_freq = self.inv_freq(h.device)
-        rope_q = rotary_cos_sin(block_positions, inv_freq, h.dtype)
-        rope_c = rotary_cos_sin(ctx_positions, inv_freq, h.dtype)
-        rope_k = (torch.cat([rope_c[0], rope_q[0]], dim=1), torch.cat([rope_c[1], rope_q[1]], dim=1))
+        rope_q, rope_k = self.rotary(ctx_positions, block_positions, h.dtype)
         for kind, layer in zip(self.config.kinds, self._layer_fns):
             h = layer(h, ctx, rope_q, rope_k, masks[kind], self.backend)
         # counted here, outside any compiled region (a counter mutated inside one would become a guard)

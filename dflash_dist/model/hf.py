@@ -53,6 +53,14 @@ def text_config(hf_config):
     return getattr(hf_config, "text_config", None) or hf_config
 
 
+def causal_lm_config(hf_config):
+    """The config to build the causal LM from: a multimodal wrapper's (``text_config`` + ``vision_config``, e.g.
+    qwen3_5 / qwen3_5_moe) text config, so no vision tower is built; any other config as it is."""
+    if getattr(hf_config, "vision_config", None) is not None and getattr(hf_config, "text_config", None) is not None:
+        return hf_config.text_config
+    return hf_config
+
+
 def tokenizer_path(tcfg: TargetConfig) -> str:
     if tcfg.tokenizer:
         return tcfg.tokenizer
@@ -75,17 +83,22 @@ def build_target_model(tcfg: TargetConfig, device: str):
     from transformers import AutoModelForCausalLM
     dtype = resolve_dtype(tcfg.dtype, device)
     path, _ = resolve_source(tcfg)
+    kw = {"attn_implementation": tcfg.attn_implementation}
+    if getattr(tcfg, "experts_implementation", None):
+        kw["experts_implementation"] = tcfg.experts_implementation
     if path is not None:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=tcfg.attn_implementation)
+        # a multimodal checkpoint (Qwen3.5 ...ForConditionalGeneration): AutoModelForCausalLM maps it to the text
+        # model (transformers drops the vision tower's weights), which is all the capture runs
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
     else:
-        hf_config = load_hf_config(tcfg)
+        # random init of a multimodal wrapper config: the text model from its text_config (no vision tower)
+        hf_config = causal_lm_config(load_hf_config(tcfg))
         # initialise on the device itself: a CPU init of a multi-billion-parameter model takes minutes
         with torch.random.fork_rng(devices=[]), torch.device(device):
             torch.manual_seed(tcfg.init_seed)
             if device == "cuda":
                 torch.cuda.manual_seed(tcfg.init_seed)
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype,
-                                                     attn_implementation=tcfg.attn_implementation)
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, **kw)
     model.to(device).eval().requires_grad_(False)
     return model
 

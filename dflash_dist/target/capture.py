@@ -9,6 +9,13 @@ Two input layouts give the same features (``target.packing``): right-padded rows
 attention (``target.attn_implementation``), or packed: the samples concatenated into one row [1, T] without
 padding, positions restarting at each sample, and document-causal attention by a compiled ``flex_attention``
 with a BlockMask (registered with transformers' AttentionInterface as ``PACKED_ATTN``).
+
+Packed rows are exact for sliding-window layers (Mistral, gpt-oss): the capture builds one more BlockMask per
+window (document-causal and ``q - kv < window``, transformers' ``sliding_window_overlay``) and the attention
+function picks it by the ``sliding_window`` the layer passes; and for attention sinks (gpt-oss ``s_aux``): the
+flex output is renormalised with the sink logit through flex's log-sum-exp, as transformers' flex path does.
+MoE attention-only targets pack like dense ones (the experts see tokens, not rows). Linear-attention (hybrid)
+layers are refused: their recurrent state would run from one packed sample into the next.
 """
 
 from __future__ import annotations
@@ -20,6 +27,11 @@ from typing import Optional
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+try:  # torch >= 2.9
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:  # pragma: no cover
+    AuxRequest = None
 
 from dflash_dist.config import ConfigError, TargetConfig
 from dflash_dist.model.hf import decoder_layers, text_config
@@ -72,19 +84,55 @@ packed_stats = {"flex_calls": 0, "block_masks": 0}
 and block masks built; the capture checks the first against the attention layers that ran."""
 
 
+WINDOW_MASKS_KWARG = "packed_window_masks"
+"""Forward kwarg (passed down to every attention call) with the packed row's {sliding_window: BlockMask}."""
+
+
 def packed_flex_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention-interface function of the packed capture: query [1, h, T, d], key/value
-    [1, h_kv, T, d], ``attention_mask`` the capture's document-causal BlockMask. Returns ([1, T, h, d], None)."""
+    [1, h_kv, T, d], ``attention_mask`` the capture's document-causal BlockMask. Returns ([1, T, h, d], None).
+    ``sliding_window``: the window's BlockMask from ``packed_window_masks``; ``s_aux`` (attention sinks, one
+    logit per head): the output renormalised by ``exp(lse - logsumexp([lse, sink]))``."""
     if not isinstance(attention_mask, BlockMask):
         raise RuntimeError(f"attention {PACKED_ATTN!r} needs the packed capture's BlockMask as attention_mask, got "
                            f"{type(attention_mask).__name__}: only FeatureCapture(packing=True) may select it")
-    if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
-        raise RuntimeError(f"attention {PACKED_ATTN!r} supports neither sliding windows nor softcapping")
+    if kwargs.get("softcap") is not None:
+        raise RuntimeError(f"attention {PACKED_ATTN!r} does not support softcapping")
+    mask = attention_mask
+    window = kwargs.get("sliding_window")
+    if window is not None:
+        mask = (kwargs.get(WINDOW_MASKS_KWARG) or {}).get(int(window))
+        if mask is None:
+            raise RuntimeError(f"attention {PACKED_ATTN!r}: no packed block mask for sliding window {window} (the "
+                               "capture builds one per window it finds in the model)")
     if not torch.compiler.is_compiling():
         packed_stats["flex_calls"] += 1
     flex = _flex_static if query.device.type == "cpu" else _flex_dynamic
-    out = flex(query, key, value, block_mask=attention_mask, scale=scaling,
-               enable_gqa=query.shape[1] != key.shape[1])
+    sinks = kwargs.get("s_aux")
+    gqa = query.shape[1] != key.shape[1]
+    t = key.shape[2]
+    if sinks is None:
+        out = flex(query, key, value, block_mask=mask, scale=scaling, enable_gqa=gqa)
+    elif mask.seq_lengths[1] == t + 1:
+        # the sink as one more key column that every query sees, with the sink logit as its score and a zero
+        # value: softmax over [scores | sink] exactly (CPU: its compiled flex cannot return the log-sum-exp)
+        pad = key.new_zeros(key.shape[0], key.shape[1], 1, key.shape[3])
+        sink = sinks.to(query.dtype)
+
+        def sink_score(score, b, h, q_idx, kv_idx):
+            return torch.where(kv_idx == t, sink[h].to(score.dtype), score)
+        out = flex(query, torch.cat([key, pad], 2), torch.cat([value, pad], 2), score_mod=sink_score,
+                   block_mask=mask, scale=scaling, enable_gqa=gqa)
+    else:
+        if AuxRequest is not None:
+            out, aux = flex(query, key, value, block_mask=mask, scale=scaling, enable_gqa=gqa,
+                            return_aux=AuxRequest(lse=True))
+            lse = aux.lse
+        else:  # pragma: no cover - torch < 2.9
+            out, lse = flex(query, key, value, block_mask=mask, scale=scaling, enable_gqa=gqa, return_lse=True)
+        lse = lse.float().unsqueeze(-1)                                   # [1, h, T, 1], natural log
+        sink = sinks.float().view(1, -1, 1, 1).expand_as(lse)
+        out = (out.float() * torch.exp(lse - torch.logaddexp(lse, sink))).to(query.dtype)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -96,26 +144,71 @@ def _register_packed_attention() -> None:
     AttentionInterface.register(PACKED_ATTN, packed_flex_attention)
 
 
-def document_causal_block_mask(lengths: torch.Tensor, total: int, device) -> tuple[BlockMask, torch.Tensor]:
+def document_causal_block_mask(lengths: torch.Tensor, total: int, device, windows: tuple = (),
+                               sink_column: bool = False):
     """(BlockMask: a token sees the earlier-or-same tokens of its own sample, per-sample positions [T]) for the
-    samples of ``lengths`` concatenated into one row of ``total`` tokens."""
+    samples of ``lengths`` concatenated into one row of ``total`` tokens. With ``windows`` or ``sink_column``: a
+    third element {window: BlockMask that also needs ``q - kv < window``} (transformers' sliding-window mask, per
+    sample). ``sink_column``: every mask has one more key column (index ``total``) that every query sees: the
+    attention sink's column (see ``packed_flex_attention``)."""
     lengths = lengths.to(device)
     doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths, output_size=total)
     starts = torch.cumsum(lengths, 0) - lengths
     positions = torch.arange(total, device=device) - starts[doc]
+    kv_len = total + 1 if sink_column else total
+    doc_kv = torch.cat([doc, torch.full((1,), -1, device=device, dtype=doc.dtype)]) if sink_column else doc
 
     def document_causal(b, h, q_idx, kv_idx):
-        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+        return (doc[q_idx] == doc_kv[kv_idx]) & (q_idx >= kv_idx)
+
+    def with_sink(fn):
+        if not sink_column:
+            return fn
+        return lambda b, h, q_idx, kv_idx: fn(b, h, q_idx, kv_idx) | (kv_idx == total)
 
     builder = _block_mask_static if torch.device(device).type == "cpu" else _block_mask_dynamic
     packed_stats["block_masks"] += 1
-    return builder(document_causal, None, None, total, total, device=device), positions
+    full = builder(with_sink(document_causal), None, None, total, kv_len, device=device)
+    if not windows and not sink_column:
+        return full, positions
+    by_window = {}
+    for w in windows:
+        w_t = torch.tensor(int(w), device=device)
+
+        def document_window(b, h, q_idx, kv_idx, w_t=w_t):
+            return (doc[q_idx] == doc_kv[kv_idx]) & (q_idx >= kv_idx) & (q_idx - kv_idx < w_t)
+        packed_stats["block_masks"] += 1
+        by_window[int(w)] = builder(with_sink(document_window), None, None, total, kv_len, device=device)
+    return full, positions, by_window
+
+
+def has_attention_sinks(model) -> bool:
+    """gpt-oss: a learned sink logit per head (``self_attn.sinks``), passed to attention as ``s_aux``."""
+    _, layers = decoder_layers(model)
+    return any(getattr(getattr(layer, "self_attn", None), "sinks", None) is not None for layer in layers)
+
+
+def sliding_windows(model) -> tuple:
+    """The sliding windows the model's attention layers pass to their attention function (per-layer
+    ``self_attn.sliding_window``, gpt-oss; or the config's ``sliding_window``, Mistral), sorted."""
+    _, layers = decoder_layers(model)
+    found = {int(w) for layer in layers
+             if (w := getattr(getattr(layer, "self_attn", None), "sliding_window", None))}
+    w = getattr(text_config(model.config), "sliding_window", None)
+    types = getattr(text_config(model.config), "layer_types", None)
+    if w and (not types or "sliding_attention" in types) and getattr(text_config(model.config),
+                                                                     "use_sliding_window", True) is not False:
+        found.add(int(w))
+    return tuple(sorted(found))
+
+
+PACKABLE_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def _config_packing_problem(hf_config) -> Optional[str]:
     types = getattr(text_config(hf_config), "layer_types", None) or []
     for i, kind in enumerate(types):
-        if kind != "full_attention":
+        if kind not in PACKABLE_LAYER_TYPES:
             return (f"decoder layer {i} is {kind}"
                     + (" (GatedDeltaNet): its recurrent state would run from one packed sample into the next"
                        if kind == "linear_attention" else ""))
@@ -123,9 +216,10 @@ def _config_packing_problem(hf_config) -> Optional[str]:
 
 
 def packing_problem(model) -> Optional[str]:
-    """Why the packed capture cannot run this model, or None: every decoder layer must be full softmax
-    attention (``self_attn``, no sliding window); linear-attention layers (``linear_attn``) carry a recurrent
-    state along the row, so packed samples would see each other."""
+    """Why the packed capture cannot run this model, or None: every decoder layer must be softmax attention
+    (``self_attn``; full or sliding-window, sinks allowed: exact in the packed path); linear-attention layers
+    (``linear_attn``) carry a recurrent state along the row, so packed samples would see each other; softcapped
+    attention is not implemented by the packed function."""
     _, layers = decoder_layers(model)
     for i, layer in enumerate(layers):
         if hasattr(layer, "linear_attn"):
@@ -133,8 +227,11 @@ def packing_problem(model) -> Optional[str]:
                     "recurrent state would run from one packed sample into the next")
         if not hasattr(layer, "self_attn"):
             return f"decoder layer {i} ({type(layer).__name__}) has no self_attn"
-        if getattr(layer.self_attn, "sliding_window", None):
-            return f"decoder layer {i} uses sliding-window attention"
+    tc = text_config(model.config)
+    if getattr(tc, "attn_logit_softcapping", None):
+        return "the attention layers softcap their logits (not implemented by the packed flex function)"
+    if getattr(tc, "attention_chunk_size", None):
+        return "chunked attention (attention_chunk_size) is not implemented by the packed flex function"
     return _config_packing_problem(model.config)
 
 
@@ -206,6 +303,8 @@ class FeatureCapture:
         self.packing, self.compile = bool(packing), bool(compile)
         run = list(self.layers)[: self.last + 1]
         self.attention_layers_run = sum(1 for layer in run if hasattr(layer, "self_attn"))
+        self.windows = sliding_windows(model)
+        self.sinks = has_attention_sinks(model)
         if self.packing:
             problem = packing_problem(model)
             if problem:
@@ -232,6 +331,10 @@ class FeatureCapture:
 
     def describe(self) -> str:
         attn = "flex document-causal" if self.packing else self.base.config._attn_implementation
+        if self.packing and self.windows:
+            attn += f", sliding window {'/'.join(map(str, self.windows))}"
+        if self.packing and self.sinks:
+            attn += ", attention sinks"
         rows = "packed" if self.packing else ("padded" + (f" to a multiple of {self.pad_multiple}"
                                                             if self.pad_multiple > 1 else ""))
         return f"{rows} ({attn}), compiled layers: {'yes' if self.compile else 'no'}"
@@ -283,8 +386,15 @@ class FeatureCapture:
             if pad:
                 input_ids = torch.nn.functional.pad(input_ids, (0, pad))
                 lengths = torch.cat([lengths.cpu(), torch.tensor([pad])])
-            mask, positions = document_causal_block_mask(lengths, input_ids.shape[1], input_ids.device)
+            # attention sinks: an extra key column on CPU (compiled CPU flex has no log-sum-exp), the LSE
+            # renormalisation elsewhere
+            sink_column = self.sinks and input_ids.device.type == "cpu"
+            built = document_causal_block_mask(lengths, input_ids.shape[1], input_ids.device, self.windows,
+                                               sink_column)
+            mask, positions = built[0], built[1]
             kwargs = {"attention_mask": mask, "position_ids": positions[None]}
+            if len(built) == 3:
+                kwargs[WINDOW_MASKS_KWARG] = built[2]
         elif input_ids.shape[1] % self.pad_multiple:
             # more right padding: as invisible to the real tokens as the rest (causal, see above)
             extra = -input_ids.shape[1] % self.pad_multiple

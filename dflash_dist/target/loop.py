@@ -58,15 +58,15 @@ def capture_flops_fn(model, job, packed: bool = False, pad_multiple: int = 1):
     (attention stays inside a sample).
     For the target's MFU in the metrics (``flops.target_forward_flops``)."""
     from dflash_dist.model.hf import decoder_layers, text_config
-    from dflash_dist.telemetry.flops import target_forward_flops
+    from dflash_dist.telemetry.flops import target_capture_flops, target_layers_profile
     _, layers = decoder_layers(model)
     run = list(layers)[: max(job.layer_ids) + 1]
-    run_params = sum(p.numel() for layer in run for p in layer.parameters())
-    attn_layers = sum(1 for layer in run if hasattr(layer, "self_attn"))  # hybrids: full-attention layers only
     tc = text_config(job.hf_config)
+    # active experts only (MoE), linear-attention layers as they compute, sliding windows their window
+    profile = target_layers_profile(run, tc)
     if packed:
-        return lambda lengths: target_forward_flops(tc, run_params, attn_layers, [(1, int(n)) for n in lengths])
-    return lambda lengths: target_forward_flops(tc, run_params, attn_layers,
+        return lambda lengths: target_capture_flops(profile, tc, [(1, int(n)) for n in lengths])
+    return lambda lengths: target_capture_flops(profile, tc,
                                                 [(len(lengths), -(-int(max(lengths)) // pad_multiple) * pad_multiple)])
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 __all__ = ["NOMINAL_BF16_TFLOPS", "nominal_peak_tflops", "drafter_step_flops", "attention_flops_per_pair",
-           "target_forward_flops"]
+           "target_forward_flops", "target_layers_profile", "target_capture_flops", "causal_pairs"]
 
 # Dense bf16 tensor-core peaks from the vendors' data sheets (TFLOP/s), matched as substrings of the device name
 NOMINAL_BF16_TFLOPS = (("H200", 989.4), ("H100 SXM", 989.4), ("H100 80GB HBM3", 989.4), ("H100 PCIe", 756.0),
@@ -85,4 +85,79 @@ def target_forward_flops(tc, run_params: int, attention_layers_run: int, batches
         total += attention_layers_run * 4.0 * d * tc.num_attention_heads * b * s * (s + 1) / 2
         if lm_head:
             total += 2.0 * b * s * tc.hidden_size * tc.vocab_size
+    return total
+
+
+def _is_experts(name: str, mod) -> bool:
+    return type(mod).__name__.endswith("Experts") or (name.split(".")[-1] == "experts"
+                                                      and type(mod).__name__ == "ModuleList")
+
+
+def target_layers_profile(layers, tc) -> dict:
+    """What the decoder layers that run compute per token, read off the built modules (``tc``: HF text config):
+
+    * ``matmul_per_token``: 2 FLOPs per weight of every matmul a token goes through: all 2-D weights (attention
+      or linear-attention projections, dense MLP, router, shared experts) and, of the routed experts' weights,
+      the fraction ``top_k / num_experts`` a token uses (MoE: active experts only);
+    * ``attention_windows``: one entry per softmax-attention layer, its sliding window or None (full causal);
+    * ``linear_per_token``: the GatedDeltaNet recurrence per token (delta rule on a [d_k, d_v] state per value
+      head: k^T S, the rank-1 update and q S, 2 FLOPs per multiply-add each: 6*d_k*d_v) and its causal conv1d
+      (2 * kernel * channels), summed over the linear-attention layers.
+    """
+    top_k = int(getattr(tc, "num_experts_per_tok", None) or getattr(tc, "experts_per_token", None) or 0)
+    dense = routed = 0.0
+    windows, linear = [], 0.0
+    for layer in layers:
+        expert_params = set()
+        for name, mod in layer.named_modules():
+            if not _is_experts(name, mod):
+                continue
+            listed = type(mod).__name__ == "ModuleList"
+            # fused experts: the 3-D [E, in, out] weights (their [E, out] biases are adds, not matmuls)
+            params = [p for p in mod.parameters() if p.dim() >= (2 if listed else 3)]
+            n_exp = len(mod) if listed else (params[0].shape[0] if params else 0)
+            k = top_k or n_exp
+            routed += sum(p.numel() for p in params) * (k / max(n_exp, 1))
+            expert_params.update(id(p) for p in mod.parameters())
+        dense += sum(p.numel() for p in layer.parameters() if p.dim() >= 2 and id(p) not in expert_params)
+        attn = getattr(layer, "self_attn", None)
+        if attn is not None:
+            w = getattr(attn, "sliding_window", None)
+            if w is None and getattr(tc, "sliding_window", None) and not getattr(tc, "layer_types", None) \
+                    and getattr(tc, "use_sliding_window", True) is not False:
+                w = tc.sliding_window  # Mistral: every layer slides
+            windows.append(int(w) if w else None)
+        la = getattr(layer, "linear_attn", None)
+        if la is not None:
+            hv = int(getattr(la, "num_v_heads", None) or tc.linear_num_value_heads)
+            dk = int(getattr(la, "head_k_dim", None) or tc.linear_key_head_dim)
+            dv = int(getattr(la, "head_v_dim", None) or tc.linear_value_head_dim)
+            conv_dim = int(getattr(la, "conv_dim", 0) or 0)
+            kernel = int(getattr(la, "conv_kernel_size", None) or getattr(tc, "linear_conv_kernel_dim", 4))
+            linear += 6.0 * hv * dk * dv + 2.0 * kernel * conv_dim
+    return {"matmul_per_token": 2.0 * (dense + routed), "attention_windows": windows, "linear_per_token": linear}
+
+
+def causal_pairs(s: int, window: Optional[int] = None) -> float:
+    """Visible (query, key) pairs of a causal sequence of s tokens; with a sliding window w (a query sees its
+    last w keys, itself included: transformers' ``q - kv < w``): sum over i of min(i + 1, w)."""
+    if window is None or window >= s:
+        return s * (s + 1) / 2
+    return window * (window + 1) / 2 + (s - window) * window
+
+
+def target_capture_flops(profile: dict, tc, batches: Iterable[tuple[int, int]], lm_head: bool = False) -> float:
+    """Forward FLOPs of the target's decoder layers of ``profile`` (``target_layers_profile``) over batches
+    [(b, S), ...] as they run (padded: b rows of S; packed: (1, n) per sample): matmuls of the active weights,
+    linear-attention recurrences, and softmax attention over the visible pairs of each layer (4*d per pair and
+    head: QK^T and PV), plus the lm_head when asked (full forward)."""
+    d = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    per_pair = 4.0 * d * tc.num_attention_heads
+    total = 0.0
+    for b, s in batches:
+        tokens = b * s
+        total += (profile["matmul_per_token"] + profile["linear_per_token"]) * tokens
+        total += per_pair * b * sum(causal_pairs(s, w) for w in profile["attention_windows"])
+        if lm_head:
+            total += 2.0 * tokens * tc.hidden_size * tc.vocab_size
     return total

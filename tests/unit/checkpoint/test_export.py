@@ -340,3 +340,35 @@ def test_load_export_refuses_an_incomplete_export(tmp_path):
     with pytest.raises(ExportError, match="modeling_dflash.py"):
         load_export(out)
     load_export(out, require_complete=False)                  # the weights themselves still load
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+     "truncate": False, "original_max_position_embeddings": 64}])
+def test_scaled_rope_export_automodel_equals_load_export(tmp_path, rope):
+    """A drafter with the target's scaled RoPE (Llama-3.1 llama3, gpt-oss yarn with its attention factor): the
+    export writes it under rope_parameters and rope_scaling, load_export and AutoModel(trust_remote_code) both
+    compute it, with outputs identical to the trained drafter's."""
+    tc = target_config_dict(rope_parameters=dict(rope))
+    dcfg = DrafterModelConfig.from_target(tc, num_layers=LAYERS, num_feature_layers=len(LAYER_IDS),
+                                          block_size=BLOCK, intermediate_size=48)
+    assert dcfg.rope_parameters["rope_type"] == rope["rope_type"]
+    torch.manual_seed(0)
+    model = DFlashDrafter(dcfg, "sdpa").eval()
+    ckpt, _ = make_checkpoint(tmp_path, model, target_config=tc)
+    out = export_checkpoint(ckpt, unique_dir(tmp_path, f"rope_{rope['rope_type']}"), dtype="float32")
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert cfg["rope_parameters"]["rope_type"] == rope["rope_type"] == cfg["rope_scaling"]["rope_type"]
+    assert not export_problems(cfg, out)
+    back, _ = load_export(out)
+    auto = auto_model(out)
+    feats, embeds, cpos, bpos, mask = multi_block_inputs()
+    with torch.no_grad():
+        ref = model(embeds, feats, cpos, bpos, mask)
+        assert torch.equal(back(embeds, feats, cpos, bpos, mask), ref)
+        got = auto(position_ids=torch.cat([cpos, bpos], 1), noise_embedding=embeds, target_hidden=feats,
+                   attention_mask=mask)
+    assert torch.equal(got, ref)
+    assert auto.attention_scaling == back.rope.attention_scaling

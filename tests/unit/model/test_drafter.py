@@ -252,10 +252,18 @@ def test_from_target_qwen3_config():
          "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "max_position_embeddings": 64},
         num_layers=1, num_feature_layers=2, block_size=8, intermediate_size=200)
     assert (c2.head_dim, c2.num_key_value_heads, c2.rope_theta, c2.intermediate_size) == (8, 8, 1e6, 200)
-    with pytest.raises(ConfigError, match="yarn"):
+    # scaled RoPE is mirrored (model/rope.py), per-layer-type RoPE refused
+    c3 = DrafterModelConfig.from_target(
+        {"hidden_size": 64, "num_attention_heads": 8, "intermediate_size": 96, "vocab_size": 10,
+         "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}, "max_position_embeddings": 64},
+        num_layers=1, num_feature_layers=2, block_size=8)
+    assert c3.rope_parameters == {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                  "original_max_position_embeddings": 64}
+    with pytest.raises(ConfigError, match="layer type"):
         DrafterModelConfig.from_target(
             {"hidden_size": 64, "num_attention_heads": 8, "intermediate_size": 96, "vocab_size": 10,
-             "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
+             "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
             num_layers=1, num_feature_layers=2, block_size=8)
 
 

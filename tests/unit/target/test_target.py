@@ -233,9 +233,10 @@ def test_capture_flops_count_the_rows_as_they_run():
     from dflash_dist.telemetry.flops import target_forward_flops
     model = AutoModelForCausalLM.from_config(tiny("qwen3")).eval()
     job = SimpleNamespace(layer_ids=[1, 3], hf_config=model.config)
-    run_params = sum(p.numel() for layer in model.get_decoder().layers[:4] for p in layer.parameters())
+    # matmul weights (norm scales are not matmuls)
+    run_params = sum(p.numel() for layer in model.get_decoder().layers[:4] for p in layer.parameters() if p.dim() >= 2)
     expect = lambda rows: target_forward_flops(model.config, run_params, 4, rows)  # noqa: E731
     lengths = [100, 37]
-    assert capture_flops_fn(model, job)(lengths) == expect([(2, 100)])
-    assert capture_flops_fn(model, job, pad_multiple=64)(lengths) == expect([(2, 128)])
-    assert capture_flops_fn(model, job, packed=True)(lengths) == expect([(1, 100), (1, 37)])
+    assert capture_flops_fn(model, job)(lengths) == pytest.approx(expect([(2, 100)]))
+    assert capture_flops_fn(model, job, pad_multiple=64)(lengths) == pytest.approx(expect([(2, 128)]))
+    assert capture_flops_fn(model, job, packed=True)(lengths) == pytest.approx(expect([(1, 100), (1, 37)]))

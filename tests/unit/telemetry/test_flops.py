@@ -89,3 +89,65 @@ def test_step_flops_formula_by_hand():
     g = step_flops(mc, b=1, s_pad=16, n_blocks=2, vocab=10, visible_pairs=4 * (3 + 4), train=True,
                    recompute_head=True)
     assert g["hardware"] - g["model"] == 2 * 6 * 8 * 10         # + the checkpoint's recomputed forward
+
+
+def _family(name):
+    import os
+
+    import yaml
+
+    from dflash_dist.config import TargetConfig
+    from dflash_dist.model.hf import build_target_model
+    conf = os.path.join(os.path.dirname(__file__), "..", "..", "..", "conf", "target", f"{name}.yaml")
+    with open(conf) as f:
+        d = yaml.safe_load(f)
+        d.pop("defaults", None)
+        return build_target_model(TargetConfig(**d), "cpu")
+
+
+def test_moe_counts_active_experts_by_hand():
+    """tiny_qwen3_moe: H=64, 4 q heads / 2 kv heads of 16, 8 experts of 32 (top-2), router; per layer and token:
+    attention projections 2*(64*64 + 2*64*32 + 64*64), router 2*64*8, 2 of 8 experts 2*2*(3*64*32)."""
+    from dflash_dist.model.hf import text_config
+    from dflash_dist.telemetry.flops import target_capture_flops, target_layers_profile
+    m = _family("tiny_qwen3_moe")
+    tc = text_config(m.config)
+    prof = target_layers_profile(list(m.model.layers)[:3], tc)
+    per_layer = 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64) + 2 * 64 * 8 + 2 * 2 * (3 * 64 * 32)
+    assert prof["matmul_per_token"] == 3 * per_layer
+    assert prof["attention_windows"] == [None] * 3 and prof["linear_per_token"] == 0
+    f = target_capture_flops(prof, tc, [(2, 5)])
+    assert f == 3 * per_layer * 10 + 3 * (4 * 16 * 4) * 2 * 15
+    all_experts = 2 * 8 * (3 * 64 * 32) * 3
+    assert prof["matmul_per_token"] < all_experts  # the old count (every expert) would exceed it alone
+
+
+def test_gpt_oss_sliding_layers_count_their_window():
+    from dflash_dist.model.hf import text_config
+    from dflash_dist.telemetry.flops import causal_pairs, target_capture_flops, target_layers_profile
+    m = _family("tiny_gpt_oss")
+    tc = text_config(m.config)
+    prof = target_layers_profile(list(m.model.layers)[:2], tc)
+    assert prof["attention_windows"] == [16, None]
+    assert causal_pairs(40, 16) == 16 * 17 / 2 + 24 * 16 and causal_pairs(10, 16) == 55
+    per_pair = 4 * 16 * 4
+    f = target_capture_flops(prof, tc, [(1, 40)])
+    assert f == prof["matmul_per_token"] * 40 + per_pair * (causal_pairs(40, 16) + 40 * 41 / 2)
+    # gpt-oss experts: gate_up [E, H, 2I] + down [E, I, H], 2 of 4 active; router [E, H]
+    per_layer_experts = 2 * 2 * (64 * 128 + 64 * 64)
+    attn = 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64)
+    assert prof["matmul_per_token"] == 2 * (attn + 2 * 64 * 4 + per_layer_experts)
+
+
+def test_hybrid_counts_linear_attention_layers_by_hand():
+    """tiny_hybrid (Qwen3-Next shape): layers 0-2 GatedDeltaNet (4 value heads, d_k = d_v = 16, conv kernel 4 over
+    2*2*16 + 4*16 = 128 channels), layer 3 full attention; dense MLPs (mlp_only_layers)."""
+    from dflash_dist.model.hf import text_config
+    from dflash_dist.telemetry.flops import target_capture_flops, target_layers_profile
+    m = _family("tiny_hybrid")
+    tc = text_config(m.config)
+    prof = target_layers_profile(list(m.model.layers)[:4], tc)
+    assert prof["attention_windows"] == [None]
+    assert prof["linear_per_token"] == 3 * (6 * 4 * 16 * 16 + 2 * 4 * 128)
+    f = target_capture_flops(prof, tc, [(1, 8)])
+    assert f == (prof["matmul_per_token"] + prof["linear_per_token"]) * 8 + 4 * 16 * 4 * 36

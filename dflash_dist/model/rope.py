@@ -1,0 +1,187 @@
+"""The drafter's rotary embedding, computed by transformers' own RoPE code for the config the drafter exports.
+
+A served DFlash drafter is a ``model_type: qwen3`` model (``checkpoint/export.py``): the z-lab
+``DFlashDraftModel``, vLLM and SGLang build its rotary embedding from the exported ``rope_parameters``
+(transformers: ``Qwen3RotaryEmbedding`` -> ``ROPE_INIT_FUNCTIONS[rope_type]``). The drafter trains with exactly
+that embedding: :class:`DrafterRope` builds a ``Qwen3Config`` from the drafter's rope parameters and asks
+transformers for ``(inv_freq, attention_scaling)``, for every rope type transformers implements (default,
+linear, dynamic, yarn, longrope, llama3, ...). cos/sin are ``cat(pos * inv_freq, pos * inv_freq).cos() *
+attention_scaling`` (rotate_half layout), the formula of every transformers rotary forward.
+
+What the drafter takes from the target (:func:`drafter_rope_parameters`): the target's rope type, theta and
+scaling fields. Not taken:
+
+* ``partial_rotary_factor`` (Qwen3-Next, Qwen3.5): the exported model is a Qwen3, whose attention rotates the
+  whole head; a partial factor in the export would make the served drafter's cos/sin shorter than its heads.
+  The drafter rotates every dimension, with the target's theta and scaling.
+* ``mrope_section`` / ``mrope_interleaved`` (Qwen3.5, Qwen-VL text): with text-only positions every M-RoPE
+  axis carries the same position, and the interleaved/sectioned frequencies are the 1-D ones; the drafter
+  has no vision positions, so M-RoPE is the 1-D RoPE here.
+
+Dynamic types follow transformers' forward-time updates without their state: ``dynamic`` recomputes
+``inv_freq`` for ``seq_len = max(position) + 1`` when that exceeds ``max_position_embeddings``; ``longrope``
+takes the long factors when ``seq_len`` exceeds ``original_max_position_embeddings``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from dflash_dist.config import ConfigError
+
+__all__ = ["ROPE_FIELDS", "DROPPED_FIELDS", "drafter_rope_parameters", "DrafterRope", "rope_init_functions"]
+
+# rope_parameters keys the export keeps (what transformers' init functions read)
+ROPE_FIELDS = ("rope_type", "rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
+               "high_freq_factor", "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim",
+               "short_factor", "long_factor", "truncate")
+# keys of a target's rope parameters the drafter does not mirror (module docstring says why)
+DROPPED_FIELDS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved", "type")
+
+
+def rope_init_functions() -> dict:
+    """transformers' rope_type -> init function (``ROPE_INIT_FUNCTIONS``), plus 'default' (Qwen3's)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    fns = dict(ROPE_INIT_FUNCTIONS)
+    if "default" not in fns:
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+        fns["default"] = Qwen3RotaryEmbedding.compute_default_rope_parameters
+    return fns
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    if isinstance(cfg, dict):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
+def _is_nested(params: dict) -> bool:
+    return bool(params) and all(isinstance(v, dict) or v is None for v in params.values())
+
+
+def drafter_rope_parameters(target_config: Any) -> dict:
+    """The drafter's ``rope_parameters`` (transformers 5 form: one dict with rope_type and rope_theta) from the
+    target's HF config (object or dict; a multimodal wrapper's text_config is read). transformers 4 form
+    (``rope_theta`` + ``rope_scaling``) is accepted too. Raises ConfigError for per-layer-type RoPE."""
+    if not isinstance(target_config, dict) and hasattr(target_config, "get_text_config"):
+        target_config = target_config.get_text_config()
+    elif isinstance(target_config, dict) and isinstance(target_config.get("text_config"), dict):
+        target_config = target_config["text_config"]
+    params = _get(target_config, "rope_parameters") or {}
+    scaling = _get(target_config, "rope_scaling") or {}
+    if not isinstance(params, dict) or not isinstance(scaling, dict):
+        raise ConfigError(f"target rope_parameters/rope_scaling must be dicts, got {params!r} / {scaling!r}")
+    if _is_nested(params):
+        raise ConfigError(f"target RoPE differs by layer type ({sorted(params)}): the drafter's attention is one "
+                          "kind (full attention) and cannot mirror per-layer-type RoPE")
+    merged = {**scaling, **params}
+    out: dict[str, Any] = {}
+    rope_type = merged.get("rope_type") or merged.get("type") or "default"
+    out["rope_type"] = str(rope_type)
+    theta = merged.get("rope_theta", _get(target_config, "rope_theta"))
+    if theta is None:
+        raise ConfigError("target config has neither rope_theta nor rope_parameters['rope_theta']")
+    out["rope_theta"] = float(theta)
+    for k in ROPE_FIELDS[2:]:
+        if merged.get(k) is not None:
+            out[k] = merged[k]
+    # transformers (standardize_rope_params) defaults original_max_position_embeddings from the config
+    if out["rope_type"] in ("llama3", "yarn", "longrope") and "original_max_position_embeddings" not in out:
+        omax = _get(target_config, "original_max_position_embeddings") or _get(target_config,
+                                                                                 "max_position_embeddings")
+        if omax is not None:
+            out["original_max_position_embeddings"] = int(omax)
+    if out["rope_type"] not in rope_init_functions():
+        raise ConfigError(f"target rope type {out['rope_type']!r} is not one transformers implements "
+                          f"({sorted(rope_init_functions())})")
+    return out
+
+
+class DrafterRope:
+    """cos/sin of the drafter's RoPE: transformers' init function for ``rope_parameters`` on a Qwen3 config of
+    the drafter's attention shape (what a serving engine builds from the export). fp32 on the CPU, moved to the
+    device on first use (kept out of the module's buffers so ``.to(bfloat16)`` cannot round it)."""
+
+    def __init__(self, rope_parameters: dict, *, head_dim: int, hidden_size: int, num_attention_heads: int,
+                 max_position_embeddings: int):
+        from transformers import Qwen3Config
+        self.rope_parameters = dict(rope_parameters)
+        self.rope_type = self.rope_parameters.get("rope_type", "default")
+        self.hf_config = Qwen3Config(hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+                                     num_key_value_heads=num_attention_heads, head_dim=head_dim,
+                                     max_position_embeddings=max_position_embeddings,
+                                     rope_parameters=dict(self.rope_parameters))
+        fns = rope_init_functions()
+        if self.rope_type not in fns:
+            raise ConfigError(f"rope type {self.rope_type!r}: transformers implements {sorted(fns)}")
+        self._fn = fns[self.rope_type]
+        inv_freq, scaling = self._init(None)
+        self.inv_freq = inv_freq.float()
+        if self.inv_freq.shape[0] * 2 != head_dim:
+            raise ConfigError(f"rope parameters {self.rope_parameters} give {2 * self.inv_freq.shape[0]} rotary "
+                              f"dims for head_dim {head_dim}: the drafter rotates the whole head")
+        self.attention_scaling = float(scaling)
+        self.max_position_embeddings = int(max_position_embeddings)
+        self._long: Optional[Tensor] = None
+        self._on: dict = {}
+
+    def _init(self, seq_len: Optional[int]) -> tuple[Tensor, float]:
+        # on the CPU even inside a meta-device context (the export builds the module on meta to check names)
+        with torch.device("cpu"):
+            if seq_len is None:
+                return self._fn(self.hf_config, device=torch.device("cpu"))
+            return self._fn(self.hf_config, device=torch.device("cpu"), seq_len=seq_len)
+
+    def _inv_freq_for(self, seq_len: Optional[int]) -> tuple[Tensor, bool]:
+        """(inv_freq, cacheable)."""
+        if seq_len is None:
+            return self.inv_freq, True
+        if "dynamic" in self.rope_type and seq_len > self.max_position_embeddings:
+            return self._init(seq_len)[0].float(), False
+        if self.rope_type == "longrope":
+            omax = int(self.rope_parameters["original_max_position_embeddings"])
+            if seq_len > omax:
+                if self._long is None:
+                    self._long = self._init(omax + 1)[0].float()
+                return self._long, True
+        return self.inv_freq, True
+
+    @property
+    def depends_on_length(self) -> bool:
+        return "dynamic" in self.rope_type or self.rope_type == "longrope"
+
+    def inv_freq_on(self, device, seq_len: Optional[int] = None) -> Tensor:
+        inv, cacheable = self._inv_freq_for(seq_len)
+        if not cacheable:
+            return inv.to(device)
+        key = (str(device), id(inv))
+        hit = self._on.get(key)
+        if hit is None:
+            hit = self._on[key] = inv.to(device)
+        return hit
+
+    def cos_sin(self, positions: Tensor, dtype: torch.dtype, inv_freq: Optional[Tensor] = None
+                ) -> tuple[Tensor, Tensor]:
+        """cos/sin [..., head_dim] for integer positions, in ``dtype`` (computed in fp32, as transformers)."""
+        if inv_freq is None:
+            inv_freq = self.inv_freq_on(positions.device)
+        freqs = positions.float()[..., None] * inv_freq.float()
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+    def describe(self) -> str:
+        extra = {k: v for k, v in self.rope_parameters.items() if k not in ("rope_type", "rope_theta")
+                 and not isinstance(v, list)}
+        s = f"{self.rope_type} (theta {self.rope_parameters.get('rope_theta'):g}"
+        if extra:
+            s += ", " + ", ".join(f"{k}={v}" for k, v in sorted(extra.items()))
+        if not math.isclose(self.attention_scaling, 1.0):
+            s += f", attention scaling {self.attention_scaling:.4f}"
+        return s + ")"
