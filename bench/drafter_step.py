@@ -367,7 +367,7 @@ def main(argv=None) -> int:
             ("attention_flop_share", "attn share"), ("peak_mem_gb", "peak GB"), ("first_step_s", "1st step s"),
             ("error", "error")]
     print()
-    print(C.table(result["rows"], cols, title=f"drafter step ({'tiny' if tiny else 'Qwen3-8B-shaped'}, {dev.type}; "
+    print(C.table(result["rows"], cols, title=f"drafter step ({'tiny' if tiny else args.shape + '-shaped'}, {dev.type}; "
                                                f"matmul peak {C.fmt(peak['tflops'])} TFLOP/s measured)"))
     for r in result["rows"]:
         bd = r.get("breakdown_ms")
