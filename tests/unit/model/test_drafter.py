@@ -383,19 +383,22 @@ def test_sliding_window_config_is_validated():
         DrafterConfig(num_layers=2, layer_types=["full_attention", "sliding_attention"])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: flex's backward and the dynamic kernel")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: flex's backward and the dynamic kernel (passed on an "
+                    "H200, torch 2.11, 2026-12-01)")
 def test_sliding_window_flex_on_cuda_matches_sdpa_forward_and_backward():
     """The training path on a GPU: compiled layers, dynamic-shape flex, {kind: BlockMask} (compiled builder) for a
     drafter with sliding and full layers == the sdpa drafter (dense masks) in outputs and weight gradients."""
     from dflash_dist.model.masks import layer_masks
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    ref = DFlashDrafter(sliding_cfg(window=6), "sdpa").to(dev)
+    # head_dim 16: the CUDA flex kernel needs at least 16 (the CPU tests' drafter has 8)
+    mc = DrafterModelConfig(**{**sliding_cfg(window=6).__dict__, "head_dim": 16})
+    ref = DFlashDrafter(mc, "sdpa").to(dev)
     with torch.no_grad():
         for mod in ref.modules():
             if isinstance(mod, RMSNorm):
                 mod.weight.uniform_(0.5, 1.5)
-    flex = DFlashDrafter(sliding_cfg(window=6), "flex").to(dev).configure_compile(flex_dynamic=True,
+    flex = DFlashDrafter(mc, "flex").to(dev).configure_compile(flex_dynamic=True,
                                                                                  compile_layers=True)
     flex.load_state_dict(ref.state_dict())
     for seed in (1, 2):  # two calls: the dynamic kernel and the compiled layers reused
