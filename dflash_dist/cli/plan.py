@@ -1,19 +1,6 @@
-"""Choosing the target/drafter split from measured rates: ``topology.target_ranks=auto`` and ``dflash-plan``.
-
-A job of W ranks with T targets runs at min(T * supply, (W - T) * demand) samples/s: supply = samples/s one
-target rank produces, demand = samples/s one drafter rank trains (the slower side sets the pace; transport is
-assumed hidden behind compute, which bench/pipeline.py checks). Both rates are measured with the project's
-own code on the job's own data: the target role's model and ``FeatureCapture`` on real batches of the plan,
-and ``DrafterTrainer``'s step (alone: no DDP) on the same messages with random features.
-
-* ``topology.target_ranks=auto`` (``train.setup``): rank 0 is a drafter and rank W-1 a target for every
-  split, so both measure at the same time on their own devices, without spending a rank on a role it will
-  not have; the other ranks wait. The results meet in the rendezvous store (keys ``dflash/plan/*``), rank 0
-  picks the split and publishes it, and every rank then builds its role groups. W = 2 has one split (1 + 1)
-  and measures nothing.
-* ``dflash-plan [--gpus 2,4,8] [--out plan.json] [hydra overrides]``: one process, both measurements one
-  after the other on one device, the best split for each W.
-"""
+"""``dflash-plan [--gpus 2,4,8] [--out plan.json] [hydra overrides]``: the job's data plan, target supply and
+drafter demand measured one after the other on one device (``autosplit``), and the best split for each world
+size; ``--replica-supply`` plans target replicas from a replica's rate measured elsewhere."""
 
 from __future__ import annotations
 

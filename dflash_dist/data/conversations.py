@@ -6,7 +6,7 @@ import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from dflash_dist.paths import TINY_DIR as ASSETS_TINY
 
@@ -203,38 +203,40 @@ def read_jsonl_conversations(path: str, stats: BadDataStats) -> list[dict]:
     (DataError); bad rows never do. Call ``stats.check(max_bad_fraction)`` once all data is tokenized.
     """
     out: list[dict] = []
-    try:
-        with open(path, "rb") as f:  # binary: lines end at b"\n" only, undecodable bytes stay one row's problem
-            _read_rows(f, path, stats, out)
-    except OSError as e:
-        raise DataError(f"cannot read data file {path}: {e}") from e
-    return out
-
-
-def _read_rows(f, path: str, stats: BadDataStats, out: list) -> None:
-    for lineno, line in enumerate(f, start=1):
-        if lineno == 1 and line.startswith(b"\xef\xbb\xbf"):
-            line = line[3:]
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        stats.add_rows(1)
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError as e:
-            stats.bad(INVALID_UTF8, where, str(e))
-            continue
-        try:
-            obj = json.loads(text)
-        except (ValueError, RecursionError) as e:  # JSONDecodeError, int-digit limit, absurd nesting
-            stats.bad(MALFORMED_JSON, where, f"{type(e).__name__}: {e}")
-            continue
+    for where, obj in iter_jsonl_objects(path, stats):
         conv, reason, detail = validate_conversation(obj)
         if conv is None:
             stats.bad(reason, where, detail)
             continue
         conv["source"] = where
         out.append(conv)
+    return out
+
+
+def iter_jsonl_objects(path: str, stats: BadDataStats) -> Iterator[tuple[str, Any]]:
+    """``("file:line", parsed JSON)`` of each non-empty line, one at a time (bounded memory); a line that is not
+    UTF-8 or not JSON is counted as a bad row with its location and skipped."""
+    try:
+        f = open(path, "rb")  # binary: lines end at b"\n" only, undecodable bytes stay one row's problem
+    except OSError as e:
+        raise DataError(f"cannot read data file {path}: {e}") from e
+    with f:
+        for lineno, line in enumerate(f, start=1):
+            if lineno == 1 and line.startswith(b"\xef\xbb\xbf"):
+                line = line[3:]
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            stats.add_rows(1)
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                stats.bad(INVALID_UTF8, where, str(e))
+                continue
+            try:
+                yield where, json.loads(text)
+            except (ValueError, RecursionError) as e:  # JSONDecodeError, int-digit limit, absurd nesting
+                stats.bad(MALFORMED_JSON, where, f"{type(e).__name__}: {e}")
 
 
 def chatterbot_conversations() -> list[dict]:

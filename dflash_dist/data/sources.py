@@ -38,12 +38,11 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 
 from dflash_dist.data.conversations import (
-    INVALID_UTF8,
-    MALFORMED_JSON,
     TRUNCATED,
     BadDataStats,
     DataError,
     builtin_conversations,
+    iter_jsonl_objects,
     validate_conversation,
 )
 
@@ -98,31 +97,10 @@ def _validated(obj: Any, where: str, stats: BadDataStats) -> Optional[dict]:
 # ----------------------------------------------------------------------------------------------- readers
 
 def _iter_jsonl(path: str, stats: BadDataStats) -> Iterator[dict]:
-    try:
-        f = open(path, "rb")  # binary: lines end at b"\n" only, undecodable bytes stay one row's problem
-    except OSError as e:
-        raise DataError(f"cannot read data file {path}: {e}") from e
-    with f:
-        for lineno, line in enumerate(f, start=1):
-            if lineno == 1 and line.startswith(b"\xef\xbb\xbf"):
-                line = line[3:]
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            stats.add_rows(1)
-            try:
-                text = line.decode("utf-8")
-            except UnicodeDecodeError as e:
-                stats.bad(INVALID_UTF8, where, str(e))
-                continue
-            try:
-                obj = json.loads(text)
-            except (ValueError, RecursionError) as e:
-                stats.bad(MALFORMED_JSON, where, f"{type(e).__name__}: {e}")
-                continue
-            conv = _validated(obj, where, stats)
-            if conv is not None:
-                yield conv
+    for where, obj in iter_jsonl_objects(path, stats):
+        conv = _validated(obj, where, stats)
+        if conv is not None:
+            yield conv
 
 
 def _datasets():

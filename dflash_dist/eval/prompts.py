@@ -1,21 +1,7 @@
-"""``dflash-eval``: acceptance length τ of a trained drafter with real greedy speculative decoding.
-
-    dflash-eval --checkpoint OUT/checkpoints/step_00001000 [--num-prompts 16] [--max-new-tokens 64]
-    dflash-eval --export EXPORT_DIR [--target NAME_OR_PATH] [--prompts prompts.jsonl] [--out eval.json]
-
-The target is rebuilt from the checkpoint's ``job_config.target`` section (``dflash_dist.config.TargetConfig``
-+ ``target.build_target_model``; a random-init target comes back identical from its ``init_seed``), or from
-the export's ``dflash_dist_meta.json``, or from ``--target``. Prompts default to the training run's held-out
-conversations (``data.split_holdout`` over the same source with the same seed): each one's messages before
-its first assistant turn, rendered with the chat template and the generation prompt. ``--prompts`` takes a
-JSONL of ``{"messages": [...]}`` (same rule) or ``{"prompt": "text"}`` rows.
-
-Prints a table (τ, acceptance per block slot, losslessness against the target's own greedy decoding) and
-writes the full result as JSON (``--out``, default ``dflash_eval.json``).
-
-Helpers used by training (no torch.distributed here): :func:`eos_token_ids`, :func:`prompt_messages`,
-:func:`encode_prompts`, :func:`prompts_from_jsonl`.
-"""
+"""What an acceptance evaluation needs besides the decoding itself: the held-out prompts (each conversation's
+messages before its first assistant turn, chat template + generation prompt, the run's template kwargs), EOS ids,
+and the drafter, its embedding / lm_head and the target rebuilt from a checkpoint or an export. Used by
+``dflash-eval`` (cli/eval.py) and by the in-training evaluation; nothing here touches torch.distributed."""
 
 from __future__ import annotations
 
