@@ -49,10 +49,10 @@ class Target:
 @dataclass
 class Setup:
     gpus_per_node: Value = Value(8, "assumed: HGX H200 nodes")
-    drafter_demand_per_gpu: Value = Value(15.67, "measured: docs/benchmarks.md, dflash-plan call 7 (Qwen3-8B-shaped "
+    drafter_demand_per_gpu: Value = Value(15.67, "measured: docs/benchmarks.md, dflash-plan on an H200, 2026-11-29 (Qwen3-8B-shaped "
                                                 "drafter, 550-token samples, 256 anchors, 4-sample messages)")
-    samples_per_step: Value = Value(4, "measured config: 4-sample messages (call 7), one message per drafter step")
-    tokens_per_sample: Value = Value(550, "measured config: synthetic:550 (call 7)")
+    samples_per_step: Value = Value(4, "measured config: 4-sample messages (dflash-plan, 2026-11-29), one message per drafter step")
+    tokens_per_sample: Value = Value(550, "measured config: synthetic:550 (dflash-plan, 2026-11-29)")
     feature_bytes_per_token: Value = Value(40 * 1024, "measured: Qwen3-8B, 5 layers x 4096 x bf16 (ARCHITECTURE.md); "
                                                      "the same for Qwen3-235B-A22B (hidden 4096)")
     drafter_params: Value = Value(1.05e9, "measured: 5-layer Qwen3-8B-shaped drafter (docs/benchmarks.md); assumed "
@@ -67,7 +67,7 @@ class Setup:
     overlap_fraction: Value = Value(0.5, "assumed: DDP hides the all-reduce behind about half of the step "
                                          "(the backward's share, bucketed)")
     targets: list = field(default_factory=lambda: [
-        Target("Qwen3-8B", 1, Value(81.3, "measured: docs/benchmarks.md call 7, packed + compiled capture, one "
+        Target("Qwen3-8B", 1, Value(81.3, "measured: docs/benchmarks.md (2026-11-29), packed + compiled capture, one "
                                           "H200")),
         Target("Qwen3-235B-A22B", 8, Value(81.3 * 8.2 / 22 * 0.5,
                                            "assumed: the 8B's measured 81.3 samples/s/GPU scaled by active "
