@@ -423,9 +423,10 @@ def auto_split(job, rank: int, world: int, device: torch.device) -> dict:
                  world - 1)
         demand = measure_drafter_demand(job, device)
         supply = wait_for(store, "supply", world - 1, "its target supply", timeout)
-        if k > 1:  # the replica's rate, per rank of it, for splits of whole replicas
-            supply.update(replica_samples_per_s=supply["samples_per_s"], tensor_parallel=k,
-                          samples_per_s=supply["samples_per_s"] / k, tokens_per_s=supply["tokens_per_s"] / k)
+        if k > 1:  # the replica's rate (and its measured spread), per rank of it, for splits of whole replicas
+            per_rank = {key: supply[key] / k for key in ("samples_per_s", "tokens_per_s", "samples_per_s_min",
+                                                         "samples_per_s_max") if key in supply}
+            supply.update(replica_samples_per_s=supply["samples_per_s"], tensor_parallel=k, **per_rank)
         res = choose_split(world, supply["samples_per_s"], demand["samples_per_s"], measured_range(supply),
                            measured_range(demand), tensor_parallel=k)
         res.update(measured=True, measured_on={"drafter": 0, "target": world - 1}, supply=supply, demand=demand,
