@@ -142,7 +142,7 @@ def regenerate_rows(model, tokenizer, items: list, *, max_new_tokens: int, tempe
     from dflash_dist.data.tokenize import template_info
     counts = {"generated": 0, "empty_replaced": 0, "empty_dropped": 0, "empty_kept": 0, "too_long": 0,
               "hit_max_new_tokens": 0, "new_tokens": 0}
-    specials = [s for s in template_info(tokenizer, chat_template_kwargs)[1] if s]
+    specials = [s for s in template_info(tokenizer, chat_template_kwargs).specials if s]
     enc = []
     for index, row, msgs, original in items:
         text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,

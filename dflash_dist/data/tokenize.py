@@ -29,7 +29,7 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -78,16 +78,42 @@ def _render(tokenizer, messages: list, add_generation_prompt: bool, template_kwa
     return out
 
 
-def template_info(tokenizer, template_kwargs: Optional[dict] = None) -> tuple[str, tuple]:
-    """(closing marker of an assistant turn, special-token strings) of this tokenizer, cached.
+class TemplateInfo(NamedTuple):
+    close: str
+    """What the template writes right after the content of the last reply (``<|im_end|>`` for ChatML)."""
+    specials: tuple
+    """The tokenizer's special-token strings (refused inside message content)."""
+    closes: tuple
+    """Every marker that can close a reply: ``close`` and, where the template closes earlier replies
+    differently (gpt-oss: ``<|end|>`` before, ``<|return|>`` last), that marker too."""
 
-    The marker is what the template writes right after the reply content, without trailing whitespace
-    (``<|im_end|>`` for ChatML); found by rendering a probe reply. Empty if it cannot be found.
+
+def _probe_close(after: str, specials: tuple) -> str:
+    """The closing marker at the start of ``after`` (the text right after a probe reply): the longest special
+    token it starts with, or "" when none does."""
+    head = after.lstrip()
+    for s in sorted(specials, key=len, reverse=True):
+        if head.startswith(s):
+            return s
+    return ""
+
+
+def template_info(tokenizer, template_kwargs: Optional[dict] = None) -> TemplateInfo:
+    """The closing markers of assistant turns and the special-token strings of this tokenizer, cached.
+
+    The marker of the last reply is what the template writes right after the reply content, without trailing
+    whitespace, found by rendering a probe reply. The marker of an earlier reply is the special token right
+    after the first of two probe replies (templates may close history turns differently). Empty if not found.
     """
     key = (id(tokenizer), str(getattr(tokenizer, "chat_template", None)), repr(sorted((template_kwargs or {}).items())))
     info = _TEMPLATE_INFO.get(key)
     if info is None:
-        close = ""
+        specials = set(getattr(tokenizer, "all_special_tokens", []) or [])
+        for tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+            if getattr(tok, "special", False):
+                specials.add(str(tok.content if hasattr(tok, "content") else tok))
+        specials = tuple(sorted(s for s in specials if s))
+        close, closes = "", ()
         try:
             user = [{"role": "user", "content": "hi"}]
             p = _render(tokenizer, user, True, template_kwargs)
@@ -95,25 +121,31 @@ def template_info(tokenizer, template_kwargs: Optional[dict] = None) -> tuple[st
             k = f.find(_PROBE, len(p) if f.startswith(p) else 0)
             if k >= 0:
                 close = f[k + len(_PROBE):].rstrip()
+            closes = (close,) if close else ()
+            two = user + [{"role": "assistant", "content": _PROBE + "1"}, {"role": "user", "content": "again"},
+                          {"role": "assistant", "content": _PROBE + "2"}]
+            f2 = _render(tokenizer, two, False, template_kwargs)
+            k = f2.find(_PROBE + "1")
+            after = f2[k + len(_PROBE) + 1:] if k >= 0 else ""
+            if close and not after.lstrip().startswith(close):
+                mid = _probe_close(after, specials)
+                if mid:
+                    closes = (close, mid)
         except Exception:
-            close = ""
-        specials = set(getattr(tokenizer, "all_special_tokens", []) or [])
-        for tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
-            if getattr(tok, "special", False):
-                specials.add(str(tok.content if hasattr(tok, "content") else tok))
-        info = (close, tuple(sorted(s for s in specials if s)))
+            pass
+        info = TemplateInfo(close, specials, closes)
         _TEMPLATE_INFO[key] = info
     return info
 
 
-def _assistant_char_spans(tokenizer, messages: list, full: str, close: str,
+def _assistant_char_spans(tokenizer, messages: list, full: str, closes: tuple,
                           template_kwargs: Optional[dict] = None) -> Union[list, tuple]:
     """Character spans ``[start, end)`` of the supervised part of each assistant turn in ``full``.
 
     Start: the conversation before the turn rendered with the generation prompt must be a prefix of ``full``;
     the reply starts where it ends (so anything the template emits after the header, e.g. Qwen3's empty
-    ``<think>`` block on the final turn, counts as reply: the target generates it). End: the first closing
-    marker after the reply content, included; or, without a marker, the end of the turn rendered alone.
+    ``<think>`` block on the final turn, counts as reply: the target generates it). End: the first of the
+    closing markers after the reply content, included; or, without a marker, the end of the turn rendered alone.
     Returns (reason, detail) when the template does not behave like that.
     """
     spans = []
@@ -138,14 +170,15 @@ def _assistant_char_spans(tokenizer, messages: list, full: str, close: str,
         if not full.startswith(prefix):
             return CHAT_TEMPLATE_MISMATCH, f"rendering before assistant turn {i} is not a prefix of the whole"
         start = len(prefix)
-        if close:
+        if closes:
             body = m["content"].strip()
             k = full.find(body, start)
             search_from = k + len(body) if k >= 0 else start
-            e = full.find(close, search_from)
-            if e < 0:
-                return CHAT_TEMPLATE_MISMATCH, f"no {close!r} after assistant turn {i}"
-            end = e + len(close)
+            found = [(e, c) for c in closes if (e := full.find(c, search_from)) >= 0]
+            if not found:
+                return CHAT_TEMPLATE_MISMATCH, f"no {' or '.join(map(repr, closes))} after assistant turn {i}"
+            e, c = min(found)
+            end = e + len(c)
         else:
             upto = _render(tokenizer, messages[: i + 1], False, template_kwargs)
             if not full.startswith(upto):
@@ -166,14 +199,14 @@ def _tokenize(tokenizer, conv: dict, max_length: int, overlong: str, vocab_size:
     if norm is None:
         return reason, detail
     messages = norm["messages"]
-    close, specials = template_info(tokenizer, template_kwargs)
+    info = template_info(tokenizer, template_kwargs)
     for j, m in enumerate(messages):
-        for s in specials:
+        for s in info.specials:
             if s in m["content"]:
                 return SPECIAL_TOKEN_IN_CONTENT, f"messages[{j}] contains {s!r}"
     try:
         full = _render(tokenizer, messages, False, template_kwargs)
-        spans = _assistant_char_spans(tokenizer, messages, full, close, template_kwargs)
+        spans = _assistant_char_spans(tokenizer, messages, full, info.closes, template_kwargs)
     except Exception as e:  # a template that raises on this conversation (e.g. role order it refuses)
         return CHAT_TEMPLATE_ERROR, f"{type(e).__name__}: {e}"
     if isinstance(spans, tuple):

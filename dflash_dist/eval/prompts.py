@@ -43,7 +43,7 @@ def eos_token_ids(tokenizer, hf_config=None) -> list[int]:
         add(getattr(tokenizer, "eos_token_id", None))
         from dflash_dist.data.tokenize import template_info
         try:
-            close, _ = template_info(tokenizer)
+            close = template_info(tokenizer).close
         except Exception:
             close = ""
         if close:

@@ -74,16 +74,22 @@ def test_family_masks(family, template, want):
 
 def test_gpt_oss_harmony_mask():
     """The harmony template closes earlier replies with <|end|> and the last with <|return|>: each reply is
-    supervised up to its own closing marker (or the conversation is refused as a template mismatch, never
-    masked wrongly)."""
+    supervised up to its own closing marker, and nothing of the user turns or the system prompt."""
     t = _tok("gpt_oss", GPT_OSS)
     one = _conv(("user", "Hi there"), ("assistant", "Hello!"))
     ids, mask = tokenize.tokenize_conversation(t, one, 256, "truncate")
-    runs = _runs(t, ids, mask)
-    assert runs == ["<|channel|>final<|message|>Hello!<|return|>"], runs
+    assert _runs(t, ids, mask) == ["<|channel|>final<|message|>Hello!<|return|>"]
     r = tokenize.tokenize_conversation(t, TWO_TURNS, 256, "truncate")
-    if isinstance(r, str):
-        assert r == tokenize.CHAT_TEMPLATE_MISMATCH
-    else:
-        runs = _runs(t, *r)
-        assert runs[-1].endswith("4<|return|>") and "Hi there" not in "".join(runs) and "2+2?" not in "".join(runs)
+    assert not isinstance(r, str), r
+    assert _runs(t, *r) == ["<|channel|>final<|message|>Hello!<|end|>", "<|channel|>final<|message|>4<|return|>"]
+    three = _conv(("user", "a"), ("assistant", "b"), ("user", "c"), ("assistant", "d"), ("user", "e"),
+                  ("assistant", "f"))
+    r = tokenize.tokenize_conversation(t, three, 256, "truncate")
+    assert not isinstance(r, str), r
+    assert [x.rsplit("<|message|>", 1)[1] for x in _runs(t, *r)] == ["b<|end|>", "d<|end|>", "f<|return|>"]
+    assert tokenize.template_info(t).closes == ("<|return|>", "<|end|>")
+
+
+def test_one_marker_templates_have_one_close():
+    """ChatML and Llama 3 close every reply alike: one marker, no second one guessed from the probe."""
+    assert tokenize.template_info(_tok("llama3", LLAMA3)).closes == ("<|eot_id|>",)

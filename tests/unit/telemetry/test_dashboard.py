@@ -129,6 +129,7 @@ def test_offline_wandb_history_holds_the_sectioned_keys(tmp_path, monkeypatch):
 
 def test_report_writes_its_pngs_from_a_run_directory(tmp_path, capsys):
     import matplotlib  # noqa: F401  (in the dev extra: never skipped)
+
     from dflash_dist.cli import report
 
     run = tmp_path / "run"
