@@ -684,6 +684,44 @@ def compose_config(overrides: list[str], conf_dir: str):
         return compose(config_name="config", overrides=list(overrides))
 
 
+def _is_hydra_override(arg: str) -> bool:
+    """An override of Hydra's own settings (``hydra.run.dir=...``, ``hydra/launcher=...``): not the job's."""
+    key = arg.lstrip("~+")
+    return key == "hydra" or key.startswith(("hydra.", "hydra/", "hydra="))
+
+
+def check_overrides(args: list[str], conf_dir: str) -> None:
+    """Compose the job's config from the command line once, before ``@hydra.main`` does: an unknown key or
+    group option, or an override Hydra cannot parse, becomes a ``ConfigError`` (printed once by one rank, exit 2)
+    instead of Hydra's message and exit 1 on every rank. Hydra's own flags (``--help``, ``--cfg``, ``-m``) and
+    ``hydra.*`` overrides are left to Hydra."""
+    if any(a.startswith("-") for a in args):
+        return
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+    try:
+        compose_config([a for a in args if not _is_hydra_override(a)], conf_dir)
+    except (HydraException, OmegaConfBaseException) as e:
+        msg = str(e).split("\nConfig search path:")[0].strip()
+        key = getattr(e.__cause__, "full_key", None)
+        if key and "not in struct" in str(e.__cause__):  # Hydra's hint (append with +key) would not help here
+            parent, _, _leaf = key.rpartition(".")
+            node = {g: group_defaults(c) for g, c in GROUPS.items()}
+            for part in parent.split(".") if parent else ():
+                node = node.get(part) if isinstance(node, dict) else None
+            known = "" if not isinstance(node, dict) else \
+                f"; known in '{parent}': {sorted(node)}" if parent else f"; the groups: {sorted(node)}"
+            raise ConfigError(f"unknown key '{key}'{known}") from None
+        cause = e.__cause__
+        while cause is not None and not str(cause).strip():
+            cause = cause.__cause__
+        if cause is not None:
+            first = str(cause).strip().splitlines()[0]
+            if first and first not in msg:
+                msg += f" ({first})"
+        raise ConfigError(msg) from None
+
+
 def default_layer_ids(num_target_layers: int, n: int = 5) -> list[int]:
     """DFlash's default feature layers: round(1 + k*(L-4)/(n-1)), k=0..n-1 (Qwen3-8B, L=36: [1,9,17,25,33])."""
     if n == 1:

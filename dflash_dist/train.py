@@ -21,6 +21,7 @@ from dflash_dist.data.conversations import DataError
 from dflash_dist.job import setup
 
 log = logging.getLogger("dflash_dist")
+CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
 
 
 KEY_USAGE_ERROR = "dflash/usage_error"
@@ -73,8 +74,12 @@ def _hydra_main():
     import hydra
     from omegaconf import DictConfig
 
-    from dflash_dist.config import register_config_groups
+    from dflash_dist.config import check_overrides, register_config_groups
     register_config_groups()  # each group's dataclass defaults as its `base` option (conf/ holds only presets)
+    try:
+        check_overrides(sys.argv[1:], CONF_DIR)
+    except ConfigError as e:  # an unknown key or option: Hydra would print it on every rank and exit 1
+        usage_error_exit(e)
 
     @hydra.main(config_path="conf", config_name="config", version_base=None)
     def entry(dcfg: DictConfig) -> None:

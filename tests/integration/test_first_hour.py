@@ -119,3 +119,10 @@ def test_data_and_config_errors_are_printed_once_and_exit_2(tmp_path):
     assert "Repo id must be" not in out
     assert _rank_exit_codes(out) == [2, 2]
 
+
+    # an unknown key (Hydra's own composition error): once, naming the known keys, every rank exits 2
+    r = torchrun(3, QUICK + ["train.lr_typo=1e-4", f"train.output_dir={tmp_path / 'k'}"], timeout=240)
+    out = r.stdout + r.stderr
+    assert out.count("unknown key 'train.lr_typo'") == 1, out[-4000:]
+    assert "'lr'" in out and "Set the environment variable HYDRA_FULL_ERROR" not in out
+    assert _rank_exit_codes(out) == [2, 2, 2]

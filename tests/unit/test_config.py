@@ -100,3 +100,22 @@ def test_gamma_per_paper_and_rule_for_other_block_sizes():
     gammas = [paper_gamma(b) for b in range(2, 65)]
     assert all(a < b for a, b in zip(gammas, gammas[1:]))  # longer blocks never decay faster
     assert DrafterConfig(block_size=10, loss_gamma=3.5).gamma == 3.5  # an explicit value wins
+
+
+def test_hydra_override_errors_become_config_errors():
+    """Hydra's own composition errors (an unknown key or option, an unparsable value) are ConfigErrors that name
+    what exists; hydra.* overrides and Hydra's flags are left to Hydra; a valid command line passes."""
+    from dflash_dist.config import check_overrides
+    from dflash_dist.train import CONF_DIR
+    check_overrides(["drafter=tiny", "train.max_steps=3", "hydra.run.dir=/tmp/x", "+hydra.job.chdir=false"],
+                    CONF_DIR)
+    check_overrides(["--cfg", "job", "train.nope=1"], CONF_DIR)  # Hydra prints the config (or its own error)
+    with pytest.raises(ConfigError, match=r"unknown key 'train.nope'; known in 'train': \[.*'max_steps'"):
+        check_overrides(["train.nope=1"], CONF_DIR)
+    with pytest.raises(ConfigError, match=r"unknown key 'drafter.tuning.nope'; known in 'drafter.tuning'"):
+        check_overrides(["drafter.tuning.nope=1"], CONF_DIR)
+    with pytest.raises(ConfigError, match=r"Could not find 'drafter/nope'(.|\n)*dflash") as e:
+        check_overrides(["drafter=nope"], CONF_DIR)
+    assert "Config search path" not in str(e.value)
+    with pytest.raises(ConfigError, match="no viable alternative"):
+        check_overrides(["train.max_steps=[1"], CONF_DIR)
