@@ -3,7 +3,6 @@ the split of ranks -- everything a role loop needs, identical on every rank exce
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -31,7 +30,7 @@ from dflash_dist.config import ConfigError, JobConfig, resolve_device, validate_
 from dflash_dist.data.conversations import BadDataStats, DataError
 from dflash_dist.data.plan import build_plan
 from dflash_dist.data.sources import no_usable_data, prepare_conversations
-from dflash_dist.data.tokenize import TokenizedDataset
+from dflash_dist.data.tokenize import TokenizedDataset, cache_key
 
 log = logging.getLogger("dflash_dist")
 
@@ -90,10 +89,6 @@ def on_rank0(ctrl, rank: int, fn):
     if kind == "DataError":
         raise DataError(value)
     raise RuntimeError(value)
-
-
-def _cache_key(identity: dict) -> str:
-    return hashlib.sha1(json.dumps([identity["data"]["hash"], identity["tokenizer"]["hash"]]).encode()).hexdigest()[:12]
 
 
 def prepare_data(cfg: JobConfig, rank: int, ctrl, cache: str, tok_path: str, vocab: int,
@@ -300,7 +295,7 @@ def build_job(cfg: JobConfig, rank: int, world_size: Optional[int], ctrl, device
         if world_size is not None:
             log.info("run directory: %s (%s)", run_dir, f"resuming {resume_from}" if resume_from else "new run")
     cache = cfg.data.cache_dir or os.path.join(run_dir, "data_cache")
-    ds_path, ho_path = prepare_data(cfg, rank, ctrl, cache, tok_path, tc.vocab_size, _cache_key(identity))
+    ds_path, ho_path = prepare_data(cfg, rank, ctrl, cache, tok_path, tc.vocab_size, cache_key(identity["data"]["hash"], identity["tokenizer"]["hash"]))
 
     ds = TokenizedDataset.load(ds_path)
     lengths = ds.lengths.tolist()

@@ -52,7 +52,9 @@ from dflash_dist.data.conversations import (
 OVERLONG_MODES = ("truncate", "skip")
 
 
-FORMAT = "dflash_dist.tokenized/1"
+# the cache file's format and tokenization rules: bump it when either changes (2: templates that close earlier
+# replies with another marker, gpt-oss's <|end|>, are masked instead of refused)
+FORMAT = "dflash_dist.tokenized/2"
 
 
 
@@ -415,18 +417,8 @@ def build_tokenized_dataset(conversations: Sequence[dict], tokenizer_path: str, 
     return TokenizedDataset(tokens, mask, offsets, torch.tensor(conv_ids, dtype=torch.int64), meta)
 
 
-def dataset_cache_key(conversations: Sequence[dict], tokenizer_path: str, max_length: int, overlong: str,
-                      vocab_size: Optional[int] = None, chat_template_kwargs: Optional[dict] = None) -> str:
-    """A hex digest that changes when the conversations, the tokenizer files or the settings change."""
-    h = hashlib.sha256()
-    h.update(json.dumps([FORMAT, str(tokenizer_path), int(max_length), overlong, vocab_size,
-                         sorted((chat_template_kwargs or {}).items())], default=repr).encode())
-    if os.path.isdir(tokenizer_path):
-        for name in sorted(os.listdir(tokenizer_path)):
-            if name.startswith(("tokenizer", "special_tokens_map", "chat_template", "vocab", "merges")):
-                with open(os.path.join(tokenizer_path, name), "rb") as f:
-                    h.update(name.encode() + b"\0" + hashlib.sha256(f.read()).digest())
-    for c in conversations:
-        msgs = c.get("messages") if isinstance(c, dict) else c
-        h.update(json.dumps(msgs, sort_keys=True, ensure_ascii=False, default=repr).encode("utf-8") + b"\n")
-    return h.hexdigest()[:32]
+def cache_key(data_hash: str, tokenizer_hash: str) -> str:
+    """The name of a tokenized cache: the content hashes of the data (with the settings that change its samples)
+    and of the tokenizer's files (``checkpoint.identity.data_identity``), and this file format, which changes
+    with the tokenization rules, so a cache built by other rules is never read."""
+    return hashlib.sha256(json.dumps([FORMAT, data_hash, tokenizer_hash]).encode()).hexdigest()[:16]

@@ -212,3 +212,36 @@ def test_dflash_eval_finds_the_same_held_out_conversations(tmp_path):
     written = [json.loads(x)["messages"] for x in open(ho_path)]
     again = holdout_conversations(DataConfig(source=str(tmp_path / "data.jsonl"), holdout=64))
     assert [c["messages"] for c in again] == written and len(written) == 5
+
+
+def test_a_changed_tokenizer_file_is_a_new_data_cache(tmp_path, caplog):
+    """The data cache is named by content: the same tokenizer files elsewhere reuse it; one edited file (here
+    the chat template, which changes the loss masks) names another cache, tokenized anew with the new files."""
+    from dflash_dist.data.tokenize import TokenizedDataset, cache_key
+    with open(REGENERATED_JSONL) as f:
+        (tmp_path / "data.jsonl").write_text("".join(next(f) for _ in range(30)))
+    c = cfg()
+    c.data.source, c.data.holdout, c.data.num_workers = str(tmp_path / "data.jsonl"), 3, 0
+    tok = tmp_path / "tok"
+    shutil.copytree(TINY_DIR, tok)
+
+    def prepare(tok_dir):
+        i = ident.data_identity(c, str(tok_dir), 2048)
+        key = cache_key(i["data"]["hash"], i["tokenizer"]["hash"])
+        caplog.clear()
+        with caplog.at_level("INFO", logger="dflash_dist"):
+            ds_path, _ = jobmod.prepare_data(c, 0, None, str(tmp_path / "cache"), str(tok_dir), 2048, key)
+        return key, TokenizedDataset.load(ds_path), "tokenized in" in caplog.text
+
+    key, ds, built = prepare(TINY_DIR)
+    assert built
+    assert prepare(tok)[0] == key and not prepare(tok)[2]  # the same files at another path: the cache is read
+    conf = json.loads((tok / "tokenizer_config.json").read_text())
+    conf["chat_template"] = conf["chat_template"].replace("'<|im_end|>' + '\\n'", "'<|im_end|>' + '\\n\\n'")
+    assert conf["chat_template"] != json.loads((tok / "tokenizer_config.json").read_text())["chat_template"]
+    (tok / "tokenizer_config.json").write_text(json.dumps(conf))
+    key2, ds2, built2 = prepare(tok)
+    assert key2 != key and built2
+    assert ds2.num_tokens != ds.num_tokens  # tokenized with the edited template, not read from the old cache
+    assert sorted(os.listdir(tmp_path / "cache")) == sorted(
+        [f"train-{key}.pt", f"holdout-{key}.jsonl", f"train-{key2}.pt", f"holdout-{key2}.jsonl"])

@@ -247,7 +247,7 @@ def test_chat_template_kwargs_in_the_job_config_reach_the_dataset_and_key(qwen3_
     on = JobConfig.from_dict({"target": tgt})
     assert off.data.chat_template_kwargs == {"enable_thinking": False} and on.data.chat_template_kwargs == {}
     assert off.to_dict()["data"]["chat_template_kwargs"] == {"enable_thinking": False}  # checkpoint job_config
-    # the run's data identity (and so the data cache's key, job._cache_key) tells them apart
+    # the run's data identity (and so the data cache's key, data.tokenize.cache_key) tells them apart
     assert data_identity(off, qwen3_tok_dir, 2048)["data"] != data_identity(on, qwen3_tok_dir, 2048)["data"]
     with pytest.raises(Exception, match="chat_template_kwargs"):
         DataConfig(chat_template_kwargs=["enable_thinking"])
