@@ -1,4 +1,12 @@
-"""Target rank: run the frozen model over this rank's share of the plan and stream features to drafters."""
+"""Target rank: run the frozen model over this rank's share of the plan and stream features to drafters.
+
+``run_target`` loads the model; a replica's follower (``run_replica_follower``) then runs the same forwards and
+sends nothing, while its feeder streams through a ``TargetRun``: set up once (fast-path check, head weights,
+capture, dataset, channel and Sender, head server, evaluator, traces), then per message ``should_stop`` (the
+replica agrees on a graceful stop), ``serve_heads_before`` (the loss on the target), ``batch``, ``capture`` (stall
+and forward timed apart), ``send``, ``write_trace_line`` and ``maybe_go_steady`` (the steady-state timeout once
+the drafters are warm), and ``finish`` (last head replies, END, flush, last evaluations, summary line).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +14,7 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
 
@@ -20,16 +29,20 @@ from dflash_dist.config import resolve_backend
 from dflash_dist.data.plan import pad_batch
 from dflash_dist.data.tokenize import TokenizedDataset
 from dflash_dist.eval.in_training import TargetEval, eval_enabled, expected_evals
+from dflash_dist.model.fast_path import check_target_fast_path
 from dflash_dist.model.hf import (
     build_target_model,
     build_target_replica,
+    decoder_layers,
     head_weights,
     load_head_from_checkpoint,
     local_parameter_bytes,
     random_target_dir,
     resolve_source,
+    text_config,
 )
 from dflash_dist.target.capture import build_capture
+from dflash_dist.telemetry.flops import target_capture_flops, target_layers_profile
 from dflash_dist.telemetry.step_trace import TraceWindow, format_timeline, phase
 
 log = logging.getLogger("dflash_dist")
@@ -57,8 +70,6 @@ def capture_flops_fn(model, job, packed: bool = False, pad_multiple: int = 1):
     as it runs: padded, b x max(lengths) tokens rounded up to ``pad_multiple``; packed, each sample on its own
     (attention stays inside a sample).
     For the target's MFU in the metrics (``flops.target_forward_flops``)."""
-    from dflash_dist.model.hf import decoder_layers, text_config
-    from dflash_dist.telemetry.flops import target_capture_flops, target_layers_profile
     _, layers = decoder_layers(model)
     run = list(layers)[: max(job.layer_ids) + 1]
     tc = text_config(job.hf_config)
@@ -197,6 +208,20 @@ def replica_stops(d, stop: bool) -> bool:
     return bool(flag.item())
 
 
+def first_untrained(job) -> Optional[int]:
+    """The first run message the drafters will not train, once a graceful stop is announced (None before)."""
+    at = job.life.stop_step()
+    return None if at is None else (at - job.start_step) * job.dist.topo.num_drafters
+
+
+def stream_stops(job, j: int) -> bool:
+    """Whether this replica stops before run message j: the drafters stop after the announced step, so nothing
+    from j on would be trained. Posts this rank's own signal first, if it got one."""
+    job.life.stop_requested()
+    limit = first_untrained(job)
+    return replica_stops(job.dist, limit is not None and j >= limit)
+
+
 def run_replica_follower(job, model) -> None:
     """A rank of a replica other than its feeder: the same messages, the same forwards (the model's collectives
     need every rank of the replica), nothing sent."""
@@ -208,9 +233,7 @@ def run_replica_follower(job, model) -> None:
     run_messages = job.total_messages - job.start_cursor
     done, t0 = 0, time.monotonic()
     for j in topo.target_messages(run_messages):
-        job.life.stop_requested()
-        stop_at = job.life.stop_step()
-        if replica_stops(d, stop_at is not None and j >= (stop_at - job.start_step) * topo.num_drafters):
+        if stream_stops(job, j):
             break
         k = job.start_cursor + j
         batch = [dataset[i] for i in job.plan[k]]
@@ -223,137 +246,210 @@ def run_replica_follower(job, model) -> None:
              time.monotonic() - t0, topo.my_replica[0])
 
 
-def run_target(job) -> None:
-    cfg, d = job.cfg, job.dist
-    topo = d.topo
-    model = load_target(job)
-    if not topo.is_feeder:
-        run_replica_follower(job, model)
-        return
-    from dflash_dist.model.fast_path import check_target_fast_path
-    check_target_fast_path(model, cfg.target.fast_path, d.device.type)  # logs the binding; require raises
-    send_head_weights(job, model)
-    capture = build_capture(cfg.target, model, job.layer_ids, d.device.type)
-    packed = capture.packing
-    log.info("target capture: %s", capture.describe())
-    flops_per_batch = capture_flops_fn(model, job, packed, capture.pad_multiple)
-    dataset = TokenizedDataset.load(job.dataset_path)
-    channel = job_channel(d, cfg.topology, check=job.life.check, serve_heads=cfg.drafter.tuning.loss_on_target)
-    channel.connect(topo.drafter_ranks, sending=True)  # before any payload: see Channel.connect
-    tx = Sender(channel, d.rank, cfg.topology.max_in_flight)
-    heads = head_server(job, model, tx)
-    log.info("target sends: %s, %s", "rendezvous (each payload posted once the drafter posted its receive)"
-             if channel.store is not None else "posted at once", channel.describe())
+@dataclass
+class MessageTimes:
+    """One message's timings, for its trace line: the stream stall and forward before it, then the counters and
+    wall time read just before its send (what the send and what follows it add is read off them)."""
+    stall_s: float
+    capture_s: float
+    waited_s: float = 0.0
+    evaluated_s: float = 0.0
+    wall_s: float = 0.0
 
-    run_messages = job.total_messages - job.start_cursor
-    busy_s, stall_s, tokens, samples, sent, flops = 0.0, 0.0, 0, 0, 0, 0.0
-    start = time.monotonic()
-    stopped = steady = False
-    fault = fault_for(d.rank)
-    evaluator = None
-    if eval_enabled(job) and topo.index == 0:
-        slices = cfg.train.tuning.eval_in_slices and channel.can_idle()
-        evaluator = TargetEval(job, model, slices=slices)
+
+class TargetRun:
+    """A feeder rank's stream, one method per step (run_target drives them in order). The counters (busy_s,
+    stall_s, tokens, samples, sent, flops) are cumulative over the run and travel in every header (stats)."""
+
+    def __init__(self, job, model):
+        self.job, self.cfg, self.d, self.topo = job, job.cfg, job.dist, job.dist.topo
+        check_target_fast_path(model, self.cfg.target.fast_path, self.d.device.type)  # logs the binding; require raises
+        send_head_weights(job, model)
+        self.feature_capture = build_capture(self.cfg.target, model, job.layer_ids, self.d.device.type)
+        log.info("target capture: %s", self.feature_capture.describe())
+        self.flops_per_batch = capture_flops_fn(model, job, self.feature_capture.packing,
+                                                self.feature_capture.pad_multiple)
+        self.dataset = TokenizedDataset.load(job.dataset_path)
+        self._connect(model)
+        self.run_messages = job.total_messages - job.start_cursor
+        self.busy_s, self.stall_s, self.tokens, self.samples, self.sent, self.flops = 0.0, 0.0, 0, 0, 0, 0.0
+        self.start = time.monotonic()
+        self.stopped = self.steady = False
+        self.fault = fault_for(self.d.rank)
+        self.evaluator = self._evaluator(model) if eval_enabled(job) and self.topo.index == 0 else None
+        self.trace = open_trace(job) if self.cfg.logging.debug.trace_target else None
+        self.tracer = MessageTrace(job, self.tx, self.heads)
+
+    def _connect(self, model) -> None:
+        """The data channel to every drafter, the Sender over it, then the head groups (after the data group, as on
+        the drafters)."""
+        cfg, d = self.cfg, self.d
+        self.channel = job_channel(d, cfg.topology, check=self.job.life.check,
+                                   serve_heads=cfg.drafter.tuning.loss_on_target)
+        self.channel.connect(self.topo.drafter_ranks, sending=True)  # before any payload: see Channel.connect
+        self.tx = Sender(self.channel, d.rank, cfg.topology.max_in_flight)
+        self.heads = head_server(self.job, model, self.tx)
+        log.info("target sends: %s, %s", "rendezvous (each payload posted once the drafter posted its receive)"
+                 if self.channel.store is not None else "posted at once", self.channel.describe())
+
+    def _evaluator(self, model) -> TargetEval:
+        """The in-training evaluation this target (replica 0's feeder) runs: in slices while the Sender waits, when
+        its waits can be polled, else whole between two messages."""
+        tuning = self.cfg.train.tuning
+        slices = tuning.eval_in_slices and self.channel.can_idle()
+        evaluator = TargetEval(self.job, model, slices=slices)
         if slices:
-            tx.idle_work = evaluator.work
+            self.tx.idle_work = evaluator.work
             how = "one verify step at a time while waiting for the drafters"
-        elif cfg.train.tuning.eval_in_slices:
+        elif tuning.eval_in_slices:
             how = ("whole, between two messages (train.tuning.eval_in_slices needs waits this target can poll: NCCL or "
                    "rendezvous sends; gloo sends block)")
         else:
             how = "whole, between two messages (train.tuning.eval_in_slices=false)"
         log.info("in-training evaluation: %s", how)
-    trace = open_trace(job) if cfg.logging.debug.trace_target else None
-    tracer = MessageTrace(job, tx, heads)
+        return evaluator
 
-    def stats() -> tuple:
+    def stats(self) -> tuple:
         """The cumulative statistics each header carries (transport.H_STATS), wall time up to now; served head
         requests count as busy time and FLOPs."""
+        heads, tx = self.heads, self.tx
         served_s, served_flops = (heads.busy_s, heads.flops) if heads is not None else (0.0, 0.0)
-        return (int((busy_s + served_s) * 1e6), int((tx.wait_s + stall_s) * 1e6), tokens, samples,
-                int((time.monotonic() - start) * 1e6), int((flops + served_flops) / 1e6), int(tx.idle_work_s * 1e6))
+        return (int((self.busy_s + served_s) * 1e6), int((tx.wait_s + self.stall_s) * 1e6), self.tokens, self.samples,
+                int((time.monotonic() - self.start) * 1e6), int((self.flops + served_flops) / 1e6),
+                int(tx.idle_work_s * 1e6))
 
-    def stop_limit():
-        """The first run message the drafters will not train, once a graceful stop is announced."""
-        at = job.life.stop_step()
-        return None if at is None else (at - job.start_step) * topo.num_drafters
-    for j in topo.target_messages(run_messages):
-        job.life.stop_requested()  # posts this rank's own signal, if it got one
-        stop_at = job.life.stop_step()
-        if replica_stops(d, stop_at is not None and j >= (stop_at - job.start_step) * topo.num_drafters):
-            stopped = True  # the drafters stop after step stop_at: nothing later will be trained
-            break
-        if heads is not None:  # this rank's messages of two rounds back are trained before this one is captured
-            t_serve = time.monotonic()
-            eval0, served0 = tx.idle_work_s, heads.busy_s
-            heads.serve_through(j - 2 * topo.num_drafters, idle=tx.idle_between, stop_limit=stop_limit)
-            # waiting = this time less the evaluation and the GPU time of the requests served meanwhile (read as
-            # their events complete: a little can land in a later wait)
-            tx.wait_s += max(0.0, time.monotonic() - t_serve - (tx.idle_work_s - eval0) - (heads.busy_s - served0))
-        if evaluator is not None:
-            evaluator.poll()
-        k = job.start_cursor + j
-        batch = [dataset[i] for i in job.plan[k]]
-        traced = tracer.wants(j)
-        if traced:
-            tracer.start()
-        if d.device.type == "cuda":
+    def stop_limit(self) -> Optional[int]:
+        return first_untrained(self.job)
+
+    def should_stop(self, j: int) -> bool:
+        """A graceful stop reached run message j (recorded for finish)."""
+        self.stopped = stream_stops(self.job, j)
+        return self.stopped
+
+    def serve_heads_before(self, j: int) -> None:
+        """With the loss on the target: this rank's messages of two rounds back are trained before message j is
+        captured."""
+        heads, tx = self.heads, self.tx
+        if heads is None:
+            return
+        t_serve = time.monotonic()
+        eval0, served0 = tx.idle_work_s, heads.busy_s
+        heads.serve_through(j - 2 * self.topo.num_drafters, idle=tx.idle_between, stop_limit=self.stop_limit)
+        # waiting = this time less the evaluation and the GPU time of the requests served meanwhile (read as
+        # their events complete: a little can land in a later wait)
+        tx.wait_s += max(0.0, time.monotonic() - t_serve - (tx.idle_work_s - eval0) - (heads.busy_s - served0))
+
+    def batch(self, j: int) -> list:
+        return [self.dataset[i] for i in self.job.plan[self.job.start_cursor + j]]
+
+    def capture(self, j: int, batch: list) -> tuple[Message, MessageTimes]:
+        """Message j: its features from the forward over ``batch``, timed apart from the work already queued."""
+        d, tx, cuda = self.d, self.tx, self.d.device.type == "cuda"
+        if cuda:
             # Work already queued on the compute stream is not this message's forward: counted as waiting
             t_stall = time.monotonic()
             tx.wait_event(torch.cuda.current_stream().record_event())
-            stall_s += time.monotonic() - t_stall
+            self.stall_s += time.monotonic() - t_stall
         t_busy = time.monotonic()
-        stall_msg = t_busy - t_stall if d.device.type == "cuda" else 0.0
-        stall_if_due(fault, sent)
+        stall_msg = t_busy - t_stall if cuda else 0.0
+        stall_if_due(self.fault, self.sent)
         with phase("capture"):
-            ids, lengths, packed_ids, packed_mask = pad_batch(batch, d.device, packed)
-            feats = apply_target_fault(fault, sent, capture(ids, lengths))
-            if d.device.type == "cuda":  # busy time = real forward time; ready payloads are posted meanwhile
+            ids, lengths, packed_ids, packed_mask = pad_batch(batch, d.device, self.feature_capture.packing)
+            feats = apply_target_fault(self.fault, self.sent, self.feature_capture(ids, lengths))
+            if cuda:  # busy time = real forward time; ready payloads are posted meanwhile
                 tx.wait_event(torch.cuda.current_stream().record_event())
         capture_msg = time.monotonic() - t_busy
-        busy_s += capture_msg
+        self.busy_s += capture_msg
+        k = self.job.start_cursor + j
         cu = torch.zeros(len(batch) + 1, dtype=torch.long)
         cu[1:] = lengths.cumsum(0)
-        msg = Message(k, torch.tensor(job.plan[k], dtype=torch.long), cu, packed_ids, packed_mask, feats)
-        tokens += int(lengths.sum())
-        samples += len(batch)
-        flops += flops_per_batch(lengths.tolist())
-        waited, evaluated, wall = tx.wait_s, tx.idle_work_s, time.monotonic() - start
+        msg = Message(k, torch.tensor(self.job.plan[k], dtype=torch.long), cu, packed_ids, packed_mask, feats)
+        self.tokens += int(lengths.sum())
+        self.samples += len(batch)
+        self.flops += self.flops_per_batch(lengths.tolist())
+        return msg, MessageTimes(stall_msg, capture_msg)
+
+    def send(self, j: int, msg: Message, times: MessageTimes) -> None:
+        """Posts message j to its drafter, headed by the stats up to now; the head server then awaits its requests."""
+        tx = self.tx
+        times.waited_s, times.evaluated_s, times.wall_s = tx.wait_s, tx.idle_work_s, time.monotonic() - self.start
         with phase("send"):
-            tx.send(topo.drafter_for(j), msg, stats=stats())
-        sent += 1
-        if heads is not None:
-            heads.expect(j, k, topo.drafter_for(j))
+            tx.send(self.topo.drafter_for(j), msg, stats=self.stats())
+        self.sent += 1
+        if self.heads is not None:
+            self.heads.expect(j, msg.index, self.topo.drafter_for(j))
+
+    def write_trace_line(self, j: int, msg: Message, times: MessageTimes) -> None:
+        """logging.debug.trace_target: message j's line (backpressure and evaluation: since just before its send)."""
+        if self.trace is None:
+            return
+        topo, rank, to = self.topo, self.d.rank, self.topo.drafter_for(j)
+        self.trace.write(json.dumps({"message": msg.index, "from": rank, "from_node": topo.node_of(rank),
+                                     "to": to, "to_node": topo.node_of(to), "samples": msg.num_samples,
+                                     "tokens": int(msg.cu_seqlens[-1]), "t_s": round(times.wall_s, 4),
+                                     "stall_ms": round(times.stall_s * 1e3, 3),
+                                     "capture_ms": round(times.capture_s * 1e3, 3),
+                                     "backpressure_ms": round((self.tx.wait_s - times.waited_s) * 1e3, 3),
+                                     "eval_ms": round((self.tx.idle_work_s - times.evaluated_s) * 1e3, 3)}) + "\n")
+
+    def maybe_go_steady(self) -> None:
+        """Once this target's drafters are past warm-up (WARM_MESSAGES taken): the steady-state timeout from here."""
+        if self.steady or not self.tx.all_took(WARM_MESSAGES):
+            return
+        self.steady = True
+        timeout_s = self.cfg.topology.timeout_s
+        self.channel.timeout_s = timeout_s
+        if self.heads is not None:
+            self.heads.ch.timeout_s = self.heads.replies.timeout_s = timeout_s
+        shorten_timeouts(self.d, timeout_s)
+
+    def finish(self) -> None:
+        """End of stream: the last head replies, END to every drafter, every send taken; then the last evaluations
+        and the summary line."""
+        tx = self.tx
+        if self.heads is not None:  # the replies of the last steps (none of a stopped job's untrained messages)
+            self.heads.finish(idle=tx.idle_between, stop_limit=self.stop_limit)
+        for dr in self.topo.drafter_ranks:
+            tx.send_end(dr, stats=self.stats())
+        tx.flush()
+        wall = time.monotonic() - self.start
+        if self.evaluator is not None:
+            serve_last_evaluations(self.job, self.evaluator, self.stopped)
+        self.feature_capture.close()
+        if self.trace is not None:
+            self.trace.close()
+        self.log_summary(wall)
+
+    def log_summary(self, wall: float) -> None:
+        tx, heads, w = self.tx, self.heads, max(wall, 1e-9)
+        log.info("target %s: %d messages, %d samples, %d tokens in %.1f s (%.0f tok/s, busy %.0f%%, "
+                 "backpressure wait %.0f%%, stream stall before a capture %.0f%%, evaluation while waiting %.0f%%)%s",
+                 "stopped" if self.stopped else "done", self.sent, self.samples, self.tokens, wall, self.tokens / w,
+                 100 * self.busy_s / w, 100 * tx.wait_s / w, 100 * self.stall_s / w, 100 * tx.idle_work_s / w,
+                 f"; {heads.describe()} = {100 * heads.busy_s / w:.0f}% of the time" if heads else "")
+
+
+def run_target(job) -> None:
+    """This target rank's part of the job: a replica's follower runs the forwards only; its feeder streams."""
+    model = load_target(job)
+    if not job.dist.topo.is_feeder:
+        run_replica_follower(job, model)
+        return
+    run = TargetRun(job, model)
+    for j in job.dist.topo.target_messages(run.run_messages):
+        if run.should_stop(j):
+            break
+        run.serve_heads_before(j)
+        if run.evaluator is not None:
+            run.evaluator.poll()
+        batch = run.batch(j)
+        traced = run.tracer.wants(j)
+        if traced:  # the traced message runs alone, earlier sends taken (MessageTrace)
+            run.tracer.start()
+        msg, times = run.capture(j, batch)
+        run.send(j, msg, times)
         if traced:
-            tracer.finish()
-        if trace is not None:
-            trace.write(json.dumps({"message": k, "from": d.rank, "from_node": topo.node_of(d.rank),
-                                    "to": topo.drafter_for(j), "to_node": topo.node_of(topo.drafter_for(j)),
-                                    "samples": len(batch),
-                                    "tokens": int(lengths.sum()), "t_s": round(wall, 4),
-                                    "stall_ms": round(stall_msg * 1e3, 3), "capture_ms": round(capture_msg * 1e3, 3),
-                                    "backpressure_ms": round((tx.wait_s - waited) * 1e3, 3),
-                                    "eval_ms": round((tx.idle_work_s - evaluated) * 1e3, 3)}) + "\n")
-        if not steady and tx.all_took(WARM_MESSAGES):  # drafters past warm-up: steady-state timeout from here
-            steady = True
-            channel.timeout_s = cfg.topology.timeout_s
-            if heads is not None:
-                heads.ch.timeout_s = heads.replies.timeout_s = cfg.topology.timeout_s
-            shorten_timeouts(d, cfg.topology.timeout_s)
-    if heads is not None:  # the replies of the last steps (none of a stopped job's untrained messages)
-        heads.finish(idle=tx.idle_between, stop_limit=stop_limit)
-    for dr in topo.drafter_ranks:
-        tx.send_end(dr, stats=stats())
-    tx.flush()
-    wall = time.monotonic() - start
-    if evaluator is not None:
-        serve_last_evaluations(job, evaluator, stopped)
-    capture.close()
-    if trace is not None:
-        trace.close()
-    log.info("target %s: %d messages, %d samples, %d tokens in %.1f s (%.0f tok/s, busy %.0f%%, "
-             "backpressure wait %.0f%%, stream stall before a capture %.0f%%, evaluation while waiting %.0f%%)%s",
-             "stopped" if stopped else "done", sent, samples, tokens, wall, tokens / max(wall, 1e-9),
-             100 * busy_s / max(wall, 1e-9), 100 * tx.wait_s / max(wall, 1e-9), 100 * stall_s / max(wall, 1e-9),
-             100 * tx.idle_work_s / max(wall, 1e-9),
-             f"; {heads.describe()} = {100 * heads.busy_s / max(wall, 1e-9):.0f}% of the time" if heads else "")
+            run.tracer.finish()
+        run.write_trace_line(j, msg, times)
+        run.maybe_go_steady()
+    run.finish()
