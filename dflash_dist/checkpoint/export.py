@@ -118,14 +118,28 @@ def build_export_config(drafter_config: DrafterModelConfig, target_config: dict,
                         mask_token: str = SGLANG_DEFAULT_MASK_TOKEN) -> dict:
     """The z-lab ``config.json`` of a drafter trained on a target whose HF config dict is ``target_config``;
     ``mask_token``: :func:`mask_token_string` of the target tokenizer."""
-    if dtype not in DTYPES:
-        raise ExportError(f"dtype={dtype!r}: use one of {sorted(DTYPES)}")
     dc = drafter_config
     tc = _text_config_dict(dict(target_config))
+    layer_ids = [int(i) for i in layer_ids]
+    num_target_layers = _check_export_inputs(dc, tc, layer_ids, mask_token_id, block_size, dtype, mask_token)
+    # the key order is the file's: every group below appends its keys to what came before
+    cfg = _qwen3_fields(dc)
+    cfg.update(_rope_fields(dc))
+    cfg.update({k: tc.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
+    cfg.update(_dflash_fields(dc, layer_ids, num_target_layers, mask_token_id, mask_token, block_size))
+    cfg.update(_attention_fields(dc))
+    cfg.update({"auto_map": dict(AUTO_MAP), "torch_dtype": dtype, "dtype": dtype})
+    return cfg
+
+
+def _check_export_inputs(dc: DrafterModelConfig, tc: dict, layer_ids: list, mask_token_id: int, block_size: int,
+                         dtype: str, mask_token: str) -> int:
+    """The target's layer count, after refusing what no loader could serve as trained."""
+    if dtype not in DTYPES:
+        raise ExportError(f"dtype={dtype!r}: use one of {sorted(DTYPES)}")
     num_target_layers = tc.get("num_hidden_layers")
     if num_target_layers is None:
         raise ExportError("the checkpoint's target_config has no num_hidden_layers")
-    layer_ids = [int(i) for i in layer_ids]
     if len(layer_ids) != dc.num_feature_layers:
         raise ExportError(f"{len(layer_ids)} layer_ids {layer_ids} but the drafter takes "
                           f"{dc.num_feature_layers} feature layers (fc input {dc.num_feature_layers}*H)")
@@ -136,8 +150,19 @@ def build_export_config(drafter_config: DrafterModelConfig, target_config: dict,
         raise ExportError(f"meta block_size={block_size} but drafter_config.block_size={dc.block_size}")
     if dc.hidden_act != "silu":
         raise ExportError(f"hidden_act={dc.hidden_act!r}: the z-lab layout is silu only")
+    if "sliding_attention" in dc.kinds and int(dc.sliding_window) < int(block_size):
+        raise ExportError(f"sliding_window={dc.sliding_window} < block_size={block_size}: every loader's window "
+                          "would also cut the block")
+    if not isinstance(mask_token, str) or not mask_token:
+        raise ExportError(f"mask_token={mask_token!r}: must be the mask token's string")
+    if not 0 <= int(mask_token_id) < dc.vocab_size:
+        raise ExportError(f"mask_token_id={mask_token_id} is outside the vocabulary (size {dc.vocab_size})")
+    return int(num_target_layers)
 
-    cfg: dict[str, Any] = {
+
+def _qwen3_fields(dc: DrafterModelConfig) -> dict[str, Any]:
+    """The drafter's sizes as a Qwen3Config: every loader (z-lab, transformers, vLLM, SGLang) builds from these."""
+    return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
         "hidden_size": dc.hidden_size,
@@ -154,28 +179,27 @@ def build_export_config(drafter_config: DrafterModelConfig, target_config: dict,
         "attention_dropout": 0.0,
         "tie_word_embeddings": False,
     }
-    # RoPE: the drafter's (model/rope.py: the target's rope type and scaling through transformers' own init
-    # functions), under every key a loader reads. transformers 4.x Qwen3Config (the z-lab reference pins 4.57.1)
-    # reads top-level rope_theta (default 10000, wrong for Qwen3's 1e6) and rope_scaling (None = default RoPE);
-    # 5.x, current vLLM and SGLang read rope_parameters, and 5.x lets a rope_scaling dict replace rope_parameters
+
+
+def _rope_fields(dc: DrafterModelConfig) -> dict[str, Any]:
+    """The drafter's RoPE under the keys of transformers 4.x (rope_theta, rope_scaling) and of 5.x, vLLM and
+    SGLang (rope_parameters)."""
+    # model/rope.py: the target's rope type and scaling through transformers' own init functions. transformers
+    # 4.x Qwen3Config (the z-lab reference pins 4.57.1) reads top-level rope_theta (default 10000, wrong for
+    # Qwen3's 1e6) and rope_scaling (None = default RoPE); 5.x lets a rope_scaling dict replace rope_parameters
     # (modeling_rope_utils convert_rope_params_to_dict), so the two say the same.
     rope = dc.rope_params()
-    cfg["rope_theta"] = float(dc.rope_theta)
-    cfg["rope_scaling"] = None if rope["rope_type"] == "default" else {k: v for k, v in rope.items()
-                                                                        if k != "rope_theta"}
-    cfg["rope_parameters"] = rope
-    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        cfg[k] = tc.get(k)
-    kinds = dc.kinds
-    sliding = [t == "sliding_attention" for t in kinds]
-    if any(sliding) and int(dc.sliding_window) < int(block_size):
-        raise ExportError(f"sliding_window={dc.sliding_window} < block_size={block_size}: every loader's window "
-                          "would also cut the block")
-    if any(sliding) and not all(sliding):
-        log.warning("mixed sliding/full drafter layers: vLLM serves them only with its V2 model runner "
-                    "(VLLM_USE_V2_MODEL_RUNNER=1; vllm/model_executor/models/qwen3_dflash.py refuses otherwise)")
-    if not isinstance(mask_token, str) or not mask_token:
-        raise ExportError(f"mask_token={mask_token!r}: must be the mask token's string")
+    return {
+        "rope_theta": float(dc.rope_theta),
+        "rope_scaling": None if rope["rope_type"] == "default" else {k: v for k, v in rope.items()
+                                                                     if k != "rope_theta"},
+        "rope_parameters": rope,
+    }
+
+
+def _dflash_fields(dc: DrafterModelConfig, layer_ids: list, num_target_layers: int, mask_token_id: int,
+                   mask_token: str, block_size: int) -> dict[str, Any]:
+    """The DFlash fields: dflash_config (z-lab, SGLang, newer vLLM) and eagle_aux_hidden_state_layer_ids (vLLM)."""
     # vLLM's capture points: vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py get_eagle3_aux_layers_from_config
     # reads eagle_aux_hidden_state_layer_ids as is (versions before the DFlash fallback read nothing else and would
     # capture the target model's default 3 layers: qwen3_dflash.py sizes fc from len(aux_layers)); the target
@@ -183,40 +207,45 @@ def build_export_config(drafter_config: DrafterModelConfig, target_config: dict,
     # aux_hidden_states.append(hidden_states + residual)` before layer idx runs, models/llama.py, qwen2.py), and
     # newer vLLM converts dflash_config.target_layer_ids with "+ 1": z-lab id i (output of layer i) = aux id i+1.
     aux_ids = [i + 1 for i in layer_ids]
-    if max(aux_ids) >= int(num_target_layers):
+    if max(aux_ids) >= num_target_layers:
         log.warning("target layer %d (the last) in layer_ids: vLLM's aux capture runs before each layer, so "
-                    "aux id %d is never captured there", int(num_target_layers) - 1, int(num_target_layers))
+                    "aux id %d is never captured there", num_target_layers - 1, num_target_layers)
     dflash_config = {"mask_token_id": int(mask_token_id), "mask_token": mask_token, "target_layer_ids": layer_ids,
                      "block_size": int(block_size)}
+    sliding = [t == "sliding_attention" for t in dc.kinds]
     if any(sliding):
         # vLLM qwen3_dflash.py _resolve_layer_attention: dflash_config.use_swa forces SWA on every layer of an
         # all-full layer_types; written for all-sliding drafters only (true) so a loader reading only use_swa is
         # right whenever it can be
         dflash_config["use_swa"] = all(sliding)
-    cfg.update({
+    return {
         "num_hidden_layers": dc.num_layers,
-        "num_target_layers": int(num_target_layers),
+        "num_target_layers": num_target_layers,
         "block_size": int(block_size),
         "dflash_config": dflash_config,
         "eagle_aux_hidden_state_layer_ids": aux_ids,
-        # attention per layer, as the z-lab model (dflash/model.py Qwen3DFlashAttention: layer_types[i],
-        # config.sliding_window, is_causal), vLLM (qwen3_dflash.py: layer_types, sliding_window, is_causal wins
-        # over "sliding layers are causal") and SGLang (dflash_utils.get_dflash_attention_sliding_window_size:
-        # layer_types + sliding_window) read it; transformers' Qwen3Config keeps sliding_window only with
-        # use_sliding_window (configuration_qwen3.py __post_init__). is_causal false: the drafter is non-causal.
-        "layer_types": kinds,
+    }
+
+
+def _attention_fields(dc: DrafterModelConfig) -> dict[str, Any]:
+    """Attention per layer as the z-lab model, vLLM and SGLang read it (layer_types, sliding_window, is_causal)."""
+    # z-lab dflash/model.py Qwen3DFlashAttention: layer_types[i], config.sliding_window, is_causal; vLLM
+    # qwen3_dflash.py: layer_types, sliding_window, is_causal wins over "sliding layers are causal"; SGLang
+    # dflash_utils.get_dflash_attention_sliding_window_size: layer_types + sliding_window. transformers'
+    # Qwen3Config keeps sliding_window only with use_sliding_window (configuration_qwen3.py __post_init__).
+    # is_causal false: the drafter is non-causal.
+    sliding = [t == "sliding_attention" for t in dc.kinds]
+    if any(sliding) and not all(sliding):
+        log.warning("mixed sliding/full drafter layers: vLLM serves them only with its V2 model runner "
+                    "(VLLM_USE_V2_MODEL_RUNNER=1; vllm/model_executor/models/qwen3_dflash.py refuses otherwise)")
+    return {
+        "layer_types": dc.kinds,
         "use_sliding_window": any(sliding),
         "sliding_window": int(dc.sliding_window) if any(sliding) else None,
         "max_window_layers": dc.num_layers,
         "use_cache": False,
         "is_causal": False,
-        "auto_map": dict(AUTO_MAP),
-        "torch_dtype": dtype,
-        "dtype": dtype,
-    })
-    if not 0 <= int(mask_token_id) < dc.vocab_size:
-        raise ExportError(f"mask_token_id={mask_token_id} is outside the vocabulary (size {dc.vocab_size})")
-    return cfg
+    }
 
 
 def export_problems(cfg: dict, path: Optional[str] = None) -> list[str]:
