@@ -13,7 +13,7 @@ Prints one row per check with PASS / WARN / FAIL / N/A and exits non-zero if any
 * wandb: the mode a run would use and whether ``online`` would block (a <= 2 s TCP connect to the wandb host);
 * the Hydra config (``conf/config.yaml`` + overrides) composes and validates into ``JobConfig``;
 * with ``--export DIR``: the export carries every field vLLM, SGLang, the z-lab model and transformers 4.x/5.x
-  read (``checkpoint.export.export_problems``), its attention settings read the same in all of them, and the
+  read (``checkpoint.export_load.export_problems``), its attention settings read the same in all of them, and the
   tensors match the config (the checks ``load_export`` makes, without loading the weights).
 
 Usage: ``dflash-doctor [--json PATH] [--no-flex] [--export DIR] [hydra overrides ...]``.
@@ -408,12 +408,11 @@ def check_config(doc: Doctor, overrides: list[str]) -> None:
 
 
 def check_export(doc: Doctor, path: str) -> None:
-    from safetensors import safe_open
-
-    from dflash_dist.checkpoint.export import (
+    from dflash_dist.checkpoint.export_load import (
         ExportError,
         drafter_config_from_export,
         export_problems,
+        safetensors_shapes,
         validate_export_tensors,
     )
     cfg_path, st_path = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
@@ -425,9 +424,7 @@ def check_export(doc: Doctor, path: str) -> None:
     problems = list(export_problems(cfg, path))
     try:
         dcfg = drafter_config_from_export(cfg)
-        with safe_open(st_path, "pt") as f:
-            shapes = {k: _Shape(f.get_slice(k).get_shape()) for k in f.keys()}
-        validate_export_tensors(shapes, cfg)
+        validate_export_tensors(safetensors_shapes(st_path), cfg)
     except (ExportError, ValueError) as e:
         problems.append(str(e))
         dcfg = None
@@ -440,11 +437,6 @@ def check_export(doc: Doctor, path: str) -> None:
             + (f", window {dcfg.sliding_window}" if dcfg.sliding_window else "") + f"), block {dcfg.block_size}, "
             f"target layers {dfc['target_layer_ids']} (vLLM aux {cfg['eagle_aux_hidden_state_layer_ids']}), mask "
             f"{dfc['mask_token']!r} = {dfc['mask_token_id']}, rope_theta {cfg['rope_theta']:g}")
-
-
-class _Shape:
-    def __init__(self, shape):
-        self.shape = tuple(shape)
 
 
 # ---------------------------------------------------------------------------------------------- main

@@ -11,7 +11,8 @@ from typing import Optional
 
 import torch
 
-from dflash_dist.checkpoint.export import DTYPES, ExportError, expected_tensor_shapes, export_checkpoint
+from dflash_dist.checkpoint.export import DTYPES, export_checkpoint
+from dflash_dist.checkpoint.export_load import ExportError, expected_tensor_shapes
 
 log = logging.getLogger(__name__)
 

@@ -58,118 +58,140 @@ def _series(recs: list, key: str) -> tuple[list, list]:
 def write_report(run_dir: str, out_dir: Optional[str] = None) -> dict:
     """Write the PNGs of ``run_dir``'s metrics.jsonl into ``out_dir`` (default ``run_dir/report``).
     Returns {"files": [...], "samples_per_s_peak": ..., "samples_per_s_mean": ...}."""
+    plt = _pyplot()
+    train, evals = _load_run(run_dir)
+    out_dir = out_dir or os.path.join(run_dir, "report")
+    os.makedirs(out_dir, exist_ok=True)
+    files = []
+    figures = (("loss.png", _loss_figure, (train,)), ("samples_per_s.png", _samples_per_s_figure, (train,)),
+               ("supply_demand.png", _supply_demand_figure, (train,)),
+               ("acceptance_per_position.png", _acceptance_figure, (train, evals)), ("tau.png", _tau_figure, (evals,)))
+    for name, draw, recs in figures:
+        fig = draw(plt, *recs)  # None: the run did not log what this figure needs
+        if fig is not None:
+            files.append(_save(plt, fig, os.path.join(out_dir, name)))
+    _, sps = _series(train, "samples_per_s")
+    return {"files": files, "samples_per_s_peak": max(sps) if sps else None,
+            "samples_per_s_mean": sum(sps) / len(sps) if sps else None}
+
+
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend (files only: no display is needed)."""
     try:
         import matplotlib
     except ImportError as e:
         raise SystemExit("dflash-report needs matplotlib: pip install 'dflash_dist[report]'") from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
 
+
+def _load_run(run_dir: str) -> tuple[list, list]:
+    """(training records, evaluation records) of ``run_dir``'s metrics.jsonl."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no metrics.jsonl in {run_dir} (is it a training output_dir?)")
     recs = read_metrics(path)
-    train = [r for r in recs if r.get("kind", "train") == "train"]
-    evals = [r for r in recs if r.get("kind") == "eval"]
-    out_dir = out_dir or os.path.join(run_dir, "report")
-    os.makedirs(out_dir, exist_ok=True)
-    files = []
+    return [r for r in recs if r.get("kind", "train") == "train"], [r for r in recs if r.get("kind") == "eval"]
 
-    def save(fig, name):
-        p = os.path.join(out_dir, name)
-        fig.tight_layout()
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        files.append(p)
 
-    xs, ys = _series(train, "loss")
-    if xs:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot(xs, ys, label="loss", color="tab:blue")
-        ax.set_xlabel("step")
-        ax.set_ylabel("training loss")
-        lx, ly = _series(train, "lr")
-        if lx:
-            ax2 = ax.twinx()
-            ax2.plot(lx, ly, color="tab:gray", linestyle=":", label="lr")
-            ax2.set_ylabel("learning rate")
-        ax.set_title("training loss")
-        ax.grid(alpha=0.3)
-        save(fig, "loss.png")
+def _save(plt, fig, path: str) -> str:
+    """Write ``fig`` to ``path`` and free it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
-    xs, ys = _series(train, "samples_per_s")
-    if xs:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot(xs, ys, label="job", linewidth=2)
-        dx, dy = _series(train, "drafter_samples_per_s")
-        if dx:
-            ax.plot(dx, dy, label="each drafter")
-        targets = sorted({int(m.group(1)) for r in train for k in r for m in [_TARGET_SPS.fullmatch(k)] if m})
-        for t in targets:
-            tx, ty = _series(train, f"target{t}_samples_per_s")
-            ax.plot(tx, ty, label=f"target rank {t}", alpha=0.8)
-        ax.set_xlabel("step")
-        ax.set_ylabel("samples/s")
-        ax.set_title("samples/s per role")
-        ax.grid(alpha=0.3)
+
+def _finish(ax, xlabel: str, ylabel: str, title: str, legend: bool = True) -> None:
+    """The labels, title, grid and legend every figure has."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if legend:
         ax.legend(fontsize=8)
-        save(fig, "samples_per_s.png")
 
-        caps = [{**r, **capacity_metrics(r)} for r in train]
-        sx, sy = _series(caps, "target_capacity_samples_per_s")
-        dx, dy = _series(caps, "drafter_capacity_samples_per_s")
-        if sx or dx:
-            fig, ax = plt.subplots(figsize=(7, 4))
-            if sx:
-                ax.plot(sx, sy, label="supply: targets' capacity (samples/s / busy)")
-            if dx:
-                ax.plot(dx, dy, label="demand: drafters' capacity (samples/s / busy)")
-            ax.plot(xs, ys, label="job samples/s", color="black", linewidth=2)
-            ax.set_xlabel("step")
-            ax.set_ylabel("samples/s")
-            ax.set_title("supply vs demand (the lower capacity bounds the job)")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-            save(fig, "supply_demand.png")
 
+def _plot(ax, recs: list, key: str, **style) -> None:
+    """``key`` per step on ``ax``, when the run logged it."""
+    xs, ys = _series(recs, key)
+    if xs:
+        ax.plot(xs, ys, **style)
+
+
+def _loss_figure(plt, train: list):
+    """Training loss per step, the learning rate on a second axis."""
+    if not _series(train, "loss")[0]:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    _plot(ax, train, "loss", label="loss", color="tab:blue")
+    lx, ly = _series(train, "lr")
+    if lx:
+        ax2 = ax.twinx()
+        ax2.plot(lx, ly, color="tab:gray", linestyle=":", label="lr")
+        ax2.set_ylabel("learning rate")
+    _finish(ax, "step", "training loss", "training loss", legend=False)
+    return fig
+
+
+def _samples_per_s_figure(plt, train: list):
+    """The job's samples/s, each drafter's and each target rank's."""
+    if not _series(train, "samples_per_s")[0]:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    _plot(ax, train, "samples_per_s", label="job", linewidth=2)
+    _plot(ax, train, "drafter_samples_per_s", label="each drafter")
+    targets = sorted({int(m.group(1)) for r in train for k in r for m in [_TARGET_SPS.fullmatch(k)] if m})
+    for t in targets:
+        _plot(ax, train, f"target{t}_samples_per_s", label=f"target rank {t}", alpha=0.8)
+    _finish(ax, "step", "samples/s", "samples/s per role")
+    return fig
+
+
+def _supply_demand_figure(plt, train: list):
+    """What the targets could send and the drafters could take, against what the job did."""
+    caps = [{**r, **capacity_metrics(r)} for r in train]
+    keys = ("target_capacity_samples_per_s", "drafter_capacity_samples_per_s")
+    # the capacities are read against what the job did: no figure without the job's samples/s
+    if not _series(train, "samples_per_s")[0] or not any(_series(caps, k)[0] for k in keys):
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    _plot(ax, caps, "target_capacity_samples_per_s", label="supply: targets' capacity (samples/s / busy)")
+    _plot(ax, caps, "drafter_capacity_samples_per_s", label="demand: drafters' capacity (samples/s / busy)")
+    _plot(ax, train, "samples_per_s", label="job samples/s", color="black", linewidth=2)
+    _finish(ax, "step", "samples/s", "supply vs demand (the lower capacity bounds the job)")
+    return fig
+
+
+def _acceptance_figure(plt, train: list, evals: list):
+    """Measured acceptance per block position of each evaluation, and the last window's training accuracy."""
     last_train_pos = position_values("train", train[-1]) if train else []
     eval_pos = [(r["step"], position_values("eval", r)) for r in evals]
     eval_pos = [(s, p) for s, p in eval_pos if p]
-    if last_train_pos or eval_pos:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for s, p in eval_pos:
-            ax.plot([k for k, _ in p], [v for _, v in p], marker="o", label=f"measured, step {s}")
-        if last_train_pos:
-            ax.plot([k for k, _ in last_train_pos], [v for _, v in last_train_pos], linestyle="--", color="gray",
-                    label=f"training accuracy, step {train[-1]['step']}")
-        ax.set_xlabel("block position")
-        ax.set_ylabel("acceptance")
-        ax.set_ylim(0, 1)
-        ax.set_title("acceptance per block position")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        save(fig, "acceptance_per_position.png")
+    if not (last_train_pos or eval_pos):
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for s, p in eval_pos:
+        ax.plot([k for k, _ in p], [v for _, v in p], marker="o", label=f"measured, step {s}")
+    if last_train_pos:
+        ax.plot([k for k, _ in last_train_pos], [v for _, v in last_train_pos], linestyle="--", color="gray",
+                label=f"training accuracy, step {train[-1]['step']}")
+    ax.set_ylim(0, 1)
+    _finish(ax, "block position", "acceptance", "acceptance per block position")
+    return fig
 
-    tx, ty = _series(evals, "tau")
-    if tx:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot(tx, ty, marker="o", label="tau (z-lab: mean over prompts)")
-        px, py = _series(evals, "tau_pooled")
-        if px:
-            ax.plot(px, py, marker="s", label="tau pooled (tokens / verify steps)")
-        fx, fy = _series(evals, "tau_from_train_acc")
-        if fx:
-            ax.plot(fx, fy, linestyle=":", label="tau predicted by training accuracy")
-        ax.set_xlabel("step")
-        ax.set_ylabel("acceptance length")
-        ax.set_title("acceptance length")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        save(fig, "tau.png")
 
-    _, sps = _series(train, "samples_per_s")
-    return {"files": files, "samples_per_s_peak": max(sps) if sps else None,
-            "samples_per_s_mean": sum(sps) / len(sps) if sps else None}
+def _tau_figure(plt, evals: list):
+    """tau per evaluation, both ways, and the tau the training accuracy predicts."""
+    if not _series(evals, "tau")[0]:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    _plot(ax, evals, "tau", marker="o", label="tau (z-lab: mean over prompts)")
+    _plot(ax, evals, "tau_pooled", marker="s", label="tau pooled (tokens / verify steps)")
+    _plot(ax, evals, "tau_from_train_acc", linestyle=":", label="tau predicted by training accuracy")
+    _finish(ax, "step", "acceptance length", "acceptance length")
+    return fig
 
 
 def main(argv: Optional[list] = None) -> int:

@@ -26,7 +26,6 @@ result holds only the int32 tokens and the mask bits).
 
 from __future__ import annotations
 
-import array
 import json
 import logging
 import multiprocessing as mp
@@ -35,10 +34,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Iterable, Iterator, Optional
 
-import torch
-
 from dflash_dist.data.conversations import (
-    TRUNCATED,
     BadDataStats,
     DataError,
     builtin_conversations,
@@ -261,8 +257,7 @@ def tokenize_stream(conversations: Iterable[dict], tokenizer_path: str, max_leng
     if overlong not in T.OVERLONG_MODES:
         raise ValueError(f"overlong={overlong!r}: use truncate or skip")
     window = max(1, int(window))
-    tok_parts, mask_parts, lengths, conv_ids = array.array("i"), bytearray(), [], []
-    n_convs = 0
+    packed = T._Packed()
     pool = None
     tok = None
     try:
@@ -281,7 +276,7 @@ def tokenize_stream(conversations: Iterable[dict], tokenizer_path: str, max_leng
                     break
             if not chunk:
                 break
-            stats.add_rows(sum(1 for c in chunk if not (isinstance(c, dict) and isinstance(c.get("source"), str))))
+            stats.add_rows(T._uncounted_rows(chunk))
             if pool is not None:
                 try:
                     results = list(pool.map(T._worker_run, chunk, chunksize=max(1, len(chunk) // (4 * num_workers))))
@@ -290,36 +285,12 @@ def tokenize_stream(conversations: Iterable[dict], tokenizer_path: str, max_leng
             else:
                 results = [T._pack(T._tokenize(tok, c, max_length, overlong, vocab_size, chat_template_kwargs))
                            for c in chunk]
-            for j, (c, r) in enumerate(zip(chunk, results)):
-                i = n_convs + j
-                where = c.get("source") if isinstance(c, dict) and isinstance(c.get("source"), str) \
-                    else f"conversation[{i}]"
-                if len(r) == 2:
-                    stats.bad(r[0], where, r[1])
-                    continue
-                ids_b, mask_b, truncated = r
-                if truncated:
-                    stats.note(TRUNCATED, where, f"cut to {max_length} tokens")
-                tok_parts.frombytes(ids_b)
-                mask_parts += mask_b
-                lengths.append(len(mask_b))
-                conv_ids.append(i)
-            n_convs += len(chunk)
+            packed.add(chunk, results, stats, max_length)
             del chunk, results
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
-    tokens = torch.frombuffer(bytearray(tok_parts.tobytes()), dtype=torch.int32) if len(tok_parts) else \
-        torch.zeros(0, dtype=torch.int32)
-    mask = torch.frombuffer(mask_parts, dtype=torch.uint8).bool() if len(mask_parts) else \
-        torch.zeros(0, dtype=torch.bool)
-    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-    if lengths:
-        offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
-    meta = {"tokenizer": str(tokenizer_path), "max_length": int(max_length), "overlong": overlong,
-            "vocab_size": None if vocab_size is None else int(vocab_size), "num_conversations": n_convs,
-            "chat_template_kwargs": dict(chat_template_kwargs or {})}
-    return T.TokenizedDataset(tokens, mask, offsets, torch.tensor(conv_ids, dtype=torch.int64), meta)
+    return packed.dataset(tokenizer_path, max_length, overlong, vocab_size, chat_template_kwargs)
 
 
 # ----------------------------------------------------------------------------------------------- template options

@@ -375,7 +375,7 @@ def build_tokenized_dataset(conversations: Sequence[dict], tokenizer_path: str, 
     if overlong not in OVERLONG_MODES:
         raise ValueError(f"overlong={overlong!r}: use truncate or skip")
     convs = list(conversations)
-    stats.add_rows(sum(1 for c in convs if not (isinstance(c, dict) and isinstance(c.get("source"), str))))
+    stats.add_rows(_uncounted_rows(convs))
     if num_workers > 0 and len(convs) > 0:
         # spawn, not fork: the caller may already run threads (torch, NCCL, CUDA). A process pool, not
         # multiprocessing.Pool: a worker that dies raises BrokenProcessPool instead of being respawned forever.
@@ -391,30 +391,64 @@ def build_tokenized_dataset(conversations: Sequence[dict], tokenizer_path: str, 
         tok = _load_tokenizer(tokenizer_path)
         results = [_pack(_tokenize(tok, c, max_length, overlong, vocab_size, chat_template_kwargs)) for c in convs]
 
-    tok_parts, mask_parts, lengths, conv_ids = [], [], [], []
-    for i, (c, r) in enumerate(zip(convs, results)):
-        where = c.get("source") if isinstance(c, dict) and isinstance(c.get("source"), str) else f"conversation[{i}]"
-        if len(r) == 2:
-            stats.bad(r[0], where, r[1])
-            continue
-        ids_b, mask_b, truncated = r
-        if truncated:
-            stats.note(TRUNCATED, where, f"cut to {max_length} tokens")
-        tok_parts.append(ids_b)
-        mask_parts.append(mask_b)
-        lengths.append(len(mask_b))
-        conv_ids.append(i)
-    tokens = torch.frombuffer(bytearray(b"".join(tok_parts)), dtype=torch.int32) if tok_parts else \
-        torch.zeros(0, dtype=torch.int32)
-    mask = torch.frombuffer(bytearray(b"".join(mask_parts)), dtype=torch.uint8).bool() if mask_parts else \
-        torch.zeros(0, dtype=torch.bool)
-    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-    if lengths:
-        offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
-    meta = {"tokenizer": str(tokenizer_path), "max_length": int(max_length), "overlong": overlong,
-            "vocab_size": None if vocab_size is None else int(vocab_size), "num_conversations": len(convs),
-            "chat_template_kwargs": dict(chat_template_kwargs or {})}
-    return TokenizedDataset(tokens, mask, offsets, torch.tensor(conv_ids, dtype=torch.int64), meta)
+    packed = _Packed()
+    packed.add(convs, results, stats, max_length)
+    return packed.dataset(tokenizer_path, max_length, overlong, vocab_size, chat_template_kwargs)
+
+
+def _source(conv) -> Optional[str]:
+    """The ``file:line`` a reader recorded for a conversation (None: builtin or in-memory)."""
+    src = conv.get("source") if isinstance(conv, dict) else None
+    return src if isinstance(src, str) else None
+
+
+def _uncounted_rows(convs: Sequence) -> int:
+    """How many of ``convs`` no reader counted as a row yet (those without a ``source``)."""
+    return sum(1 for c in convs if _source(c) is None)
+
+
+class _Packed:
+    """The usable tokenizations of consecutive conversations, appended as packed int32 tokens and mask bytes
+    (``_pack``'s form), so a stream holds the result and not the corpus."""
+
+    def __init__(self):
+        self.tokens, self.mask = array.array("i"), bytearray()
+        self.lengths: list[int] = []
+        self.conv_ids: list[int] = []
+        self.num_conversations = 0
+
+    def add(self, convs: Sequence, results: Sequence, stats: BadDataStats, max_length: int) -> None:
+        """The next ``convs`` and their ``_pack`` results; refused ones go to ``stats``."""
+        for j, (c, r) in enumerate(zip(convs, results)):
+            i = self.num_conversations + j
+            where = _source(c)
+            where = f"conversation[{i}]" if where is None else where
+            if len(r) == 2:
+                stats.bad(r[0], where, r[1])
+                continue
+            ids_b, mask_b, truncated = r
+            if truncated:
+                stats.note(TRUNCATED, where, f"cut to {max_length} tokens")
+            self.tokens.frombytes(ids_b)
+            self.mask += mask_b
+            self.lengths.append(len(mask_b))
+            self.conv_ids.append(i)
+        self.num_conversations += len(convs)
+
+    def dataset(self, tokenizer_path: str, max_length: int, overlong: str, vocab_size: Optional[int],
+                chat_template_kwargs: Optional[dict]) -> TokenizedDataset:
+        """What was added, as a TokenizedDataset whose meta records the tokenization settings."""
+        tokens = torch.frombuffer(bytearray(self.tokens.tobytes()), dtype=torch.int32) if len(self.tokens) else \
+            torch.zeros(0, dtype=torch.int32)
+        mask = torch.frombuffer(self.mask, dtype=torch.uint8).bool() if len(self.mask) else \
+            torch.zeros(0, dtype=torch.bool)
+        offsets = torch.zeros(len(self.lengths) + 1, dtype=torch.int64)
+        if self.lengths:
+            offsets[1:] = torch.cumsum(torch.tensor(self.lengths, dtype=torch.int64), 0)
+        meta = {"tokenizer": str(tokenizer_path), "max_length": int(max_length), "overlong": overlong,
+                "vocab_size": None if vocab_size is None else int(vocab_size),
+                "num_conversations": self.num_conversations, "chat_template_kwargs": dict(chat_template_kwargs or {})}
+        return TokenizedDataset(tokens, mask, offsets, torch.tensor(self.conv_ids, dtype=torch.int64), meta)
 
 
 def cache_key(data_hash: str, tokenizer_hash: str) -> str:

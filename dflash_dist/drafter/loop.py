@@ -99,221 +99,303 @@ def log_host_syncs(step_fn, step: int, device) -> None:
 
 
 def run_drafter(job) -> None:
-    cfg, d = job.cfg, job.dist
-    topo = d.topo
-    life = job.life
-    trainer = DrafterTrainer(job)
-    n_params = sum(p.numel() for p in trainer.model.parameters())
-    if trainer.leaky_mask:
-        log.warning("%s=1: training with the LEAKY mask (kv <= anchor) on purpose (a demonstration, never use it)",
-                    LEAKY_MASK_ENV)
-    flex_desc = (f" (compiled flex_attention, {'dynamic' if trainer.flex_dynamic else 'static'} shapes"
-                 f"{', compiled layers' if trainer.compile_layers else ''}"
-                 f"{', compiled loss' if trainer.compile_loss else ''}"
-                 f"{', kernel options ' + str(cfg.drafter.tuning.flex_kernel_options) if cfg.drafter.tuning.flex_kernel_options else ''})")
-    log.info("drafter: %d layers, %.2fM trainable params, attention backend=%s%s, anchors=%d, block=%d",
-             cfg.drafter.num_layers, n_params / 1e6, trainer.backend,
-             flex_desc if trainer.backend == "flex" else " (dense bool mask, SDPA)",
-             cfg.drafter.num_anchors, cfg.drafter.block_size)
-    run_messages = job.total_messages - job.start_cursor
-    steps = topo.num_steps(run_messages)
-    total_steps = job.start_step + steps
-    writer = MetricsWriter(job.run_dir, cfg.to_dict(), cfg.logging.wandb, total_steps, topo.is_leader,
-                           cfg.logging.progress_bar)
-    if job.auto_split is not None:  # topology.target_ranks=auto: the measured rates and the split, once
-        from dflash_dist.telemetry.plan_record import plan_record
-        writer.log(job.start_step, plan_record(job.auto_split), kind="plan")
-    channel = job_channel(d, cfg.topology, check=life.check, serve_heads=cfg.drafter.tuning.loss_on_target)
-    channel.connect(topo.feeders, sending=False)  # before any payload: see Channel.connect
-    head_channel = None
-    if cfg.drafter.tuning.loss_on_target:
-        head_channel, reply_channel = head_channels(d, cfg.topology.warmup_timeout_s, life.check, topo.feeders,
-                                                    drafter=True)
-        trainer.heads = HeadLossClient(head_channel, reply_channel, d.rank, trainer.lm_head.dtype,
-                                       cfg.drafter.block_size, cfg.drafter.gamma)
-    if trainer.micro_batches > 1 or head_channel is not None:
-        served = trainer.micro_batches - cfg.drafter.tuning.local_loss_groups
-        log.info("drafter step: %d group(s) of %d anchors, each its own forward; lm_head and loss %s",
-                 trainer.micro_batches, cfg.drafter.num_anchors // trainer.micro_batches,
-                 f"of {served} group(s) on the target that sent the message (drafter.tuning.loss_on_target), of "
-                 f"{cfg.drafter.tuning.local_loss_groups} on this rank" if head_channel is not None else "on this rank")
-    rx = Receiver(channel, d.rank)
-    mine = list(topo.drafter_messages(run_messages))
-    pending = rx.post(topo.target_for(mine[0]), job.start_cursor + mine[0]) if mine else None
-    rate = RateMeter()
-    bytes_seen = 0
-    peak = cfg.logging.peak_tflops or nominal_peak_tflops(d.device)  # None on CPU: no MFU metrics
-    target_stats, prev_target_stats = {}, {}
-    ends_seen: set = set()
-    wait_s = busy_s = 0.0
-    seen_time = (0.0, 0.0, 0.0, 0.0)  # (wait, busy, wall, stream wait) at the last logged window: per window
-    stream_wait = StreamWaitMeter(d.device)
-    stopped = False
-    stop_at = None
-    sample_log = None
-    if cfg.logging.debug.record_sample_ids:
-        os.makedirs(os.path.join(job.run_dir, "sample_log"), exist_ok=True)
-        sample_log = open(os.path.join(job.run_dir, "sample_log", f"rank{d.rank}.jsonl"), "a", buffering=1)
-    fault = fault_for(d.rank)  # failure tests only
-    leader_eval = LeaderEval(job, trainer.model) if eval_enabled(job) and topo.is_leader else None
-    eval_at = set(eval_steps(job)) if leader_eval is not None else set()
-    last_window = None
-    last_tau = None  # (step, tau) of the newest in-training evaluation
-    t_start = time.monotonic()
-    if trainer.precompile_plan:
-        took = trainer.precompile()  # the compiles of the planned shapes now, not when training reaches them
-        log.info("precompiled %d planned batch shapes in %.1f s before training (dry steps, nothing updated): %s",
-                 len(trainer.precompile_plan), took,
-                 ", ".join(f"{len(x)} sample(s) up to {max(x)} tokens" for x in trainer.precompile_plan))
-    first_step_s = None
-    for s in range(steps):
-        j = s * topo.num_drafters + topo.index
-        t0 = time.monotonic()
-        msg = None
-        if j < run_messages:
-            before = stream_wait.mark()
-            msg = pending.complete()
-            stream_wait.add(before, stream_wait.mark())
-            pending = None
-            if isinstance(msg, EndOfStream):
-                raise RuntimeError(f"target rank {msg.src} ended its stream before message {job.start_cursor + j}")
-            target_stats[msg.src] = msg.sender_stats
-            trainer.counts["messages_received"] += 1
-            trainer.counts["samples_received"] += msg.num_samples
-            nxt = j + topo.num_drafters
-            if nxt < run_messages:
-                pending = rx.post(topo.target_for(nxt), job.start_cursor + nxt)
-        t1 = time.monotonic()
-        k = job.start_cursor + j
-        stall_if_due(fault, s)
+    DrafterRun(job).run()
+
+
+class DrafterRun:
+    """One drafter rank's run, in the order its steps happen: connect, precompile, then per step receive ->
+    train -> account -> (stop agreement) -> (metrics window) -> (evaluation) -> (checkpoint); finish: END of
+    every target (or a drain after a graceful stop), the final checkpoint, accounting and the run's summary."""
+
+    def __init__(self, job):
+        self.job, self.cfg, self.d, self.topo, self.life = job, job.cfg, job.dist, job.dist.topo, job.life
+        self.trainer = DrafterTrainer(job)
+        self.describe()
+        self.run_messages = job.total_messages - job.start_cursor
+        self.steps = self.topo.num_steps(self.run_messages)
+        self.total_steps = job.start_step + self.steps
+        self.writer = MetricsWriter(job.run_dir, self.cfg.to_dict(), self.cfg.logging.wandb, self.total_steps,
+                                    self.topo.is_leader, self.cfg.logging.progress_bar)
+        if job.auto_split is not None:  # topology.target_ranks=auto: the measured rates and the split, once
+            from dflash_dist.telemetry.plan_record import plan_record
+            self.writer.log(job.start_step, plan_record(job.auto_split), kind="plan")
+        self.connect()
+        self.rx = Receiver(self.channel, self.d.rank)
+        mine = list(self.topo.drafter_messages(self.run_messages))
+        self.pending = self.rx.post(self.topo.target_for(mine[0]), job.start_cursor + mine[0]) if mine else None
+        self.rate = RateMeter()
+        self.bytes_seen = 0
+        self.peak = self.cfg.logging.peak_tflops or nominal_peak_tflops(self.d.device)  # None on CPU: no MFU
+        self.target_stats, self.prev_target_stats = {}, {}
+        self.ends_seen: set = set()
+        self.wait_s = self.busy_s = 0.0
+        self.seen_time = (0.0, 0.0, 0.0, 0.0)  # (wait, busy, wall, stream wait) at the last window: per window
+        self.stream_wait = StreamWaitMeter(self.d.device)
+        self.stopped = False
+        self.stop_at = None
+        self.sample_log = self.open_sample_log()
+        self.fault = fault_for(self.d.rank)  # failure tests only
+        self.leader_eval = LeaderEval(job, self.trainer.model) if eval_enabled(job) and self.topo.is_leader else None
+        self.eval_at = set(eval_steps(job)) if self.leader_eval is not None else set()
+        self.last_window = None
+        self.last_tau = None  # (step, tau) of the newest in-training evaluation
+        self.first_step_s = None
+        self.t_start = time.monotonic()
+
+    def describe(self) -> None:
+        cfg, trainer = self.cfg, self.trainer
+        n_params = sum(p.numel() for p in trainer.model.parameters())
+        if trainer.leaky_mask:
+            log.warning("%s=1: training with the LEAKY mask (kv <= anchor) on purpose (a demonstration, never use "
+                        "it)", LEAKY_MASK_ENV)
+        kernel = cfg.drafter.tuning.flex_kernel_options
+        flex_desc = (f" (compiled flex_attention, {'dynamic' if trainer.flex_dynamic else 'static'} shapes"
+                     f"{', compiled layers' if trainer.compile_layers else ''}"
+                     f"{', compiled loss' if trainer.compile_loss else ''}"
+                     f"{', kernel options ' + str(kernel) if kernel else ''})")
+        log.info("drafter: %d layers, %.2fM trainable params, attention backend=%s%s, anchors=%d, block=%d",
+                 cfg.drafter.num_layers, n_params / 1e6, trainer.backend,
+                 flex_desc if trainer.backend == "flex" else " (dense bool mask, SDPA)",
+                 cfg.drafter.num_anchors, cfg.drafter.block_size)
+
+    def connect(self) -> None:
+        """The data channel from every feeding target and, with drafter.tuning.loss_on_target, the head groups."""
+        cfg, d, trainer, tuning = self.cfg, self.d, self.trainer, self.cfg.drafter.tuning
+        self.channel = job_channel(d, cfg.topology, check=self.life.check, serve_heads=tuning.loss_on_target)
+        self.channel.connect(self.topo.feeders, sending=False)  # before any payload: see Channel.connect
+        self.head_channel = self.reply_channel = None
+        if tuning.loss_on_target:
+            self.head_channel, self.reply_channel = head_channels(d, cfg.topology.warmup_timeout_s, self.life.check,
+                                                                  self.topo.feeders, drafter=True)
+            trainer.heads = HeadLossClient(self.head_channel, self.reply_channel, d.rank, trainer.lm_head.dtype,
+                                           cfg.drafter.block_size, cfg.drafter.gamma)
+        if trainer.micro_batches > 1 or self.head_channel is not None:
+            served = trainer.micro_batches - tuning.local_loss_groups
+            log.info("drafter step: %d group(s) of %d anchors, each its own forward; lm_head and loss %s",
+                     trainer.micro_batches, cfg.drafter.num_anchors // trainer.micro_batches,
+                     f"of {served} group(s) on the target that sent the message (drafter.tuning.loss_on_target), "
+                     f"of {tuning.local_loss_groups} on this rank" if self.head_channel is not None else "on this rank")
+
+    def open_sample_log(self):
+        """logging.debug.record_sample_ids: <run_dir>/sample_log/rank<r>.jsonl, one line per message trained."""
+        if not self.cfg.logging.debug.record_sample_ids:
+            return None
+        os.makedirs(os.path.join(self.job.run_dir, "sample_log"), exist_ok=True)
+        return open(os.path.join(self.job.run_dir, "sample_log", f"rank{self.d.rank}.jsonl"), "a", buffering=1)
+
+    def run(self) -> None:
+        self.precompile()
+        log_every, checkpoint_every = self.cfg.logging.log_every, self.cfg.train.checkpoint_every
+        for s in range(self.steps):
+            t0 = time.monotonic()
+            j = s * self.topo.num_drafters + self.topo.index
+            msg = self.receive(j)
+            t1 = time.monotonic()
+            stall_if_due(self.fault, s)
+            self.train(s, msg, self.job.start_cursor + j)
+            if s == 0:
+                self.first_step_s = time.monotonic() - t1
+            self.account_step(s, msg, t0, t1)
+            last = s == self.steps - 1
+            stop_now = self.stop_due(last)
+            if self.trainer.step % log_every == 0 or last or stop_now or s == 0:  # s 0: the curve's start
+                self.log_window()
+            self.evaluation_tick()
+            if stop_now:
+                self.stopped = True
+                break
+            if checkpoint_every and self.trainer.step % checkpoint_every == 0 and not last:
+                self.trainer.save()
+        self.finish()
+
+    def precompile(self) -> None:
+        trainer = self.trainer
+        if trainer.precompile_plan:
+            took = trainer.precompile()  # the compiles of the planned shapes now, not when training reaches them
+            log.info("precompiled %d planned batch shapes in %.1f s before training (dry steps, nothing updated): "
+                     "%s", len(trainer.precompile_plan), took,
+                     ", ".join(f"{len(x)} sample(s) up to {max(x)} tokens" for x in trainer.precompile_plan))
+
+    def receive(self, j: int):
+        """Run message ``j``'s features (None past the end: this rank joins the step with an empty batch); the
+        receive of this rank's next message is posted at once, so it lands while this one trains."""
+        if j >= self.run_messages:
+            return None
+        before = self.stream_wait.mark()
+        msg = self.pending.complete()
+        self.stream_wait.add(before, self.stream_wait.mark())
+        self.pending = None
+        if isinstance(msg, EndOfStream):
+            raise RuntimeError(f"target rank {msg.src} ended its stream before message {self.job.start_cursor + j}")
+        self.target_stats[msg.src] = msg.sender_stats
+        self.trainer.counts["messages_received"] += 1
+        self.trainer.counts["samples_received"] += msg.num_samples
+        nxt = j + self.topo.num_drafters
+        if nxt < self.run_messages:
+            self.pending = self.rx.post(self.topo.target_for(nxt), self.job.start_cursor + nxt)
+        return msg
+
+    def train(self, s: int, msg, k: int) -> None:
+        """Build step ``s``'s blocks and masks and train it; a few early steps run under a check."""
+        trainer, d = self.trainer, self.d
         if s == 1:  # one profiled step after the warm-up step: what really ran, memory, compile/cache
-            profiled_step(trainer, trainer.build(msg, k), first_step_s, job)
+            profiled_step(trainer, trainer.build(msg, k), self.first_step_s, self.job)
         elif s == SYNC_CHECK_STEP:  # after warm-up: does a step make the host wait for the GPU?
             log_host_syncs(lambda: trainer.train_step(trainer.build(msg, k)), trainer.step, d.device)
-        elif s == cfg.logging.debug.profile_step:  # a step's phases on the GPU timeline, asked for
-            trace_step(trainer, trainer.build(msg, k), s, job)
+        elif s == self.cfg.logging.debug.profile_step:  # a step's phases on the GPU timeline, asked for
+            trace_step(trainer, trainer.build(msg, k), s, self.job)
         else:
             trainer.train_step(trainer.build(msg, k))
-        if s == 0:
-            first_step_s = time.monotonic() - t1
+
+    def account_step(self, s: int, msg, t0: float, t1: float) -> None:
+        """Counters, the sample log, the step and cursor, wait/busy time; after step 1 the steady timeouts."""
+        trainer, topo, job = self.trainer, self.topo, self.job
         if msg is not None:
-            rate.add(msg.num_samples, msg.num_tokens)
-            if sample_log is not None:
+            self.rate.add(msg.num_samples, msg.num_tokens)
+            if self.sample_log is not None:
                 # who sent it from which node, and a fingerprint of the weights after the step (equal on every
                 # drafter at every step while their data-parallel steps stay in lockstep)
-                sample_log.write(json.dumps({"k": msg.index, "step": trainer.step, "ids": msg.sample_ids.tolist(),
-                                             "from": msg.src, "from_node": topo.node_of(msg.src), "to": d.rank,
-                                             "to_node": topo.node_of(d.rank),
-                                             "weights_fp": weights_fingerprint(trainer.model)}) + "\n")
+                self.sample_log.write(json.dumps({
+                    "k": msg.index, "step": trainer.step, "ids": msg.sample_ids.tolist(), "from": msg.src,
+                    "from_node": topo.node_of(msg.src), "to": self.d.rank, "to_node": topo.node_of(self.d.rank),
+                    "weights_fp": weights_fingerprint(trainer.model)}) + "\n")
         else:
             trainer.counts["empty_steps"] += 1
         trainer.step += 1
         trainer.cursor = min(job.start_cursor + (s + 1) * topo.num_drafters, job.total_messages)
-        wait_s += t1 - t0
-        busy_s += time.monotonic() - t1
+        self.wait_s += t1 - t0
+        self.busy_s += time.monotonic() - t1
         if s == 1:
-            channel.timeout_s = cfg.topology.timeout_s
-            if head_channel is not None:
-                head_channel.timeout_s = reply_channel.timeout_s = cfg.topology.timeout_s
-            shorten_timeouts(d, cfg.topology.timeout_s)
-        last = s == steps - 1
-        # graceful stop: the leader fixes a step two ahead; drafters are in lockstep (DDP), so all see it in time
-        requested = life.stop_requested()  # posts this rank's own signal, if it got one
-        if topo.is_leader and stop_at is None and requested:
-            stop_at = trainer.step + 2
-            life.announce_stop(stop_at)
-        if stop_at is None:
-            stop_at = life.stop_step()
-        stop_now = stop_at is not None and trainer.step >= stop_at and not last
-        first = s == 0  # the first step is always logged: the start of the loss curve
-        if trainer.step % cfg.logging.log_every == 0 or last or stop_now or first:
-            window = trainer.read_window()  # all drafters: one all-reduce per window
-            if trainer.guard is not None:
-                dc = dynamo_counters()
-                window.update({f"compile/{k}": dc[k] for k in ("unique_graphs", "graph_breaks", "recompiles")})
-            r = rate.take()
-            link_bps = (rx.bytes_received - bytes_seen) / r["window_s"]
-            bytes_seen = rx.bytes_received
-            rates = torch.tensor([r["samples_per_s"], r["tokens_per_s"], link_bps], dtype=torch.float64,
-                                 device=d.device)
-            dist.all_reduce(rates, group=d.drafters)  # job throughput = sum over drafters
-            sps, tps, link = rates.tolist()
-            wall = time.monotonic() - t_start
-            dwall = max(wall - seen_time[2], 1e-9)
-            stream_wait_s = stream_wait.seconds()
-            window.update({"samples_per_s": sps, "tokens_per_s": tps, "link_gb_per_s": link / 1e9,
-                           "drafter_samples_per_s": sps / topo.num_drafters,
-                           "drafter_wait_frac": (wait_s - seen_time[0]) / dwall,
-                           "drafter_busy_frac": (busy_s - seen_time[1]) / dwall,
-                           "drafter_stream_wait_frac": (stream_wait_s - seen_time[3]) / dwall,
-                           "epoch_progress": trainer.cursor / max(job.total_messages, 1)})
-            if peak:  # model FLOPs of all drafters over the window / (drafters x window x peak)
-                window["drafter_mfu"] = window["model_flops"] / (topo.num_drafters * r["window_s"] * peak * 1e12)
-            window.update(target_window_metrics(target_stats, prev_target_stats, peak))
-            prev_target_stats = dict(target_stats)
-            seen_time = (wait_s, busy_s, wall, stream_wait_s)
-            last_window = window
-            if leader_eval is not None:
-                for at, res in leader_eval.ready():
-                    rec = eval_record(res, last_window)
-                    writer.log(at, rec, kind="eval")
-                    last_tau = (at, rec.get("tau"))
-            if topo.is_leader:
-                writer.log(trainer.step, window)
-                writer.progress(trainer.step, {"loss": f"{window['loss']:.3f}", "acc": f"{window['acc']:.3f}",
-                                               "samples/s": f"{window['samples_per_s']:.1f}"})
-                if writer.bar is None:  # no bar (logging.progress_bar=false, or not a terminal): a line
-                    log.info("step %d/%d loss %.4f acc %.3f lr %.2e %.1f samples/s", trainer.step, total_steps,
-                             window["loss"], window["acc"], window["lr"], window["samples_per_s"])
-        if leader_eval is not None:
-            leader_eval.pump()  # the weights of a requested evaluation, once the target has posted their receive
-            if trainer.step in eval_at:
-                leader_eval.request(trainer.step)
-        if stop_now:
-            stopped = True
-            break
-        if cfg.train.checkpoint_every and trainer.step % cfg.train.checkpoint_every == 0 and not last:
-            trainer.save()
-    if stopped:
-        if leader_eval is not None:
-            leader_eval.close()
-        # samples of messages after the cursor were not trained: the checkpoint's cursor excludes them
-        trainer.save(final=False, reason="signal")
-        if topo.is_leader:
-            log.warning("stopped on request after step %d; resume with train.resume=auto", trainer.step)
-        dropped = drain(rx, topo, pending, ends_seen, target_stats)
-        trainer.counts["samples_dropped_after_stop"] = dropped
-    else:
-        for t in topo.feeders:  # every target says END once its share is sent
-            end = rx.post(t).complete()
+            timeout = self.cfg.topology.timeout_s
+            self.channel.timeout_s = timeout
+            if self.head_channel is not None:
+                self.head_channel.timeout_s = self.reply_channel.timeout_s = timeout
+            shorten_timeouts(self.d, timeout)
+
+    def stop_due(self, last: bool) -> bool:
+        """Graceful stop: the leader fixes a step two ahead; drafters are in lockstep (DDP), so all see it in
+        time. True once this rank reached that step (never on the last step: that one finishes normally)."""
+        requested = self.life.stop_requested()  # posts this rank's own signal, if it got one
+        if self.topo.is_leader and self.stop_at is None and requested:
+            self.stop_at = self.trainer.step + 2
+            self.life.announce_stop(self.stop_at)
+        if self.stop_at is None:
+            self.stop_at = self.life.stop_step()
+        return self.stop_at is not None and self.trainer.step >= self.stop_at and not last
+
+    def log_window(self) -> None:
+        """The metrics of the steps since the last window (all drafters: one all-reduce of the trainer's sums,
+        one of the rates), evaluations that finished meanwhile, the progress bar or a line."""
+        window = self.window_metrics()
+        self.last_window = window
+        if self.leader_eval is not None:
+            for at, res in self.leader_eval.ready():
+                self.log_evaluation(at, res)
+        if self.topo.is_leader:
+            trainer = self.trainer
+            self.writer.log(trainer.step, window)
+            self.writer.progress(trainer.step, {"loss": f"{window['loss']:.3f}", "acc": f"{window['acc']:.3f}",
+                                                "samples/s": f"{window['samples_per_s']:.1f}"})
+            if self.writer.bar is None:  # no bar (logging.progress_bar=false, or not a terminal): a line
+                log.info("step %d/%d loss %.4f acc %.3f lr %.2e %.1f samples/s", trainer.step, self.total_steps,
+                         window["loss"], window["acc"], window["lr"], window["samples_per_s"])
+
+    def window_metrics(self) -> dict:
+        d, topo = self.d, self.topo
+        window = self.trainer.read_window()
+        if self.trainer.guard is not None:
+            dc = dynamo_counters()
+            window.update({f"compile/{k}": dc[k] for k in ("unique_graphs", "graph_breaks", "recompiles")})
+        r = self.rate.take()
+        link_bps = (self.rx.bytes_received - self.bytes_seen) / r["window_s"]
+        self.bytes_seen = self.rx.bytes_received
+        rates = torch.tensor([r["samples_per_s"], r["tokens_per_s"], link_bps], dtype=torch.float64, device=d.device)
+        dist.all_reduce(rates, group=d.drafters)  # job throughput = sum over drafters
+        sps, tps, link = rates.tolist()
+        wall = time.monotonic() - self.t_start
+        dwall = max(wall - self.seen_time[2], 1e-9)
+        stream_wait_s = self.stream_wait.seconds()
+        window.update({"samples_per_s": sps, "tokens_per_s": tps, "link_gb_per_s": link / 1e9,
+                       "drafter_samples_per_s": sps / topo.num_drafters,
+                       "drafter_wait_frac": (self.wait_s - self.seen_time[0]) / dwall,
+                       "drafter_busy_frac": (self.busy_s - self.seen_time[1]) / dwall,
+                       "drafter_stream_wait_frac": (stream_wait_s - self.seen_time[3]) / dwall,
+                       "epoch_progress": self.trainer.cursor / max(self.job.total_messages, 1)})
+        if self.peak:  # model FLOPs of all drafters over the window / (drafters x window x peak)
+            window["drafter_mfu"] = window["model_flops"] / (topo.num_drafters * r["window_s"] * self.peak * 1e12)
+        window.update(target_window_metrics(self.target_stats, self.prev_target_stats, self.peak))
+        self.prev_target_stats = dict(self.target_stats)
+        self.seen_time = (self.wait_s, self.busy_s, wall, stream_wait_s)
+        return window
+
+    def log_evaluation(self, at: int, res) -> dict:
+        rec = eval_record(res, self.last_window)
+        self.writer.log(at, rec, kind="eval")
+        self.last_tau = (at, rec.get("tau"))
+        return rec
+
+    def evaluation_tick(self) -> None:
+        if self.leader_eval is not None:
+            self.leader_eval.pump()  # the weights of a requested evaluation, once the target posted its receive
+            if self.trainer.step in self.eval_at:
+                self.leader_eval.request(self.trainer.step)
+
+    def finish(self) -> None:
+        if self.stopped:
+            self.stop_and_drain()
+        else:
+            self.take_ends()
+            self.trainer.save(final=True)
+            self.last_evaluations()
+        self.report()
+
+    def stop_and_drain(self) -> None:
+        """After a graceful stop: a checkpoint at the cursor, then whatever the targets still send is dropped
+        (those samples were not trained: the checkpoint's cursor excludes them)."""
+        if self.leader_eval is not None:
+            self.leader_eval.close()
+        self.trainer.save(final=False, reason="signal")
+        if self.topo.is_leader:
+            log.warning("stopped on request after step %d; resume with train.resume=auto", self.trainer.step)
+        dropped = drain(self.rx, self.topo, self.pending, self.ends_seen, self.target_stats)
+        self.trainer.counts["samples_dropped_after_stop"] = dropped
+
+    def take_ends(self) -> None:
+        for t in self.topo.feeders:  # every target says END once its share is sent
+            end = self.rx.post(t).complete()
             if not isinstance(end, EndOfStream):
                 raise RuntimeError(f"expected END from target rank {t}, got message {end.index}")
-            ends_seen.add(t)
-            target_stats[t] = end.sender_stats
-        trainer.save(final=True)
-    if leader_eval is not None and not stopped:
-        for at, res in leader_eval.ready(block_s=cfg.topology.warmup_timeout_s):
-            rec = eval_record(res, last_window)
-            writer.log(at, rec, kind="eval")
-            last_tau = (at, rec.get("tau"))
+            self.ends_seen.add(t)
+            self.target_stats[t] = end.sender_stats
+
+    def last_evaluations(self) -> None:
+        if self.leader_eval is None:
+            return
+        for at, res in self.leader_eval.ready(block_s=self.cfg.topology.warmup_timeout_s):
+            rec = self.log_evaluation(at, res)
             log.info("acceptance at step %d: tau %.3f (z-lab: mean over prompts), pooled %.3f (training accuracy "
                      "predicts %.3f) on %d held-out prompts", at, rec["tau"] or float("nan"),
                      rec.get("tau_pooled") or float("nan"), rec.get("tau_from_train_acc") or float("nan"),
                      rec["n_prompts"])
-    accounting = account(trainer, d, target_stats, stopped)
-    if topo.is_leader:
-        writer.log(trainer.step, accounting, kind="accounting")
-        log.info("%s: %d steps, %d of %d messages trained in %.1f s; samples %s", "stopped" if stopped else "done",
-                 trainer.step, trainer.cursor, job.total_messages, time.monotonic() - t_start,
-                 {k: int(v) for k, v in accounting.items()})
-    writer.close()
-    if topo.is_leader:  # the last lines of the run: what it did and where the results are
-        log.info("%s", run_summary(
-            stopped=stopped, steps=trainer.step, steps_this_run=trainer.step - job.start_step,
-            samples=int(accounting["samples_trained"]), wall_s=time.monotonic() - t_start,
-            loss=None if last_window is None else last_window.get("loss"), tau=last_tau,
-            checkpoint=trainer.last_checkpoint, metrics_path=writer.path, wandb_dir=writer.wandb_run_dir,
-            wandb_mode=writer.wandb_mode))
+
+    def report(self) -> None:
+        """Job-wide accounting, then (leader) the last lines of the run: what it did and where the results are."""
+        trainer, job = self.trainer, self.job
+        accounting = account(trainer, self.d, self.target_stats, self.stopped)
+        wall = time.monotonic() - self.t_start
+        if self.topo.is_leader:
+            self.writer.log(trainer.step, accounting, kind="accounting")
+            log.info("%s: %d steps, %d of %d messages trained in %.1f s; samples %s",
+                     "stopped" if self.stopped else "done", trainer.step, trainer.cursor, job.total_messages, wall,
+                     {k: int(v) for k, v in accounting.items()})
+        self.writer.close()
+        if self.topo.is_leader:
+            log.info("%s", run_summary(
+                stopped=self.stopped, steps=trainer.step, steps_this_run=trainer.step - job.start_step,
+                samples=int(accounting["samples_trained"]), wall_s=time.monotonic() - self.t_start,
+                loss=None if self.last_window is None else self.last_window.get("loss"), tau=self.last_tau,
+                checkpoint=trainer.last_checkpoint, metrics_path=self.writer.path, wandb_dir=self.writer.wandb_run_dir,
+                wandb_mode=self.writer.wandb_mode))
 
 
 def account(trainer, d, target_stats: dict, stopped: bool) -> dict:

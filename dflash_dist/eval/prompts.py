@@ -166,7 +166,7 @@ def load_drafter(checkpoint: Optional[str] = None, export: Optional[str] = None,
         kw = meta.get("chat_template_kwargs", (job.get("data") or {}).get("chat_template_kwargs"))
         return EvalSetup(model, list(meta["layer_ids"]), int(meta["mask_token_id"]), int(meta["block_size"]), tgt,
                          dat, meta.get("tokenizer"), os.path.abspath(checkpoint), kw)
-    from dflash_dist.checkpoint.export import ExportError, load_export
+    from dflash_dist.checkpoint.export_load import ExportError, load_export
     try:
         model, meta = load_export(export, device=device)
     except ExportError as e:

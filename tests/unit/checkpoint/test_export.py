@@ -7,14 +7,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dflash_dist.checkpoint.export import (
+from dflash_dist.checkpoint.export import export_checkpoint, mask_token_string
+from dflash_dist.checkpoint.export_load import (
     META_NAME,
     ExportError,
     expected_tensor_shapes,
-    export_checkpoint,
     export_problems,
     load_export,
-    mask_token_string,
 )
 from dflash_dist.checkpoint.store import save_checkpoint
 from dflash_dist.cli.export import main
