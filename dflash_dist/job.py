@@ -1,5 +1,6 @@
 """The job: validated config, target config, tokenizer, tokenized data, batching plan, resume point and
-the split of ranks -- everything a role loop needs, identical on every rank except ``dist``."""
+the split of ranks, identical on every rank except ``dist``. A role loop gets only its view of it
+(``role_jobs.TargetJob`` / ``DrafterJob``): what that role reads, nothing of the setup."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ log = logging.getLogger("dflash_dist")
 
 @dataclass
 class Job:
-    """Everything a role loop needs, identical on every rank except ``dist``."""
+    """The whole job, identical on every rank except ``dist``; a role loop gets its view (role_jobs.role_view)."""
     cfg: JobConfig
     dist: Optional[Dist]  # None until the split is known (and in single-process tools: dflash-plan)
     run_dir: str

@@ -19,6 +19,7 @@ from dflash_dist.comm.lifecycle import Lifecycle
 from dflash_dist.config import ConfigError, JobConfig
 from dflash_dist.data.conversations import DataError
 from dflash_dist.job import setup
+from dflash_dist.role_jobs import role_view
 
 log = logging.getLogger("dflash_dist")
 CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
@@ -53,10 +54,10 @@ def run(cfg: JobConfig) -> int:
     try:
         if topo.role == "target":
             from dflash_dist.target.loop import run_target
-            run_target(job)
+            run_target(role_view(job, "target"))
         else:
             from dflash_dist.drafter.loop import run_drafter
-            run_drafter(job)
+            run_drafter(role_view(job, "drafter"))
     except BaseException as e:
         root = job.life.root_cause(settle_s=0.0 if isinstance(e, (ConfigError, KeyboardInterrupt)) else 1.0)
         if root is not None and not root.startswith(f"rank {topo.rank} "):

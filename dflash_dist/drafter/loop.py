@@ -23,6 +23,7 @@ from dflash_dist.drafter.compile_guard import batch_shape, dynamo_counters, repo
 from dflash_dist.drafter.startup_report import host_syncs, startup_report
 from dflash_dist.drafter.trainer import LEAKY_MASK_ENV, DrafterTrainer
 from dflash_dist.eval.in_training import LeaderEval, eval_enabled, eval_record, eval_steps
+from dflash_dist.role_jobs import DrafterJob
 from dflash_dist.telemetry.flops import nominal_peak_tflops
 from dflash_dist.telemetry.metrics import MetricsWriter, RateMeter, StreamWaitMeter, run_summary, target_window_metrics
 from dflash_dist.telemetry.step_trace import format_timeline, traced_step
@@ -98,7 +99,7 @@ def log_host_syncs(step_fn, step: int, device) -> None:
                                          step, len(syncs), where)
 
 
-def run_drafter(job) -> None:
+def run_drafter(job: DrafterJob) -> None:
     DrafterRun(job).run()
 
 
@@ -107,7 +108,7 @@ class DrafterRun:
     train -> account -> (stop agreement) -> (metrics window) -> (evaluation) -> (checkpoint); finish: END of
     every target (or a drain after a graceful stop), the final checkpoint, accounting and the run's summary."""
 
-    def __init__(self, job):
+    def __init__(self, job: DrafterJob):
         self.job, self.cfg, self.d, self.topo, self.life = job, job.cfg, job.dist, job.dist.topo, job.life
         self.trainer = DrafterTrainer(job)
         self.describe()

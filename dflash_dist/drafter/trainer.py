@@ -51,7 +51,9 @@ def _grad_sum(a, b):
 
 class DrafterTrainer:
     def __init__(self, job, head_weights=None):
-        """``head_weights``: (embedding, lm_head) given instead of read/received. With ``job.dist.drafters`` None
+        """``job``: the drafter's view of the job (``role_jobs.DrafterJob``; the calibration of
+        topology.target_ranks=auto passes the whole ``job.Job``, which has the same fields).
+        ``head_weights``: (embedding, lm_head) given instead of read/received. With ``job.dist.drafters`` None
         the trainer runs alone (the calibration of topology.target_ranks=auto, plan.py): the same step, without
         DDP and without the all-reduce of the loss weight."""
         self.job = job

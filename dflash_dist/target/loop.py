@@ -41,6 +41,7 @@ from dflash_dist.model.hf import (
     resolve_source,
     text_config,
 )
+from dflash_dist.role_jobs import TargetJob
 from dflash_dist.target.capture import build_capture
 from dflash_dist.telemetry.flops import target_capture_flops, target_layers_profile
 from dflash_dist.telemetry.step_trace import TraceWindow, format_timeline, phase
@@ -261,7 +262,7 @@ class TargetRun:
     """A feeder rank's stream, one method per step (run_target drives them in order). The counters (busy_s,
     stall_s, tokens, samples, sent, flops) are cumulative over the run and travel in every header (stats)."""
 
-    def __init__(self, job, model):
+    def __init__(self, job: TargetJob, model):
         self.job, self.cfg, self.d, self.topo = job, job.cfg, job.dist, job.dist.topo
         check_target_fast_path(model, self.cfg.target.fast_path, self.d.device.type)  # logs the binding; require raises
         send_head_weights(job, model)
@@ -429,7 +430,7 @@ class TargetRun:
                  f"; {heads.describe()} = {100 * heads.busy_s / w:.0f}% of the time" if heads else "")
 
 
-def run_target(job) -> None:
+def run_target(job: TargetJob) -> None:
     """This target rank's part of the job: a replica's follower runs the forwards only; its feeder streams."""
     model = load_target(job)
     if not job.dist.topo.is_feeder:

@@ -134,3 +134,20 @@ def test_module_and_function_sizes():
                 long_fns.append(node.name)
     assert big == []
     assert set(long_fns) <= allowed_long, sorted(set(long_fns) - allowed_long)
+
+
+def test_roles_read_only_their_view_of_the_job():
+    """A role loop gets its frozen view of the job (role_jobs): every ``job.<field>`` its modules read is a field
+    of that view, so a role's inputs stay listed in one place."""
+    import re
+    from dataclasses import fields
+
+    from dflash_dist.role_jobs import DrafterJob, RoleJob, TargetJob
+    outside = []
+    for pattern, cls in (("target/*.py", TargetJob), ("drafter/*.py", DrafterJob), ("eval/in_training.py", RoleJob)):
+        names = {f.name for f in fields(cls)}
+        for path in glob.glob(os.path.join(PKG, pattern)):
+            used = set(re.findall(r"\bjob\.([a-z_]+)", open(path).read()))
+            outside += [f"{os.path.relpath(path, REPO)}: job.{n}" for n in sorted(used - names)]
+    assert outside == []
+    assert {f.name for f in fields(TargetJob)} - {f.name for f in fields(RoleJob)} == {"dataset_path"}
