@@ -684,23 +684,17 @@ def compose_config(overrides: list[str], conf_dir: str):
         return compose(config_name="config", overrides=list(overrides))
 
 
-def _is_hydra_override(arg: str) -> bool:
-    """An override of Hydra's own settings (``hydra.run.dir=...``, ``hydra/launcher=...``): not the job's."""
-    key = arg.lstrip("~+")
-    return key == "hydra" or key.startswith(("hydra.", "hydra/", "hydra="))
-
-
 def check_overrides(args: list[str], conf_dir: str) -> None:
     """Compose the job's config from the command line once, before ``@hydra.main`` does: an unknown key or
     group option, or an override Hydra cannot parse, becomes a ``ConfigError`` (printed once by one rank, exit 2)
-    instead of Hydra's message and exit 1 on every rank. Hydra's own flags (``--help``, ``--cfg``, ``-m``) and
-    ``hydra.*`` overrides are left to Hydra."""
+    instead of Hydra's message and exit 1 on every rank. ``hydra.*`` overrides take part (``hydra.searchpath``
+    adds config directories); Hydra's own flags (``--help``, ``--cfg``, ``-m``) are left to Hydra."""
     if any(a.startswith("-") for a in args):
         return
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
     try:
-        compose_config([a for a in args if not _is_hydra_override(a)], conf_dir)
+        compose_config(list(args), conf_dir)
     except (HydraException, OmegaConfBaseException) as e:
         msg = str(e).split("\nConfig search path:")[0].strip()
         key = getattr(e.__cause__, "full_key", None)

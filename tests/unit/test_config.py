@@ -102,13 +102,19 @@ def test_gamma_per_paper_and_rule_for_other_block_sizes():
     assert DrafterConfig(block_size=10, loss_gamma=3.5).gamma == 3.5  # an explicit value wins
 
 
-def test_hydra_override_errors_become_config_errors():
+def test_hydra_override_errors_become_config_errors(tmp_path):
     """Hydra's own composition errors (an unknown key or option, an unparsable value) are ConfigErrors that name
-    what exists; hydra.* overrides and Hydra's flags are left to Hydra; a valid command line passes."""
+    what exists; hydra.* overrides take part, Hydra's flags are left to Hydra; a valid command line passes."""
     from dflash_dist.config import check_overrides
     from dflash_dist.train import CONF_DIR
-    check_overrides(["drafter=tiny", "train.max_steps=3", "hydra.run.dir=/tmp/x", "+hydra.job.chdir=false"],
+    check_overrides(["drafter=tiny", "train.max_steps=3", "hydra.run.dir=/tmp/x", "hydra.job.chdir=false"],
                     CONF_DIR)
+    extra = tmp_path / "conf" / "target"  # hydra.searchpath: presets of the user's own (the same as @hydra.main)
+    extra.mkdir(parents=True)
+    (extra / "mine.yaml").write_text("defaults: [base, _self_]\nhf_config: {builtin: tiny}\n")
+    check_overrides([f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "target=mine"], CONF_DIR)
+    with pytest.raises(ConfigError, match="Could not find 'target/mine'"):
+        check_overrides(["target=mine"], CONF_DIR)
     check_overrides(["--cfg", "job", "train.nope=1"], CONF_DIR)  # Hydra prints the config (or its own error)
     with pytest.raises(ConfigError, match=r"unknown key 'train.nope'; known in 'train': \[.*'max_steps'"):
         check_overrides(["train.nope=1"], CONF_DIR)
