@@ -28,7 +28,7 @@ from dflash_dist.checkpoint.store import checkpoint_problem, find_latest
 from dflash_dist.comm.distributed import Dist, init_distributed, make_ctrl_group, make_groups, setup_logging
 from dflash_dist.comm.topology import TopologyError, make_topology
 from dflash_dist.config import ConfigError, JobConfig, resolve_device, validate_job
-from dflash_dist.data.conversations import BadDataStats, DataError
+from dflash_dist.data.conversations import BadDataStats, DataError, check_bad_fraction
 from dflash_dist.data.plan import build_plan
 from dflash_dist.data.sources import no_usable_data, prepare_conversations
 from dflash_dist.data.tokenize import TokenizedDataset, cache_key
@@ -98,6 +98,7 @@ def prepare_data(cfg: JobConfig, rank: int, ctrl, cache: str, tok_path: str, voc
     A data error is raised on every rank (on_rank0). ``ctrl`` None: a single process (dflash-plan)."""
     ds_path = os.path.join(cache, f"train-{key}.pt")
     ho_path = os.path.join(cache, f"holdout-{key}.jsonl")
+    info_path = os.path.join(cache, f"info-{key}.json")  # what the build logged: a cache hit says it again
 
     def build() -> None:
         if cfg.data.source.startswith("synthetic:"):
@@ -108,8 +109,8 @@ def prepare_data(cfg: JobConfig, rank: int, ctrl, cache: str, tok_path: str, voc
                 with open(ho_path, "w"):
                     pass
             return
-        if os.path.exists(ds_path) and os.path.exists(ho_path):
-            log.info("data: tokenized data from the cache %s", ds_path)
+        if all(os.path.exists(p) for p in (ds_path, ho_path, info_path)):
+            cached_data_report(info_path, ds_path, cfg.data.max_bad_fraction)
             return
         os.makedirs(cache, exist_ok=True)
         stats = BadDataStats()
@@ -132,9 +133,28 @@ def prepare_data(cfg: JobConfig, rank: int, ctrl, cache: str, tok_path: str, voc
             for conv in held:
                 f.write(json.dumps(conv) + "\n")
         os.replace(tmp, ho_path)
+        info = {"conversations": int(ds.meta["num_conversations"]) + len(held), "held_out": len(held),
+                "samples": len(ds), "tokens": int(ds.lengths.sum()), "bad_fraction": stats.bad_fraction,
+                "summary": stats.summary() if stats.bad_rows or stats.notes else ""}
+        with open(info_path + ".tmp", "w") as f:
+            json.dump(info, f)
+        os.replace(info_path + ".tmp", info_path)  # last: a cache is complete once its info is there
 
     on_rank0(ctrl, rank, build)
     return ds_path, ho_path
+
+
+def cached_data_report(info_path: str, ds_path: str, max_bad_fraction: float) -> None:
+    """A cache hit: the counts and bad-row summary its build logged, and ``data.max_bad_fraction`` applied to
+    the cached data as to fresh data (the limit is not part of the cache key)."""
+    with open(info_path) as f:
+        info = json.load(f)
+    log.info("data: %d conversations, %d held out for evaluation; %d training samples, %d tokens (tokenized "
+             "earlier: the cache %s)", info["conversations"], info["held_out"], info["samples"], info["tokens"],
+             ds_path)
+    if info["summary"]:
+        log.warning("data: %s", info["summary"])
+    check_bad_fraction(info["bad_fraction"], max_bad_fraction, info["summary"])
 
 
 def looks_like_path(s: str) -> bool:

@@ -142,12 +142,15 @@ class BadDataStats:
         return "\n".join(lines)
 
     def check(self, max_bad_fraction: float) -> None:
-        if self.bad_fraction > max_bad_fraction:
-            raise DataError(f"{100.0 * self.bad_fraction:.2f}% of the data rows are unusable, more than "
-                            f"data.max_bad_fraction={max_bad_fraction}. Fix the data or raise the limit.\n"
-                            + self.summary())
+        check_bad_fraction(self.bad_fraction, max_bad_fraction, self.summary())
         if self.total > 0 and self.good_rows == 0:
             raise DataError("no usable data rows\n" + self.summary())
+
+
+def check_bad_fraction(fraction: float, max_bad_fraction: float, summary: str) -> None:
+    if fraction > max_bad_fraction:
+        raise DataError(f"{100.0 * fraction:.2f}% of the data rows are unusable, more than "
+                        f"data.max_bad_fraction={max_bad_fraction}. Fix the data or raise the limit.\n" + summary)
 
 
 def validate_conversation(obj: Any) -> tuple[Optional[dict], Optional[str], str]:

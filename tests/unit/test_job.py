@@ -243,5 +243,27 @@ def test_a_changed_tokenizer_file_is_a_new_data_cache(tmp_path, caplog):
     key2, ds2, built2 = prepare(tok)
     assert key2 != key and built2
     assert ds2.num_tokens != ds.num_tokens  # tokenized with the edited template, not read from the old cache
-    assert sorted(os.listdir(tmp_path / "cache")) == sorted(
-        [f"train-{key}.pt", f"holdout-{key}.jsonl", f"train-{key2}.pt", f"holdout-{key2}.jsonl"])
+    files = [("train", "pt"), ("holdout", "jsonl"), ("info", "json")]
+    assert sorted(os.listdir(tmp_path / "cache")) == sorted(f"{kind}-{k}.{ext}" for k in (key, key2)
+                                                            for kind, ext in files)
+
+
+def test_a_cache_hit_reports_what_the_build_did_and_applies_the_bad_row_limit(tmp_path, caplog):
+    """Read from the cache, the data step logs the same counts and bad-row summary as when it tokenized, and
+    data.max_bad_fraction (not part of the cache key) still refuses data with too many bad rows."""
+    with open(REGENERATED_JSONL) as f:
+        rows = [next(f) for _ in range(50)] + ["not json\n"]
+    c = cfg()
+    src = tmp_path / "data.jsonl"
+    src.write_text("".join(rows))
+    c.data.source, c.data.num_workers, c.data.max_bad_fraction = str(src), 0, 0.5
+    for attempt in ("build", "hit"):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="dflash_dist"):
+            jobmod.prepare_data(c, 0, None, str(tmp_path / "cache"), TINY_DIR, 2048, "k")
+        assert "50 conversations, 5 held out" in caplog.text, attempt
+        assert "malformed_json: 1" in caplog.text, attempt
+        assert ("tokenized earlier" in caplog.text) == (attempt == "hit")
+    c.data.max_bad_fraction = 0.01
+    with pytest.raises(DataError, match="more than data.max_bad_fraction=0.01"):
+        jobmod.prepare_data(c, 0, None, str(tmp_path / "cache"), TINY_DIR, 2048, "k")
