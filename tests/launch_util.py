@@ -1,11 +1,27 @@
 """Start torchrun jobs from tests (CPU, gloo) and collect their output."""
 
+import atexit
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+_SHARED_CACHE: list = []
+
+
+def shared_data_cache() -> str:
+    """One tokenized-data cache for every job of a test session (``data.cache_dir``): the cache is keyed by the
+    content of the data and tokenizer, so jobs on the same data share its tokenization, as users' runs can.
+    Removed at exit."""
+    if not _SHARED_CACHE:
+        _SHARED_CACHE.append(tempfile.mkdtemp(prefix="dflash-test-data-cache-"))
+        atexit.register(shutil.rmtree, _SHARED_CACHE[0], True)
+    return _SHARED_CACHE[0]
 
 
 def free_port() -> int:
@@ -17,14 +33,18 @@ def free_port() -> int:
 def torchrun(nproc: int, args: list, timeout: float = 300, env: dict | None = None, nnodes: int = 1,
              node_rank: int | None = None, rdzv: str | None = None, popen: bool = False, cwd: str | None = None):
     """Run `torchrun --standalone` (or a c10d multi-node agent) on this machine; returns CompletedProcess.
-    ``cwd``: the directory it runs in (default: the repository; runs without train.output_dir land in its outputs/)."""
+    ``cwd``: the directory it runs in (default: the repository; runs without train.output_dir land in its outputs/).
+    A training job without ``data.cache_dir`` uses the session's shared cache (``shared_data_cache``)."""
     cmd = [sys.executable, "-m", "torch.distributed.run"]
     if nnodes == 1:
         cmd += ["--standalone", "--nproc-per-node", str(nproc)]
     else:
         cmd += ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", rdzv, "--rdzv-id", "dflash-test", "--node-rank", str(node_rank)]
-    cmd += [str(a) for a in args]
+    args = [str(a) for a in args]
+    if "dflash_dist.train" in args and not any(a.startswith("data.cache_dir=") for a in args):
+        args.append(f"data.cache_dir={shared_data_cache()}")
+    cmd += args
     full_env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                     OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE=os.environ.get("WANDB_MODE", "offline"))
     full_env.update(env or {})
