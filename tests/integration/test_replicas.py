@@ -5,6 +5,7 @@ import os
 
 import pytest
 from launch_util import torchrun
+from test_train_e2e import accounting, train_records
 
 FEATURE_TOL = 1e-4  # fp32, hidden size 128: the sharded sums reorder the reductions (measured ~5e-6)
 
@@ -25,19 +26,6 @@ def test_replica_features_equal_one_rank(tmp_path, random_init):
         assert x["local_bytes"] < 0.55 * x["full_bytes"], x
     print(f"features k=2 vs k=1 ({random_init}): max abs diff {reps[0]['max_abs_diff']:.2e} (max |feature| "
           f"{reps[0]['max_abs_ref']:.2f}); rank bytes {reps[0]['local_bytes']} of {reps[0]['full_bytes']}")
-
-
-def _metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def _train(run_dir):
-    return [r for r in _metrics(run_dir) if r["kind"] == "train"]
-
-
-def _accounting(run_dir):
-    return [r for r in _metrics(run_dir) if r["kind"] == "accounting"][-1]
 
 
 def _jsonl(path):
@@ -63,17 +51,17 @@ def test_replica_of_two_trains_like_one_target_rank(tmp_path):
     assert r2.returncode == 0, out[-4000:]
     assert "replica 0 ranks [1, 2], tensor-parallel: this rank holds" in out
     assert "replica 0 rank 2:" in out and "(features sent by rank 1)" in out
-    a, b = _train(one), _train(rep)
+    a, b = train_records(one), train_records(rep)
     assert [x["step"] for x in a] == [x["step"] for x in b] == list(range(1, steps + 1))
     for x, y in zip(a, b):
         assert abs(x["loss"] - y["loss"]) <= LOSS_RTOL * abs(x["loss"]), (x["step"], x["loss"], y["loss"])
     print("losses k=1:", [round(x["loss"], 5) for x in a], "\nlosses k=2:", [round(y["loss"], 5) for y in b],
           "\nmax relative difference:", max(abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(a, b)))
-    acc = _accounting(rep)
+    acc = accounting(rep)
     assert acc["samples_sent"] == acc["samples_received"] + acc["samples_dropped_after_stop"]
     assert acc["samples_received"] == (acc["samples_trained"] + acc["samples_skipped_nonfinite"]
                                        + acc["samples_skipped_shape"])
-    assert acc["samples_trained"] == _accounting(one)["samples_trained"] > 0
+    assert acc["samples_trained"] == accounting(one)["samples_trained"] > 0
     assert not os.path.exists(rep / "target_trace" / "rank2.jsonl")  # the follower sends nothing
     assert {x["from"] for x in _jsonl(rep / "sample_log" / "rank0.jsonl")} == {1}
 
@@ -114,7 +102,7 @@ def test_resume_a_replica_run_with_one_rank_per_target(tmp_path):
     common = JOB + [f"train.output_dir={tmp_path}", "data.source=synthetic:40:200", "train.epochs=1",
                     "target.max_batch_samples=8", "logging.debug.trace_target=false"]
     p = torchrun(3, common + ["topology.target_ranks=2", "target.tensor_parallel=2"], popen=True)
-    out1 = sigterm_workers_when(p, lambda: any(r["step"] >= 4 for r in _train(tmp_path)), tmp_path,
+    out1 = sigterm_workers_when(p, lambda: any(r["step"] >= 4 for r in train_records(tmp_path)), tmp_path,
                                 "first run did not reach step 4")
     assert p.returncode == 0, out1[-4000:]
     ckpts = sorted(glob.glob(str(tmp_path / "checkpoints" / "step_*")))
@@ -172,4 +160,4 @@ def test_auto_split_measures_a_replica(tmp_path):
     assert plan["measured"] and plan["supply"]["tensor_parallel"] == 2 and plan["target_ranks"] == 2
     assert plan["supply"]["replica_samples_per_s"] == 2 * plan["supply"]["samples_per_s"]
     assert [row["targets"] for row in plan["rows"]] == [2]
-    assert _train(tmp_path)[-1]["step"] == 3
+    assert train_records(tmp_path)[-1]["step"] == 3
