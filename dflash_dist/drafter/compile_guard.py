@@ -26,15 +26,19 @@ Usage on a drafter rank (DrafterTrainer wires it in)::
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import math
 import re
+import sys
 import warnings
 from collections import Counter
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
+
+from dflash_dist.model.lazy_compile import LazyCompiled
 
 __all__ = ["CompileGuardError", "CompileGuard", "install_guard", "steady_state", "batch_shape", "expected_shapes",
            "plan_step_lengths",
@@ -117,11 +121,15 @@ def format_shape(shape: Sequence[int]) -> str:
 # ---------------------------------------------------------------------------------------------- counters
 
 def _counters():
+    if "torch._dynamo" not in sys.modules:  # never imported, so nothing in this process was compiled
+        return collections.defaultdict(collections.Counter)
     from torch._dynamo.utils import counters
     return counters
 
 
 def _compilation_metrics() -> list:
+    if "torch._dynamo" not in sys.modules:
+        return []
     try:
         from torch._dynamo.utils import get_compilation_metrics
         return list(get_compilation_metrics())
@@ -256,6 +264,8 @@ def install_guard(num_shape_buckets: int, margin: int = 2, *, warmup_steps: Opti
     if check_flex_compiled:
         from dflash_dist.model import drafter
         fn = drafter.flex_attention_compiled
+        if isinstance(fn, LazyCompiled):
+            fn = fn.compiled()
         if not hasattr(fn, "_torchdynamo_orig_callable") and not hasattr(fn, "_torchdynamo_inline"):
             raise CompileGuardError("drafter.flex_attention_compiled is not a torch.compile'd function")
     guard = CompileGuard(limit, applied, warmup_steps=warmup_steps, expected_shapes=expected_shapes)

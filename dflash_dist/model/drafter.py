@@ -28,12 +28,12 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-import torch._inductor.config  # noqa: F401  (configure_compile sets an option)
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflash_dist.config import ConfigError
+from dflash_dist.model.lazy_compile import lazy_compile
 from dflash_dist.model.masks import window_mask
 from dflash_dist.model.rope import DrafterRope, drafter_rope_parameters
 
@@ -44,8 +44,9 @@ __all__ = ["DrafterModelConfig", "DFlashDrafter", "RMSNorm", "rotary_cos_sin", "
 # Static shapes (CPU, or drafter.tuning.compile_dynamic=false) and dynamic shapes (CUDA default: one Triton kernel for
 # every (b, S_pad); a static compile per new shape costs tens of seconds, the dynamic kernel reads the sizes
 # at run time). CPU cannot use the dynamic one: inductor's C++ flex template fails to build (torch 2.13).
-flex_attention_compiled = torch.compile(flex_attention, fullgraph=True)
-_flex_attention_compiled_dynamic = torch.compile(flex_attention, fullgraph=True, dynamic=True)
+# Both compile on their first call (lazy_compile): the sdpa path never imports dynamo.
+flex_attention_compiled = lazy_compile(flex_attention, fullgraph=True)
+_flex_attention_compiled_dynamic = lazy_compile(flex_attention, fullgraph=True, dynamic=True)
 
 
 def _torch_version() -> tuple[int, int]:
@@ -334,6 +335,8 @@ class DFlashDrafter(nn.Module):
             # Each layer is its own small graph, so DDP's graph splitting (dynamo's DDPOptimizer, which cuts a
             # graph at gradient-bucket boundaries) buys nothing, and it fails on graphs that hold the flex HOP
             # (an inductor AssertionError in the split submodules, seen on torch 2.11 CUDA and 2.13 CPU).
+            import torch._dynamo
+            import torch._inductor.config
             torch._dynamo.config.optimize_ddp = False
             # inductor's coalescing analysis asserts on these layers' fused reductions once the batch size is
             # symbolic (tiling_utils.get_pw_red_splits, torch 2.11 CUDA, b > 1 with dynamic shapes); it only

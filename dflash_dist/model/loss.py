@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from dflash_dist.model.lazy_compile import lazy_compile
+
 __all__ = ["slot_weights", "LossParts", "decayed_ce", "frozen_head_ce", "loss_rows", "row_weights", "slot_stats"]
 
 IGNORE_INDEX = -100
@@ -99,7 +101,7 @@ def _ce_and_logit_grad(logits: Tensor, y: Tensor, wt: Tensor) -> tuple[Tensor, T
 
 
 # dynamic: one graph for every chunk height (a height of 1 would specialise: _chunks never makes one)
-_ce_and_logit_grad_compiled = torch.compile(_ce_and_logit_grad, fullgraph=True, dynamic=True)
+_ce_and_logit_grad_compiled = lazy_compile(_ce_and_logit_grad, fullgraph=True, dynamic=True)
 
 
 def _chunks(rows: int, chunk_rows: int) -> list[tuple[int, int]]:

@@ -40,13 +40,15 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
+from dflash_dist.model.lazy_compile import lazy_compile
+
 __all__ = ["dense_mask", "make_mask_mod", "flex_block_mask", "window_mask", "layer_masks", "visible_pairs",
            "mask_build_calls"]
 
 # Module-level compiled builder: compiled once per process, new mask_mods (fresh closures over new anchor
 # tensors) reuse the graph because dynamo guards on the closure tensors' metadata, not their identity.
-_create_block_mask_compiled = torch.compile(create_block_mask)
-_create_block_mask_compiled_dynamic = torch.compile(create_block_mask, dynamic=True)  # CUDA: one graph for all shapes
+_create_block_mask_compiled = lazy_compile(create_block_mask)
+_create_block_mask_compiled_dynamic = lazy_compile(create_block_mask, dynamic=True)  # CUDA: one graph for all shapes
 
 mask_build_calls: dict = {"compiled": 0, "eager": 0}
 """How often flex_block_mask took each path (tests and the startup banner read it)."""

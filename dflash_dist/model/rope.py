@@ -5,7 +5,8 @@ A served DFlash drafter is a ``model_type: qwen3`` model (``checkpoint/export.py
 (transformers: ``Qwen3RotaryEmbedding`` -> ``ROPE_INIT_FUNCTIONS[rope_type]``). The drafter trains with exactly
 that embedding: :class:`DrafterRope` builds a ``Qwen3Config`` from the drafter's rope parameters and asks
 transformers for ``(inv_freq, attention_scaling)``, for every rope type transformers implements (default,
-linear, dynamic, yarn, longrope, llama3, ...). cos/sin are ``cat(pos * inv_freq, pos * inv_freq).cos() *
+linear, dynamic, yarn, longrope, llama3, ...); 'default', which transformers keeps in each model class, is
+:func:`default_rope_parameters`, Qwen3's to the bit. cos/sin are ``cat(pos * inv_freq, pos * inv_freq).cos() *
 attention_scaling`` (rotate_half layout), the formula of every transformers rotary forward.
 
 What the drafter takes from the target (:func:`drafter_rope_parameters`): the target's rope type, theta and
@@ -33,7 +34,8 @@ from torch import Tensor
 
 from dflash_dist.config import ConfigError
 
-__all__ = ["ROPE_FIELDS", "DROPPED_FIELDS", "drafter_rope_parameters", "DrafterRope", "rope_init_functions"]
+__all__ = ["ROPE_FIELDS", "DROPPED_FIELDS", "drafter_rope_parameters", "DrafterRope", "rope_init_functions",
+           "default_rope_parameters"]
 
 # rope_parameters keys the export keeps (what transformers' init functions read)
 ROPE_FIELDS = ("rope_type", "rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
@@ -43,13 +45,23 @@ ROPE_FIELDS = ("rope_type", "rope_theta", "factor", "original_max_position_embed
 DROPPED_FIELDS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved", "type")
 
 
+def default_rope_parameters(config: Any, device: Optional[torch.device] = None, seq_len: Optional[int] = None,
+                            ) -> tuple[Tensor, float]:
+    """The 'default' rope type: ``1 / theta ** (arange(0, dim, 2) / dim)``, scaling 1. transformers (5.x) keeps it
+    out of ``ROPE_INIT_FUNCTIONS``, in each model's ``compute_default_rope_parameters``; this is Qwen3's, operation
+    for operation (a test checks bitwise equality), so a drafter rank need not import transformers' modeling stack,
+    which loads torch._dynamo (seconds of CPU per process, for nothing on the uncompiled paths)."""
+    base = config.rope_parameters["rope_theta"]
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
+    return inv_freq, 1.0
+
+
 def rope_init_functions() -> dict:
-    """transformers' rope_type -> init function (``ROPE_INIT_FUNCTIONS``), plus 'default' (Qwen3's)."""
+    """transformers' rope_type -> init function (``ROPE_INIT_FUNCTIONS``), plus 'default'."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     fns = dict(ROPE_INIT_FUNCTIONS)
-    if "default" not in fns:
-        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
-        fns["default"] = Qwen3RotaryEmbedding.compute_default_rope_parameters
+    fns.setdefault("default", default_rope_parameters)
     return fns
 
 

@@ -35,6 +35,7 @@ except ImportError:  # pragma: no cover
 
 from dflash_dist.config import ConfigError, TargetConfig
 from dflash_dist.model.hf import decoder_layers, text_config
+from dflash_dist.model.lazy_compile import lazy_compile
 
 log = logging.getLogger(__name__)
 
@@ -51,18 +52,18 @@ matches names by substring: one containing "flash", "flex_attention" or "sdpa" w
 # error instead of an eager fallback). CUDA: dynamic shapes, one kernel for every packed length T. CPU: static,
 # one kernel per row length (``packed_row_tokens`` keeps those few): inductor's C++ flex template compiled for dynamic
 # lengths fails to build once rows are seen on both sides of 128 tokens (torch 2.13).
-_flex_static = torch.compile(flex_attention, fullgraph=True, dynamic=False)
+_flex_static = lazy_compile(flex_attention, fullgraph=True, dynamic=False)
 
 
-_flex_dynamic = torch.compile(flex_attention, fullgraph=True, dynamic=True)
+_flex_dynamic = lazy_compile(flex_attention, fullgraph=True, dynamic=True)
 
 
 # The block mask is built from the document ids by a compiled builder: the eager one evaluates the mask_mod on
 # every (q, kv) pair, a dense [T, T] mask.
-_block_mask_static = torch.compile(create_block_mask, dynamic=False)
+_block_mask_static = lazy_compile(create_block_mask, dynamic=False)
 
 
-_block_mask_dynamic = torch.compile(create_block_mask, dynamic=True)
+_block_mask_dynamic = lazy_compile(create_block_mask, dynamic=True)
 
 
 def packed_row_tokens(total: int, device_type: str) -> int:

@@ -13,7 +13,7 @@ from dflash_dist.checkpoint.export import build_export_config
 from dflash_dist.checkpoint.export_load import drafter_config_from_export
 from dflash_dist.config import ConfigError
 from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig, rotary_cos_sin
-from dflash_dist.model.rope import DrafterRope, drafter_rope_parameters
+from dflash_dist.model.rope import DrafterRope, default_rope_parameters, drafter_rope_parameters
 
 H, HEADS, D = 64, 4, 16
 BASE = {"hidden_size": H, "num_attention_heads": HEADS, "num_key_value_heads": 2, "head_dim": D,
@@ -88,6 +88,19 @@ def test_drafter_rope_matches_transformers_for_export(name):
         _check(drafter, export_cfg, 3000 if name == "dynamic" else 300)  # past the length that switches
     if name.startswith("yarn"):
         assert drafter.rope.attention_scaling != 1.0   # the attention factor is applied to cos/sin
+
+
+@pytest.mark.parametrize("head_dim,theta", [(16, 10000.0), (128, 1e6), (64, 5e5), (256, 1e7)])
+def test_default_rope_is_transformers_bit_for_bit(head_dim, theta):
+    """The drafter's own 'default' init (kept out of transformers' modeling import) is Qwen3's, to the bit."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+    cfg = Qwen3Config(hidden_size=head_dim * 4, num_attention_heads=4, num_key_value_heads=4, head_dim=head_dim,
+                      rope_parameters={"rope_type": "default", "rope_theta": theta})
+    ours, scaling = default_rope_parameters(cfg, device=torch.device("cpu"))
+    ref, ref_scaling = Qwen3RotaryEmbedding.compute_default_rope_parameters(cfg, device=torch.device("cpu"))
+    assert ours.dtype == ref.dtype and torch.equal(ours, ref)
+    assert scaling == ref_scaling
 
 
 def test_default_rope_on_llama3_config_fails_the_check():
