@@ -29,6 +29,10 @@ class LazyCompiled:
         return self._compiled
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # traced inside an enclosing compiled graph (drafter.tuning.compile_layers): that graph takes fn
+            # itself, as dynamo does with a nested torch.compile'd function
+            return self.fn(*args, **kwargs)
         return self.compiled()(*args, **kwargs)
 
 
