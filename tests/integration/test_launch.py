@@ -13,11 +13,13 @@ import threading
 import time
 
 import pytest
-from launch_util import REPO, free_port, torchrun
+from launch_util import REPO, free_port, shared_data_cache, torchrun
 
 JOB_TIMEOUT = 300  # one tiny torchrun job takes ~20-40 s on a 2-core machine; leave room for a busy one
 
-SHORT_RUN = ["train.max_steps=4", "logging.log_every=2", "topology.target_ranks=1", "logging.progress_bar=false"]
+# launch mechanics only: no wandb run, no closing evaluation
+SHORT_RUN = ["train.max_steps=4", "logging.log_every=2", "topology.target_ranks=1", "logging.progress_bar=false",
+             "logging.wandb.mode=disabled", "train.eval_prompts=0"]
 
 
 def _wait_all(procs, timeout):
@@ -82,7 +84,8 @@ def test_single_node_script_runs_a_job(tmp_path):
     env = dict(os.environ, PYTHON=sys.executable, WANDB_MODE=os.environ.get("WANDB_MODE", "offline"),
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.Popen(["bash", "launch/single_node.sh", "2", "train.max_steps=2", "logging.log_every=1",
-                          "logging.progress_bar=false", f"train.output_dir={out}"],
+                          "logging.progress_bar=false", "logging.wandb.mode=disabled", "train.eval_prompts=0",
+                          f"data.cache_dir={shared_data_cache()}", f"train.output_dir={out}"],
                          cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
     results = _wait_all([p], JOB_TIMEOUT)

@@ -1,7 +1,11 @@
 """The compile guard has teeth: eager flex, a recompile after warm-up, a graph break and a hit recompile limit
 all raise; the startup report names the backend that ran (CPU: sdpa)."""
 
+import atexit
 import itertools
+import os
+import shutil
+import tempfile
 import warnings
 
 import pytest
@@ -30,13 +34,20 @@ def _restore_dynamo():
 def _toy(dynamic=False):
     """A compiled function with a code object of its own (dynamo caches per code object, so toys of different
     tests must not share one). backend="eager": dynamo's guards and recompiles are those of inductor, without
-    the codegen time."""
+    the codegen time. Its source is a file of its own: torch < 2.13 wraps a function without a source file in
+    one shared frame (external_utils.wrap_inline), whose cache every toy would then fill."""
+    src = "import torch\n\n\ndef toy(x):\n    return torch.sin(x) * 2 + 1\n"
+    path = os.path.join(_TOY_DIR, f"toy_{next(_TOY_IDS)}.py")
+    with open(path, "w") as f:
+        f.write(src)
     ns = {"torch": torch}
-    exec(compile("def toy(x):\n    return torch.sin(x) * 2 + 1\n", f"<toy-{next(_TOY_IDS)}>", "exec"), ns)
+    exec(compile(src, path, "exec"), ns)
     return torch.compile(ns["toy"], backend="eager", dynamic=dynamic)
 
 
 _TOY_IDS = itertools.count()
+_TOY_DIR = tempfile.mkdtemp(prefix="dflash-toys-")
+atexit.register(shutil.rmtree, _TOY_DIR, True)
 
 
 def test_eager_flex_attention_raises_guard_error():
