@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3NextConfig
 
 from dflash_dist.config import TargetConfig
+from dflash_dist.model.drafter import _torch_version
 from dflash_dist.model.hf import build_target_model, load_hf_config
 from dflash_dist.target.capture import FeatureCapture
 
@@ -154,7 +155,7 @@ def test_packed_row_tokens():
     assert [packed_row_tokens(t, "cuda") for t in (1, 100, 128, 256, 257, 3000)] == [256, 256, 256, 256, 257, 3000]
 
 
-@pytest.mark.skipif(tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13),
+@pytest.mark.skipif(_torch_version() < (2, 13),
                     reason="torch < 2.13: inductor's C++ flex template for CPU emits code that does not compile "
                            "(torch 2.11: 'cur_kvSplitSize6' was not declared); CUDA's compiled capture runs in "
                            "bench/target_capture.py (packed_compiled)")
