@@ -82,8 +82,11 @@ class TargetConfig:
     """Tokenizer path or hub id; None: the model's own (``name_or_path`` or the packaged tiny tokenizer)."""
 
     layer_ids: Optional[list] = None
-    """Target layers whose outputs feed the drafter (id i = output of decoder layer i = HF hidden_states[i+1]).
-    None: ``round(1 + k*(L-4)/(n-1))`` for k < num_feature_layers (Qwen3-8B: [1, 9, 17, 25, 33])."""
+    """Target layers whose outputs feed the drafter (id i = output of decoder layer i = HF hidden_states[i+1]),
+    each below the last layer L-1 (vLLM never captures the last layer's output: refused). None:
+    ``round(1 + k*(L-4)/(n-1))`` for k < num_feature_layers (Qwen3-8B: [1, 9, 17, 25, 33]); a target too shallow
+    for that many distinct ids by this rule (L < n+3) gets min(n, L-1) ids spread evenly over 0..L-2 (4 layers:
+    [0, 1, 2])."""
 
     num_feature_layers: int = 5
     """How many target layers feed the drafter when ``layer_ids`` is None (DFlash uses 5)."""
@@ -91,8 +94,12 @@ class TargetConfig:
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """Target weights/activations: auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16 or float32."""
 
-    attn_implementation: str = "sdpa"
-    """HF attention implementation of the target's attention layers (sdpa, flash_attention_2, eager)."""
+    attn_implementation: str = "auto"
+    """HF attention implementation of the target's attention layers: auto, sdpa, flex_attention,
+    flash_attention_2, eager. auto = what the model class declares it supports (``_supports_sdpa``, ...), in that
+    order: sdpa; else flex_attention on CUDA; else flash_attention_2 on CUDA when flash-attn is installed; else
+    eager (gpt-oss: flex_attention on CUDA, eager on CPU). An explicit choice the class does not support is refused
+    before any model loads. The choice is reported in the target fast-path line."""
 
     fast_path: Literal["auto", "require", "warn", "allow"] = "auto"
     """Target fast paths (hybrid kernels fla / causal-conv1d; MoE experts not on eager on CUDA): require | warn |
@@ -347,7 +354,9 @@ class DataConfig:
     """Fail the run with a summary if more than this fraction of rows is malformed or unusable."""
 
     num_workers: int = 2
-    """Worker processes for tokenization (processes, never threads: the step must not fight for the GIL)."""
+    """Most worker processes for tokenization (processes, never threads: the step must not fight for the GIL),
+    used only where they pay off: one per 16,384 rows and at most the CPUs, none below 32,768 rows (a spawned
+    worker's start-up costs seconds; ``data.tokenize.tokenize_workers``, measured by bench/tokenize_workers.py)."""
 
     shuffle_seed: int = 1234
     """Seed of the per-epoch shuffle. The batching plan depends only on it, the data and the target batching."""
@@ -717,11 +726,38 @@ def check_overrides(args: list[str], conf_dir: str) -> None:
 
 
 def default_layer_ids(num_target_layers: int, n: int = 5) -> list[int]:
-    """DFlash's default feature layers: round(1 + k*(L-4)/(n-1)), k=0..n-1 (Qwen3-8B, L=36: [1,9,17,25,33])."""
+    """DFlash's default feature layers: round(1 + k*(L-4)/(n-1)), k=0..n-1 (Qwen3-8B, L=36: [1,9,17,25,33]).
+    A target too shallow for n distinct ids by that rule (L < n+3) gets min(n, L-1) ids spread evenly over
+    0..L-2. Never the last layer L-1 (vLLM does not capture its output); [] for a 1-layer target."""
+    n_layers = num_target_layers
     if n == 1:
-        return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    return [int(round(start + k * (end - start) / (n - 1))) for k in range(n)]
+        return [n_layers // 2] if n_layers >= 3 else [0] * (n_layers == 2)
+    ids = [int(round(1 + k * (n_layers - 4) / (n - 1))) for k in range(n)]
+    if n_layers >= 4 and len(set(ids)) == n:
+        return ids
+    m = min(n, n_layers - 1)  # distinct ids below the last layer: 0..L-2
+    if m <= 1:
+        return [0] * m
+    return [int(round(k * (n_layers - 2) / (m - 1))) for k in range(m)]  # steps >= 1: distinct after rounding
+
+
+def resolve_layer_ids(cfg: JobConfig, num_target_layers: int) -> list[int]:
+    """``target.layer_ids`` or the default for this depth, refused when a layer id is out of range or the last
+    layer (whose output vLLM never captures: the served drafter would get other features than it trained on)."""
+    n_layers, explicit = num_target_layers, cfg.target.layer_ids
+    layer_ids = list(explicit) if explicit else default_layer_ids(n_layers, cfg.target.num_feature_layers)
+    _require(bool(layer_ids), f"a {n_layers}-layer target has no layer below its last one to feed the drafter "
+                              "(vLLM never captures the last layer's output): use a target with at least 2 layers")
+    bad = [i for i in layer_ids if not 0 <= i < n_layers]
+    _require(not bad, f"target.layer_ids {bad} out of range for a target with {n_layers} decoder layers "
+                      f"(valid: 0..{n_layers - 2}; id i = output of decoder layer i)")
+    if n_layers - 1 in layer_ids:
+        fix = default_layer_ids(n_layers, len(layer_ids))
+        raise ConfigError(f"target.layer_ids={layer_ids} holds {n_layers - 1}, the last decoder layer of this "
+                          f"{n_layers}-layer target: vLLM never captures its output, so the served drafter would "
+                          f"get other features than it trained on. Use ids below {n_layers - 1}, e.g. "
+                          f"target.layer_ids=[{','.join(map(str, fix))}], or leave target.layer_ids unset")
+    return layer_ids
 
 
 def validate_job(cfg: JobConfig, world_size: Optional[int], num_target_layers: int, vocab_size: int,
@@ -754,13 +790,7 @@ def validate_job(cfg: JobConfig, world_size: Optional[int], num_target_layers: i
     _require(not (cfg.drafter.tuning.loss_on_target and cfg.topology.tuning.rendezvous_sends is False),
              "drafter.loss_on_target needs rendezvous sends (a target serves head requests while it waits for its "
              "drafters): remove topology.tuning.rendezvous_sends=false")
-    layer_ids = cfg.target.layer_ids or default_layer_ids(num_target_layers, cfg.target.num_feature_layers)
-    _require(len(set(layer_ids)) == len(layer_ids),
-             f"the default layer ids {layer_ids} of a {num_target_layers}-layer target repeat: set target.layer_ids "
-             f"or lower target.num_feature_layers")
-    bad = [i for i in layer_ids if not 0 <= i < num_target_layers]
-    _require(not bad, f"target.layer_ids {bad} out of range for a target with {num_target_layers} decoder layers "
-                      f"(valid: 0..{num_target_layers - 1}; id i = output of decoder layer i)")
+    layer_ids = resolve_layer_ids(cfg, num_target_layers)
     _require(0 <= mask_token_id < vocab_size,
              f"drafter.mask_token_id={mask_token_id} is outside the target vocabulary (size {vocab_size})")
     _require(cfg.drafter.num_anchors * cfg.drafter.block_size <= 1 << 20,

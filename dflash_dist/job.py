@@ -268,15 +268,16 @@ def plan_for(lengths: list, cfg: JobConfig, epochs: int) -> list:
                       sort_window_batches=cfg.data.sort_window_batches)
 
 
-def build_job(cfg: JobConfig, rank: int, world_size: Optional[int], ctrl, device_type: str) -> Job:
-    """Everything but the split: target config, tokenizer, validation (before any model loads), the run directory
-    and resume point (refused before any model loads when the run or checkpoint belongs to other settings), the
-    tokenized data and the batching plan. Shared by ``setup`` (every rank; ``ctrl`` agreement around rank 0's
-    decisions) and dflash-plan (one process: world_size and ctrl None, no run directory, no resume). ``dist`` is
-    left None; ``total_messages`` is the plan of train.epochs until ``setup`` fixes it for train.max_steps."""
+def check_job_config(cfg: JobConfig, world_size: Optional[int], device_type: str) -> dict:
+    """The checks a job makes before any model loads (paths, target and tokenizer configs, the split, layer ids,
+    the drafter's shape, the target's attention implementation, fast paths and packing, the data source), shared
+    by training and dflash-doctor so both refuse the same configs with the same message. ``world_size`` None
+    skips the checks of the split. Returns what they resolved."""
     from transformers import AutoTokenizer
 
-    from dflash_dist.model.hf import load_hf_config, text_config, tokenizer_path
+    from dflash_dist.model.drafter import DrafterModelConfig
+    from dflash_dist.model.fast_path import check_fast_path_for_config
+    from dflash_dist.model.hf import attn_note, load_hf_config, resolve_attn_implementation, text_config, tokenizer_path
     from dflash_dist.target.capture import check_packing_config
     check_target_paths(cfg)
     hf_config = load_hf_config(cfg.target)
@@ -285,17 +286,30 @@ def build_job(cfg: JobConfig, rank: int, world_size: Optional[int], ctrl, device
     tok = AutoTokenizer.from_pretrained(tok_path)
     mask_id = resolve_mask_token_id(cfg, tok, tc.vocab_size)
     layer_ids = validate_job(cfg, world_size, tc.num_hidden_layers, tc.vocab_size, mask_id)
-    from dflash_dist.model.drafter import DrafterModelConfig
     DrafterModelConfig.from_target(tc, num_layers=cfg.drafter.num_layers, num_feature_layers=len(layer_ids),
                                    block_size=cfg.drafter.block_size, intermediate_size=cfg.drafter.intermediate_size,
                                    layer_types=cfg.drafter.layer_types, sliding_window=cfg.drafter.sliding_window)
-    from dflash_dist.model.fast_path import check_fast_path_for_config
-    check_fast_path_for_config(hf_config, cfg.target.fast_path, device_type, cfg.target.attn_implementation)
+    attn = resolve_attn_implementation(cfg.target, hf_config, device_type)
+    fast_path = check_fast_path_for_config(hf_config, cfg.target.fast_path, device_type, attn,
+                                           attn_note(cfg.target, hf_config, device_type))
     check_packing_config(cfg.target, hf_config)  # target.packing=on for a hybrid: refused before weights load
     src = cfg.data.source
     if src != "builtin" and not src.startswith("synthetic:") and not os.path.exists(src):
         raise ConfigError(f"data.source={src!r}: no such file or directory (builtin, a .jsonl/.json/.parquet/.arrow "
                           "file or a datasets save_to_disk directory)")
+    return {"hf_config": hf_config, "text_config": tc, "tokenizer_path": tok_path, "mask_token_id": mask_id,
+            "layer_ids": layer_ids, "attn_implementation": attn, "fast_path": fast_path}
+
+
+def build_job(cfg: JobConfig, rank: int, world_size: Optional[int], ctrl, device_type: str) -> Job:
+    """Everything but the split: target config, tokenizer, validation (before any model loads), the run directory
+    and resume point (refused before any model loads when the run or checkpoint belongs to other settings), the
+    tokenized data and the batching plan. Shared by ``setup`` (every rank; ``ctrl`` agreement around rank 0's
+    decisions) and dflash-plan (one process: world_size and ctrl None, no run directory, no resume). ``dist`` is
+    left None; ``total_messages`` is the plan of train.epochs until ``setup`` fixes it for train.max_steps."""
+    checked = check_job_config(cfg, world_size, device_type)
+    hf_config, tc, tok_path, mask_id, layer_ids = (checked[k] for k in ("hf_config", "text_config", "tokenizer_path",
+                                                                         "mask_token_id", "layer_ids"))
     part = {"target": target_identity(cfg, hf_config),
             "drafter": drafter_identity(cfg, layer_ids, mask_id, tc.hidden_size)}
 

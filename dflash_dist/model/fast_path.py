@@ -295,7 +295,8 @@ def sdpa_backend(config: Any, seq_len: int = 1024) -> Optional[str]:
 
 
 def _finish(kinds: dict, attn_impl: Optional[str], policy: str, device_type: str, kernelized: bool = False,
-            experts: Optional[dict] = None, attention: Optional[dict] = None, built: bool = False) -> dict:
+            experts: Optional[dict] = None, attention: Optional[dict] = None, built: bool = False,
+            attn_note: Optional[str] = None) -> dict:
     eff = resolve_policy(policy, device_type)
     missing = sorted({pkg for k in kinds.values() for pkg in _PREFILL_ROLES if not k[pkg]})
     if kernelized:  # transformers' kernels hub replaced whole layers: the per-function view does not apply
@@ -303,6 +304,8 @@ def _finish(kinds: dict, attn_impl: Optional[str], policy: str, device_type: str
     att = attn_impl
     if attention and attention.get("sdpa_backend"):
         att = f"{attn_impl} (SDPA backend: {attention['sdpa_backend']})"
+    elif attn_note:
+        att = f"{attn_impl} ({attn_note})"
     if not kinds:
         summary = f"no hybrid layers; attention: {att}"
     else:
@@ -382,11 +385,11 @@ def _modeling_module(model_type: str) -> Optional[ModuleType]:
 
 
 def check_fast_path_for_config(hf_config: Any, policy: str, device_type: str,
-                               attn_implementation: Optional[str] = None) -> dict:
+                               attn_implementation: Optional[str] = None, attn_note: Optional[str] = None) -> dict:
     """The same check from the HF config alone (no weights): hybrid iff ``layer_types`` has linear_attention;
     bindings read from the model type's modeling module (the binding is decided when transformers imports it).
-    ``attn_implementation``: what the model will be built with (``target.attn_implementation``), reported
-    when the config does not carry one yet."""
+    ``attn_implementation``: what the model will be built with (``model.hf.resolve_attn_implementation``),
+    reported when the config does not carry one yet, with ``attn_note`` (how it was chosen) beside it."""
     resolve_policy(policy, device_type)
     text = getattr(hf_config, "text_config", None) or hf_config
     layer_types = list(getattr(text, "layer_types", None) or [])
@@ -399,4 +402,4 @@ def check_fast_path_for_config(hf_config: Any, policy: str, device_type: str,
                    and isinstance(getattr(modeling, n), type)]
         cls = classes[0] if classes else f"{model_type} linear_attention"
         kinds[cls] = _kind_entry(cls, linear, _bindings(None, modeling), modeling)
-    return _finish(kinds, _attn_impl(hf_config) or attn_implementation, policy, device_type)
+    return _finish(kinds, _attn_impl(hf_config) or attn_implementation, policy, device_type, attn_note=attn_note)

@@ -78,12 +78,80 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+# what a model class declares per attention implementation (transformers' PreTrainedModel flags)
+_ATTN_FLAGS = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn",
+               "flash_attention_2": "_supports_flash_attn", "flash_attention_3": "_supports_flash_attn",
+               "flash_attention_4": "_supports_flash_attn"}
+
+
+def target_model_class(hf_config):
+    """The causal-LM class transformers builds for ``hf_config`` (its text model for a multimodal wrapper), or
+    None when transformers has no causal LM for it."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    for c in (hf_config, causal_lm_config(hf_config)):
+        try:
+            return MODEL_FOR_CAUSAL_LM_MAPPING[type(c)]
+        except KeyError:
+            continue
+    return None
+
+
+def _flash_attn_installed() -> bool:
+    from transformers.utils import is_flash_attn_2_available
+    return bool(is_flash_attn_2_available())
+
+
+def attn_choices(cls, device_type: str) -> list[str]:
+    """The attention implementations ``cls`` supports on ``device_type``, best first (eager always works)."""
+    out = [name for name in ("sdpa", "flex_attention") if getattr(cls, _ATTN_FLAGS[name], False)]
+    if device_type == "cpu":
+        out = [x for x in out if x != "flex_attention"]  # uncompiled flex on CPU: slower than eager, and dense
+    elif getattr(cls, "_supports_flash_attn", False) and _flash_attn_installed():
+        out.append("flash_attention_2")
+    return out + ["eager"]
+
+
+def resolve_attn_implementation(tcfg: TargetConfig, hf_config, device_type: str) -> str:
+    """The attention implementation the target is built with, from ``target.attn_implementation`` and what the
+    model class declares: auto takes the first of :func:`attn_choices`; an explicit one the class does not
+    support (or a flash kernel on CPU) is refused here, before any model loads, naming the choices. Every place
+    that builds the target (training, dflash-eval, dflash-regenerate, dflash-plan) resolves it through here."""
+    want, device_type = tcfg.attn_implementation, str(device_type).split(":")[0]
+    cls = target_model_class(hf_config)
+    model_type = getattr(hf_config, "model_type", "?")
+    if cls is None:
+        if want == "auto":
+            raise ConfigError(f"target.attn_implementation=auto: transformers has no causal LM class for "
+                              f"model_type {model_type!r} to ask; set target.attn_implementation to sdpa, "
+                              "flex_attention, flash_attention_2 or eager")
+        return want
+    choices = attn_choices(cls, device_type)
+    if want == "auto":
+        return choices[0]
+    flag = _ATTN_FLAGS.get(want)
+    unsupported = flag is not None and not getattr(cls, flag, False)
+    if unsupported or (want.startswith("flash_attention") and device_type == "cpu"):
+        why = f"{cls.__name__} does not support it" if unsupported else "flash attention kernels need CUDA"
+        raise ConfigError(f"target.attn_implementation={want}: {why}; choose one of auto, {', '.join(choices)} "
+                          f"(auto picks {choices[0]} on {device_type})")
+    return want
+
+
+def attn_note(tcfg: TargetConfig, hf_config, device_type: str) -> Optional[str]:
+    """How ``target.attn_implementation=auto`` chose, for the fast-path line; None for an explicit choice."""
+    cls = target_model_class(hf_config)
+    if tcfg.attn_implementation != "auto" or cls is None:
+        return None
+    device_type = str(device_type).split(":")[0]
+    return f"auto: {cls.__name__} on {device_type} supports {', '.join(attn_choices(cls, device_type))}"
+
+
 def build_target_model(tcfg: TargetConfig, device: str):
     """Load or random-init the frozen target (eval mode, no grad)."""
     from transformers import AutoModelForCausalLM
     dtype = resolve_dtype(tcfg.dtype, device)
     path, _ = resolve_source(tcfg)
-    kw = {"attn_implementation": tcfg.attn_implementation}
+    kw = {"attn_implementation": resolve_attn_implementation(tcfg, load_hf_config(tcfg), device)}
     if getattr(tcfg, "experts_implementation", None):
         kw["experts_implementation"] = tcfg.experts_implementation
     if path is not None:
@@ -211,7 +279,8 @@ def build_target_replica(tcfg: TargetConfig, device: str, group, random_dir: Opt
         else:
             ready[1]()
         path = random_dir
-    model = _from_pretrained_tp(path, group, device, dtype=dtype, attn_implementation=tcfg.attn_implementation)
+    attn = resolve_attn_implementation(tcfg, load_hf_config(tcfg), device)
+    model = _from_pretrained_tp(path, group, device, dtype=dtype, attn_implementation=attn)
     model.eval().requires_grad_(False)
     local, full = local_parameter_bytes(model)
     if local >= full:

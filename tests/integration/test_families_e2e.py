@@ -103,3 +103,25 @@ def test_unmirrorable_family_refused_before_weights_load(tmp_path):
     assert r.returncode != 0
     assert "deepseek_v3" in out and "multi-head latent attention" in out, out[-3000:]
     assert "target loaded in" not in out
+
+
+def test_own_shallow_gpt_oss_config_trains_with_the_defaults(tmp_path):
+    """A user's own gpt-oss config (``target.hf_config``, 4 layers, no attention setting, no layer ids) trains:
+    the attention transformers supports for it is chosen (eager on CPU; sdpa is refused for gpt-oss), and the
+    default layer ids of a 4-layer target are distinct and below its last layer."""
+    conf = tmp_path / "conf" / "target"
+    conf.mkdir(parents=True)
+    with open(os.path.join(REPO, "conf", "target", "tiny_gpt_oss.yaml")) as f:
+        hf = yaml.safe_load(f)["hf_config"]
+    hf.update(num_hidden_layers=4, layer_types=hf["layer_types"][:4])
+    with open(conf / "my_gpt_oss.yaml", "w") as f:
+        yaml.safe_dump({"defaults": ["base", "_self_"], "hf_config": hf}, f)
+    r = torchrun(2, ["-m", "dflash_dist.train", f"train.output_dir={tmp_path / 'run'}", "drafter=tiny",
+                     f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "target=my_gpt_oss", "train.max_steps=2",
+                     "train.eval_prompts=0", "logging.progress_bar=false", "logging.wandb.mode=disabled"], timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert "target layers [0, 1, 2] of 4" in out
+    assert "attention: eager (auto: GptOssForCausalLM on cpu supports eager)" in out
+    recs = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [x for x in recs if x["kind"] == "train"][-1]["step"] == 2

@@ -19,6 +19,32 @@ def test_default_layer_ids_match_dflash():
     assert default_layer_ids(8) == [1, 2, 3, 4, 5]
 
 
+def test_default_layer_ids_of_every_depth_are_distinct_and_below_the_last_layer():
+    for n_layers in range(2, 80):
+        for n in range(1, 9):
+            ids = default_layer_ids(n_layers, n)
+            assert ids == sorted(set(ids)) and ids, (n_layers, n, ids)          # distinct, increasing, not empty
+            assert 0 <= ids[0] and ids[-1] <= n_layers - 2, (n_layers, n, ids)  # never the last layer (L-1)
+            # deep targets keep DFlash's rule; shallow ones get fewer ids only where fewer exist below L-1
+            assert len(ids) == min(n, n_layers - 1), (n_layers, n, ids)
+    assert default_layer_ids(4) == [0, 1, 2] and default_layer_ids(7) == [0, 1, 2, 4, 5]
+    assert default_layer_ids(2) == [0] and default_layer_ids(1) == []
+
+
+def test_shallow_target_trains_on_default_ids_and_the_last_layer_is_refused():
+    assert validate_job(job(), 3, 4, 2048, 3) == [0, 1, 2]      # a 4-layer target (was: refused, ids repeat)
+    with pytest.raises(ConfigError) as e:                      # the natural fix of old: refused before models load
+        validate_job(job(target={"hf_config": {"builtin": "tiny"}, "layer_ids": [0, 1, 2, 3]}), 3, 4, 2048, 3)
+    msg = str(e.value)
+    assert "target.layer_ids=[0, 1, 2, 3] holds 3, the last decoder layer" in msg and "vLLM" in msg
+    assert "target.layer_ids=[0,1,2]" in msg                     # the fix, ready to paste
+    with pytest.raises(ConfigError, match="last decoder layer"):
+        validate_job(job(target={"hf_config": {"builtin": "tiny"}, "layer_ids": [1, 7]}), 3, 8, 2048, 3)
+    assert validate_job(job(target={"hf_config": {"builtin": "tiny"}, "layer_ids": [1, 6]}), 3, 8, 2048, 3) == [1, 6]
+    with pytest.raises(ConfigError, match="no layer below its last"):
+        validate_job(job(), 3, 1, 2048, 3)
+
+
 @pytest.mark.parametrize("section,values,needle", [
     ("drafter", {"block_size": 1}, "block_size"),
     ("drafter", {"num_anchors": 0}, "num_anchors"),
@@ -69,8 +95,8 @@ def test_job_level_validation():
         validate_job(job(target={"hf_config": {"builtin": "tiny"}, "layer_ids": [1, 8]}), 3, 8, 2048, 3)
     with pytest.raises(ConfigError, match="mask_token_id"):
         validate_job(ok, 3, 8, 2048, 4096)
-    with pytest.raises(ConfigError, match="repeat"):
-        validate_job(job(target={"hf_config": {"builtin": "tiny"}, "num_feature_layers": 5}), 3, 6, 2048, 3)
+    # a 6-layer target: five distinct default ids below its last layer (were refused as repeating)
+    assert validate_job(job(), 3, 6, 2048, 3) == [0, 1, 2, 3, 4]
     with pytest.raises(ConfigError, match="CPU"):
         validate_job(job(drafter={"attention_backend": "flex"}, train={"device": "cpu"}), 3, 8, 2048, 3)
 
@@ -80,6 +106,15 @@ def test_cosine_schedule():
     assert cosine_lr(3, 100, 0.04) == pytest.approx(1.0)
     assert cosine_lr(99, 100, 0.04) < 0.01
     assert cosine_lr(52, 100, 0.04) == pytest.approx(0.5, abs=0.02)
+
+
+def test_torchrun_refuses_the_last_layer_before_loading(tmp_path):
+    r = torchrun(2, ["-m", "dflash_dist.train", f"train.output_dir={tmp_path}", "target.layer_ids=[1,7]",
+                     "logging.wandb.mode=disabled"], timeout=180)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0
+    assert "configuration error: target.layer_ids=[1, 7] holds 7, the last decoder layer" in out, out[-3000:]
+    assert "target loaded" not in out
 
 
 def test_torchrun_refuses_bad_split_before_loading(tmp_path):
