@@ -11,12 +11,14 @@ Prints one row per check with PASS / WARN / FAIL / N/A and exits non-zero if any
   forward and backward on GPU, forward only on CPU (no CPU backward), with eager flex turned into an error;
 * the inductor cache directory (where compiled kernels are reused from) is writable;
 * wandb: the mode a run would use and whether ``online`` would block (a <= 2 s TCP connect to the wandb host);
-* the Hydra config (``conf/config.yaml`` + overrides) composes and validates into ``JobConfig``;
+* the Hydra config (``conf/config.yaml`` + overrides) composes into ``JobConfig`` and passes the checks training
+  makes before any model loads (``job.check_job_config``; the split's with ``--world-size N``): a config
+  training refuses FAILs here with the same message;
 * with ``--export DIR``: the export carries every field vLLM, SGLang, the z-lab model and transformers 4.x/5.x
   read (``checkpoint.export_load.export_problems``), its attention settings read the same in all of them, and the
   tensors match the config (the checks ``load_export`` makes, without loading the weights).
 
-Usage: ``dflash-doctor [--json PATH] [--no-flex] [--export DIR] [hydra overrides ...]``.
+Usage: ``dflash-doctor [--json PATH] [--no-flex] [--export DIR] [--world-size N] [hydra overrides ...]``.
 """
 
 from __future__ import annotations
@@ -383,8 +385,14 @@ def check_wandb(doc: Doctor) -> None:
                                "would block (up to its init_timeout) -- set logging.wandb.mode=offline")
 
 
-def check_config(doc: Doctor, overrides: list[str]) -> None:
-    from dflash_dist.config import JobConfig, compose_config
+def check_config(doc: Doctor, overrides: list[str], world_size: Optional[int] = None) -> None:
+    """Compose the config as dflash-train does and run the checks a job makes before any model loads
+    (``job.check_job_config``: the same functions, so a config training refuses FAILs here with its message).
+    ``world_size`` None: the checks of the target/drafter split are skipped (``--world-size`` runs them)."""
+    from dflash_dist.config import ConfigError, JobConfig, compose_config, resolve_device
+    from dflash_dist.data.conversations import DataError
+    from dflash_dist.job import check_job_config
+    from dflash_dist.model.hf import resolve_source
     cfg = JobConfig.from_omegaconf(compose_config(overrides, CONF_DIR))
     doc.cfg = cfg
     t = cfg.target
@@ -392,18 +400,24 @@ def check_config(doc: Doctor, overrides: list[str]) -> None:
     detail = (f"{CONF_DIR}/config.yaml{' + ' + ' '.join(overrides) if overrides else ''}: target {where}, drafter "
               f"{cfg.drafter.num_layers} layers x block {cfg.drafter.block_size}, backend "
               f"{cfg.drafter.attention_backend}, output {cfg.train.output_dir or 'a new outputs/run-<date>-<time>'}")
-    from dflash_dist.model.hf import load_hf_config, resolve_source
     path, _ = resolve_source(t)
-    if path is None or os.path.isdir(path):
-        doc.hf_config = load_hf_config(t)
-        from dflash_dist.model.fast_path import check_fast_path_for_config
-        from dflash_dist.model.hf import text_config
-        tc = text_config(doc.hf_config)
-        fp = check_fast_path_for_config(doc.hf_config, "allow", "cpu", attn_implementation=t.attn_implementation)
-        detail += (f"\ntarget config: {getattr(tc, 'model_type', '?')}, {tc.num_hidden_layers} layers, hidden "
-                   f"{tc.hidden_size}; {'hybrid: ' + ', '.join(fp['kinds']) if fp['hybrid'] else 'dense'}")
-    else:
-        detail += "\ntarget is a hub id: its HF config is not fetched by the doctor"
+    if path is not None and not os.path.isdir(path):
+        doc.add("config", PASS, detail + "\ntarget is a hub id: its HF config is not fetched by the doctor, so the "
+                                         "checks that need it run when training starts")
+        return
+    device = resolve_device(cfg)
+    try:
+        checked = check_job_config(cfg, world_size, device)
+    except (ConfigError, DataError) as e:  # what dflash-train prints before it exits 2
+        kind = "configuration error" if isinstance(e, ConfigError) else "data error"
+        doc.add("config", FAIL, f"{kind}: {e}")
+        return
+    doc.hf_config = checked["hf_config"]
+    tc, fp = checked["text_config"], checked["fast_path"]
+    detail += (f"\ntarget config: {getattr(tc, 'model_type', '?')}, {tc.num_hidden_layers} layers, hidden "
+               f"{tc.hidden_size}; {'hybrid: ' + ', '.join(fp['kinds']) if fp['hybrid'] else 'dense'}; layer ids "
+               f"{checked['layer_ids']}; attention {checked['attn_implementation']} on {device}"
+               + ("" if world_size else "; the split's checks need --world-size"))
     doc.add("config", PASS, detail)
 
 
@@ -446,11 +460,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--no-flex", action="store_true", help="skip the flex_attention compile check")
     ap.add_argument("--export", metavar="DIR", help="also check a dflash-export directory for every loader")
+    ap.add_argument("--world-size", type=int, default=None, metavar="N",
+                    help="the processes dflash-train will run (also check the target/drafter split)")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for dflash-train (e.g. target=qwen3_8b_random)")
     args = ap.parse_args(argv)
     doc = Doctor()
     t0 = time.time()
-    doc.run("config", lambda d: check_config(d, args.overrides))
+    doc.run("config", lambda d: check_config(d, args.overrides, args.world_size))
     doc.run("versions", check_versions)
     doc.run("GPUs", check_gpus)
     doc.run("flash-linear-attention", check_fla)
