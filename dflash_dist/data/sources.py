@@ -354,6 +354,12 @@ def prepare_conversations(source: str, holdout: int, seed: int, tokenizer_path: 
                 held_convs.append(conv)
             else:
                 yield conv
-    ds = tokenize_stream(training(), tokenizer_path, max_length, overlong, num_workers, stats, vocab_size,
+    from dflash_dist.data.tokenize import ROWS_PER_WORKER, tokenize_workers
+    workers = tokenize_workers(n - n_hold, num_workers)  # a small file tokenizes in-process: workers cost seconds
+    if workers != num_workers:
+        log.info("data: tokenizing %d conversations in %s (data.num_workers=%d pays off from %d rows per worker)",
+                 n - n_hold, f"{workers} worker processes" if workers else "this process", num_workers,
+                 ROWS_PER_WORKER)
+    ds = tokenize_stream(training(), tokenizer_path, max_length, overlong, workers, stats, vocab_size,
                          chat_template_kwargs, window)
     return ds, held_convs

@@ -362,20 +362,40 @@ def _worker_run(conv: dict):
     return _pack(_tokenize(_WORKER_TOK, conv, *_WORKER_ARGS))
 
 
+# Rows per tokenizing worker before a pool pays for itself. Measured with bench/tokenize_workers.py on a 2-core
+# machine (the packaged tiny corpus): in-process 0.15 ms a row; 2 workers 0.075 ms a row after ~2.4 s of start-up
+# (spawned interpreters importing transformers, loading the tokenizer), so 2 workers win from ~32k rows, and 4
+# workers never on 2 cores. Longer conversations than the tiny corpus' cross over earlier.
+ROWS_PER_WORKER = 16384
+
+
+def tokenize_workers(num_rows: int, num_workers: int) -> int:
+    """Worker processes to tokenize ``num_rows`` rows with: at most ``num_workers`` (``data.num_workers``) and the
+    CPUs this process may use, one per ``ROWS_PER_WORKER`` rows; 0 (in-process) below that, where starting
+    workers costs more than they save; never a single worker (it only adds its start-up)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = min(int(num_workers), cpus, int(num_rows) // ROWS_PER_WORKER)
+    return n if n >= 2 else 0
+
+
 def build_tokenized_dataset(conversations: Sequence[dict], tokenizer_path: str, max_length: int, overlong: str,
                             num_workers: int, stats: BadDataStats, vocab_size: Optional[int] = None,
-                            chat_template_kwargs: Optional[dict] = None, chunksize: int = 64) -> TokenizedDataset:
+                            chat_template_kwargs: Optional[dict] = None, chunksize: int = 64,
+                            force_workers: bool = False) -> TokenizedDataset:
     """Tokenize ``conversations`` (row order kept) into a TokenizedDataset; unusable ones go to ``stats``.
 
     Conversations that carry ``source`` (from ``read_jsonl_conversations``) were already counted as rows;
-    the others (builtin, in-memory) are counted here. ``num_workers > 0`` uses a spawn process pool, each
-    worker loading the tokenizer from ``tokenizer_path``. ``vocab_size`` is the target model's vocabulary
-    size (ids at or above it are bad rows). Call ``stats.check(max_bad_fraction)`` afterwards.
+    the others (builtin, in-memory) are counted here. ``num_workers > 0`` allows a spawn process pool of up to
+    that many workers (:func:`tokenize_workers` picks how many from the row count; ``force_workers`` uses exactly
+    ``num_workers``), each loading the tokenizer from ``tokenizer_path``. ``vocab_size`` is the target model's
+    vocabulary size (ids at or above it are bad rows). Call ``stats.check(max_bad_fraction)`` afterwards.
     """
     if overlong not in OVERLONG_MODES:
         raise ValueError(f"overlong={overlong!r}: use truncate or skip")
     convs = list(conversations)
     stats.add_rows(_uncounted_rows(convs))
+    if not force_workers:
+        num_workers = tokenize_workers(len(convs), num_workers)
     if num_workers > 0 and len(convs) > 0:
         # spawn, not fork: the caller may already run threads (torch, NCCL, CUDA). A process pool, not
         # multiprocessing.Pool: a worker that dies raises BrokenProcessPool instead of being respawned forever.

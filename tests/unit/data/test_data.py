@@ -540,7 +540,8 @@ def test_multiprocessing_equals_in_process(fast_load):
               ("assistant", " ".join(["word"] * 50)))]
     s0, s2 = BadDataStats(), BadDataStats()
     d0 = tokenize.build_tokenized_dataset(convs, TINY, 40, "truncate", 0, s0, vocab_size=2048)
-    d2 = tokenize.build_tokenized_dataset(convs, TINY, 40, "truncate", 2, s2, vocab_size=2048, chunksize=16)
+    d2 = tokenize.build_tokenized_dataset(convs, TINY, 40, "truncate", 2, s2, vocab_size=2048, chunksize=16,
+                                          force_workers=True)  # 303 rows would tokenize in-process
     for name in ("tokens", "loss_mask", "offsets", "conv_ids"):
         assert torch.equal(getattr(d0, name), getattr(d2, name)), name
     assert s0 == s2 and s0.counts == {conversations.NO_ASSISTANT_TURN: 1, conversations.UNKNOWN_ROLE: 1}
