@@ -11,7 +11,8 @@ its first assistant turn, rendered with the chat template and the generation pro
 JSONL of ``{"messages": [...]}`` (same rule) or ``{"prompt": "text"}`` rows.
 
 Prints a table (τ, acceptance per block slot, losslessness against the target's own greedy decoding) and
-writes the full result as JSON (``--out``, default ``dflash_eval.json``).
+writes the full result as JSON beside what it read (``<checkpoint or export directory>.eval.json``, e.g.
+``checkpoints/step_00001000.eval.json``), or to ``--out PATH``; never into the current directory.
 
 Helpers used by training (no torch.distributed here): :func:`eos_token_ids`, :func:`prompt_messages`,
 :func:`encode_prompts`, :func:`prompts_from_jsonl`.
@@ -63,7 +64,8 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--chat-template-kwargs", default=None, help='JSON, e.g. \'{"enable_thinking": false}\', or a '
                    "run's config.json / meta.json (default: what the checkpoint or export recorded from training)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--out", default="dflash_eval.json", help="where to write the JSON result")
+    p.add_argument("--out", default=None, help="where to write the JSON result (default: beside the checkpoint or "
+                   "export read, DIR.eval.json)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:
@@ -71,6 +73,13 @@ def main(argv: Optional[list] = None) -> int:
     except ConfigError as e:
         print(f"dflash-eval: {e}", file=sys.stderr)
         return 2
+
+
+def result_path(args) -> str:
+    """``--out``, or ``<checkpoint or export directory>.eval.json`` beside the directory that was evaluated."""
+    if args.out:
+        return os.path.abspath(args.out)
+    return os.path.abspath(os.path.normpath(args.checkpoint or args.export)) + ".eval.json"
 
 
 def _run(args) -> int:
@@ -119,7 +128,7 @@ def _run(args) -> int:
                    "prompt_source": prompt_source, "eos_ids": eos, "layer_ids": list(setup.layer_ids),
                    "mask_token_id": setup.mask_token_id, "device": device, "chat_template_kwargs": kwargs or {}})
     print(format_table(result))
-    out = os.path.abspath(args.out)
+    out = result_path(args)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = out + f".tmp.{os.getpid()}"
     with open(tmp, "w") as f:

@@ -1,0 +1,29 @@
+"""dflash-eval writes its JSON beside the checkpoint or export it read, or to --out; never into the current
+directory."""
+
+import json
+import os
+
+from dflash_dist.checkpoint.export import export_checkpoint
+from dflash_dist.cli.eval import main as eval_main
+from tests.unit.checkpoint.test_export import make_checkpoint
+
+
+def test_result_lands_beside_what_was_evaluated_or_at_out(tmp_path, monkeypatch):
+    ckpt, _ = make_checkpoint(tmp_path)
+    export = export_checkpoint(ckpt, str(tmp_path / "export"), dtype="float32")
+    rows = tmp_path / "p.jsonl"
+    rows.write_text(json.dumps({"prompt": "Hello"}) + "\n")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    common = ["--prompts", str(rows), "--max-new-tokens", "4", "--no-lossless-check"]
+    assert eval_main(["--checkpoint", ckpt + "/", *common]) == 0
+    beside = os.path.normpath(ckpt) + ".eval.json"                   # checkpoints/step_00000007.eval.json
+    assert json.load(open(beside))["n_prompts"] == 1
+    assert eval_main(["--export", export, *common]) == 0
+    assert json.load(open(os.path.normpath(export) + ".eval.json"))["source"]
+    out = tmp_path / "results" / "mine.json"
+    assert eval_main(["--checkpoint", ckpt, *common, "--out", str(out)]) == 0
+    assert json.load(open(out))["n_prompts"] == 1
+    assert os.listdir(cwd) == []                                      # nothing written where it ran
