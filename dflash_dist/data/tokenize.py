@@ -7,7 +7,8 @@ Pipeline (all CPU, done once per run and cached by the caller):
    per reason in ``BadDataStats`` with its ``file:line`` and left out, never raised, never dropped silently.
 2. ``build_tokenized_dataset(...)`` renders each conversation with the tokenizer's chat template and builds
    the loss mask (see ``tokenize_conversation``); unusable samples are counted in the same stats. Work runs
-   in a spawn process pool (never threads) when ``num_workers > 0``, with the same result as in-process.
+   in a spawn process pool (never threads) when the rows are many enough to repay the workers' start-up
+   (``tokenize_workers``: at most ``num_workers``), with the same result as in-process.
 3. ``TokenizedDataset`` keeps everything in three flat tensors (int32 tokens, bool mask, int64 offsets);
    sample ids are its row indices ``0..N-1``. ``save`` is atomic.
 4. ``build_plan(lengths, sample_ids, ...)`` turns (lengths, seed, epochs, batch budget) into the batches of

@@ -80,3 +80,11 @@ def test_gpt_oss_without_an_attention_setting_builds_and_reports_it():
     fp = check_fast_path_for_config(hf_config, "allow", "cpu", resolve_attn_implementation(tcfg, hf_config, "cpu"),
                                     attn_note(tcfg, hf_config, "cpu"))
     assert "attention: eager (auto: GptOssForCausalLM on cpu supports eager)" in fp["summary"]
+
+
+def test_gpt_oss_checkpoint_given_as_target_hf_builds_without_an_attention_setting(tmp_path):
+    """``target=hf target.name_or_path=DIR`` of a gpt-oss checkpoint, the way the README gives any target."""
+    build_target_model(_tcfg("tiny_gpt_oss", attn_implementation="eager"), "cpu").save_pretrained(tmp_path)
+    tcfg = TargetConfig(name_or_path=str(tmp_path))
+    assert tcfg.attn_implementation == "auto"
+    assert build_target_model(tcfg, "cpu").config._attn_implementation == "eager"
