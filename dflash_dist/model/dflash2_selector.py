@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 __all__ = ["CandidateSelector", "transform_logits", "unary_topk", "topk_candidates", "candidate_logits", "lattice",
            "walk", "greedy_walk", "propose", "block_gold", "teacher_forced_predecessors", "selector_rows",
-           "SelectorLossParts", "selector_loss"]
+           "SelectorLossParts", "selector_loss", "accepted_lengths"]
 
 GOLD_MODES = ("exclude", "replace_last")
 
@@ -218,3 +218,12 @@ def selector_loss(selector: CandidateSelector, hidden: Tensor, head_weight: Tens
     return SelectorLossParts(loss_sum=(ce * w).sum(), weight_sum=w.sum(), supervised=supervised,
                              gold_in_topk=in_topk & has_label, unary_correct=unary_correct,
                              selector_correct=selector_correct)
+
+
+def accepted_lengths(correct: Tensor, supervised: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """Greedy accepted length of every block from per-row results over slots 1..B-1 (``selector_rows`` order,
+    [b*N*(B-1)]): 1 (the bonus token) + the matched prefix, a row without supervision ending the prefix.
+    Returns (lengths [blocks] fp32, block has a supervised row [blocks] bool). Under teacher forcing this is
+    the walk's accepted length: up to the first miss the gold predecessors are the walk's."""
+    ok = (correct & supervised).reshape(-1, block_size - 1)
+    return 1.0 + ok.int().cumprod(-1).sum(-1).float(), supervised.reshape(-1, block_size - 1).any(-1)

@@ -22,6 +22,7 @@ from dflash_dist.model.dflash2 import (
 )
 from dflash_dist.model.dflash2_selector import (
     CandidateSelector,
+    accepted_lengths,
     block_gold,
     candidate_logits,
     greedy_walk,
@@ -199,6 +200,22 @@ def test_layer_blocks_stay_independent():
     assert not torch.allclose(out2[:, :BS], out[:, :BS])
 
 
+def test_a_block_alone_gives_what_it_gives_in_the_training_layout():
+    """Decoding runs one block [anchor, MASK x (B-1)] against its context: the same rows as that block inside the
+    training layout (the conv's position is the flattened index mod B)."""
+    layer = randomize(DFlash2DecoderLayer(cfg(), SETTINGS), seed=6, scale=0.1)
+    inp = layer_inputs()
+    full = layer(**inp)
+    ctx_len = inp["ctx"].shape[1]
+    rows = slice(BS, 2 * BS)                                            # sample 0, block 1 (anchor 4)
+    allowed = inp["mask"][0][:1, :, rows]
+    keys = torch.cat([torch.arange(ctx_len), ctx_len + torch.arange(2 * BS, 3 * BS) - BS])
+    one = dict(h=inp["h"][:1, rows], ctx=inp["ctx"][:1], rope_q=tuple(t[:1, rows] for t in inp["rope_q"]),
+               rope_k=tuple(t[:1, keys] for t in inp["rope_k"]), backend="sdpa",
+               mask=(allowed[..., keys], torch.ones(1, 1, BS, 1, dtype=torch.bool)))
+    torch.testing.assert_close(layer(**one), full[:1, rows])
+
+
 def test_parameter_names_and_shapes_match_the_contract():
     mc = cfg(layers=2)
     model = nn.Module()
@@ -346,6 +363,13 @@ def test_selector_rows_and_stats_on_the_training_layout():
     assert h[:, 0].tolist() == [1, 2, 3, 5, 6, 7]
     assert pred.tolist() == [2, 3, 4, 8, 9, -100] and gold.tolist() == [3, 4, 5, 9, -100, 11]
     assert torch.equal(block_gold(block_ids, labels, 4)[0, :4], torch.tensor([2, 3, 4, 5]))
+
+
+def test_accepted_lengths():
+    correct = torch.tensor([1, 1, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0], dtype=torch.bool)
+    supervised = torch.tensor([1, 1, 1, 1, 1, 1, 0, 1, 0, 0, 0, 0], dtype=torch.bool)
+    lengths, has = accepted_lengths(correct, supervised, 5)      # a miss; an unsupervised row; nothing
+    assert lengths.tolist() == [3.0, 3.0, 1.0] and has.tolist() == [True, True, False]
 
 
 def test_zero_selector_matches_unary_choice():
