@@ -190,7 +190,8 @@ def selector_loss(selector: CandidateSelector, hidden: Tensor, head_weight: Tens
     unknown), cand_ids [R, K] (the unary top-K, best first: ``topk_candidates``), gold [R] (negative = no label),
     weights [R] (the base objective's weights). A gold token outside the top-K: ``exclude`` drops the row,
     ``replace_last`` puts it in the last candidate's place with its own unary logit. Returns the weighted sum
-    and the weight sum apart: the caller normalises over the whole step."""
+    and the weight sum apart: the caller normalises over the whole step. The unary logits are recomputed from
+    the gathered head rows ([R, K, H] alive, with grad into h): rows are independent, so a caller chunks them."""
     if gold_mode not in GOLD_MODES:
         raise ValueError(f"gold_mode={gold_mode!r}: use one of {GOLD_MODES}")
     k = cand_ids.shape[-1]
