@@ -28,6 +28,9 @@ from typing import Optional
 
 import torch
 
+from dflash_dist.checkpoint.export_load import META_NAME
+from dflash_dist.checkpoint.safe_io import local_dir
+from dflash_dist.checkpoint.store import CheckpointError
 from dflash_dist.config import ConfigError, DataConfig, TargetConfig
 from dflash_dist.data.sources import parse_template_kwargs
 from dflash_dist.eval.prompts import (
@@ -52,6 +55,8 @@ def main(argv: Optional[list] = None) -> int:
     src.add_argument("--export", help="a dflash-export directory (or a z-lab release with --target)")
     p.add_argument("--target", default=None, help="target name_or_path (default: the run's target section)")
     p.add_argument("--target-dtype", default=None, choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--attn-implementation", default=None, help="the target's attention implementation (default: "
+                   "the run's; a Hub kernel org/name only from here, never from a checkpoint)")
     p.add_argument("--tokenizer", default=None, help="tokenizer (default: the checkpoint's / export's)")
     p.add_argument("--prompts", default=None, help="JSONL of {messages} or {prompt} rows (default: held-out data)")
     p.add_argument("--num-prompts", type=int, default=256, help="prompts to evaluate (at most the held-out ones); 256: "
@@ -68,6 +73,9 @@ def main(argv: Optional[list] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:
         return _run(args)
+    except CheckpointError as e:
+        print(f"dflash-eval: checkpoint error: {e}", file=sys.stderr)
+        return 2
     except ConfigError as e:
         print(f"dflash-eval: {e}", file=sys.stderr)
         return 2
@@ -88,9 +96,22 @@ def _run(args) -> int:
         raise ConfigError(f"{setup.source} does not say which target it was trained on: pass --target NAME_OR_PATH")
     if args.target_dtype:
         tcfg.dtype = args.target_dtype
+    if args.attn_implementation:
+        tcfg.attn_implementation = args.attn_implementation
+    # what the checkpoint or export names is loaded local-only; a Hub id only when given here
     tok_path = args.tokenizer or setup.tokenizer or tokenizer_path(tcfg)
-    tokenizer = AutoTokenizer.from_pretrained(tok_path)
-    target = build_target_model(tcfg, device)
+    tok_from_file = args.tokenizer is None and (setup.tokenizer is not None or args.target is None)
+    meta_file = os.path.join(setup.source, "meta.json" if args.checkpoint else META_NAME)
+    section = "job_config.target" if args.checkpoint else "target"
+    tokenizer = _from_file(meta_file, "tokenizer" if setup.tokenizer else f"{section}.tokenizer", "--tokenizer",
+                           tok_path, tok_from_file, "tokenizer_config.json", AutoTokenizer.from_pretrained)
+
+    def build(where, **kw):
+        tcfg.name_or_path = where
+        return build_target_model(tcfg, device, **kw)
+    target = build(None) if tcfg.name_or_path is None else _from_file(
+        meta_file, f"{section}.name_or_path", "--target", tcfg.name_or_path, args.target is None, "config.json",
+        build)
     check_pair(target, setup)
     kwargs = parse_template_kwargs(args.chat_template_kwargs) if args.chat_template_kwargs is not None \
         else (setup.chat_template_kwargs or None)
@@ -127,6 +148,25 @@ def _run(args) -> int:
     os.replace(tmp, out)
     print(f"wrote {out}")
     return 0
+
+
+def _from_file(meta_file: str, field: str, flag: str, location: str, from_file: bool, probe: str, load):
+    """``load(location)``; a location read from the checkpoint or export (``from_file``) only from a local
+    directory or its local Hugging Face cache snapshot (holding ``probe``), its failure a CheckpointError naming
+    the file, the field and the flag that names it instead."""
+    if not from_file:
+        return load(location)
+    where = local_dir(location, probe)
+    try:
+        if where is None:
+            raise FileNotFoundError(location)
+        return load(where, local_files_only=True)
+    except ConfigError:
+        raise
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{meta_file}: {field}: cannot load {location!r} from a local directory or the local "
+                              f"Hugging Face cache ({type(e).__name__}); a location named in a file is never "
+                              f"downloaded: pass {flag} PATH_OR_HUB_ID") from None
 
 
 if __name__ == "__main__":
