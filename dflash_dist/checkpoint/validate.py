@@ -427,6 +427,7 @@ SIDE_SCHEMA = {
 _EXPORT_INTS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                 "num_hidden_layers", "vocab_size", "max_position_embeddings", "block_size", "sliding_window",
                 "num_target_layers", "target_hidden_size")
+_EXPORT_BOUND = {"num_target_layers": "num_hidden_layers", "target_hidden_size": "hidden_size"}
 
 
 def _check_target(file: str, field: str, t: Any) -> None:
@@ -455,7 +456,7 @@ def check_export_dir(path: str, side_name: str = "dflash_dist_meta.json") -> tup
             raise fail(file, k, "missing")
     for k in _EXPORT_INTS:
         if cfg.get(k) is not None:
-            count(file, k, cfg[k], 1 if k != "num_target_layers" else 0, BOUNDS.get(k, BOUNDS["num_hidden_layers"]))
+            count(file, k, cfg[k], 1, BOUNDS[_EXPORT_BOUND.get(k, k)])
     dfc = cfg.get("dflash_config") or {}
     _obj(file, "dflash_config", dfc)
     if "target_layer_ids" in dfc:

@@ -419,6 +419,7 @@ def check_export(doc: Doctor, path: str) -> None:
         checked_export,
         drafter_config_from_export,
         export_problems,
+        safetensors_shapes,
         validate_export_tensors,
     )
     cfg_path, st_path = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
@@ -426,7 +427,7 @@ def check_export(doc: Doctor, path: str) -> None:
         doc.add("export", FAIL, f"{path}: not an export directory (needs config.json and model.safetensors)")
         return
     try:  # files, sizes and the safetensors header checked before anything else reads them
-        cfg, header = checked_export(path)
+        cfg, _ = checked_export(path)
     except CheckpointInputError as e:
         doc.checkpoint_error = str(e)
         doc.add("export", FAIL, f"checkpoint error: {e}")
@@ -434,7 +435,7 @@ def check_export(doc: Doctor, path: str) -> None:
     problems = list(export_problems(cfg, path))
     try:
         dcfg = drafter_config_from_export(cfg)
-        validate_export_tensors({k: _Shape(s) for k, (_, s) in header.items()}, cfg)
+        validate_export_tensors(safetensors_shapes(st_path), cfg)
     except (ExportError, ValueError) as e:
         problems.append(str(e))
         dcfg = None
@@ -448,11 +449,6 @@ def check_export(doc: Doctor, path: str) -> None:
             + (f", window {dcfg.sliding_window}" if dcfg.sliding_window else "") + f"), block {dcfg.block_size}, "
             f"target layers {dfc['target_layer_ids']} (vLLM aux {cfg['eagle_aux_hidden_state_layer_ids']}), mask "
             f"{dfc['mask_token']!r} = {dfc['mask_token_id']}, rope_theta {cfg['rope_theta']:g}")
-
-
-class _Shape:
-    def __init__(self, shape):
-        self.shape = tuple(shape)
 
 
 def _export_warnings(doc: Doctor, path: str, cfg: dict, dcfg) -> None:

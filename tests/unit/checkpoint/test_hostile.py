@@ -103,6 +103,24 @@ def test_hub_tokenizer_id_in_meta(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "x")
 
 
+def test_hub_id_in_meta_loads_from_the_local_cache(tmp_path, monkeypatch):
+    """A run trained on a Hub id still exports: the meta's id is read from its snapshot in the local Hugging Face
+    cache (no network: the fixture fails the test on any connection)."""
+    import huggingface_hub.constants as hub
+
+    from dflash_dist.model.hf import TINY_DIR
+    snap = tmp_path / "hub" / "models--some-org--some-model" / "snapshots" / "abc123"
+    shutil.copytree(TINY_DIR, snap, ignore=shutil.ignore_patterns("*.safetensors", "*.jsonl"))
+    (tmp_path / "hub" / "models--some-org--some-model" / "refs").mkdir()
+    (tmp_path / "hub" / "models--some-org--some-model" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    ckpt, _ = make_checkpoint(tmp_path)
+    edit_meta(ckpt, lambda m: m.__setitem__("tokenizer", "some-org/some-model"))
+    out = export_checkpoint(ckpt, str(tmp_path / "e"))
+    assert os.path.exists(os.path.join(out, "tokenizer.json"))
+    assert json.load(open(os.path.join(out, META_NAME)))["tokenizer_source"] == "some-org/some-model"
+
+
 def test_files_entry_leaving_the_directory(tmp_path, capsys):
     ckpt, _ = make_checkpoint(tmp_path)
     outside = tmp_path / "outside.bin"
