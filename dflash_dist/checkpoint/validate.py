@@ -6,8 +6,9 @@ field to look at. What is checked:
 * files: ``meta.json``'s ``files`` names plain files of this directory (no ``/``, no ``..``); no file read (or
   listed) may be a symlink that leaves the directory;
 * ``meta.json``: a schema (every known key with its type and range, unknown keys refused), the drafter's sizes
-  against sane bounds and against each other, the job's sections against the config dataclasses, and the target
-  settings that reach transformers (attention / experts implementations shipped with transformers only);
+  against sane bounds and against each other, the job's sections against the config dataclasses; where a target
+  is built from them (dflash-eval), its attention / experts implementations must be transformers' own
+  (:func:`local_attention`, :func:`local_experts`) unless the command line names others;
 * ``model.safetensors``: the header (its length, JSON, dtypes, shapes, offsets) against the file's size, so a
   header of 2^60 bytes or a tensor past the end is refused before safetensors reads it;
 * ``optimizer.pt``: the structure of an optimizer ``state_dict`` (loaded memory-mapped, tensors not read).
@@ -300,8 +301,9 @@ def check_drafter_config(file: str, field: str, dc: Any) -> dict:
 
 
 def check_job_config(file: str, field: str, job: Any) -> None:
-    """The training job's config sections: known groups and keys, each value of its field's type, the target
-    settings that reach transformers local-only, its random-init sizes in bounds."""
+    """The training job's config sections: known groups and keys, each value of its field's type, the target's
+    random-init sizes in bounds. (Its attention / experts implementations: :func:`local_attention` where a
+    target is built from them.)"""
     from dflash_dist.config import GROUPS
     _obj(file, field, job)
     for name, value in job.items():
@@ -309,8 +311,6 @@ def check_job_config(file: str, field: str, job: Any) -> None:
             raise fail(file, f"{field}.{name}", f"unknown config group (known: {', '.join(sorted(GROUPS))})")
         check_section(file, f"{field}.{name}", value, GROUPS[name])
     t = job.get("target") or {}
-    local_attention(file, f"{field}.target.attn_implementation", t.get("attn_implementation"))
-    local_experts(file, f"{field}.target.experts_implementation", t.get("experts_implementation"))
     for k in ("name_or_path", "tokenizer"):
         local_location(file, f"{field}.target.{k}", t.get(k))
     check_sizes(file, f"{field}.target.hf_config.", t.get("hf_config") or {})
@@ -433,8 +433,6 @@ _EXPORT_BOUND = {"num_target_layers": "num_hidden_layers", "target_hidden_size":
 def _check_target(file: str, field: str, t: Any) -> None:
     from dflash_dist.config import TargetConfig
     check_section(file, field, t, TargetConfig)
-    local_attention(file, f"{field}.attn_implementation", t.get("attn_implementation"))
-    local_experts(file, f"{field}.experts_implementation", t.get("experts_implementation"))
     check_sizes(file, f"{field}.hf_config.", t.get("hf_config") or {})
 
 

@@ -5,10 +5,16 @@
 
 The target is rebuilt from the checkpoint's ``job_config.target`` section (``dflash_dist.config.TargetConfig``
 + ``target.build_target_model``; a random-init target comes back identical from its ``init_seed``), or from
-the export's ``dflash_dist_meta.json``, or from ``--target``. Prompts default to the training run's held-out
-conversations (``data.split_holdout`` over the same source with the same seed): each one's messages before
-its first assistant turn, rendered with the chat template and the generation prompt. ``--prompts`` takes a
-JSONL of ``{"messages": [...]}`` (same rule) or ``{"prompt": "text"}`` rows.
+the export's ``dflash_dist_meta.json``, or from ``--target``. What a checkpoint or export names is data: its
+tokenizer / target locations load from a local directory or the local Hugging Face cache only, its attention /
+experts implementations must be transformers' own (``--attn-implementation`` / ``--tokenizer`` / ``--target``
+name anything else, Hub kernels and ids included); a file that does not check out is one ``checkpoint error:``
+line, exit 2.
+
+Prompts default to the training run's held-out conversations (``data.split_holdout`` over the same source with
+the same seed): each one's messages before its first assistant turn, rendered with the chat template and the
+generation prompt. ``--prompts`` takes a JSONL of ``{"messages": [...]}`` (same rule) or ``{"prompt": "text"}``
+rows.
 
 Prints a table (τ, acceptance per block slot, losslessness against the target's own greedy decoding) and
 writes the full result as JSON (``--out``, default ``dflash_eval.json``).
@@ -31,6 +37,7 @@ import torch
 from dflash_dist.checkpoint.export_load import META_NAME
 from dflash_dist.checkpoint.safe_io import local_dir
 from dflash_dist.checkpoint.store import CheckpointError
+from dflash_dist.checkpoint.validate import local_attention, local_experts
 from dflash_dist.config import ConfigError, DataConfig, TargetConfig
 from dflash_dist.data.sources import parse_template_kwargs
 from dflash_dist.eval.prompts import (
@@ -57,6 +64,8 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--target-dtype", default=None, choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--attn-implementation", default=None, help="the target's attention implementation (default: "
                    "the run's; a Hub kernel org/name only from here, never from a checkpoint)")
+    p.add_argument("--experts-implementation", default=None, help="an MoE target's experts implementation "
+                   "(default: the run's, if transformers' own)")
     p.add_argument("--tokenizer", default=None, help="tokenizer (default: the checkpoint's / export's)")
     p.add_argument("--prompts", default=None, help="JSONL of {messages} or {prompt} rows (default: held-out data)")
     p.add_argument("--num-prompts", type=int, default=256, help="prompts to evaluate (at most the held-out ones); 256: "
@@ -96,13 +105,20 @@ def _run(args) -> int:
         raise ConfigError(f"{setup.source} does not say which target it was trained on: pass --target NAME_OR_PATH")
     if args.target_dtype:
         tcfg.dtype = args.target_dtype
-    if args.attn_implementation:
-        tcfg.attn_implementation = args.attn_implementation
-    # what the checkpoint or export names is loaded local-only; a Hub id only when given here
-    tok_path = args.tokenizer or setup.tokenizer or tokenizer_path(tcfg)
-    tok_from_file = args.tokenizer is None and (setup.tokenizer is not None or args.target is None)
     meta_file = os.path.join(setup.source, "meta.json" if args.checkpoint else META_NAME)
     section = "job_config.target" if args.checkpoint else "target"
+    # what the checkpoint or export names: transformers' own implementations, locations loaded local-only;
+    # a Hub kernel or Hub id only when given here
+    if args.attn_implementation:
+        tcfg.attn_implementation = args.attn_implementation
+    elif args.target is None:
+        local_attention(meta_file, f"{section}.attn_implementation", tcfg.attn_implementation)
+    if args.experts_implementation:
+        tcfg.experts_implementation = args.experts_implementation
+    elif args.target is None:
+        local_experts(meta_file, f"{section}.experts_implementation", tcfg.experts_implementation)
+    tok_path = args.tokenizer or setup.tokenizer or tokenizer_path(tcfg)
+    tok_from_file = args.tokenizer is None and (setup.tokenizer is not None or args.target is None)
     tokenizer = _from_file(meta_file, "tokenizer" if setup.tokenizer else f"{section}.tokenizer", "--tokenizer",
                            tok_path, tok_from_file, "tokenizer_config.json", AutoTokenizer.from_pretrained)
 

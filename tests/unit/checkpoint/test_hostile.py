@@ -81,16 +81,17 @@ def eval_argv(tmp_path, ckpt=None, export=None):
 
 
 def test_hub_attention_kernel_in_meta(tmp_path, capsys):
+    """A Hub kernel named in a file never reaches transformers; named on the command line, the file's is unused."""
     ckpt, _ = make_checkpoint(tmp_path)
     edit_meta(ckpt, lambda m: m["job_config"]["target"].__setitem__("attn_implementation",
                                                                      "kernels-community/evil-attn"))
     refused(capsys, eval_main, eval_argv(tmp_path, ckpt), "meta.json", "job_config.target.attn_implementation")
-    refused(capsys, export_main, [ckpt, str(tmp_path / "x")], "meta.json", "job_config.target.attn_implementation")
-    # the same in an export's provenance file
-    good, _ = make_checkpoint(tmp_path, run="good")
-    out = export_checkpoint(good, str(tmp_path / "e"), dtype="float32")
+    # export builds no target: the value is data, carried into the export's provenance file, refused there
+    out = export_checkpoint(ckpt, str(tmp_path / "e"), dtype="float32")
+    refused(capsys, eval_main, eval_argv(tmp_path, export=out), META_NAME, "target.attn_implementation")
+    assert eval_main(eval_argv(tmp_path, export=out) + ["--attn-implementation", "eager"]) == 0
     side = json.load(open(os.path.join(out, META_NAME)))
-    side["target"]["experts_implementation"] = "evil-org/experts"
+    side["target"].update(attn_implementation="sdpa", experts_implementation="evil-org/experts")
     json.dump(side, open(os.path.join(out, META_NAME), "w"))
     refused(capsys, eval_main, eval_argv(tmp_path, export=out), META_NAME, "target.experts_implementation")
 
