@@ -220,6 +220,15 @@ def _counts(file, field, v):
         _nonneg(file, f"{field}.{k}", x)
 
 
+def _identity(file, field, v):
+    """{part: {hash, label}} (checkpoint/identity.py)."""
+    _obj(file, field, v)
+    for part, rec in v.items():
+        if not (isinstance(rec, dict) and isinstance(rec.get("hash"), str) and len(rec["hash"]) <= 128
+                and isinstance(rec.get("label", ""), str)):
+            raise fail(file, f"{field}.{part}", "not an object with a hash and a label")
+
+
 # meta.json's keys (what the trainer and save_checkpoint write) and the check of each
 META_SCHEMA = {
     "step": _nonneg, "cursor": _nonneg, "total_messages": _nonneg, "num_targets": _nonneg,
@@ -227,7 +236,7 @@ META_SCHEMA = {
     "layer_ids": _layer_ids, "mask_token_id": _nonneg,
     "block_size": lambda f, k, v: size(f, k, v), "drafter_config": _obj, "target_config": _obj,
     "tokenizer": local_location, "job_config": _obj, "counts": _counts, "chat_template_kwargs": _obj,
-    "identity": _obj,
+    "identity": _identity,
 }
 
 
