@@ -273,7 +273,12 @@ def load_export(path: str, device: Any = "cpu", dtype: Optional[torch.dtype] = t
     if problems:
         raise ExportError(f"{path}: incomplete export (re-export it with this version of dflash-export): "
                           + "; ".join(problems))
-    dcfg = drafter_config_from_export(cfg)
+    try:
+        dcfg = drafter_config_from_export(cfg)
+    except ExportError:
+        raise
+    except (ValueError, TypeError, KeyError) as e:  # well-typed values that do not fit (e.g. heads that do not divide)
+        raise CheckpointInputError(f"export {path} is unusable: {cfg_path}: {e}") from None
     validate_export_tensors({k: _Shape(shape) for k, (_, shape) in header.items()}, cfg)  # before reading any
     tensors = load_file(st_path)
     if dtype is None:

@@ -354,7 +354,7 @@ def check_weights(file: str, header: dict, drafter_config: dict) -> None:
         with torch.device("meta"):
             want = {k: tuple(v.shape) for k, v in
                     DFlashDrafter(DrafterModelConfig(**drafter_config), "sdpa").state_dict().items()}
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, KeyError) as e:
         raise fail(os.path.join(os.path.dirname(file), "meta.json"), "drafter_config", str(e)[:300]) from None
     have = {bare_name(k): shape for k, (_, shape) in header.items()}
     if len(have) != len(header):
@@ -436,6 +436,14 @@ SIDE_SCHEMA = {
 _EXPORT_INTS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                 "num_hidden_layers", "vocab_size", "max_position_embeddings", "block_size", "sliding_window",
                 "num_target_layers", "target_hidden_size")
+# the other config.json fields load_export reads, with their types
+_EXPORT_TYPES = {
+    "rms_norm_eps": Optional[float], "rope_theta": Optional[float], "initializer_range": Optional[float],
+    "hidden_act": Optional[str], "layer_types": Optional[list[str]], "rope_parameters": Optional[dict],
+    "rope_scaling": Optional[dict], "use_sliding_window": Optional[bool], "is_causal": Optional[bool],
+    "attention_bias": Optional[bool], "eagle_aux_hidden_state_layer_ids": Optional[list[int]],
+    "architectures": Optional[list[str]], "auto_map": Optional[dict], "dflash_config": Optional[dict],
+}
 _EXPORT_BOUND = {"num_target_layers": "num_hidden_layers", "target_hidden_size": "hidden_size"}
 
 
@@ -464,8 +472,12 @@ def check_export_dir(path: str, side_name: str = "dflash_dist_meta.json") -> tup
     for k in _EXPORT_INTS:
         if cfg.get(k) is not None:
             count(file, k, cfg[k], 1, BOUNDS[_EXPORT_BOUND.get(k, k)])
+    for k, tp in _EXPORT_TYPES.items():
+        if k in cfg:
+            check_type(file, k, cfg[k], tp)
     dfc = cfg.get("dflash_config") or {}
     _obj(file, "dflash_config", dfc)
+    check_type(file, "dflash_config.mask_token", dfc.get("mask_token"), Optional[str])
     if "target_layer_ids" in dfc:
         _layer_ids(file, "dflash_config.target_layer_ids", dfc["target_layer_ids"])
     for k in ("mask_token_id", "block_size"):

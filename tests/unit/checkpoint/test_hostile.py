@@ -206,6 +206,15 @@ def test_wrong_type(tmp_path, capsys):
     edit_meta(ckpt, lambda m: (m["job_config"]["data"].__setitem__("holdout", 0),
                                m.__setitem__("layer_ids", "1,3,4")))
     refused(capsys, eval_main, eval_argv(tmp_path, ckpt), "meta.json", "layer_ids")
+    # an export's config.json
+    good, _ = make_checkpoint(tmp_path, run="good")
+    out = export_checkpoint(good, str(tmp_path / "e"), dtype="float32")
+    cfg_path = os.path.join(out, "config.json")
+    cfg = json.load(open(cfg_path))
+    json.dump(dict(cfg, rms_norm_eps="tiny"), open(cfg_path, "w"))
+    refused(capsys, eval_main, eval_argv(tmp_path, export=out), "config.json", "rms_norm_eps")
+    json.dump(dict(cfg, num_key_value_heads=3), open(cfg_path, "w"))  # an int, but does not divide 4 heads
+    refused(capsys, eval_main, eval_argv(tmp_path, export=out), "config.json", "num_key_value_heads")
 
 
 def test_negative_mask_token_id(tmp_path, capsys):
