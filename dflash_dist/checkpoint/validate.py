@@ -1,6 +1,6 @@
 """A checkpoint or export directory is data from elsewhere: check it before anything is opened, built or allocated.
 
-Every check raises :class:`~dflash_dist.checkpoint.store.CheckpointError` with one line that names the file and the
+Every check raises :class:`~dflash_dist.checkpoint.safe_io.CheckpointError` with one line that names the file and the
 field to look at. What is checked:
 
 * files: ``meta.json``'s ``files`` names plain files of this directory (no ``/``, no ``..``); no file read (or
@@ -49,22 +49,25 @@ CHECKPOINT_FILES = ("model.safetensors", "optimizer.pt")
 LOCAL_ATTENTION = ("eager", "sdpa", "flex_attention", "paged|eager")
 LOCAL_EXPERTS = ("eager", "batched_mm", "grouped_mm")
 
+
+# ---------------------------------------------------------------------------------------------- files
+
 def check_files(directory: str, meta: dict) -> None:
     """Each file ``meta.json`` lists is a plain file here with the recorded size."""
     meta_path = os.path.join(directory, "meta.json")
     files = meta.get("files", {})
     if not isinstance(files, dict):
         raise fail(meta_path, "files", f"a {type(files).__name__}, expected {{name: size}}")
-    for name, size in files.items():
+    for name, nbytes in files.items():
         path = inside(directory, name)
         if name not in CHECKPOINT_FILES:
             raise fail(meta_path, "files", f"{name!r}: a checkpoint holds only {', '.join(CHECKPOINT_FILES)}")
-        if not is_int(size) or size < 0:
-            raise fail(meta_path, f"files.{name}", f"{size!r} is not a byte count")
+        if not is_int(nbytes) or nbytes < 0:
+            raise fail(meta_path, f"files.{name}", f"{nbytes!r} is not a byte count")
         if not os.path.isfile(path):
             raise fail(path, "file", "missing")
-        if os.path.getsize(path) != size:
-            raise fail(path, "file", f"has {os.path.getsize(path)} bytes, expected {size} (truncated?)")
+        if os.path.getsize(path) != nbytes:
+            raise fail(path, "file", f"has {os.path.getsize(path)} bytes, expected {nbytes} (truncated?)")
     if "model.safetensors" not in files:
         raise fail(meta_path, "files", "lists no model.safetensors")
 
@@ -234,7 +237,7 @@ META_SCHEMA = {
     "step": _nonneg, "cursor": _nonneg, "total_messages": _nonneg, "num_targets": _nonneg,
     "tensor_parallel": _nonneg, "num_drafters": _nonneg, "files": _obj, "reason": _opt_str, "final": _bool,
     "layer_ids": _layer_ids, "mask_token_id": _nonneg,
-    "block_size": lambda f, k, v: size(f, k, v), "drafter_config": _obj, "target_config": _obj,
+    "block_size": size, "drafter_config": _obj, "target_config": _obj,
     "tokenizer": local_location, "job_config": _obj, "counts": _counts, "chat_template_kwargs": _obj,
     "identity": _identity,
 }
@@ -424,14 +427,28 @@ def check_checkpoint(path: str) -> tuple[dict, dict]:
     return meta, header
 
 
+def _optional(check):
+    """``check``, or nothing for a null value."""
+    return lambda file, field, v: None if v is None else check(file, field, v)
+
+
+def _check_target(file: str, field: str, t: Any) -> None:
+    from dflash_dist.config import TargetConfig
+    check_section(file, field, t, TargetConfig)
+    check_sizes(file, f"{field}.hf_config.", t.get("hf_config") or {})
+
+
+def _check_data(file: str, field: str, d: Any) -> None:
+    from dflash_dist.config import DataConfig
+    check_section(file, field, d, DataConfig)
+
+
 # the keys of an export's dflash_dist_meta.json (checkpoint/export.py _side_meta) and the check of each
 SIDE_SCHEMA = {
     "format": _opt_str, "source_checkpoint": _opt_str, "tokenizer_source": local_location, "dtype": _opt_str,
-    "step": lambda f, k, v: v is None or _nonneg(f, k, v), "cursor": lambda f, k, v: v is None or _nonneg(f, k, v),
-    "final": lambda f, k, v: v is None or _bool(f, k, v), "layer_ids": _layer_ids, "mask_token_id": _nonneg,
-    "block_size": lambda f, k, v: size(f, k, v), "drafter_config": check_drafter_config,
-    "target": lambda f, k, v: v is None or _check_target(f, k, v),
-    "data": lambda f, k, v: v is None or _check_data(f, k, v), "chat_template_kwargs": _obj,
+    "step": _optional(_nonneg), "cursor": _optional(_nonneg), "final": _optional(_bool), "layer_ids": _layer_ids,
+    "mask_token_id": _nonneg, "block_size": size, "drafter_config": check_drafter_config,
+    "target": _optional(_check_target), "data": _optional(_check_data), "chat_template_kwargs": _obj,
 }
 _EXPORT_INTS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                 "num_hidden_layers", "vocab_size", "max_position_embeddings", "block_size", "sliding_window",
@@ -445,17 +462,6 @@ _EXPORT_TYPES = {
     "architectures": Optional[list[str]], "auto_map": Optional[dict], "dflash_config": Optional[dict],
 }
 _EXPORT_BOUND = {"num_target_layers": "num_hidden_layers", "target_hidden_size": "hidden_size"}
-
-
-def _check_target(file: str, field: str, t: Any) -> None:
-    from dflash_dist.config import TargetConfig
-    check_section(file, field, t, TargetConfig)
-    check_sizes(file, f"{field}.hf_config.", t.get("hf_config") or {})
-
-
-def _check_data(file: str, field: str, d: Any) -> None:
-    from dflash_dist.config import DataConfig
-    check_section(file, field, d, DataConfig)
 
 
 def check_export_dir(path: str, side_name: str = "dflash_dist_meta.json") -> tuple[dict, dict]:
