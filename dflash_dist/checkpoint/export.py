@@ -43,13 +43,16 @@ from dflash_dist.checkpoint.export_load import (
     AUTO_MAP,
     META_NAME,
     MODELING_NAME,
+    CheckpointInputError,
     ExportError,
     drafter_config_from_export,
     export_problems,
     safetensors_shapes,
     validate_export_tensors,
 )
-from dflash_dist.checkpoint.store import checkpoint_problem
+from dflash_dist.checkpoint.safe_io import local_dir
+from dflash_dist.checkpoint.store import CheckpointError
+from dflash_dist.checkpoint.validate import bare_name, check_checkpoint
 from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
 
 log = logging.getLogger(__name__)
@@ -68,9 +71,6 @@ SGLANG_DEFAULT_MASK_TOKEN = "<|MASK|>"
 
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-_STRIP_PREFIXES = ("module.", "_orig_mod.", "model.")
 
 
 def _text_config_dict(target_config: dict) -> dict:
@@ -258,13 +258,7 @@ def _attention_fields(dc: DrafterModelConfig) -> dict[str, Any]:
 def _strip_prefixes(weights: dict) -> dict:
     out = {}
     for k, v in weights.items():
-        name = k
-        changed = True
-        while changed:
-            changed = False
-            for p in _STRIP_PREFIXES:
-                if name.startswith(p):
-                    name, changed = name[len(p):], True
+        name = bare_name(k)
         if name in out:
             raise ExportError(f"two checkpoint tensors map to {name!r} after removing wrapper prefixes")
         out[name] = v
@@ -272,17 +266,18 @@ def _strip_prefixes(weights: dict) -> dict:
 
 
 def _read_checkpoint(checkpoint_dir: str) -> tuple[dict, dict]:
+    """(weights, meta) of a checkpoint whose files all check out (checkpoint/validate.py; optimizer.pt is never
+    opened); its tensors' names and shapes are checked from the header before any is read."""
     from safetensors.torch import load_file
     if not os.path.isdir(checkpoint_dir):
         raise ExportError(f"{checkpoint_dir}: not a directory")
-    problem = checkpoint_problem(checkpoint_dir)
-    if problem is not None:
-        raise ExportError(f"checkpoint {checkpoint_dir} is unusable: {problem}")
-    with open(os.path.join(checkpoint_dir, "meta.json")) as f:
-        meta = json.load(f)
+    try:
+        meta, _ = check_checkpoint(checkpoint_dir)  # optimizer.pt is never opened
+    except CheckpointError as e:
+        raise CheckpointInputError(f"checkpoint {checkpoint_dir} is unusable: {e}") from None
     for key in ("layer_ids", "mask_token_id", "block_size", "drafter_config", "target_config"):
         if key not in meta:
-            raise ExportError(f"checkpoint {checkpoint_dir}: meta.json has no {key!r}")
+            raise CheckpointInputError(f"checkpoint {checkpoint_dir}: meta.json has no {key!r}")
     weights = load_file(os.path.join(checkpoint_dir, "model.safetensors"))
     return weights, meta
 
@@ -291,16 +286,18 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, dtype: str = "bfloat16"
                       overwrite: bool = False, tokenizer_path: Optional[str] = None) -> str:
     """Write the z-lab layout of ``checkpoint_dir`` to ``out_dir``; returns ``out_dir``.
 
-    ``tokenizer_path`` overrides the checkpoint meta's ``tokenizer``. Refuses a partial checkpoint
-    (``checkpoint.checkpoint_problem``), a non-empty ``out_dir`` unless ``overwrite``, and tensors whose
-    names/shapes do not match the config it writes.
+    ``tokenizer_path`` overrides the checkpoint meta's ``tokenizer`` (the meta's is read from a local directory or
+    the local Hugging Face cache only). Refuses a checkpoint whose files do not check out (checkpoint/validate.py;
+    ``CheckpointInputError``), a non-empty ``out_dir`` unless ``overwrite``, and tensors whose names/shapes do not
+    match the config it writes.
     """
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: use one of {sorted(DTYPES)}")
     weights, meta = _read_checkpoint(checkpoint_dir)
     dcfg = DrafterModelConfig(**meta["drafter_config"])
     tok_src = tokenizer_path or meta.get("tokenizer")
-    tok = _load_tokenizer(tok_src)  # for the mask token's string even with tokenizer=False
+    tok = _load_tokenizer(tok_src, from_file=tokenizer_path is None,  # the mask token's string, also tokenizer=False
+                          meta_path=os.path.join(checkpoint_dir, "meta.json"))
     cfg = build_export_config(dcfg, meta["target_config"], meta["layer_ids"], meta["mask_token_id"],
                               meta["block_size"], dtype, mask_token=mask_token_string(tok, meta["mask_token_id"]))
     tensors = _export_tensors(weights, cfg, dtype)
@@ -387,13 +384,23 @@ def _publish(tmp: str, out_dir: str) -> None:
         os.rename(tmp, out_dir)
 
 
-def _load_tokenizer(tok_src: Optional[str]):
+def _load_tokenizer(tok_src: Optional[str], from_file: bool, meta_path: str):
+    """The tokenizer at ``tok_src``; one named by the checkpoint (``from_file``) only from a local directory or the
+    local Hugging Face cache: a name from a file never reaches the network."""
     if not tok_src:
         raise ExportError("the checkpoint meta names no tokenizer: pass --tokenizer PATH (it gives the mask token's "
                           "string, dflash_config.mask_token, even with --no-tokenizer)")
     from transformers import AutoTokenizer
+    where = local_dir(tok_src, "tokenizer_config.json") if from_file else tok_src
     try:
-        return AutoTokenizer.from_pretrained(tok_src)
+        if where is None:
+            raise FileNotFoundError("not a local directory and not in the local Hugging Face cache")
+        return AutoTokenizer.from_pretrained(where, **({"local_files_only": True} if from_file else {}))
     except Exception as e:
-        raise ExportError(f"cannot load the tokenizer {tok_src!r} ({type(e).__name__}: {e}); pass --tokenizer PATH "
-                          "(needed for dflash_config.mask_token, also with --no-tokenizer)") from e
+        why = f"cannot load the tokenizer {tok_src!r} ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+        if from_file:
+            raise CheckpointInputError(f"{meta_path}: tokenizer: {why}; a tokenizer named in a file is read only "
+                                       "from a local directory or the local Hugging Face cache: pass --tokenizer "
+                                       "PATH_OR_HUB_ID") from None
+        raise ExportError(f"{why}; pass --tokenizer PATH (needed for dflash_config.mask_token, also with "
+                          "--no-tokenizer)") from e

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import torch
 
+from dflash_dist.checkpoint.store import CheckpointError
 from dflash_dist.config import ConfigError
 from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
 from dflash_dist.model.rope import drafter_rope_parameters
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 __all__ = ["load_export", "export_problems", "drafter_config_from_export", "expected_tensor_shapes",
-           "validate_export_tensors", "safetensors_shapes", "ExportError", "META_NAME", "MODELING_NAME",
+           "validate_export_tensors", "safetensors_shapes", "checked_export", "ExportError", "CheckpointInputError", "META_NAME", "MODELING_NAME",
            "AUTO_MAP"]
 
 
@@ -40,6 +41,11 @@ AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
 
 class ExportError(ValueError):
     """The checkpoint or export directory cannot be used; the message says why."""
+
+
+class CheckpointInputError(ExportError, CheckpointError):
+    """A checkpoint or export whose files do not check out (checkpoint/validate.py): an ExportError for export's
+    callers, a CheckpointError for the command lines' ``checkpoint error:`` line."""
 
 
 def export_problems(cfg: dict, path: Optional[str] = None) -> list[str]:
@@ -131,14 +137,23 @@ def validate_export_tensors(tensors: dict, cfg: dict) -> None:
 def safetensors_shapes(path: str) -> dict[str, Any]:
     """{name: an object with the tensor's ``.shape``} of a safetensors file, from its header (no tensor is read),
     for :func:`validate_export_tensors`."""
-    from safetensors import safe_open
-    with safe_open(path, "pt") as f:
-        return {k: _Shape(f.get_slice(k).get_shape()) for k in f.keys()}
+    from dflash_dist.checkpoint.validate import safetensors_header
+    return {k: _Shape(shape) for k, (_, shape) in safetensors_header(path).items()}
 
 
 class _Shape:
     def __init__(self, shape):
         self.shape = tuple(shape)
+
+
+def checked_export(path: str) -> tuple[dict, dict]:
+    """(config.json, safetensors header) of an export whose files check out (checkpoint/validate.py), else
+    :class:`CheckpointInputError` naming the file and field."""
+    from dflash_dist.checkpoint.validate import check_export_dir
+    try:
+        return check_export_dir(path, META_NAME)
+    except CheckpointError as e:
+        raise CheckpointInputError(f"export {path} is unusable: {e}") from None
 
 
 def drafter_config_from_export(cfg: dict) -> DrafterModelConfig:
@@ -248,8 +263,7 @@ def load_export(path: str, device: Any = "cpu", dtype: Optional[torch.dtype] = t
     st_path = os.path.join(path, "model.safetensors")
     if not (os.path.exists(cfg_path) and os.path.exists(st_path)):
         raise ExportError(f"{path}: not an export directory (needs config.json and model.safetensors)")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
+    cfg, header = checked_export(path)
     arch = cfg.get("architectures") or []
     if "DFlashDraftModel" not in arch:
         raise ExportError(f"{path}: architectures={arch}, expected DFlashDraftModel")
@@ -259,9 +273,14 @@ def load_export(path: str, device: Any = "cpu", dtype: Optional[torch.dtype] = t
     if problems:
         raise ExportError(f"{path}: incomplete export (re-export it with this version of dflash-export): "
                           + "; ".join(problems))
-    dcfg = drafter_config_from_export(cfg)
+    try:
+        dcfg = drafter_config_from_export(cfg)
+    except ExportError:
+        raise
+    except (ValueError, TypeError, KeyError) as e:  # well-typed values that do not fit (e.g. heads that do not divide)
+        raise CheckpointInputError(f"export {path} is unusable: {cfg_path}: {e}") from None
+    validate_export_tensors({k: _Shape(shape) for k, (_, shape) in header.items()}, cfg)  # before reading any
     tensors = load_file(st_path)
-    validate_export_tensors(tensors, cfg)
     if dtype is None:
         dtype = next(iter(tensors.values())).dtype
     model = DFlashDrafter(dcfg, backend)
@@ -283,7 +302,7 @@ def load_export(path: str, device: Any = "cpu", dtype: Optional[torch.dtype] = t
     side_path = os.path.join(path, META_NAME)
     if os.path.exists(side_path):
         with open(side_path) as f:
-            side = json.load(f)
+            side = json.load(f)  # checked by checked_export
         for k in ("target", "data", "source_checkpoint", "step", "tokenizer_source", "chat_template_kwargs"):
             meta[k] = side.get(k)
     return model, meta

@@ -128,11 +128,15 @@ def differences(recorded: Optional[dict], now: dict, parts=PARTS) -> list[str]:
     if not recorded:
         return ["it records no identity (written by an older dflash_dist): its data, target and drafter "
                 "cannot be checked"]
+    if not isinstance(recorded, dict):
+        return [f"its identity is a {type(recorded).__name__}, not an object: it cannot be checked"]
     out = []
     for p in parts:
         if p not in now:
             continue
         a, b = recorded.get(p), now[p]
+        if a is not None and not (isinstance(a, dict) and isinstance(a.get("hash"), str)):
+            a = {"label": "an unreadable record", "hash": None}
         if a is None or a.get("hash") != b.get("hash"):
             was = f"{a.get('label')} [{a.get('hash')}]" if a else "nothing recorded"
             out.append(f"{p}: the run has {was}, this job {b.get('label')} [{b.get('hash')}] "
@@ -144,11 +148,13 @@ RUN_JSON = "run.json"
 
 
 def read_run_json(run_dir: str) -> Optional[dict]:
+    """The run's ``run.json`` (a JSON object), or None when absent or unreadable."""
     try:
         with open(os.path.join(run_dir, RUN_JSON)) as f:
-            return json.load(f)
-    except (OSError, ValueError):
+            rec = json.load(f)
+    except (OSError, ValueError, RecursionError):
         return None
+    return rec if isinstance(rec, dict) else None
 
 
 def write_run_json(run_dir: str, identity: dict, extra: Optional[dict] = None) -> None:

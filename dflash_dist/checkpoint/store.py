@@ -23,12 +23,10 @@ from typing import Optional
 
 import torch
 
+from dflash_dist.checkpoint.safe_io import CheckpointError  # noqa: F401  (store's callers import it from here)
+
 log = logging.getLogger(__name__)
 STEP_RE = re.compile(r"^step_(\d{8})$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be used; the message says why."""
 
 
 def _fsync_file(path: str) -> None:
@@ -87,24 +85,19 @@ def _prune(root: str, keep: int) -> None:
         shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
 
-def checkpoint_problem(path: str) -> Optional[str]:
-    """Why a checkpoint directory is unusable, or None if it is complete."""
-    meta_path = os.path.join(path, "meta.json")
-    if not os.path.exists(meta_path):
-        return "no meta.json (partial write?)"
+def checkpoint_problem(path: str, optimizer: bool = True) -> Optional[str]:
+    """Why a checkpoint directory is unusable (one line naming the file and field), or None if every file checks
+    out (checkpoint/validate.py: meta.json's schema and sizes, the files it lists, the safetensors header and,
+    with ``optimizer``, the structure of optimizer.pt)."""
+    from dflash_dist.checkpoint.validate import check_checkpoint, check_optimizer_state
     try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        return f"unreadable meta.json ({e})"
-    for name, size in meta.get("files", {}).items():
-        p = os.path.join(path, name)
-        if not os.path.exists(p):
-            return f"missing {name}"
-        if os.path.getsize(p) != size:
-            return f"{name} has {os.path.getsize(p)} bytes, expected {size} (truncated?)"
-    if "model.safetensors" not in meta.get("files", {}):
-        return "meta.json lists no model.safetensors"
+        meta, header = check_checkpoint(path)
+        if optimizer and "optimizer.pt" in meta["files"]:  # memory-mapped: its structure, not its tensors
+            check_optimizer_state(os.path.join(path, "optimizer.pt"), load_optimizer_state(path, mmap=True), header)
+    except CheckpointError as e:
+        return str(e)
+    except OSError as e:
+        return f"unreadable ({e})"
     return None
 
 
@@ -122,12 +115,13 @@ def find_latest(output_dir: str) -> Optional[str]:
     return None
 
 
-def load_optimizer_state(path: str, map_location="cpu") -> dict:
+def load_optimizer_state(path: str, map_location="cpu", mmap: bool = False) -> dict:
     """``optimizer.pt`` of a checkpoint directory, unpickled with ``weights_only=True`` (tensors and plain
-    values only): a file that names any other callable or class raises ``CheckpointError`` before it runs."""
+    values only): a file that names any other callable or class raises ``CheckpointError`` before it runs, and so
+    does a file that is no torch.save archive. ``mmap``: tensors are mapped, not read (a structure check)."""
     file = os.path.join(path, "optimizer.pt")
     try:
-        return torch.load(file, map_location=map_location, weights_only=True)
+        return torch.load(file, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(
@@ -136,19 +130,24 @@ def load_optimizer_state(path: str, map_location="cpu") -> dict:
             f"you did not write can run code this way. Resume only from checkpoints you trust; its weights "
             f"(model.safetensors) still export and evaluate (dflash-export, dflash-eval never read optimizer.pt)."
         ) from e
+    except (RuntimeError, ValueError, EOFError, KeyError, OSError) as e:
+        raise CheckpointError(f"{file}: file: not a torch.save archive ({str(e).splitlines()[0][:200]})") from None
 
 
 def load_checkpoint(path: str, map_location="cpu", optimizer: bool = True) -> tuple[dict, Optional[dict], dict]:
-    """(weights, optimizer state or None, meta) of a complete checkpoint. ``optimizer=False``: the optimizer file
-    is not opened at all (export, evaluation). Raises ``CheckpointError`` (a ValueError)."""
+    """(weights, optimizer state or None, meta) of a checkpoint whose files all check out (checkpoint_problem).
+    ``optimizer=False``: the optimizer file is not opened at all (export, evaluation). Raises ``CheckpointError``
+    (a ValueError)."""
     from safetensors.torch import load_file
-    problem = checkpoint_problem(path)
-    if problem is not None:
-        raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
+
+    from dflash_dist.checkpoint.validate import check_checkpoint, check_optimizer_state
+    try:
+        meta, header = check_checkpoint(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"checkpoint {path} is unusable: {e}") from None
     weights = load_file(os.path.join(path, "model.safetensors"))
     opt = None
-    if optimizer and os.path.exists(os.path.join(path, "optimizer.pt")):
+    if optimizer and "optimizer.pt" in meta["files"]:
         opt = load_optimizer_state(path, map_location)
+        check_optimizer_state(os.path.join(path, "optimizer.pt"), opt, header)
     return weights, opt, meta

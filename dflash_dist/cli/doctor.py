@@ -14,9 +14,13 @@ Prints one row per check with PASS / WARN / FAIL / N/A and exits non-zero if any
 * the Hydra config (``conf/config.yaml`` + overrides) composes into ``JobConfig`` and passes the checks training
   makes before any model loads (``job.check_job_config``; the split's with ``--world-size N``): a config
   training refuses FAILs here with the same message;
-* with ``--export DIR``: the export carries every field vLLM, SGLang, the z-lab model and transformers 4.x/5.x
-  read (``checkpoint.export_load.export_problems``), its attention settings read the same in all of them, and the
-  tensors match the config (the checks ``load_export`` makes, without loading the weights).
+* with ``--export DIR``: its files check out (checkpoint/validate.py: no symlink out of the directory, sizes in
+  bounds, the safetensors header against the file; else a ``checkpoint error:`` line and exit 2), the export
+  carries every field vLLM, SGLang, the z-lab model and transformers 4.x/5.x read
+  (``checkpoint.export_load.export_problems``), its attention settings read the same in all of them, the tensors
+  match the config (the checks ``load_export`` makes, without loading the weights); WARN rows for what
+  dflash-export warns about and for a ``modeling_dflash.py`` that differs from this version's (it runs as code
+  under trust_remote_code).
 
 Usage: ``dflash-doctor [--json PATH] [--no-flex] [--export DIR] [--world-size N] [hydra overrides ...]``.
 """
@@ -43,6 +47,7 @@ class Doctor:
     def __init__(self):
         self.rows: list[dict] = []
         self.cfg = None          # JobConfig once the config check ran
+        self.checkpoint_error: Optional[str] = None  # an --export directory whose files do not check out
         self.hf_config = None
 
     def add(self, name: str, status: str, detail: str, **data: Any) -> None:
@@ -423,7 +428,9 @@ def check_config(doc: Doctor, overrides: list[str], world_size: Optional[int] = 
 
 def check_export(doc: Doctor, path: str) -> None:
     from dflash_dist.checkpoint.export_load import (
+        CheckpointInputError,
         ExportError,
+        checked_export,
         drafter_config_from_export,
         export_problems,
         safetensors_shapes,
@@ -433,8 +440,12 @@ def check_export(doc: Doctor, path: str) -> None:
     if not (os.path.exists(cfg_path) and os.path.exists(st_path)):
         doc.add("export", FAIL, f"{path}: not an export directory (needs config.json and model.safetensors)")
         return
-    with open(cfg_path) as f:
-        cfg = json.load(f)
+    try:  # files, sizes and the safetensors header checked before anything else reads them
+        cfg, _ = checked_export(path)
+    except CheckpointInputError as e:
+        doc.checkpoint_error = str(e)
+        doc.add("export", FAIL, f"checkpoint error: {e}")
+        return
     problems = list(export_problems(cfg, path))
     try:
         dcfg = drafter_config_from_export(cfg)
@@ -442,6 +453,7 @@ def check_export(doc: Doctor, path: str) -> None:
     except (ExportError, ValueError) as e:
         problems.append(str(e))
         dcfg = None
+    _export_warnings(doc, path, cfg, dcfg)
     if problems:
         doc.add("export", FAIL, f"{path}:\n" + "\n".join(f"- {p}" for p in problems), problems=problems)
         return
@@ -451,6 +463,27 @@ def check_export(doc: Doctor, path: str) -> None:
             + (f", window {dcfg.sliding_window}" if dcfg.sliding_window else "") + f"), block {dcfg.block_size}, "
             f"target layers {dfc['target_layer_ids']} (vLLM aux {cfg['eagle_aux_hidden_state_layer_ids']}), mask "
             f"{dfc['mask_token']!r} = {dfc['mask_token_id']}, rope_theta {cfg['rope_theta']:g}")
+
+
+def _export_warnings(doc: Doctor, path: str, cfg: dict, dcfg) -> None:
+    """WARN rows for what dflash-export warns about, and for a modeling file that is not the one this version
+    writes (serving engines run it as code under trust_remote_code)."""
+    from dflash_dist.checkpoint.export import MODELING_SOURCE
+    from dflash_dist.checkpoint.export_load import MODELING_NAME
+    mine = os.path.join(path, MODELING_NAME)
+    if os.path.isfile(mine):
+        with open(mine, "rb") as a, open(MODELING_SOURCE, "rb") as b:
+            if a.read() != b.read():
+                doc.add("export modeling", WARN, f"{mine} differs from the {MODELING_NAME} this version writes: it "
+                        "runs as code under trust_remote_code; diff it or re-export with dflash-export")
+    ids = (cfg.get("dflash_config") or {}).get("target_layer_ids") or []
+    n = cfg.get("num_target_layers")
+    if n is not None and ids and max(int(i) for i in ids) + 1 >= int(n):
+        doc.add("export layers", WARN, f"target layer {int(n) - 1} (the last) in target_layer_ids {ids}: vLLM's aux "
+                f"capture runs before each layer, so aux id {n} is never captured there")
+    if dcfg is not None and len(set(dcfg.kinds)) > 1:
+        doc.add("export layers", WARN, "mixed sliding/full drafter layers: vLLM serves them only with its V2 model "
+                "runner (VLLM_USE_V2_MODEL_RUNNER=1)")
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -485,6 +518,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"rows": doc.rows, "failed": doc.failed}, f, indent=1, default=str)
+    if doc.checkpoint_error:
+        print(f"dflash-doctor: checkpoint error: {doc.checkpoint_error}", file=sys.stderr)
+        return 2
     return 1 if doc.failed else 0
 
 

@@ -5,10 +5,16 @@
 
 The target is rebuilt from the checkpoint's ``job_config.target`` section (``dflash_dist.config.TargetConfig``
 + ``target.build_target_model``; a random-init target comes back identical from its ``init_seed``), or from
-the export's ``dflash_dist_meta.json``, or from ``--target``. Prompts default to the training run's held-out
-conversations (``data.split_holdout`` over the same source with the same seed): each one's messages before
-its first assistant turn, rendered with the chat template and the generation prompt. ``--prompts`` takes a
-JSONL of ``{"messages": [...]}`` (same rule) or ``{"prompt": "text"}`` rows.
+the export's ``dflash_dist_meta.json``, or from ``--target``. What a checkpoint or export names is data: its
+tokenizer / target locations load from a local directory or the local Hugging Face cache only, its attention /
+experts implementations must be transformers' own (``--attn-implementation`` / ``--tokenizer`` / ``--target``
+name anything else, Hub kernels and ids included); a file that does not check out is one ``checkpoint error:``
+line, exit 2.
+
+Prompts default to the training run's held-out conversations (``data.split_holdout`` over the same source with
+the same seed): each one's messages before its first assistant turn, rendered with the chat template and the
+generation prompt. ``--prompts`` takes a JSONL of ``{"messages": [...]}`` (same rule) or ``{"prompt": "text"}``
+rows.
 
 Prints a table (τ, acceptance per block slot, losslessness against the target's own greedy decoding) and
 writes the full result as JSON beside what it read (``<checkpoint or export directory>.eval.json``, e.g.
@@ -29,6 +35,10 @@ from typing import Optional
 
 import torch
 
+from dflash_dist.checkpoint.export_load import META_NAME
+from dflash_dist.checkpoint.safe_io import local_dir
+from dflash_dist.checkpoint.store import CheckpointError
+from dflash_dist.checkpoint.validate import local_attention, local_experts
 from dflash_dist.config import ConfigError, DataConfig, TargetConfig
 from dflash_dist.data.sources import parse_template_kwargs
 from dflash_dist.eval.prompts import (
@@ -53,6 +63,10 @@ def main(argv: Optional[list] = None) -> int:
     src.add_argument("--export", help="a dflash-export directory (or a z-lab release with --target)")
     p.add_argument("--target", default=None, help="target name_or_path (default: the run's target section)")
     p.add_argument("--target-dtype", default=None, choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--attn-implementation", default=None, help="the target's attention implementation (default: "
+                   "the run's; a Hub kernel org/name only from here, never from a checkpoint)")
+    p.add_argument("--experts-implementation", default=None, help="an MoE target's experts implementation "
+                   "(default: the run's, if transformers' own)")
     p.add_argument("--tokenizer", default=None, help="tokenizer (default: the checkpoint's / export's)")
     p.add_argument("--prompts", default=None, help="JSONL of {messages} or {prompt} rows (default: held-out data)")
     p.add_argument("--num-prompts", type=int, default=256, help="prompts to evaluate (at most the held-out ones); 256: "
@@ -70,6 +84,9 @@ def main(argv: Optional[list] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:
         return _run(args)
+    except CheckpointError as e:
+        print(f"dflash-eval: checkpoint error: {e}", file=sys.stderr)
+        return 2
     except ConfigError as e:
         print(f"dflash-eval: {e}", file=sys.stderr)
         return 2
@@ -97,9 +114,29 @@ def _run(args) -> int:
         raise ConfigError(f"{setup.source} does not say which target it was trained on: pass --target NAME_OR_PATH")
     if args.target_dtype:
         tcfg.dtype = args.target_dtype
+    meta_file = os.path.join(setup.source, "meta.json" if args.checkpoint else META_NAME)
+    section = "job_config.target" if args.checkpoint else "target"
+    # what the checkpoint or export names: transformers' own implementations, locations loaded local-only;
+    # a Hub kernel or Hub id only when given here
+    if args.attn_implementation:
+        tcfg.attn_implementation = args.attn_implementation
+    elif args.target is None:
+        local_attention(meta_file, f"{section}.attn_implementation", tcfg.attn_implementation)
+    if args.experts_implementation:
+        tcfg.experts_implementation = args.experts_implementation
+    elif args.target is None:
+        local_experts(meta_file, f"{section}.experts_implementation", tcfg.experts_implementation)
     tok_path = args.tokenizer or setup.tokenizer or tokenizer_path(tcfg)
-    tokenizer = AutoTokenizer.from_pretrained(tok_path)
-    target = build_target_model(tcfg, device)
+    tok_from_file = args.tokenizer is None and (setup.tokenizer is not None or args.target is None)
+    tokenizer = _from_file(meta_file, "tokenizer" if setup.tokenizer else f"{section}.tokenizer", "--tokenizer",
+                           tok_path, tok_from_file, "tokenizer_config.json", AutoTokenizer.from_pretrained)
+
+    def build(where, **kw):
+        tcfg.name_or_path = where
+        return build_target_model(tcfg, device, **kw)
+    target = build(None) if tcfg.name_or_path is None else _from_file(
+        meta_file, f"{section}.name_or_path", "--target", tcfg.name_or_path, args.target is None, "config.json",
+        build)
     check_pair(target, setup)
     kwargs = parse_template_kwargs(args.chat_template_kwargs) if args.chat_template_kwargs is not None \
         else (setup.chat_template_kwargs or None)
@@ -136,6 +173,25 @@ def _run(args) -> int:
     os.replace(tmp, out)
     print(f"wrote {out}")
     return 0
+
+
+def _from_file(meta_file: str, field: str, flag: str, location: str, from_file: bool, probe: str, load):
+    """``load(location)``; a location read from the checkpoint or export (``from_file``) only from a local
+    directory or its local Hugging Face cache snapshot (holding ``probe``), its failure a CheckpointError naming
+    the file, the field and the flag that names it instead."""
+    if not from_file:
+        return load(location)
+    where = local_dir(location, probe)
+    try:
+        if where is None:
+            raise FileNotFoundError(location)
+        return load(where, local_files_only=True)
+    except ConfigError:
+        raise
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{meta_file}: {field}: cannot load {location!r} from a local directory or the local "
+                              f"Hugging Face cache ({type(e).__name__}); a location named in a file is never "
+                              f"downloaded: pass {flag} PATH_OR_HUB_ID") from None
 
 
 if __name__ == "__main__":

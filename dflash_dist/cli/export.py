@@ -13,6 +13,7 @@ import torch
 
 from dflash_dist.checkpoint.export import DTYPES, export_checkpoint
 from dflash_dist.checkpoint.export_load import ExportError, expected_tensor_shapes
+from dflash_dist.checkpoint.store import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +24,8 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("checkpoint_dir", help="a checkpoint directory (…/checkpoints/step_XXXXXXXX)")
     p.add_argument("out_dir", help="the export directory to write")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="weight dtype (default bfloat16)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer to copy (default: the checkpoint meta's)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer to copy, a path or hub id (default: the checkpoint "
+                   "meta's, read from a local directory or the local Hugging Face cache only)")
     p.add_argument("--no-tokenizer", action="store_true", help="do not copy tokenizer files")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty out_dir")
     args = p.parse_args(argv)
@@ -31,6 +33,9 @@ def main(argv: Optional[list] = None) -> int:
     try:
         out = export_checkpoint(args.checkpoint_dir, args.out_dir, dtype=args.dtype, tokenizer=not args.no_tokenizer,
                                 overwrite=args.overwrite, tokenizer_path=args.tokenizer)
+    except CheckpointError as e:
+        print(f"dflash-export: checkpoint error: {e}", file=sys.stderr)
+        return 2
     except ExportError as e:
         print(f"dflash-export: {e}", file=sys.stderr)
         return 2

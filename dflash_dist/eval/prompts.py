@@ -147,18 +147,27 @@ class EvalSetup:
 
 
 def load_drafter(checkpoint: Optional[str] = None, export: Optional[str] = None, device: str = "cpu") -> EvalSetup:
-    """Drafter (fp32, eval, SDPA backend) and what is needed to rebuild its target, from a checkpoint or export."""
+    """Drafter (fp32, eval, SDPA backend) and what is needed to rebuild its target, from a checkpoint or export.
+    Raises ``CheckpointError`` (one line naming the file and field) for files that do not check out. The target
+    section, tokenizer and data returned came from a file: load them local-only (cli/eval.py)."""
     from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
     if (checkpoint is None) == (export is None):
         raise ConfigError("give exactly one of --checkpoint DIR or --export DIR")
+    from dflash_dist.checkpoint.store import CheckpointError
     if checkpoint is not None:
         from dflash_dist.checkpoint.store import load_checkpoint
-        try:
+        from dflash_dist.checkpoint.validate import bare_name
+        try:  # every file checked (checkpoint/validate.py), the weights against drafter_config, before any build
             weights, _, meta = load_checkpoint(checkpoint, optimizer=False)  # never opens optimizer.pt
+        except CheckpointError:
+            raise
         except ValueError as e:
             raise ConfigError(str(e)) from e
+        for key in ("drafter_config", "layer_ids", "mask_token_id", "block_size"):
+            if key not in meta:
+                raise CheckpointError(f"{os.path.join(checkpoint, 'meta.json')}: {key}: missing")
         model = DFlashDrafter(DrafterModelConfig(**meta["drafter_config"]), "sdpa")
-        model.load_state_dict(weights)
+        model.load_state_dict({bare_name(k): v for k, v in weights.items()})
         model.to(device).eval().requires_grad_(False)
         job = meta.get("job_config") or {}
         tgt = TargetConfig(**job["target"]) if job.get("target") else None
@@ -169,6 +178,8 @@ def load_drafter(checkpoint: Optional[str] = None, export: Optional[str] = None,
     from dflash_dist.checkpoint.export_load import ExportError, load_export
     try:
         model, meta = load_export(export, device=device)
+    except CheckpointError:
+        raise
     except ExportError as e:
         raise ConfigError(str(e)) from e
     tgt = TargetConfig(**meta["target"]) if meta.get("target") else None

@@ -146,8 +146,9 @@ def attn_note(tcfg: TargetConfig, hf_config, device_type: str) -> Optional[str]:
     return f"auto: {cls.__name__} on {device_type} supports {', '.join(attn_choices(cls, device_type))}"
 
 
-def build_target_model(tcfg: TargetConfig, device: str):
-    """Load or random-init the frozen target (eval mode, no grad)."""
+def build_target_model(tcfg: TargetConfig, device: str, local_files_only: bool = False):
+    """Load or random-init the frozen target (eval mode, no grad). ``local_files_only``: a location read from a
+    file (a checkpoint's job section) is loaded from a local directory or the local HF cache, never the network."""
     from transformers import AutoModelForCausalLM
     dtype = resolve_dtype(tcfg.dtype, device)
     path, _ = resolve_source(tcfg)
@@ -157,7 +158,8 @@ def build_target_model(tcfg: TargetConfig, device: str):
     if path is not None:
         # a multimodal checkpoint (Qwen3.5 ...ForConditionalGeneration): AutoModelForCausalLM maps it to the text
         # model (transformers drops the vision tower's weights), which is all the capture runs
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw,
+                                                     **({"local_files_only": True} if local_files_only else {}))
     else:
         # random init of a multimodal wrapper config: the text model from its text_config (no vision tower)
         hf_config = causal_lm_config(load_hf_config(tcfg))

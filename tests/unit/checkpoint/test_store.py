@@ -32,7 +32,7 @@ class _RunsCode:
 
 def poison_optimizer(ckpt: str, marker) -> None:
     """Replace the checkpoint's optimizer.pt with a pickle that runs code, and record its size in meta.json (so
-    the checkpoint looks complete: checkpoint_problem only checks sizes)."""
+    the checkpoint looks complete to everything that does not open optimizer.pt)."""
     path = os.path.join(ckpt, "optimizer.pt")
     torch.save({"state": {}, "param_groups": [], "payload": _RunsCode(marker)}, path)
     meta_path = os.path.join(ckpt, "meta.json")
@@ -40,7 +40,7 @@ def poison_optimizer(ckpt: str, marker) -> None:
     meta["files"]["optimizer.pt"] = os.path.getsize(path)
     with open(meta_path, "w") as f:
         json.dump(meta, f)
-    assert checkpoint_problem(ckpt) is None
+    assert checkpoint_problem(ckpt, optimizer=False) is None
 
 
 def test_adamw_state_loads_under_weights_only(tmp_path):
@@ -93,7 +93,10 @@ def test_optimizer_pickle_with_code_is_refused_and_never_runs(tmp_path):
     assert marker.read_text() == "unpickled"
     marker.unlink()
 
-    assert find_latest(str(tmp_path / "run")) == ckpt  # complete by its sizes: resume=auto would pick it
+    # resume=auto skips it (checkpoint_problem opens optimizer.pt under weights_only), naming why
+    assert "refusing to load optimizer.pt" in checkpoint_problem(ckpt)
+    assert find_latest(str(tmp_path / "run")) is None
+    assert not marker.exists()
     with pytest.raises(CheckpointError, match=r"refusing to load optimizer\.pt.*weights_only=True"):
         load_checkpoint(ckpt)  # what DrafterTrainer calls on resume
     assert not marker.exists()

@@ -1,0 +1,132 @@
+"""Reading files of a directory from elsewhere without trusting them: plain names inside it, no symlink out of
+it, bounded JSON, a safetensors header checked against the file before safetensors reads it, and hub locations
+resolved from the local cache only. Every refusal is a :class:`CheckpointError` naming the file and the field."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from typing import Any, Optional
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be used; the message says why."""
+
+
+MAX_JSON_BYTES = 64 << 20
+MAX_HEADER_BYTES = 100 << 20       # safetensors' own limit
+_ST_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+                   "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def fail(file: str, field: str, why: str) -> CheckpointError:
+    return CheckpointError(f"{file}: {field}: {why}")
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+def inside(directory: str, name: Any, field: str = "files") -> str:
+    """Path of the plain file ``name`` of ``directory``; refuses other names and symlinks that leave it."""
+    if (not isinstance(name, str) or name in ("", ".", "..") or name != os.path.basename(name)
+            or "\\" in name or "\0" in name):
+        raise fail(os.path.join(directory, "meta.json"), field, f"{name!r} is not a plain file name of the "
+                   "checkpoint directory")
+    path = os.path.join(directory, name)
+    check_link(directory, path)
+    return path
+
+
+def check_link(directory: str, path: str) -> None:
+    """Refuse ``path`` when it is a symlink that resolves outside ``directory``."""
+    if os.path.islink(path):
+        root = os.path.realpath(directory)
+        real = os.path.realpath(path)
+        if os.path.commonpath([root, real]) != root:
+            raise fail(path, "file", f"a symlink to {real}, outside the directory {root}: refusing to read it")
+
+
+def read_json(directory: str, name: str) -> dict:
+    """A JSON object file of ``directory`` (bounded in size, symlinks out of the directory refused)."""
+    path = os.path.join(directory, name)
+    check_link(directory, path)
+    if os.path.getsize(path) > MAX_JSON_BYTES:
+        raise fail(path, "file", f"{os.path.getsize(path)} bytes: larger than any {name} this project writes")
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (OSError, ValueError, RecursionError) as e:
+        raise fail(path, "file", f"unreadable JSON ({str(e)[:200]})") from None
+    if not isinstance(obj, dict):
+        raise fail(path, "file", f"a JSON {type(obj).__name__}, expected an object")
+    return obj
+
+
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def safetensors_header(path: str) -> dict[str, tuple[str, tuple]]:
+    """{name: (dtype, shape)} of a safetensors file, its header checked against the file's size first."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise fail(path, "header", f"{size} bytes: too short for a safetensors file")
+        n = struct.unpack("<Q", head)[0]
+        if n > min(MAX_HEADER_BYTES, size - 8):
+            raise fail(path, "header length", f"{n} bytes in a {size}-byte file (the limit is "
+                       f"{MAX_HEADER_BYTES}): not a safetensors file")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise fail(path, "header", f"not JSON ({str(e)[:120]})") from None
+    if not isinstance(header, dict):
+        raise fail(path, "header", "not a JSON object")
+    data_len = size - 8 - n
+    out, ends = {}, []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+                raise fail(path, "header.__metadata__", "not an object of strings")
+            continue
+        out[name] = _tensor_entry(path, name, entry, data_len)
+        ends.append(tuple(entry["data_offsets"]))
+    ends.sort()
+    for (a0, a1), (b0, _) in zip(ends, ends[1:]):
+        if b0 < a1:
+            raise fail(path, "header", "tensors overlap in the file")
+    return out
+
+
+def _tensor_entry(path: str, name: str, entry: Any, data_len: int) -> tuple[str, tuple]:
+    field = f"header[{name!r}]"
+    if not isinstance(entry, dict):
+        raise fail(path, field, "not an object")
+    dtype, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in _ST_DTYPE_BYTES:
+        raise fail(path, field + ".dtype", f"{dtype!r} is not a safetensors dtype")
+    if not isinstance(shape, list) or len(shape) > 8 or not all(is_int(d) and 0 <= d < 1 << 40 for d in shape):
+        raise fail(path, field + ".shape", f"{str(shape)[:80]} is not a list of sizes")
+    if (not isinstance(offs, list) or len(offs) != 2 or not all(is_int(o) for o in offs)
+            or not 0 <= offs[0] <= offs[1] <= data_len):
+        raise fail(path, field + ".data_offsets", f"{str(offs)[:80]} is outside the file's {data_len} data bytes")
+    if offs[1] - offs[0] != math.prod(shape) * _ST_DTYPE_BYTES[dtype]:
+        raise fail(path, field, f"shape {shape} of {dtype} does not fill data_offsets {offs}")
+    return dtype, tuple(shape)
+
+
+def local_dir(location: str, probe: str) -> Optional[str]:
+    """The directory to load a location read from a file from: itself when it is a directory, else its snapshot
+    in the local Hugging Face cache (``probe``: a file the snapshot must hold; found on disk, no network call),
+    else None. Hub clients contact the Hub even with ``local_files_only=True``; a local directory they do not."""
+    if os.path.isdir(location):
+        return location
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        hit = try_to_load_from_cache(location, probe)
+    except Exception:  # not a hub id either
+        return None
+    return os.path.dirname(hit) if isinstance(hit, str) else None

@@ -1,0 +1,502 @@
+"""A checkpoint or export directory is data from elsewhere: check it before anything is opened, built or allocated.
+
+Every check raises :class:`~dflash_dist.checkpoint.safe_io.CheckpointError` with one line that names the file and the
+field to look at. What is checked:
+
+* files: ``meta.json``'s ``files`` names plain files of this directory (no ``/``, no ``..``); no file read (or
+  listed) may be a symlink that leaves the directory;
+* ``meta.json``: a schema (every known key with its type and range, unknown keys refused), the drafter's sizes
+  against sane bounds and against each other, the job's sections against the config dataclasses; where a target
+  is built from them (dflash-eval), its attention / experts implementations must be transformers' own
+  (:func:`local_attention`, :func:`local_experts`) unless the command line names others;
+* ``model.safetensors``: the header (its length, JSON, dtypes, shapes, offsets) against the file's size, so a
+  header of 2^60 bytes or a tensor past the end is refused before safetensors reads it;
+* ``optimizer.pt``: the structure of an optimizer ``state_dict`` (loaded memory-mapped, tensors not read).
+
+Hub locations (tokenizer, target) and Hub attention kernels are honoured only when the user names them on the
+command line; locations read from a file are loaded from a local directory or their snapshot in the local
+Hugging Face cache (:func:`local_dir`, ``local_files_only=True``), never the network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import typing
+from typing import Any, Optional
+
+from dflash_dist.checkpoint.safe_io import (
+    CheckpointError,
+    check_link,
+    fail,
+    inside,
+    is_int,
+    read_json,
+    safetensors_header,
+)
+
+# sane upper bounds of what a drafter (and the target it reads) can be; far above every released model
+BOUNDS = {
+    "vocab_size": 1 << 22, "hidden_size": 1 << 16, "intermediate_size": 1 << 19, "num_layers": 512,
+    "num_hidden_layers": 1024, "num_attention_heads": 1024, "num_key_value_heads": 1024, "head_dim": 4096,
+    "num_feature_layers": 256, "block_size": 4096, "max_position_embeddings": 1 << 24, "sliding_window": 1 << 24,
+    "num_experts": 1 << 14, "moe_intermediate_size": 1 << 19,
+}
+MAX_LAYER_ID = 4096
+CHECKPOINT_FILES = ("model.safetensors", "optimizer.pt")
+# attention / experts implementations transformers runs from its own code or an installed package (no Hub kernel
+# download); "auto" resolves to one of them (model/hf.resolve_attn_implementation)
+LOCAL_ATTENTION = ("auto", "eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "paged|eager")
+LOCAL_EXPERTS = ("eager", "batched_mm", "grouped_mm")
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+def check_files(directory: str, meta: dict) -> None:
+    """Each file ``meta.json`` lists is a plain file here with the recorded size."""
+    meta_path = os.path.join(directory, "meta.json")
+    files = meta.get("files", {})
+    if not isinstance(files, dict):
+        raise fail(meta_path, "files", f"a {type(files).__name__}, expected {{name: size}}")
+    for name, nbytes in files.items():
+        path = inside(directory, name)
+        if name not in CHECKPOINT_FILES:
+            raise fail(meta_path, "files", f"{name!r}: a checkpoint holds only {', '.join(CHECKPOINT_FILES)}")
+        if not is_int(nbytes) or nbytes < 0:
+            raise fail(meta_path, f"files.{name}", f"{nbytes!r} is not a byte count")
+        if not os.path.isfile(path):
+            raise fail(path, "file", "missing")
+        if os.path.getsize(path) != nbytes:
+            raise fail(path, "file", f"has {os.path.getsize(path)} bytes, expected {nbytes} (truncated?)")
+    if "model.safetensors" not in files:
+        raise fail(meta_path, "files", "lists no model.safetensors")
+
+
+# ---------------------------------------------------------------------------------------------- values
+
+def _is_num(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def count(file: str, field: str, v: Any, lo: int = 0, hi: int = 1 << 62) -> int:
+    """An integer in [lo, hi]."""
+    if not is_int(v):
+        raise fail(file, field, f"{v!r} is a {type(v).__name__}, expected an integer")
+    if not lo <= v <= hi:
+        raise fail(file, field, f"{v} is out of range [{lo}, {hi}]")
+    return v
+
+
+def size(file: str, field: str, v: Any) -> int:
+    """A model size (the last part of ``field`` names its bound)."""
+    return count(file, field, v, 1, BOUNDS[field.rsplit(".", 1)[-1]])
+
+
+def check_sizes(file: str, prefix: str, cfg: dict) -> None:
+    """Every bounded size key of an HF-style config dict (and of its ``text_config``) is in range."""
+    for k, v in cfg.items():
+        if k in BOUNDS and v is not None:
+            size(file, f"{prefix}{k}", v)
+    if isinstance(cfg.get("text_config"), dict):
+        check_sizes(file, f"{prefix}text_config.", cfg["text_config"])
+
+
+def check_type(file: str, field: str, value: Any, tp: Any) -> None:
+    """``value`` fits the type annotation ``tp`` (int, float, str, bool, Optional, list, dict, Literal,
+    tuple, nested config dataclasses)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return
+    if origin is typing.Union:
+        if value is None and type(None) in args:
+            return
+        for a in args:
+            if a is not type(None):
+                try:
+                    return check_type(file, field, value, a)
+                except CheckpointError:
+                    continue
+        raise fail(file, field, f"{value!r} does not fit {tp}")
+    if origin is typing.Literal:
+        if value not in args:
+            raise fail(file, field, f"{value!r}: expected one of {list(args)}")
+        return
+    if dataclasses.is_dataclass(tp):
+        check_section(file, field, value, tp)
+        return
+    ok = {int: is_int(value), float: _is_num(value), bool: isinstance(value, bool), str: isinstance(value, str)}
+    if tp in ok:
+        if not ok[tp]:
+            raise fail(file, field, f"{value!r} is a {type(value).__name__}, expected {tp.__name__}")
+        return
+    base = origin or tp
+    if base in (list, tuple) and not isinstance(value, (list, tuple)):
+        raise fail(file, field, f"a {type(value).__name__}, expected a list")
+    if base is dict and not isinstance(value, dict):
+        raise fail(file, field, f"a {type(value).__name__}, expected an object")
+    if base in (list, tuple) and args and args[-1] is not Ellipsis and len(args) == 1:
+        for i, item in enumerate(value):
+            check_type(file, f"{field}[{i}]", item, args[0])
+
+
+def check_section(file: str, field: str, value: Any, cls: type) -> None:
+    """A config section (dict) of dataclass ``cls``: known keys only, each of its field's type."""
+    if not isinstance(value, dict):
+        raise fail(file, field, f"a {type(value).__name__}, expected an object")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k, v in value.items():
+        if k not in names:
+            raise fail(file, f"{field}.{k}", f"unknown key (known: {', '.join(sorted(names))})")
+        check_type(file, f"{field}.{k}", v, hints[k])
+
+
+def local_attention(file: str, field: str, impl: Any) -> None:
+    """An attention implementation read from a file must be one transformers runs from its own code."""
+    if impl is None or impl in LOCAL_ATTENTION:
+        return
+    if isinstance(impl, str) and impl.startswith("flash_attention_") and _flash_attn_installed(impl):
+        return
+    raise fail(file, field, f"{impl!r}: a file may name only {', '.join(LOCAL_ATTENTION)} (or an installed "
+               "flash_attention_N); anything else can load a kernel from the Hugging Face Hub: pass it on the "
+               "command line if you mean it")
+
+
+def local_experts(file: str, field: str, impl: Any) -> None:
+    if impl is None or impl in LOCAL_EXPERTS:
+        return
+    raise fail(file, field, f"{impl!r}: a file may name only {', '.join(LOCAL_EXPERTS)}; pass another "
+               "implementation on the command line if you mean it")
+
+
+def _flash_attn_installed(impl: str) -> bool:
+    """The original flash-attn package of ``flash_attention_N`` is installed (else transformers falls back to a
+    Hub kernel)."""
+    try:
+        from transformers.modeling_flash_attention_utils import FLASH_ATTENTION_COMPATIBILITY_MATRIX as m
+        return bool(m[int(impl.rsplit("_", 1)[1])]["general_availability_check"]())
+    except Exception:
+        return False
+
+
+def local_location(file: str, field: str, value: Any) -> Optional[str]:
+    """A tokenizer / target location read from a file: a string (loaded with ``local_files_only=True``)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or "\0" in value:
+        raise fail(file, field, f"{value!r} is not a path")
+    return value
+
+
+
+# ---------------------------------------------------------------------------------------------- meta.json
+
+def _nonneg(file, field, v):
+    return count(file, field, v)
+
+
+def _opt_str(file, field, v):
+    if v is not None and not isinstance(v, str):
+        raise fail(file, field, f"a {type(v).__name__}, expected a string")
+
+
+def _obj(file, field, v):
+    if not isinstance(v, dict):
+        raise fail(file, field, f"a {type(v).__name__}, expected an object")
+
+
+def _bool(file, field, v):
+    if not isinstance(v, bool):
+        raise fail(file, field, f"{v!r} is not true or false")
+
+
+def _layer_ids(file, field, v):
+    if not isinstance(v, list) or not 1 <= len(v) <= BOUNDS["num_feature_layers"]:
+        raise fail(file, field, f"{str(v)[:80]} is not a list of 1..{BOUNDS['num_feature_layers']} layer ids")
+    for i, x in enumerate(v):
+        count(file, f"{field}[{i}]", x, 0, MAX_LAYER_ID)
+
+
+def _counts(file, field, v):
+    _obj(file, field, v)
+    for k, x in v.items():
+        _nonneg(file, f"{field}.{k}", x)
+
+
+def _identity(file, field, v):
+    """{part: {hash, label}} (checkpoint/identity.py)."""
+    _obj(file, field, v)
+    for part, rec in v.items():
+        if not (isinstance(rec, dict) and isinstance(rec.get("hash"), str) and len(rec["hash"]) <= 128
+                and isinstance(rec.get("label", ""), str)):
+            raise fail(file, f"{field}.{part}", "not an object with a hash and a label")
+
+
+# meta.json's keys (what the trainer and save_checkpoint write) and the check of each
+META_SCHEMA = {
+    "step": _nonneg, "cursor": _nonneg, "total_messages": _nonneg, "num_targets": _nonneg,
+    "tensor_parallel": _nonneg, "num_drafters": _nonneg, "files": _obj, "reason": _opt_str, "final": _bool,
+    "layer_ids": _layer_ids, "mask_token_id": _nonneg,
+    "block_size": size, "drafter_config": _obj, "target_config": _obj,
+    "tokenizer": local_location, "job_config": _obj, "counts": _counts, "chat_template_kwargs": _obj,
+    "identity": _identity,
+}
+
+
+def check_meta(directory: str, meta: dict) -> None:
+    """meta.json against :data:`META_SCHEMA` and the drafter / job sections against each other."""
+    file = os.path.join(directory, "meta.json")
+    for k, v in meta.items():
+        if k not in META_SCHEMA:
+            raise fail(file, k, f"unknown key (known: {', '.join(sorted(META_SCHEMA))})")
+        META_SCHEMA[k](file, k, v)
+    if "step" not in meta:
+        raise fail(file, "step", "missing")
+    if "drafter_config" in meta:
+        dc = check_drafter_config(file, "drafter_config", meta["drafter_config"])
+        if "block_size" in meta and meta["block_size"] != dc["block_size"]:
+            raise fail(file, "block_size", f"{meta['block_size']} != drafter_config.block_size {dc['block_size']}")
+        if "layer_ids" in meta and len(meta["layer_ids"]) != dc["num_feature_layers"]:
+            raise fail(file, "layer_ids", f"{len(meta['layer_ids'])} ids for drafter_config.num_feature_layers="
+                       f"{dc['num_feature_layers']}")
+        if "mask_token_id" in meta and meta["mask_token_id"] >= dc["vocab_size"]:
+            raise fail(file, "mask_token_id", f"{meta['mask_token_id']} is outside the vocabulary "
+                       f"(drafter_config.vocab_size={dc['vocab_size']})")
+    if "target_config" in meta:
+        check_sizes(file, "target_config.", meta["target_config"])
+    if "job_config" in meta:
+        check_job_config(file, "job_config", meta["job_config"])
+    _check_same_target(file, meta)
+
+
+def _check_same_target(file: str, meta: dict) -> None:
+    """The drafter's hidden and vocabulary sizes (its hidden size is proven by the weights) are the recorded
+    target's, and a random-init target's config says the same: no size reaches a model build unchecked."""
+    dc = meta.get("drafter_config") or {}
+    tc = meta.get("target_config") or {}
+    tc = tc["text_config"] if isinstance(tc.get("text_config"), dict) else tc
+    hf = ((meta.get("job_config") or {}).get("target") or {}).get("hf_config") or {}
+    hf = hf["text_config"] if isinstance(hf.get("text_config"), dict) else hf
+    for k in ("hidden_size", "vocab_size"):
+        for name, other in (("target_config", tc), ("job_config.target.hf_config", hf)):
+            if k in dc and other.get(k) is not None and other[k] != dc[k]:
+                raise fail(file, f"{name}.{k}", f"{other[k]} != drafter_config.{k} {dc[k]}")
+
+
+_DRAFTER_SIZES = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                  "num_layers", "num_feature_layers", "block_size", "vocab_size", "max_position_embeddings")
+
+
+def check_drafter_config(file: str, field: str, dc: Any) -> dict:
+    """A DrafterModelConfig as a dict: known keys, types, every size in its bound, heads that divide."""
+    from dflash_dist.model.drafter import DrafterModelConfig
+    check_section(file, field, dc, DrafterModelConfig)
+    required = [f.name for f in dataclasses.fields(DrafterModelConfig)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    for k in required:
+        if k not in dc:
+            raise fail(file, f"{field}.{k}", "missing")
+    for k in _DRAFTER_SIZES:
+        size(file, f"{field}.{k}", dc[k])
+    if dc.get("sliding_window") is not None:
+        size(file, f"{field}.sliding_window", dc["sliding_window"])
+    if dc["num_attention_heads"] % dc["num_key_value_heads"]:
+        raise fail(file, f"{field}.num_key_value_heads", f"{dc['num_key_value_heads']} does not divide "
+                   f"num_attention_heads={dc['num_attention_heads']}")
+    if dc["head_dim"] % 2:
+        raise fail(file, f"{field}.head_dim", f"{dc['head_dim']} must be even (RoPE)")
+    if dc["num_attention_heads"] * dc["head_dim"] > BOUNDS["hidden_size"] * 4:
+        raise fail(file, f"{field}.num_attention_heads", "num_attention_heads * head_dim is out of range")
+    if not 0 < dc["rms_norm_eps"] < 1 or not 0 < dc["rope_theta"] < 1e12:
+        raise fail(file, f"{field}.rms_norm_eps / rope_theta", "out of range")
+    return dc
+
+
+def check_job_config(file: str, field: str, job: Any) -> None:
+    """The training job's config sections: known groups and keys, each value of its field's type, the target's
+    random-init sizes in bounds. (Its attention / experts implementations: :func:`local_attention` where a
+    target is built from them.)"""
+    from dflash_dist.config import GROUPS
+    _obj(file, field, job)
+    for name, value in job.items():
+        if name not in GROUPS:
+            raise fail(file, f"{field}.{name}", f"unknown config group (known: {', '.join(sorted(GROUPS))})")
+        check_section(file, f"{field}.{name}", value, GROUPS[name])
+    t = job.get("target") or {}
+    for k in ("name_or_path", "tokenizer"):
+        local_location(file, f"{field}.target.{k}", t.get(k))
+    check_sizes(file, f"{field}.target.hf_config.", t.get("hf_config") or {})
+    try:  # each dataclass's own checks (choices, ranges) on what is now well-typed
+        from dflash_dist.config import JobConfig
+        JobConfig.from_dict({k: v for k, v in job.items()})
+    except (ValueError, TypeError) as e:
+        raise fail(file, field, str(e).splitlines()[0][:300]) from None
+
+
+WRAPPER_PREFIXES = ("module.", "_orig_mod.", "model.")
+
+
+def bare_name(name: str) -> str:
+    """A tensor name without the wrapper prefixes DDP / torch.compile / HF add."""
+    changed = True
+    while changed:
+        changed = False
+        for p in WRAPPER_PREFIXES:
+            if name.startswith(p):
+                name, changed = name[len(p):], True
+    return name
+
+
+def check_weights(file: str, header: dict, drafter_config: dict) -> None:
+    """The tensors of ``model.safetensors`` (wrapper prefixes aside) have exactly the names and shapes of the
+    drafter ``drafter_config`` describes (built on the meta device: nothing allocated)."""
+    import torch
+
+    from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
+    try:
+        with torch.device("meta"):
+            want = {k: tuple(v.shape) for k, v in
+                    DFlashDrafter(DrafterModelConfig(**drafter_config), "sdpa").state_dict().items()}
+    except (ValueError, TypeError, KeyError) as e:
+        raise fail(os.path.join(os.path.dirname(file), "meta.json"), "drafter_config", str(e)[:300]) from None
+    have = {bare_name(k): shape for k, (_, shape) in header.items()}
+    if len(have) != len(header):
+        raise fail(file, "tensor names", "two tensors have the same name without their wrapper prefixes")
+    missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+    wrong = [f"{k}: {have[k]} != {want[k]}" for k in sorted(set(want) & set(have)) if want[k] != have[k]]
+    parts = [f"missing {missing[:6]}"] if missing else []
+    parts += [f"unexpected {extra[:6]}"] if extra else []
+    parts += ["wrong shapes " + ", ".join(wrong[:6])] if wrong else []
+    if parts:
+        raise fail(file, "tensors", "do not match meta.json's drafter_config: " + "; ".join(parts))
+
+
+# ---------------------------------------------------------------------------------------------- optimizer.pt
+
+def check_optimizer_state(file: str, state: Any, weights: Optional[dict] = None) -> None:
+    """An optimizer ``state_dict``: {state: {param index: {name: tensor or number}}, param_groups: [{params:
+    [index, ...], ...}]}; with ``weights`` ({name: (dtype, shape)}), no more parameters than tensors and every
+    state tensor of a weight's shape."""
+    import torch
+    if not isinstance(state, dict) or set(state) != {"state", "param_groups"}:
+        keys = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
+        raise fail(file, "state_dict", f"{keys}: expected exactly state and param_groups")
+    groups = state["param_groups"]
+    if not isinstance(groups, list):
+        raise fail(file, "param_groups", "not a list")
+    ids: list = []
+    for i, g in enumerate(groups):
+        if not isinstance(g, dict) or not isinstance(g.get("params"), list):
+            raise fail(file, f"param_groups[{i}].params", "missing or not a list")
+        for p in g["params"]:
+            count(file, f"param_groups[{i}].params", p)
+        ids += g["params"]
+    if len(set(ids)) != len(ids):
+        raise fail(file, "param_groups", "a parameter index appears twice")
+    if not isinstance(state["state"], dict):
+        raise fail(file, "state", "not an object")
+    shapes = {shape for _, shape in (weights or {}).values()}
+    if weights is not None and len(ids) > len(weights):
+        raise fail(file, "param_groups", f"{len(ids)} parameters for the {len(weights)} tensors of the weights")
+    for k, per in state["state"].items():
+        if k not in ids or not isinstance(per, dict):
+            raise fail(file, f"state[{k!r}]", "not a parameter of param_groups")
+        for name, v in per.items():
+            if isinstance(v, torch.Tensor):
+                if weights is not None and v.dim() > 0 and tuple(v.shape) not in shapes:
+                    raise fail(file, f"state[{k}].{name}", f"shape {tuple(v.shape)} of no weight tensor")
+            elif not (_is_num(v) or isinstance(v, bool)):
+                raise fail(file, f"state[{k}].{name}", f"a {type(v).__name__}, expected a tensor or number")
+
+
+# ---------------------------------------------------------------------------------------------- directories
+
+def check_checkpoint(path: str) -> tuple[dict, dict]:
+    """(meta, {name: (dtype, shape)} of model.safetensors) of a checkpoint directory whose every file but
+    optimizer.pt checks out (that one: :func:`check_optimizer_state` once loaded)."""
+    meta_path = os.path.join(path, "meta.json")
+    if not os.path.lexists(meta_path):
+        raise CheckpointError("no meta.json (partial write?)")
+    meta = read_json(path, "meta.json")
+    check_files(path, meta)
+    check_meta(path, meta)
+    st = os.path.join(path, "model.safetensors")
+    header = safetensors_header(st)
+    if "drafter_config" in meta:
+        check_weights(st, header, meta["drafter_config"])
+    return meta, header
+
+
+def _optional(check):
+    """``check``, or nothing for a null value."""
+    return lambda file, field, v: None if v is None else check(file, field, v)
+
+
+def _check_target(file: str, field: str, t: Any) -> None:
+    from dflash_dist.config import TargetConfig
+    check_section(file, field, t, TargetConfig)
+    check_sizes(file, f"{field}.hf_config.", t.get("hf_config") or {})
+
+
+def _check_data(file: str, field: str, d: Any) -> None:
+    from dflash_dist.config import DataConfig
+    check_section(file, field, d, DataConfig)
+
+
+# the keys of an export's dflash_dist_meta.json (checkpoint/export.py _side_meta) and the check of each
+SIDE_SCHEMA = {
+    "format": _opt_str, "source_checkpoint": _opt_str, "tokenizer_source": local_location, "dtype": _opt_str,
+    "step": _optional(_nonneg), "cursor": _optional(_nonneg), "final": _optional(_bool), "layer_ids": _layer_ids,
+    "mask_token_id": _nonneg, "block_size": size, "drafter_config": check_drafter_config,
+    "target": _optional(_check_target), "data": _optional(_check_data), "chat_template_kwargs": _obj,
+}
+_EXPORT_INTS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                "num_hidden_layers", "vocab_size", "max_position_embeddings", "block_size", "sliding_window",
+                "num_target_layers", "target_hidden_size")
+# the other config.json fields load_export reads, with their types
+_EXPORT_TYPES = {
+    "rms_norm_eps": Optional[float], "rope_theta": Optional[float], "initializer_range": Optional[float],
+    "hidden_act": Optional[str], "layer_types": Optional[list[str]], "rope_parameters": Optional[dict],
+    "rope_scaling": Optional[dict], "use_sliding_window": Optional[bool], "is_causal": Optional[bool],
+    "attention_bias": Optional[bool], "eagle_aux_hidden_state_layer_ids": Optional[list[int]],
+    "architectures": Optional[list[str]], "auto_map": Optional[dict], "dflash_config": Optional[dict],
+}
+_EXPORT_BOUND = {"num_target_layers": "num_hidden_layers", "target_hidden_size": "hidden_size"}
+
+
+def check_export_dir(path: str, side_name: str = "dflash_dist_meta.json") -> tuple[dict, dict]:
+    """(config.json, {name: (dtype, shape)} of model.safetensors) of an export directory: no entry a symlink
+    out of it, config.json's sizes typed and bounded, the safetensors header against the file, the
+    provenance file (ours only) against its schema."""
+    for name in os.listdir(path):
+        check_link(path, os.path.join(path, name))
+    cfg = read_json(path, "config.json")
+    file = os.path.join(path, "config.json")
+    for k in ("hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers", "vocab_size"):
+        if k not in cfg:
+            raise fail(file, k, "missing")
+    for k in _EXPORT_INTS:
+        if cfg.get(k) is not None:
+            count(file, k, cfg[k], 1, BOUNDS[_EXPORT_BOUND.get(k, k)])
+    for k, tp in _EXPORT_TYPES.items():
+        if k in cfg:
+            check_type(file, k, cfg[k], tp)
+    dfc = cfg.get("dflash_config") or {}
+    _obj(file, "dflash_config", dfc)
+    check_type(file, "dflash_config.mask_token", dfc.get("mask_token"), Optional[str])
+    if "target_layer_ids" in dfc:
+        _layer_ids(file, "dflash_config.target_layer_ids", dfc["target_layer_ids"])
+    for k in ("mask_token_id", "block_size"):
+        if dfc.get(k) is not None:
+            count(file, f"dflash_config.{k}", dfc[k], 0 if k == "mask_token_id" else 1, BOUNDS["block_size"]
+                  if k == "block_size" else BOUNDS["vocab_size"])
+    header = safetensors_header(os.path.join(path, "model.safetensors"))
+    if os.path.lexists(os.path.join(path, side_name)):
+        side = read_json(path, side_name)
+        side_file = os.path.join(path, side_name)
+        for k, v in side.items():
+            if k not in SIDE_SCHEMA:
+                raise fail(side_file, k, f"unknown key (known: {', '.join(sorted(SIDE_SCHEMA))})")
+            SIDE_SCHEMA[k](side_file, k, v)
+    return cfg, header
