@@ -3,7 +3,7 @@ itself is ``dflash_dist.model.families``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from dflash_dist.config import ConfigError
@@ -52,7 +52,7 @@ class TargetFamily:
     """The sliding windows its attention layers pass to their attention function, sorted."""
     attention_sinks: Optional[Callable[[list], bool]] = None
     """Whether its attention layers carry a learned sink logit (passed to attention as ``s_aux``)."""
-    linear_layer_markers: tuple = field(default=())
+    linear_layer_markers: tuple = ()
     """Class-name markers of its linear-attention layers, whose fast kernels ``model/fast_path.py`` checks."""
 
     def drafter_refusal(self, hf_config: Any) -> Optional[str]:
@@ -63,6 +63,7 @@ class TargetFamily:
         """The drafter's default MLP width, or a ConfigError naming ``drafter.intermediate_size``."""
         width = self.mlp_width(text_config(hf_config))
         if not width:
-            raise ConfigError(f"the target config ({self.name} family) has no intermediate_size (nor "
-                              "moe_intermediate_size x num_experts_per_tok): set drafter.intermediate_size")
+            raise ConfigError(f"the target config ({self.name} family) gives no MLP width for the drafter (no "
+                              "intermediate_size; a MoE or hybrid family also reads moe_intermediate_size x "
+                              "num_experts_per_tok): set drafter.intermediate_size")
         return int(width)
