@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflash_dist.config import ConfigError
+from dflash_dist.model.families import family_for
 from dflash_dist.model.lazy_compile import lazy_compile
 from dflash_dist.model.masks import window_mask
 from dflash_dist.model.rope import DrafterRope, drafter_rope_parameters
@@ -126,7 +127,8 @@ class DrafterModelConfig:
         """
         if not isinstance(hf_config, dict) and hasattr(hf_config, "get_text_config"):
             hf_config = hf_config.get_text_config()
-        problem = family_problem(hf_config)
+        family = family_for(hf_config)
+        problem = family.drafter_refusal(hf_config)
         if problem:
             raise ConfigError(f"target family cannot be mirrored by the DFlash drafter: {problem}")
         hidden = int(_cfg_get(hf_config, "hidden_size"))
@@ -140,7 +142,7 @@ class DrafterModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=int(kv_heads),
             head_dim=int(head_dim),
-            intermediate_size=int(intermediate_size or _drafter_intermediate(hf_config)),
+            intermediate_size=int(intermediate_size or family.drafter_intermediate(hf_config)),
             num_layers=int(num_layers),
             num_feature_layers=int(num_feature_layers),
             rms_norm_eps=float(_cfg_get(hf_config, "rms_norm_eps", 1e-6)),
@@ -159,39 +161,6 @@ class DrafterModelConfig:
     def kinds(self) -> list:
         """Attention kind of every layer (``layer_types``, all ``full_attention`` when None)."""
         return list(self.layer_types) if self.layer_types is not None else ["full_attention"] * self.num_layers
-
-
-def family_problem(hf_config: Any) -> Optional[str]:
-    """Why the drafter cannot mirror this target family, or None. The drafter is a Qwen3-style model on the
-    target's hidden size, head shape, RoPE, embedding and lm_head; a target whose attention or heads differ in
-    kind would give a drafter that neither matches its features nor serves as a DFlash Qwen3 drafter."""
-    mt = str(_cfg_get(hf_config, "model_type", "") or "")
-    if _cfg_get(hf_config, "kv_lora_rank") or _cfg_get(hf_config, "q_lora_rank"):
-        return (f"{mt}: multi-head latent attention (kv_lora_rank / q_lora_rank, split rope/nope head dims): the "
-                "drafter's attention is GQA with one head_dim and whole-head RoPE")
-    if _cfg_get(hf_config, "final_logit_softcapping") or _cfg_get(hf_config, "attn_logit_softcapping"):
-        return (f"{mt}: logit softcapping: the drafter applies the target's lm_head without it, so its "
-                "distribution would not be the target's")
-    if mt.startswith("gemma"):
-        return f"{mt}: scaled input embeddings (embed * sqrt(hidden)): the drafter embeds with the raw table"
-    if _cfg_get(hf_config, "use_mla"):
-        return f"{mt}: multi-head latent attention"
-    return None
-
-
-def _drafter_intermediate(hf_config: Any) -> int:
-    """The drafter MLP width when drafter.intermediate_size is unset: the target's ``intermediate_size`` (dense
-    MLP width; gpt-oss: its experts' width); a MoE config without one (Qwen3.5-MoE) gets its active width,
-    top-k experts plus the shared expert."""
-    inter = _cfg_get(hf_config, "intermediate_size")
-    if inter:
-        return int(inter)
-    moe = _cfg_get(hf_config, "moe_intermediate_size")
-    k = _cfg_get(hf_config, "num_experts_per_tok")
-    if moe and k:
-        return int(moe) * int(k) + int(_cfg_get(hf_config, "shared_expert_intermediate_size") or 0)
-    raise ConfigError("the target config has no intermediate_size (nor moe_intermediate_size x num_experts_per_tok):"
-                      " set drafter.intermediate_size")
 
 
 class RMSNorm(nn.Module):

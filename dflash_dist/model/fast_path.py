@@ -35,6 +35,9 @@ Every target, hybrid or not, also gets in the same report:
   the experts module's ``config._experts_implementation`` and ``_can_use_grouped_mm`` on its own weights.
   ``require`` refuses a MoE target whose experts run eager (or the grouped_mm loop) on CUDA (11x slower
   measured on a Qwen3-30B-A3B shape).
+
+What is family-specific (the linear-attention class markers, kernel roles and install hints; the experts' report)
+lives with its family in ``model/families/`` (``hybrid``, ``moe``); this module reports it and applies the policy.
 """
 
 from __future__ import annotations
@@ -47,46 +50,18 @@ from types import ModuleType
 from typing import Any, Optional
 
 from dflash_dist.config import ConfigError
+from dflash_dist.model.families import family_for, linear_layer_markers, text_config
+from dflash_dist.model.families.hybrid import INSTALL_HINTS, KERNEL_ROLES, PREFILL_ROLES
+from dflash_dist.model.families.moe import EXPERTS_FIX, SLOW_EXPERTS, experts_report
 
 __all__ = ["FastPathError", "check_target_fast_path", "check_fast_path_for_config", "resolve_policy",
            "INSTALL_HINTS", "HYBRID_LAYER_MARKERS", "experts_report", "attention_report", "SLOW_EXPERTS"]
 
 log = logging.getLogger("dflash_dist")
 
-# class-name markers of linear-attention layers that need external kernels
-HYBRID_LAYER_MARKERS = ("GatedDeltaNet",)
-
-# role -> (package import name, names to look for: layer attribute / module global, in order)
-_ROLES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "chunk_gated_delta_rule": ("fla", ("chunk_gated_delta_rule", "torch_chunk_gated_delta_rule")),
-    "fused_recurrent_gated_delta_rule": ("fla", ("recurrent_gated_delta_rule", "fused_recurrent_gated_delta_rule",
-                                                 "torch_recurrent_gated_delta_rule")),
-    "causal_conv1d_fn": ("causal_conv1d", ("causal_conv1d_fn",)),
-    "causal_conv1d_update": ("causal_conv1d", ("causal_conv1d_update", "torch_causal_conv1d_update")),
-}
-# what the target's prefill (a forward without cache) calls: these decide "bound"
-_PREFILL_ROLES = {"fla": "chunk_gated_delta_rule", "causal_conv1d": "causal_conv1d_fn"}
-
-INSTALL_HINTS = {
-    "fla": ("flash-linear-attention is missing: `pip install flash-linear-attention` (imports as `fla`; needs "
-            "triton and a GPU). Without it the GatedDeltaNet layers run transformers' PyTorch reference "
-            "(chunk_gated_delta_rule), several times slower."),
-    "causal_conv1d": ("causal-conv1d is missing: it is source-only on the registry; build it for your GPU against "
-                      "the installed torch: `pip download --no-deps --no-binary=:all: --no-build-isolation "
-                      "causal-conv1d==1.7.0 -d DIR`, then `bash docker/build_causal_conv1d.sh DIR/causal_conv1d-1.7.0.tar.gz "
-                      "TARGET_DIR sm_90` and put TARGET_DIR on PYTHONPATH (docker/Dockerfile does the same for its image), or "
-                      "`pip install causal-conv1d --no-build-isolation` (builds every architecture: slow). "
-                      "Measured: 1.16x faster prefill of a Qwen3-Next-shaped target with it."),
-}
-
-
-# experts implementations that are the slow path on a GPU
-SLOW_EXPERTS = ("eager", "grouped_mm->fallback_loop", "module_loop")
-
-EXPERTS_FIX = ("set target.experts_implementation=grouped_mm (transformers' default; needs torch >= 2.9 and an SM80+ "
-               "GPU, bf16 weights under torch.compile) or batched_mm, and check that the model class supports "
-               "setting it (transformers >= 5 decorates its experts with @use_experts_implementation); "
-               "target.fast_path=warn or allow runs the eager experts anyway")
+# the hybrid families' layer markers, kernel roles and install hints and the MoE experts' report live with their
+# families (model/families/); this module reports them and enforces target.fast_path
+HYBRID_LAYER_MARKERS = linear_layer_markers()
 
 
 class FastPathError(ConfigError):
@@ -137,7 +112,7 @@ def _qualname(impl: Any) -> Optional[str]:
 def _bindings(layer: Any, modeling: Optional[ModuleType]) -> dict:
     """role -> {package, where, impl, source, bound} for one linear-attention layer (or its modeling module)."""
     out = {}
-    for role, (pkg, names) in _ROLES.items():
+    for role, (pkg, names) in KERNEL_ROLES.items():
         fn, where, found = None, None, False
         if layer is not None:
             for n in names:
@@ -160,7 +135,7 @@ def _bindings(layer: Any, modeling: Optional[ModuleType]) -> dict:
 
 def _kind_entry(cls_name: str, layers: list, bindings: dict, modeling: Optional[ModuleType]) -> dict:
     entry: dict = {"count": len(layers), "layers": layers, "bindings": bindings}
-    for pkg, role in _PREFILL_ROLES.items():
+    for pkg, role in PREFILL_ROLES.items():
         b = bindings.get(role)
         entry[pkg] = bool(b and b["bound"])
     if modeling is not None and hasattr(modeling, "is_fast_path_available"):
@@ -173,85 +148,12 @@ def _kind_entry(cls_name: str, layers: list, bindings: dict, modeling: Optional[
 def _attn_impl(config: Any) -> Optional[str]:
     if config is None:
         return None
-    text = getattr(config, "text_config", None) or config
+    text = text_config(config)
     for c in (text, config):
         impl = getattr(c, "_attn_implementation", None)
         if impl:
             return str(impl)
     return None
-
-
-# ---------------------------------------------------------------------------------------------- MoE experts
-
-def _is_experts_module(name: str, mod: Any) -> bool:
-    """An experts container: transformers 5's fused ``*Experts`` modules, or an ``experts`` ModuleList of
-    per-expert MLPs (older modeling code)."""
-    return type(mod).__name__.endswith("Experts") or (name.split(".")[-1] == "experts"
-                                                      and type(mod).__name__ == "ModuleList")
-
-
-def _expert_weight(mod: Any):
-    for name in ("gate_up_proj", "up_proj", "down_proj"):
-        w = getattr(mod, name, None)
-        if w is not None and getattr(w, "dim", lambda: 0)() == 3:
-            return w
-    return None
-
-
-def _grouped_mm_usable(weight) -> Optional[bool]:
-    """transformers' own per-call test (``integrations.moe._can_use_grouped_mm``) on the experts' weight; None
-    when this transformers has no such test."""
-    try:
-        from transformers.integrations.moe import _can_use_grouped_mm
-    except Exception:
-        return None
-    import torch
-    x = torch.empty(16, weight.shape[-2] if weight.dim() == 3 else 1, dtype=weight.dtype, device=weight.device)
-    offs = torch.zeros(weight.shape[0], dtype=torch.int32, device=weight.device)
-    try:
-        return bool(_can_use_grouped_mm(x, weight, offs))
-    except Exception:
-        return None
-
-
-def experts_report(model: Any) -> Optional[dict]:
-    """What the MoE experts of a built model run: {count, classes, implementation, requested, grouped_mm_usable,
-    detail}; None for a model without MoE experts. ``implementation``: the resolved name (grouped_mm,
-    batched_mm, eager, ...), ``grouped_mm->fallback_loop`` when grouped_mm is configured but transformers'
-    per-call check sends it to its loop fallback, ``module_loop`` for an experts class that ignores
-    experts_implementation (a per-expert Python loop)."""
-    mods = [(n, m) for n, m in model.named_modules() if _is_experts_module(n, m)]
-    if not mods:
-        return None
-    name, first = mods[0]
-    classes = sorted({type(m).__name__ for _, m in mods})
-    decorated = hasattr(type(first).forward, "__wrapped__") and hasattr(first, "config")
-    requested = getattr(getattr(model, "config", None), "_experts_implementation", None)
-    out: dict = {"count": len(mods), "classes": classes, "requested": requested, "grouped_mm_usable": None}
-    if not decorated:
-        out.update(implementation="module_loop",
-                   detail=f"{classes[0]}.forward does not dispatch on experts_implementation (per-expert loop)")
-        return out
-    impl = getattr(first.config, "_experts_implementation", None) or "eager"
-    out["implementation"] = impl
-    detail = f"{classes[0]} x{len(mods)}: config._experts_implementation={impl}"
-    if impl == "grouped_mm":
-        w = _expert_weight(first)
-        usable = _grouped_mm_usable(w) if w is not None else None
-        out["grouped_mm_usable"] = usable
-        if usable is False:
-            out["implementation"] = "grouped_mm->fallback_loop"
-            detail += (f" but transformers' _can_use_grouped_mm is false for its {w.dtype} weights on {w.device} "
-                       "(runs transformers::grouped_mm_fallback, a loop over experts)")
-        else:
-            try:
-                import torch
-                fn = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-                detail += f" -> {getattr(fn, '__module__', 'torch')}.{getattr(fn, '__name__', '?')}"
-            except Exception:  # pragma: no cover
-                pass
-    out["detail"] = detail
-    return out
 
 
 def attention_report(model: Any, device_type: str) -> dict:
@@ -278,7 +180,7 @@ def sdpa_backend(config: Any, seq_len: int = 1024) -> Optional[str]:
     try:
         import torch
         from torch.nn.attention import SDPBackend
-        text = getattr(config, "text_config", None) or config
+        text = text_config(config)
         heads = int(text.num_attention_heads)
         kv = int(getattr(text, "num_key_value_heads", None) or heads)
         d = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
@@ -298,7 +200,7 @@ def _finish(kinds: dict, attn_impl: Optional[str], policy: str, device_type: str
             experts: Optional[dict] = None, attention: Optional[dict] = None, built: bool = False,
             attn_note: Optional[str] = None) -> dict:
     eff = resolve_policy(policy, device_type)
-    missing = sorted({pkg for k in kinds.values() for pkg in _PREFILL_ROLES if not k[pkg]})
+    missing = sorted({pkg for k in kinds.values() for pkg in PREFILL_ROLES if not k[pkg]})
     if kernelized:  # transformers' kernels hub replaced whole layers: the per-function view does not apply
         missing = []
     att = attn_impl
@@ -391,14 +293,15 @@ def check_fast_path_for_config(hf_config: Any, policy: str, device_type: str,
     ``attn_implementation``: what the model will be built with (``model.hf.resolve_attn_implementation``),
     reported when the config does not carry one yet, with ``attn_note`` (how it was chosen) beside it."""
     resolve_policy(policy, device_type)
-    text = getattr(hf_config, "text_config", None) or hf_config
+    text = text_config(hf_config)
     layer_types = list(getattr(text, "layer_types", None) or [])
     linear = [i for i, t in enumerate(layer_types) if "linear" in str(t)]
     kinds = {}
     if linear:
         model_type = getattr(text, "model_type", None) or getattr(hf_config, "model_type", "")
         modeling = _modeling_module(model_type) or _modeling_module(getattr(hf_config, "model_type", ""))
-        classes = [n for n in dir(modeling or object()) if any(mk in n for mk in HYBRID_LAYER_MARKERS)
+        markers = family_for(hf_config).linear_layer_markers or HYBRID_LAYER_MARKERS
+        classes = [n for n in dir(modeling or object()) if any(mk in n for mk in markers)
                    and isinstance(getattr(modeling, n), type)]
         cls = classes[0] if classes else f"{model_type} linear_attention"
         kinds[cls] = _kind_entry(cls, linear, _bindings(None, modeling), modeling)

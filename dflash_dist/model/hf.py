@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from dflash_dist.config import ConfigError, TargetConfig
+from dflash_dist.model.families import text_config  # noqa: F401  (the family registry's; imported from here by many)
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +47,6 @@ def load_hf_config(tcfg: TargetConfig):
     for k in ("architectures", "transformers_version", "builtin"):
         cfg.pop(k, None)
     return CONFIG_MAPPING[model_type](**cfg)
-
-
-def text_config(hf_config):
-    """Multimodal wrappers (Qwen3.5) keep the language model's fields in text_config."""
-    return getattr(hf_config, "text_config", None) or hf_config
 
 
 def causal_lm_config(hf_config):

@@ -34,7 +34,8 @@ except ImportError:  # pragma: no cover
     AuxRequest = None
 
 from dflash_dist.config import ConfigError, TargetConfig
-from dflash_dist.model.hf import decoder_layers, text_config
+from dflash_dist.model.families import family_for, text_config
+from dflash_dist.model.hf import decoder_layers
 from dflash_dist.model.lazy_compile import lazy_compile
 
 log = logging.getLogger(__name__)
@@ -183,57 +184,11 @@ def document_causal_block_mask(lengths: torch.Tensor, total: int, device, window
     return full, positions, by_window
 
 
-def has_attention_sinks(model) -> bool:
-    """gpt-oss: a learned sink logit per head (``self_attn.sinks``), passed to attention as ``s_aux``."""
-    _, layers = decoder_layers(model)
-    return any(getattr(getattr(layer, "self_attn", None), "sinks", None) is not None for layer in layers)
-
-
-def sliding_windows(model) -> tuple:
-    """The sliding windows the model's attention layers pass to their attention function (per-layer
-    ``self_attn.sliding_window``, gpt-oss; or the config's ``sliding_window``, Mistral), sorted."""
-    _, layers = decoder_layers(model)
-    found = {int(w) for layer in layers
-             if (w := getattr(getattr(layer, "self_attn", None), "sliding_window", None))}
-    w = getattr(text_config(model.config), "sliding_window", None)
-    types = getattr(text_config(model.config), "layer_types", None)
-    if w and (not types or "sliding_attention" in types) and getattr(text_config(model.config),
-                                                                     "use_sliding_window", True) is not False:
-        found.add(int(w))
-    return tuple(sorted(found))
-
-
-PACKABLE_LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-def _config_packing_problem(hf_config) -> Optional[str]:
-    types = getattr(text_config(hf_config), "layer_types", None) or []
-    for i, kind in enumerate(types):
-        if kind not in PACKABLE_LAYER_TYPES:
-            return (f"decoder layer {i} is {kind}"
-                    + (" (GatedDeltaNet): its recurrent state would run from one packed sample into the next"
-                       if kind == "linear_attention" else ""))
-    return None
-
-
 def packing_problem(model) -> Optional[str]:
-    """Why the packed capture cannot run this model, or None: every decoder layer must be softmax attention
-    (``self_attn``; full or sliding-window, sinks allowed: exact in the packed path); linear-attention layers
-    (``linear_attn``) carry a recurrent state along the row, so packed samples would see each other; softcapped
-    attention is not implemented by the packed function."""
+    """Why the packed capture cannot run this model, or None: the target family's rule on its config and decoder
+    layers (hybrids' linear attention, softcapped or chunked attention are refused)."""
     _, layers = decoder_layers(model)
-    for i, layer in enumerate(layers):
-        if hasattr(layer, "linear_attn"):
-            return (f"decoder layer {i} ({type(layer).__name__}) has linear attention (GatedDeltaNet): its "
-                    "recurrent state would run from one packed sample into the next")
-        if not hasattr(layer, "self_attn"):
-            return f"decoder layer {i} ({type(layer).__name__}) has no self_attn"
-    tc = text_config(model.config)
-    if getattr(tc, "attn_logit_softcapping", None):
-        return "the attention layers softcap their logits (not implemented by the packed flex function)"
-    if getattr(tc, "attention_chunk_size", None):
-        return "chunked attention (attention_chunk_size) is not implemented by the packed flex function"
-    return _config_packing_problem(model.config)
+    return family_for(model.config).packing_problem(text_config(model.config), list(layers))
 
 
 def _refuse_packing_on(tcfg: TargetConfig, problem: Optional[str]) -> None:
@@ -243,7 +198,7 @@ def _refuse_packing_on(tcfg: TargetConfig, problem: Optional[str]) -> None:
 
 def check_packing_config(tcfg: TargetConfig, hf_config) -> None:
     """Refuse target.packing=on for a hybrid (or sliding-window) target from its config, before weights load."""
-    _refuse_packing_on(tcfg, _config_packing_problem(hf_config))
+    _refuse_packing_on(tcfg, family_for(hf_config).packing_problem(text_config(hf_config), None))
 
 
 def resolve_packing(tcfg: TargetConfig, model, device_type: str) -> bool:
@@ -304,8 +259,9 @@ class FeatureCapture:
         self.packing, self.compile = bool(packing), bool(compile)
         run = list(self.layers)[: self.last + 1]
         self.attention_layers_run = sum(1 for layer in run if hasattr(layer, "self_attn"))
-        self.windows = sliding_windows(model)
-        self.sinks = has_attention_sinks(model)
+        family = family_for(model.config)  # its sliding windows and sink logits, as the attention layers pass them
+        self.windows = family.sliding_windows(text_config(model.config), list(self.layers))
+        self.sinks = family.attention_sinks(list(self.layers))
         if self.packing:
             problem = packing_problem(model)
             if problem:

@@ -8,8 +8,9 @@ import torch
 import yaml
 
 from dflash_dist.config import TargetConfig
+from dflash_dist.model.families import family_for, text_config
 from dflash_dist.model.hf import build_target_model
-from dflash_dist.target.capture import FeatureCapture, packing_problem, sliding_windows
+from dflash_dist.target.capture import FeatureCapture, packing_problem
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "..", "..", "conf", "target")
 
@@ -37,7 +38,8 @@ def test_packed_equals_padded(name, windows):
     over = {"sliding_window": 8} if windows else {}
     model = _model(name, **over).eval()
     assert packing_problem(model) is None
-    assert sliding_windows(model) == windows
+    layers = list(model.get_decoder().layers)
+    assert family_for(model.config).sliding_windows(text_config(model.config), layers) == windows
     ids, lengths, packed = _batch([37, 12, 25])  # longer than the window: the window binds
     layer_ids = [1, 4, 7]
     ref_cap = FeatureCapture(model, layer_ids)
