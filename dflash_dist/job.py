@@ -268,12 +268,10 @@ def plan_for(lengths: list, cfg: JobConfig, epochs: int) -> list:
                       sort_window_batches=cfg.data.sort_window_batches)
 
 
-def build_job(cfg: JobConfig, rank: int, world_size: Optional[int], ctrl, device_type: str) -> Job:
-    """Everything but the split: target config, tokenizer, validation (before any model loads), the run directory
-    and resume point (refused before any model loads when the run or checkpoint belongs to other settings), the
-    tokenized data and the batching plan. Shared by ``setup`` (every rank; ``ctrl`` agreement around rank 0's
-    decisions) and dflash-plan (one process: world_size and ctrl None, no run directory, no resume). ``dist`` is
-    left None; ``total_messages`` is the plan of train.epochs until ``setup`` fixes it for train.max_steps."""
+def check_job(cfg: JobConfig, world_size: Optional[int], device_type: str) -> tuple:
+    """The checks of a job that need no model and no data: paths, the target's HF config and tokenizer, the split,
+    layer ids, drafter shape, fast paths, packing, the data source's existence (``build_job``; ``dflash-train`` runs
+    them before it starts the ranks). Returns (hf_config, text config, tokenizer path, mask token id, layer ids)."""
     from transformers import AutoTokenizer
 
     from dflash_dist.model.hf import load_hf_config, text_config, tokenizer_path
@@ -296,6 +294,16 @@ def build_job(cfg: JobConfig, rank: int, world_size: Optional[int], ctrl, device
     if src != "builtin" and not src.startswith("synthetic:") and not os.path.exists(src):
         raise ConfigError(f"data.source={src!r}: no such file or directory (builtin, a .jsonl/.json/.parquet/.arrow "
                           "file or a datasets save_to_disk directory)")
+    return hf_config, tc, tok_path, mask_id, layer_ids
+
+
+def build_job(cfg: JobConfig, rank: int, world_size: Optional[int], ctrl, device_type: str) -> Job:
+    """Everything but the split: target config, tokenizer, validation (before any model loads), the run directory
+    and resume point (refused before any model loads when the run or checkpoint belongs to other settings), the
+    tokenized data and the batching plan. Shared by ``setup`` (every rank; ``ctrl`` agreement around rank 0's
+    decisions) and dflash-plan (one process: world_size and ctrl None, no run directory, no resume). ``dist`` is
+    left None; ``total_messages`` is the plan of train.epochs until ``setup`` fixes it for train.max_steps."""
+    hf_config, tc, tok_path, mask_id, layer_ids = check_job(cfg, world_size, device_type)
     part = {"target": target_identity(cfg, hf_config),
             "drafter": drafter_identity(cfg, layer_ids, mask_id, tc.hidden_size)}
 
