@@ -125,30 +125,32 @@ def worker_pids() -> list[int]:
 
 class SignalRelay:
     """SIGINT/SIGTERM to this process: the first is passed to every rank as SIGTERM (finish the step, checkpoint,
-    exit 0); a second one as SIGINT (the ranks stop at once, no checkpoint). Before any rank runs: ``Stopped``."""
+    exit 0); the second as SIGINT (the ranks stop at once, no checkpoint); a third kills them. Before any rank
+    runs: ``Stopped``."""
 
     def __init__(self):
         self.signum: Optional[int] = None
+        self.count = 0
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self.on_signal)
 
     def on_signal(self, signum, frame) -> None:
-        again = self.signum is not None
         self.signum = self.signum or signum
+        self.count += 1
         pids = worker_pids()
         if not pids:
             raise Stopped(self.signum)
         name = signal.Signals(signum).name
-        if again:
-            print(f"dflash-train: {name} again: stopping the ranks now, without a checkpoint", file=sys.stderr,
-                  flush=True)
-        else:
+        if self.count == 1:
             print(f"dflash-train: {name}: the ranks finish the current step, write a checkpoint and stop "
-                  f"({'Ctrl-C' if signum == signal.SIGINT else 'a signal'} again: stop now, no checkpoint)",
-                  file=sys.stderr, flush=True)
+                  f"(Ctrl-C again: stop now, without a checkpoint)", file=sys.stderr, flush=True)
+        else:
+            print(f"dflash-train: {name} again: {'stopping' if self.count == 2 else 'killing'} the ranks now, "
+                  f"without a checkpoint", file=sys.stderr, flush=True)
+        forward = {1: signal.SIGTERM, 2: signal.SIGINT}.get(self.count, signal.SIGKILL)
         for pid in pids:
             try:
-                os.kill(pid, signal.SIGINT if again else signal.SIGTERM)
+                os.kill(pid, forward)
             except ProcessLookupError:
                 pass
 
