@@ -18,7 +18,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from dflash_dist.comm.lifecycle import Lifecycle
+from dflash_dist.comm.lifecycle import STOPPED_AT_ONCE, Lifecycle
 from dflash_dist.config import ConfigError, JobConfig
 from dflash_dist.data.conversations import DataError
 from dflash_dist.job import setup
@@ -63,16 +63,30 @@ def run(cfg: JobConfig) -> int:
             from dflash_dist.drafter.loop import run_drafter
             run_drafter(role_view(job, "drafter"))
     except BaseException as e:
-        root = job.life.root_cause(settle_s=0.0 if isinstance(e, (ConfigError, KeyboardInterrupt)) else 1.0)
+        if isinstance(e, KeyboardInterrupt) or job.life.stop_now or STOPPED_AT_ONCE in (job.life.failure() or ""):
+            stop_at_once(job.life)
+        root = job.life.root_cause(settle_s=0.0 if isinstance(e, ConfigError) else 1.0)
         if root is not None and not root.startswith(f"rank {topo.rank} "):
             # a secondary error (a broken wait on a dead or failed peer): report the root cause once
-            log.error("stopping without a checkpoint because %s (here: %s: %s)", root, type(e).__name__, str(e).splitlines()[0][:200])
+            log.error("stopping without a checkpoint because %s (here: %s: %s)", root, type(e).__name__,
+                      (str(e).splitlines() or [""])[0][:200])
             os._exit(1)
         job.life.report_failure(f"rank {topo.rank} ({topo.role}) failed: {type(e).__name__}: {e}")
         raise
     dist.barrier(group=job.dist.ctrl)
     dist.destroy_process_group()
     return 0
+
+
+def stop_at_once(life: Lifecycle) -> None:
+    """A second Ctrl-C / SIGINT (here or on a peer: its broken wait brought this rank here): no checkpoint and no
+    traceback; rank 0 says so once, every rank exits 130."""
+    life.report_failure(f"rank {life.rank} ({life.role}) {STOPPED_AT_ONCE}")
+    if life.rank == 0:
+        log.warning("%s: no checkpoint written", STOPPED_AT_ONCE)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)
 
 
 def _hydra_main():

@@ -150,3 +150,30 @@ def test_ctrl_c_then_sigterm_checkpoint_print_how_to_continue_and_exit_130_143(t
     assert p.returncode == 143, out[-4000:]
     assert "resuming from" in out and "Traceback" not in out, out[-4000:]
     assert len(_checkpoints(run)) == 2 and "to continue: dflash-train" in out
+
+
+@pytest.mark.slow
+def test_ctrl_c_twice_stops_at_once_without_a_checkpoint_or_traceback(tmp_path):
+    run = tmp_path / "run"
+    p = dflash_train(["--nproc-per-node", "2", *QUICK, "train.max_steps=3000", "logging.log_every=1",
+                      f"train.output_dir={run}", f"data.cache_dir={shared_data_cache()}"], cwd=tmp_path, popen=True)
+    out, deadline = [], time.monotonic() + 240
+    try:
+        for line in p.stdout:  # the first Ctrl-C once a step is logged, the second once both ranks took the first
+            out.append(line)
+            if "INFO step 1/" in line:
+                p.send_signal(signal.SIGINT)
+            if sum("received SIGTERM" in x for x in out) == 2:
+                p.send_signal(signal.SIGINT)
+                break
+            assert time.monotonic() < deadline, "".join(out)[-4000:]
+        out.append(p.communicate(timeout=120)[0])
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    out = "".join(out)
+    assert p.returncode == 130, out[-4000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-4000:]
+    assert out.count("stopped at once on a second signal: no checkpoint written") == 1
+    assert "stopped on SIGINT without a checkpoint" in out and "to continue" not in out
+    assert _checkpoints(run) == []
