@@ -232,7 +232,7 @@ def train(relay: SignalRelay, nproc: int, overrides: list[str]) -> int:
             return after_stop(relay, True, nproc, overrides, info_path)
         if usage_failure(e):
             return 2  # a rank printed what to change
-        print(str(e), file=sys.stderr, flush=True)
+        print(failure_summary(e), file=sys.stderr, flush=True)
         return 1
     else:
         if relay.signum is not None:

@@ -177,3 +177,29 @@ def test_ctrl_c_twice_stops_at_once_without_a_checkpoint_or_traceback(tmp_path):
     assert out.count("stopped at once on a second signal: no checkpoint written") == 1
     assert "stopped on SIGINT without a checkpoint" in out and "to continue" not in out
     assert _checkpoints(run) == []
+
+
+@pytest.mark.slow
+def test_a_dead_rank_fails_the_job_with_one_summary_line(tmp_path):
+    """kill -9 of a rank: the survivors name it (comm/lifecycle.py), dflash-train exits 1 with one line listing each
+    rank's end instead of torch's launcher report."""
+    run = tmp_path / "run"
+    p = dflash_train(["--nproc-per-node", "2", *QUICK, "train.max_steps=3000", "logging.log_every=1",
+                      f"train.output_dir={run}", f"data.cache_dir={shared_data_cache()}"], cwd=tmp_path, popen=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not _train_steps(run):
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()[0][-4000:]
+            time.sleep(0.2)
+        with open(f"/proc/{p.pid}/task/{p.pid}/children") as f:
+            target = int(f.read().split()[-1])  # the last rank started: the target
+        os.kill(target, signal.SIGKILL)
+        out = p.communicate(timeout=120)[0]
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 1, out[-4000:]
+    assert "stopping without a checkpoint because rank 1 (target" in out, out[-4000:]
+    (line,) = [x for x in out.splitlines() if x.startswith("dflash-train: the job failed: ")]
+    assert "rank 1 killed by SIGKILL" in line and "rank 0 exit code 1" in line
+    assert "Root Cause" not in out and "elastic/errors.html" not in out
