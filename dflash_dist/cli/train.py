@@ -131,8 +131,11 @@ class SignalRelay:
     def __init__(self):
         self.signum: Optional[int] = None
         self.count = 0
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self.on_signal)
+        self.before = {sig: signal.signal(sig, self.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore(self) -> None:
+        for sig, handler in self.before.items():
+            signal.signal(sig, handler)
 
     def on_signal(self, signum, frame) -> None:
         self.signum = self.signum or signum
@@ -252,6 +255,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             from dflash_dist.config import compose_config
             print(render_help(CONF_DIR, _container(compose_config([], CONF_DIR))))
             return 0
+        if int(os.environ.get("SLURM_STEP_NUM_TASKS", "1") or 1) > 1:  # each task would start a job of its own
+            raise ConfigError("dflash-train starts the ranks of one node itself: run it once per job, not as one "
+                              "of several srun tasks (several nodes: launch/slurm.sbatch, torchrun)")
         nproc = nproc or default_nproc()
         dcfg = check(overrides, nproc)
         if cfg == "job":
@@ -266,6 +272,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except Stopped as e:
         print(f"dflash-train: stopped on {e} before the ranks started", file=sys.stderr, flush=True)
         return 128 + e.signum
+    finally:
+        relay.restore()
 
 
 def _container(dcfg) -> dict:

@@ -39,3 +39,12 @@ class _Err:
 def test_usage_failure_is_exit_2_with_at_most_ranks_the_agent_stopped():
     assert usage_failure(_Err(2, 2, 2)) and usage_failure(_Err(2, -signal.SIGTERM))
     assert not usage_failure(_Err(1, 2)) and not usage_failure(_Err(-signal.SIGKILL)) and not usage_failure(_Err(1))
+
+
+def test_one_of_several_srun_tasks_is_refused(monkeypatch, capsys):
+    from dflash_dist.cli.train import main
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "16")
+    before = signal.getsignal(signal.SIGINT)
+    assert main(["train.max_steps=1"]) == 2
+    assert "not as one of several srun tasks" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is before  # the launcher's signal relay is gone once it returns
