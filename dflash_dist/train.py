@@ -1,4 +1,6 @@
-"""Entry point: ``torchrun --nproc-per-node N -m dflash_dist.train [hydra overrides]``.
+"""Entry point of every rank: ``torchrun --nproc-per-node N -m dflash_dist.train [hydra overrides]`` (several
+nodes, SLURM); on one machine ``dflash-train`` (``cli/train.py``) starts the ranks itself, and so does ``python -m
+dflash_dist.train`` outside torchrun.
 
 setup (config, ctrl group, validation, data plan, split -- measured with ``topology.target_ranks=auto`` --,
 role groups) -> one role loop (target or drafter) -> teardown.
@@ -6,6 +8,7 @@ role groups) -> one role loop (target or drafter) -> teardown.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -15,14 +18,14 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from dflash_dist.comm.lifecycle import Lifecycle
+from dflash_dist.comm.lifecycle import STOPPED_AT_ONCE, Lifecycle
 from dflash_dist.config import ConfigError, JobConfig
 from dflash_dist.data.conversations import DataError
 from dflash_dist.job import setup
+from dflash_dist.paths import CONF_DIR
 from dflash_dist.role_jobs import role_view
 
 log = logging.getLogger("dflash_dist")
-CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
 
 
 KEY_USAGE_ERROR = "dflash/usage_error"
@@ -41,6 +44,7 @@ def quiet_profiler(cfg: JobConfig) -> None:
 def run(cfg: JobConfig) -> int:
     quiet_profiler(cfg)
     job = setup(cfg)
+    tell_launcher(job.run_dir)
     if job.nothing_left is not None:  # a finished run resumed: say so once, every rank exits 0 now
         if int(os.environ.get("RANK", "0")) == 0:
             log.info("%s", job.nothing_left)
@@ -59,16 +63,30 @@ def run(cfg: JobConfig) -> int:
             from dflash_dist.drafter.loop import run_drafter
             run_drafter(role_view(job, "drafter"))
     except BaseException as e:
-        root = job.life.root_cause(settle_s=0.0 if isinstance(e, (ConfigError, KeyboardInterrupt)) else 1.0)
+        if isinstance(e, KeyboardInterrupt) or job.life.stop_now or STOPPED_AT_ONCE in (job.life.failure() or ""):
+            stop_at_once(job.life)
+        root = job.life.root_cause(settle_s=0.0 if isinstance(e, ConfigError) else 1.0)
         if root is not None and not root.startswith(f"rank {topo.rank} "):
             # a secondary error (a broken wait on a dead or failed peer): report the root cause once
-            log.error("stopping without a checkpoint because %s (here: %s: %s)", root, type(e).__name__, str(e).splitlines()[0][:200])
+            log.error("stopping without a checkpoint because %s (here: %s: %s)", root, type(e).__name__,
+                      (str(e).splitlines() or [""])[0][:200])
             os._exit(1)
         job.life.report_failure(f"rank {topo.rank} ({topo.role}) failed: {type(e).__name__}: {e}")
         raise
     dist.barrier(group=job.dist.ctrl)
     dist.destroy_process_group()
     return 0
+
+
+def stop_at_once(life: Lifecycle) -> None:
+    """A second Ctrl-C / SIGINT (here or on a peer: its broken wait brought this rank here): no checkpoint and no
+    traceback; rank 0 says so once, every rank exits 130."""
+    life.report_failure(f"rank {life.rank} ({life.role}) {STOPPED_AT_ONCE}")
+    if life.rank == 0:
+        log.warning("%s: no checkpoint written", STOPPED_AT_ONCE)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)
 
 
 def _hydra_main():
@@ -82,7 +100,9 @@ def _hydra_main():
     except ConfigError as e:  # an unknown key or option: Hydra would print it on every rank and exit 1
         usage_error_exit(e)
 
-    @hydra.main(config_path="conf", config_name="config", version_base=None)
+    # absolute: a relative config_path is looked up as a package (dflash_dist.conf) when called from an installed
+    # entry point, and conf/ is a directory, not a package
+    @hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)
     def entry(dcfg: DictConfig) -> None:
         try:
             run(JobConfig.from_omegaconf(dcfg))
@@ -90,6 +110,16 @@ def _hydra_main():
             usage_error_exit(e)
 
     entry()
+
+
+def tell_launcher(run_dir: str) -> None:
+    """Rank 0 names the run directory to ``dflash-train`` (the file in DFLASH_LAUNCH_INFO), which prints the
+    command that continues the run after a stop signal."""
+    path = os.environ.get("DFLASH_LAUNCH_INFO")
+    if path and int(os.environ.get("RANK", "0")) == 0:
+        with open(path + ".tmp", "w") as f:
+            json.dump({"run_dir": run_dir}, f)
+        os.replace(path + ".tmp", path)
 
 
 def _first_to_report(text: str) -> bool:
@@ -142,6 +172,9 @@ def usage_error_exit(e: Exception) -> None:
 
 
 def main() -> None:
+    if "RANK" not in os.environ:  # not a rank of torchrun's: start the ranks, as dflash-train does
+        from dflash_dist.cli.train import main as launch
+        sys.exit(launch())
     _hydra_main()
 
 

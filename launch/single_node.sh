@@ -3,7 +3,7 @@
 #
 #   launch/single_node.sh NPROC [hydra overrides...]
 #
-# Runs `torchrun --standalone --nproc-per-node NPROC -m dflash_dist.train [overrides]`. The last
+# Runs `dflash-train --nproc-per-node NPROC [overrides]` (torch's elastic launcher, a standalone rendezvous). The last
 # topology.target_ranks ranks run the frozen target, the rest train the drafter; NPROC is usually the number of
 # GPUs (8 on an 8-GPU node), on CPU any small number >= 2 works (gloo).
 #
@@ -28,6 +28,7 @@ NPROC=$1; shift
 # shellcheck source=launch/env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 
-# `python -m torch.distributed.run` is torchrun, bound to the same interpreter as the installed project.
+# `python -m dflash_dist.cli.train` is dflash-train, bound to the same interpreter as the installed project: wrong
+# settings exit 2; Ctrl-C / SIGTERM checkpoint, print the command that continues the run and exit 130 / 143.
 # Relative paths in overrides (train.output_dir=outputs/x, data.source=...) are relative to the current directory.
-exec "${PYTHON:-python3}" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m dflash_dist.train "$@"
+exec "${PYTHON:-python3}" -m dflash_dist.cli.train --nproc-per-node "$NPROC" "$@"

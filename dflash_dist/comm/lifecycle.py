@@ -26,6 +26,7 @@ KEY_STOP_REQUEST = "dflash/stop_request"
 KEY_STOP_AT = "dflash/stop_at"
 KEY_FAILED = "dflash/failed"
 KEY_WHO = "dflash/who/"  # + rank: "host pid role"
+STOPPED_AT_ONCE = "stopped at once on a second signal"  # a second Ctrl-C: posted under KEY_FAILED, not a crash
 
 
 def _alive(pid: int) -> bool:
@@ -53,6 +54,7 @@ class Lifecycle:
         self.store, self.rank, self.role, self.world_size = store, rank, role, world_size
         self.role_of = role_of or (lambda r: "?")
         self.signal_name: Optional[str] = None
+        self.stop_now = False  # a second SIGINT: stop without a checkpoint
         self._posted = False
         self.host = socket.gethostname()
         store.set(f"{KEY_WHO}{rank}", f"{self.host} {os.getpid()} {role}")
@@ -97,6 +99,7 @@ class Lifecycle:
 
     def _on_signal(self, signum, frame) -> None:
         if self.signal_name is not None and signum == signal.SIGINT:
+            self.stop_now = True
             raise KeyboardInterrupt  # second Ctrl-C: stop now
         # torchrun also sends SIGTERM to the survivors when a rank dies: that is a failure, not a preemption.
         dead = self.dead_peers()

@@ -160,3 +160,37 @@ def test_hydra_override_errors_become_config_errors(tmp_path):
     assert "Config search path" not in str(e.value)
     with pytest.raises(ConfigError, match="no viable alternative"):
         check_overrides(["train.max_steps=[1"], CONF_DIR)
+
+
+def _keys(cls, prefix: str) -> list[str]:
+    import dataclasses
+    out = []
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        out += _keys(type(default), f"{prefix}{f.name}.") if dataclasses.is_dataclass(default) else [prefix + f.name]
+    return out
+
+
+def test_help_lists_every_key_with_its_docstring_and_the_presets_without_base():
+    """dflash-train --help: every key of every group (sub-groups too) once, each followed by the first line of its
+    docstring in config.py; the presets of conf/ per group, the default job's marked; `base` is no choice."""
+    from omegaconf import OmegaConf
+
+    from dflash_dist.cli.help import render_help
+    from dflash_dist.config import GROUPS, compose_config
+    from dflash_dist.paths import CONF_DIR
+    text = render_help(CONF_DIR, OmegaConf.to_container(compose_config([], CONF_DIR), resolve=True))
+    lines = text.splitlines()
+    keys = [k for group, cls in GROUPS.items() for k in _keys(cls, f"{group}.")]
+    assert len(keys) > 80 and "target.tuning.pad_multiple" in keys
+    for key in keys:
+        (at,) = [i for i, ln in enumerate(lines) if ln.startswith(f"  {key} = ")]
+        assert lines[at + 1].startswith("      ") and lines[at + 1].strip(), key
+    at = lines.index("  drafter.block_size = 16")
+    assert lines[at + 1].strip() == ("Tokens drafted per block: slot 0 is the anchor (known) "
+                                     "token, slots 1..B-1 are MASK tokens to predict.")
+    groups = {ln.split(":")[0].strip(): ln.split(":", 1)[1].replace(",", " ").split()
+              for ln in text.split("config groups (")[1].split("keys (")[0].splitlines()[1:] if ln.strip()}
+    assert set(groups) == set(GROUPS)
+    assert "tiny*" in groups["target"] and "hf" in groups["target"] and "paper" in groups["train"]
+    assert not any("base" in g.rstrip("*") for names in groups.values() for g in names)
