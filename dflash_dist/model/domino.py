@@ -135,8 +135,8 @@ class DominoHead(nn.Module):
 
 def teacher_tokens(input_ids: Tensor, anchors: Tensor, block_size: int) -> Tensor:
     """The teacher-forced GRU inputs [b, N*B]: the sequence's token at anchor + k for slot k, whatever the loss
-    mask (input_ids [b, S], anchors [b, N]). Past the end the last position's token stands in: only slots past
-    the end read it, and those carry no label."""
+    mask (input_ids [b, S], anchors [b, N]). Past a sample's end a slot reads the row's padding (the last
+    column past the row): only slots past the end read it, and those carry no label."""
     pos = (anchors[:, :, None] + torch.arange(block_size, device=anchors.device)).clamp(max=input_ids.shape[1] - 1)
     return input_ids.gather(1, pos.reshape(anchors.shape[0], -1))
 
