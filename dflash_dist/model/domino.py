@@ -214,7 +214,8 @@ def propose(head: DominoHead, hidden: Tensor, anchor_ids: Tensor, head_weight: T
     states, slot 0 = the anchor), anchor_ids [n], head_weight [V, H] and embed_weight [V, H] the target's.
     Sequential over the slots: the GRU reads the anchor, then each proposal as it is made. Returns (tokens
     [n, B-1], the logits each was the argmax of [n, B-1, V] fp32). SGLang by default takes the argmax among
-    the 2048 tokens with the highest base logits over the block: the same token whenever it is among them."""
+    the 2048 tokens with the highest base logits over the block (``--speculative-domino-candidate-pool-size``;
+    0 scores the full vocabulary, as here): the same token whenever the winner is among them."""
     n, block_size, _ = hidden.shape
     base = hidden[:, 1:] @ head_weight.t()
     _, state = head.prefix_gru(F.embedding(anchor_ids, embed_weight)[:, None].to(hidden.dtype))   # h0 = 0

@@ -1,11 +1,15 @@
-"""Domino against an independent implementation: SpecForge 0.2.0's ``specforge/modeling/draft/domino.py`` (the
-head, its block decoding) and its training objective and curriculum.
+"""Domino against independent implementations: SpecForge 0.2.0's ``specforge/modeling/draft/domino.py`` (the
+head, its block decoding), its training objective and curriculum; SGLang 0.5.23's serving rollout
+(``sglang/srt/speculative/domino_utils.py``).
 
-The package is installed once, ``--no-deps``, into the shared side directory (``ref_packages``). Its full draft
-model would build a DFlash backbone; only the head is built here (``_init_draft_head`` on a bare module), and
-the project's state dict loads into it strictly, so every tensor name and shape must be the engines'.
+Both packages are installed once, ``--no-deps``, into the shared side directory (``ref_packages``). SpecForge's
+full draft model would build a DFlash backbone; only the head is built here (``_init_draft_head`` on a bare
+module), and the project's state dict loads into it strictly, so every tensor name and shape must be the
+engines'. Of SGLang only the rollout file is loaded (it imports torch alone; the package needs CUDA kernels).
 """
 
+import importlib.util
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -28,6 +32,17 @@ def sf():
     import specforge.modeling.draft.domino as domino
     import specforge.training.strategies.base as strategies
     return SimpleNamespace(domino=domino, family=family, strategies=strategies)
+
+
+@pytest.fixture(scope="module")
+def sglang_rollout():
+    """SGLang's ``domino_greedy_rollout``, from its module file alone."""
+    root = install("sglang-0.5.23", ["sglang==0.5.23"])
+    path = os.path.join(root, "sglang", "srt", "speculative", "domino_utils.py")
+    spec = importlib.util.spec_from_file_location("sglang_domino_utils", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.domino_greedy_rollout
 
 
 def theirs_head(sf, ours, prefix=1):
@@ -94,6 +109,23 @@ def test_one_decode_block_parity(sf):
     assert torch.equal(tokens, ref_tokens)
     assert not torch.equal(tokens, (hidden[:, 1:] @ w.t()).argmax(-1))      # the correction decides some
     torch.testing.assert_close(logits, ref_logits[:, 0, 1:], **TOL)
+
+
+def test_one_decode_block_equals_sglangs_rollout(sglang_rollout):
+    """SGLang's serving chain (``shift_label: false``, scoring the full vocabulary) proposes our tokens."""
+    ours = make_head(seed=11)
+    hidden, _, embed, w = inputs(b=6, seed=12)
+    hidden = hidden[:, :BS]
+    anchor = torch.tensor([2, 4, 6, 11, 30, 38])
+    embedding = nn.Embedding(V, H)
+    with torch.no_grad():
+        embedding.weight.copy_(embed)
+        tokens, _ = propose(ours, hidden, anchor, w, embed)
+        ref = sglang_rollout(draft_hidden=hidden, bonus_tokens=anchor, target_embedding=embedding, lm_head_weight=w,
+                             prefix_gru=ours.prefix_gru, embed_proj=ours.embed_proj, vocab_size=V, shift_label=False,
+                             candidate_pool_size=0, in_cuda_graph=False)
+    assert not torch.equal(tokens, (hidden[:, 1:] @ w.t()).argmax(-1))      # the correction decides some
+    assert torch.equal(tokens, ref)
 
 
 def test_mixed_loss_parity(sf):
