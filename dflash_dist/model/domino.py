@@ -234,7 +234,8 @@ def propose(head: DominoHead, hidden: Tensor, anchor_ids: Tensor, head_weight: T
 
 
 def lambda_base(step: int, total_steps: int, settings: DominoSettings) -> float:
-    """The base CE's weight at optimizer step ``step`` of ``total_steps``: lambda_base_start * (1 - progress),
+    """The base CE's weight for the step after ``step`` optimizer steps (0 for the first) of ``total_steps``
+    (``train.max_steps``; a resumed run goes on from its step): lambda_base_start * (1 - progress),
     progress = step / max(1, int(total_steps * decay_ratio)) capped at 1, clamped to [0, 1] (SpecForge's
     ``linear_lambda_base``)."""
     if int(total_steps) <= 0:
