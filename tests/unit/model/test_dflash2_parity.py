@@ -7,13 +7,10 @@ dicts load into speculators' modules strictly, so every tensor name must be the 
 output multiplier or soft cap: its selector gets the already transformed logits.
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
+from ref_packages import install
 from test_dflash2 import BS, HEADS, INTER, KV, D, H, V, cfg, layer_inputs, randomize
 
 from dflash_dist.model.dflash2 import DFlash2DecoderLayer, DFlash2Settings, GroupedDynamicConv
@@ -33,29 +30,10 @@ TOL = dict(rtol=0, atol=1e-5)
 MULT, CAP = 0.7, 3.0
 
 
-def _refs_dir() -> str:
-    root = os.environ.get("DFLASH_TEST_REFS") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dflash_dist_test_refs")
-    return os.path.join(root, "speculators-0.9.0")
-
-
 @pytest.fixture(scope="module")
 def spec():
     """speculators.models.dflash2.model_definitions, installed on first use and reused."""
-    target = _refs_dir()
-    if not os.path.exists(os.path.join(target, ".complete")):
-        tmp = f"{target}.tmp{os.getpid()}"
-        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", tmp, *PACKAGES]
-        run = subprocess.run(cmd, capture_output=True, text=True)
-        if run.returncode:
-            pytest.fail(f"could not install the reference ({' '.join(cmd)}): {run.stderr[-2000:]}")
-        open(os.path.join(tmp, ".complete"), "w").close()
-        try:
-            os.rename(tmp, target)                       # another run may have finished first: keep theirs
-        except OSError:
-            subprocess.run(["rm", "-rf", tmp], check=False)
-    if target not in sys.path:
-        sys.path.append(target)                          # last: the venv's own packages win
+    install("speculators-0.9.0", PACKAGES)
     from speculators.models.dflash2 import model_definitions
     return model_definitions
 
