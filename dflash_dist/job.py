@@ -62,6 +62,7 @@ class Job:
     resumed_meta: Optional[dict] = None  # meta.json of the checkpoint resumed from
     nothing_left: Optional[str] = None   # a resumed run with nothing left to train: why (every rank exits 0)
     ctrl: object = None                  # the ctrl group while ``dist`` is None (a run with nothing left to train)
+    drafter: object = None               # model.spec.DrafterSpec: the drafter resolved once (shape, backend, loss)
 
 
 def on_rank0(ctrl, rank: int, fn):
@@ -285,10 +286,8 @@ def build_job(cfg: JobConfig, rank: int, world_size: Optional[int], ctrl, device
     tok = AutoTokenizer.from_pretrained(tok_path)
     mask_id = resolve_mask_token_id(cfg, tok, tc.vocab_size)
     layer_ids = validate_job(cfg, world_size, tc.num_hidden_layers, tc.vocab_size, mask_id)
-    from dflash_dist.model.drafter import DrafterModelConfig
-    DrafterModelConfig.from_target(tc, num_layers=cfg.drafter.num_layers, num_feature_layers=len(layer_ids),
-                                   block_size=cfg.drafter.block_size, intermediate_size=cfg.drafter.intermediate_size,
-                                   layer_types=cfg.drafter.layer_types, sliding_window=cfg.drafter.sliding_window)
+    from dflash_dist.model.spec import resolve_drafter
+    drafter = resolve_drafter(cfg.drafter, tc, len(layer_ids), device_type)  # the drafter's settings, derived once
     from dflash_dist.model.fast_path import check_fast_path_for_config
     check_fast_path_for_config(hf_config, cfg.target.fast_path, device_type, cfg.target.attn_implementation)
     check_packing_config(cfg.target, hf_config)  # target.packing=on for a hybrid: refused before weights load
@@ -323,7 +322,8 @@ def build_job(cfg: JobConfig, rank: int, world_size: Optional[int], ctrl, device
     epoch_plan = plan_for(lengths, cfg, 1)
     identity["plan"] = plan_identity(epoch_plan)
     plan = plan_for(lengths, cfg, cfg.train.epochs)
-    job = Job(cfg=cfg, dist=None, run_dir=run_dir, hf_config=hf_config, layer_ids=layer_ids, mask_token_id=mask_id,
+    job = Job(cfg=cfg, dist=None, run_dir=run_dir, hf_config=hf_config, drafter=drafter, layer_ids=layer_ids,
+              mask_token_id=mask_id,
               tokenizer_path=tok_path, dataset_path=ds_path, holdout_path=ho_path, plan=plan,
               total_messages=len(plan), start_cursor=0, start_step=0, resume_from=resume_from,
               sample_lengths=lengths, identity=identity, epoch_messages=len(epoch_plan),

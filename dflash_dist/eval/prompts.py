@@ -148,7 +148,6 @@ class EvalSetup:
 
 def load_drafter(checkpoint: Optional[str] = None, export: Optional[str] = None, device: str = "cpu") -> EvalSetup:
     """Drafter (fp32, eval, SDPA backend) and what is needed to rebuild its target, from a checkpoint or export."""
-    from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
     if (checkpoint is None) == (export is None):
         raise ConfigError("give exactly one of --checkpoint DIR or --export DIR")
     if checkpoint is not None:
@@ -157,14 +156,15 @@ def load_drafter(checkpoint: Optional[str] = None, export: Optional[str] = None,
             weights, _, meta = load_checkpoint(checkpoint, optimizer=False)  # never opens optimizer.pt
         except ValueError as e:
             raise ConfigError(str(e)) from e
-        model = DFlashDrafter(DrafterModelConfig(**meta["drafter_config"]), "sdpa")
+        from dflash_dist.checkpoint.meta import meta_block_size, meta_model
+        model = meta_model(meta, "sdpa")  # the recorded variant's module
         model.load_state_dict(weights)
         model.to(device).eval().requires_grad_(False)
         job = meta.get("job_config") or {}
         tgt = TargetConfig(**job["target"]) if job.get("target") else None
         dat = DataConfig(**job["data"]) if job.get("data") else None
         kw = meta.get("chat_template_kwargs", (job.get("data") or {}).get("chat_template_kwargs"))
-        return EvalSetup(model, list(meta["layer_ids"]), int(meta["mask_token_id"]), int(meta["block_size"]), tgt,
+        return EvalSetup(model, list(meta["layer_ids"]), int(meta["mask_token_id"]), meta_block_size(meta), tgt,
                          dat, meta.get("tokenizer"), os.path.abspath(checkpoint), kw)
     from dflash_dist.checkpoint.export_load import ExportError, load_export
     try:
