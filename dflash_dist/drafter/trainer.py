@@ -213,7 +213,7 @@ class DrafterTrainer:
 
     def _loss_term_names(self) -> list:
         """The names of the variant's loss terms (``DFlashDrafter.loss_terms``), declared by the model class."""
-        return list(getattr(self.model, "loss_term_names", ()))
+        return list(self.model.loss_term_names)
 
     @staticmethod
     def _weight_sum(groups: list):

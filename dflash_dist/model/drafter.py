@@ -299,6 +299,9 @@ class DFlashDrafter(nn.Module):
     a decoder layer: weights inside the layers), ``add_modules`` and ``after_layers`` (modules after the
     layers), ``propose`` (a block's proposals from its final hidden states), ``loss_terms`` (its own losses)."""
 
+    loss_term_names: tuple = ()
+    """The names of ``loss_terms`` (each a step statistic; the trainer declares them before the first step)."""
+
     def __init__(self, cfg: DrafterModelConfig, backend: str):
         super().__init__()
         if backend not in ("flex", "sdpa"):
