@@ -154,10 +154,10 @@ class DrafterRun:
                      f"{', compiled layers' if trainer.compile_layers else ''}"
                      f"{', compiled loss' if trainer.compile_loss else ''}"
                      f"{', kernel options ' + str(kernel) if kernel else ''})")
-        log.info("drafter: %d layers, %.2fM trainable params, attention backend=%s%s, anchors=%d, block=%d",
-                 cfg.drafter.num_layers, n_params / 1e6, trainer.backend,
+        log.info("drafter: %s, %d layers, %.2fM trainable params, attention backend=%s%s, anchors=%d, block=%d, "
+                 "loss %s", trainer.spec.variant, cfg.drafter.num_layers, n_params / 1e6, trainer.backend,
                  flex_desc if trainer.backend == "flex" else " (dense bool mask, SDPA)",
-                 cfg.drafter.num_anchors, trainer.block_size)
+                 cfg.drafter.num_anchors, trainer.block_size, trainer.objective.describe())
 
     def connect(self) -> None:
         """The data channel from every feeding target and, with drafter.tuning.loss_on_target, the head groups."""
