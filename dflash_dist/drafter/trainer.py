@@ -349,7 +349,7 @@ class DrafterTrainer:
             if n:
                 log.warning("target rank %d sent %d samples with non-finite hidden states in this window "
                             "(skipped; %d so far)", self.topo.feeders[t], n, self.nonfinite_by_target[t])
-        out = {"loss": None, "lr": self.lr, "model_flops": v["model_flops"][0],
+        out = {"loss": None, "lr": self.lr, "model_flops": v["model_flops"][0],  # loss: the objective's, below
                "grad_norm": v["grad_norm"][0] / max(v["steps"][0], 1) / self.topo.num_drafters}
         out.update(self.objective.window_metrics(v))
         wsum = max(v["weight_sum"][0], 1e-9) if "weight_sum" in v else 1.0

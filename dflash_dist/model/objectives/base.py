@@ -61,7 +61,8 @@ class Objective:
 
     def window_metrics(self, sums: dict[str, list]) -> dict[str, float]:
         """The window's metrics from the all-reduced sums of ``stat_slots``: loss, acc, acc_slot_k and
-        tau_from_acc (the accepted length if slots were independent given a correct prefix)."""
+        tau_from_acc (the accepted length if slots were independent given a correct prefix). ``loss`` and ``acc``
+        are required (the progress line shows them)."""
         B = self.block_size
         correct, count = sums["slot_correct"], sums["slot_count"]
         out = {"loss": sums["loss_sum"][0] / max(sums["weight_sum"][0], 1e-9),
