@@ -89,7 +89,9 @@ def make_job(cfg, world_size: int, device: torch.device, run_dir: str):
     group = dist.group.WORLD
     d = SimpleNamespace(topo=topo, device=device, ctrl=None, data=group, drafters=group, drafters_cpu=None,
                         store=None, rank=0)
-    job = SimpleNamespace(cfg=cfg, dist=d, run_dir=run_dir, hf_config=hf_config, layer_ids=layer_ids,
+    from dflash_dist.model.spec import resolve_drafter
+    drafter = resolve_drafter(cfg.drafter, tc, len(layer_ids), device.type)
+    job = SimpleNamespace(cfg=cfg, dist=d, run_dir=run_dir, hf_config=hf_config, drafter=drafter, layer_ids=layer_ids,
                           mask_token_id=mask_id, tokenizer_path=tok_path, dataset_path=None, holdout_path=None,
                           plan=plan, total_messages=total, start_cursor=0, start_step=0, resume_from=None,
                           life=None, sample_lengths=ds.lengths.tolist())

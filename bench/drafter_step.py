@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One full DFlash drafter training step: ms/step, samples/s, peak memory, MFU, first-step (compile) time.
 
-The drafter is the project's (``DFlashDrafter`` with the shape ``DrafterModelConfig.from_target`` gives for the
+The drafter is the project's (``DFlashDrafter`` with the shape ``model.spec.resolve_drafter`` gives for the
 Qwen3-8B-shaped target of ``conf/target/qwen3_8b_random.yaml``: 5 layers, hidden 4096, 32 heads, 8 kv heads, head
 dim 128, intermediate 12288, fc 5*4096 -> 4096), block 16, frozen bf16 embedding and lm_head [151936, 4096].
 A step is what ``DrafterTrainer`` does per message: ``make_batch`` (anchors, blocks, labels) -> mask
@@ -45,6 +45,7 @@ from dflash_dist.model.hf import load_hf_config, resolve_dtype, text_config  # n
 from dflash_dist.model.loss import decayed_ce  # noqa: E402
 from dflash_dist.model.masks import dense_mask, flex_block_mask  # noqa: E402
 from dflash_dist.model.rope import DrafterRope  # noqa: E402
+from dflash_dist.model.spec import resolve_drafter  # noqa: E402
 from dflash_dist.telemetry.flops import drafter_step_flops as step_flops  # noqa: E402,F401  (the one formula)
 
 GPU_CONFIGS = "3072x512,550x256,3072x256,550x512"
@@ -65,13 +66,13 @@ def visible_pairs(batch, block_size: int) -> float:
 SHAPES = {"qwen3_8b": ("qwen3_8b_random", "tiny"), "llama31_8b": ("llama31_8b_random", "tiny_llama3")}
 
 
-def model_config(tiny: bool, num_layers: int, block_size: int, shape: str = "qwen3_8b") -> DrafterModelConfig:
-    """The drafter shape train.py would build: DrafterModelConfig.from_target(target HF config)."""
+def drafter_spec(tiny: bool, dc, device_type: str, shape: str = "qwen3_8b"):
+    """The drafter train.py would build for ``dc`` (DrafterConfig) on this shape's target
+    (model.spec.resolve_drafter: model shape, gamma, chunking; the backends below are the bench's own)."""
     full, small = SHAPES[shape]
     tcfg = C.target_config(small if tiny else full)
     tc = text_config(load_hf_config(tcfg))
-    return DrafterModelConfig.from_target(tc, num_layers=num_layers, num_feature_layers=tcfg.num_feature_layers,
-                                          block_size=block_size)
+    return resolve_drafter(dc, tc, tcfg.num_feature_layers, device_type)
 
 
 def make_inputs(ctx: int, b: int, mc: DrafterModelConfig, device, feat_dtype, prompt_frac: float, seed: int):
@@ -102,8 +103,10 @@ def load_kernel_options(arg: Optional[str]) -> Optional[dict]:
 
 
 class Runner:
-    def __init__(self, mc: DrafterModelConfig, dc, device, lr: float, dynamic: bool = False):
-        self.mc, self.dc, self.device = mc, dc, device
+    def __init__(self, spec, dc, device, lr: float, dynamic: bool = False):
+        mc = spec.model
+        self.spec, self.mc, self.dc, self.device = spec, mc, dc, device
+        self.gamma = spec.make_objective().gamma
         self.dynamic = dynamic  # drafter.tuning.compile_dynamic: dynamic-shape flex kernel and mask builder
         self.loss_mode = "auto"  # loss.decayed_ce: auto = fused (frozen head), or checkpoint
         self.kernel_options: Optional[dict] = None  # --kernel-options, used by the "+ko" backends
@@ -124,7 +127,7 @@ class Runner:
     def step(self, inputs, k: int, backend: str, train: bool, num_anchors: int):
         """One step (DrafterTrainer.build + _train_step without DDP); returns the batch for FLOP counting."""
         dc = self.dc
-        B = dc.block_size
+        B = self.mc.block_size
         ids, loss_mask, cu, feats = inputs
         batch = make_batch(ids, loss_mask, cu, feats, num_anchors=num_anchors, block_size=B,
                            mask_token_id=self.mc.vocab_size - 1, ctx_bucket=dc.tuning.ctx_bucket,
@@ -150,7 +153,7 @@ class Runner:
             block_embeds = F.embedding(batch.block_ids, self.embed)
             with self.autocast:
                 hidden = self.model(block_embeds, batch.features, batch.ctx_positions, batch.block_positions, mask)
-                parts = decayed_ce(hidden, self.lm_head, batch.labels, B, dc.gamma, dc.tuning.loss_chunk_rows,
+                parts = decayed_ce(hidden, self.lm_head, batch.labels, B, self.gamma, self.spec.loss.chunk_rows,
                                    mode=self.loss_mode, compiled=compiled_loss)
             if train:
                 loss = parts.loss_sum / parts.weight_sum.clamp_min(1e-6)
@@ -226,7 +229,7 @@ def run_one(runner: Runner, ctx: int, anchors: int, b: int, backend: str, train:
             times.append(timer.stop())
             k += 1
             flops.append(step_flops(runner.mc, b, batch.ctx_len, anchors, runner.mc.vocab_size,
-                                    visible_pairs(batch, runner.dc.block_size), train,
+                                    visible_pairs(batch, runner.mc.block_size), train,
                                     recompute_head=runner.loss_mode == "checkpoint"))
             valid.append(float(batch.valid.float().mean()))
         s_pad = batch.ctx_len
@@ -322,11 +325,12 @@ def main(argv=None) -> int:
         dyn.automatic_dynamic_shapes = False
 
     dc = C.drafter_config("tiny" if tiny else "dflash")
-    mc = model_config(tiny, dc.num_layers, dc.block_size, args.shape)
+    spec = drafter_spec(tiny, dc, dev.type, args.shape)
+    mc = spec.model
     peak = C.peak_matmul_tflops(dev, n=args.peak_n or (256 if tiny else 8192))
     nominal = C.nominal_peak_tflops(dev)
     C.log(f"measured matmul peak {peak['tflops']:.1f} TFLOP/s ({peak['dtype']} {peak['n']}^3); nominal {nominal}")
-    runner = Runner(mc, dc, dev, args.lr, dynamic=args.dynamic == "on" and dev.type == "cuda")
+    runner = Runner(spec, dc, dev, args.lr, dynamic=args.dynamic == "on" and dev.type == "cuda")
     runner.loss_mode = args.loss_mode
     runner.kernel_options = load_kernel_options(args.kernel_options)
     if any("+ko" in b for b in backends) and not runner.kernel_options:
@@ -338,7 +342,7 @@ def main(argv=None) -> int:
                                   num_attention_heads=mc.num_attention_heads,
                                   max_position_embeddings=mc.max_position_embeddings).describe(),
               "loss_chunk_rows": dc.tuning.loss_chunk_rows,
-              "ctx_bucket": dc.tuning.ctx_bucket, "gamma": dc.gamma, "prompt_frac": args.prompt_frac,
+              "ctx_bucket": dc.tuning.ctx_bucket, "gamma": runner.gamma, "prompt_frac": args.prompt_frac,
               "dynamic": args.dynamic, "loss_mode": args.loss_mode, "kernel_options": runner.kernel_options, "warmup": args.warmup, "repeats": args.repeats,
               "flop_formula": "docs/benchmarks.md#drafter-step-flops", "rows": [], "skipped": []}
     C.log(f"drafter: {mc.num_layers} layers, hidden {mc.hidden_size}, {runner.n_params / 1e6:.1f}M trainable params, "

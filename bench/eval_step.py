@@ -25,8 +25,8 @@ import torch  # noqa: E402
 from dflash_dist.config import default_layer_ids  # noqa: E402
 from dflash_dist.eval.spec_decode import make_dflash_draft_fn, speculative_steps
 from dflash_dist.eval.target_runner import TargetRunner, new_cache
-from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig  # noqa: E402
 from dflash_dist.model.hf import head_weights, text_config  # noqa: E402
+from dflash_dist.model.spec import resolve_drafter  # noqa: E402
 
 
 def timed(fn, dev) -> float:
@@ -50,8 +50,7 @@ def main(argv=None) -> int:
     tc = text_config(model.config)
     layer_ids = tcfg.layer_ids or default_layer_ids(tc.num_hidden_layers, tcfg.num_feature_layers)
     B = dcfg.block_size
-    mcfg = DrafterModelConfig.from_target(tc, num_layers=dcfg.num_layers, num_feature_layers=len(layer_ids),
-                                          block_size=B, intermediate_size=dcfg.intermediate_size)
+    spec = resolve_drafter(dcfg, tc, len(layer_ids), dev.type)  # the drafter the job would build
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, tc.vocab_size, (args.prompt_len,), generator=g).tolist()
                for _ in range(args.prompts)]
@@ -59,7 +58,7 @@ def main(argv=None) -> int:
     res = {"bench": "eval_step", "env": C.env_info(dev), "target": args.target, "drafter": args.drafter,
            "prompts": args.prompts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "rows": []}
     for dtype in (torch.float32, torch.bfloat16):
-        drafter = DFlashDrafter(mcfg, "sdpa").to(dev, dtype).eval()
+        drafter = spec.build_model("sdpa").to(dev, dtype).eval()
         slices = []
         for prompt in prompts:
             gen = speculative_steps(model, drafter, None, None, prompt, layer_ids, 3, B, args.new_tokens, [])

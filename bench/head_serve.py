@@ -22,8 +22,8 @@ import _common as C  # noqa: E402
 import torch  # noqa: E402
 
 from dflash_dist.comm.head_offload import head_flops  # noqa: E402
-from dflash_dist.config import paper_gamma  # noqa: E402
 from dflash_dist.model.loss import frozen_head_ce, row_weights  # noqa: E402
+from dflash_dist.model.objectives import paper_gamma  # noqa: E402
 
 
 def ints(text: str) -> list[int]:

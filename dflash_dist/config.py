@@ -236,7 +236,32 @@ class DrafterTuning:
 
 
 @dataclass
+class DrafterLoss:
+    """The drafter's training objective (``drafter.loss.*``; the objectives live in dflash_dist/model/objectives/)."""
+
+    objective: str = "decayed_ce"
+    """The objective by registry name (``decayed_ce``: cross-entropy on the data's labels, slot k weighted
+    exp(-(k-1)/gamma), normalised by the weight sum of the whole step) or ``package.module:ClassName`` of one
+    registered elsewhere (docs/design.md, "Adding an objective")."""
+
+    gamma: Optional[float] = None
+    """Slot weight exp(-(k-1)/gamma) of ``decayed_ce``. None: the paper's gamma for the block size (7, 5, 4 for
+    B = 16, 10, 8); other B get ``objectives.decayed_ce.paper_gamma``'s piecewise-linear interpolation through
+    those three points (a rule of this project, not the paper's)."""
+
+    def __post_init__(self) -> None:
+        _require(self.gamma is None or self.gamma > 0, f"drafter.loss.gamma={self.gamma}: must be > 0")
+        _require(bool(self.objective), "drafter.loss.objective: name an objective (decayed_ce)")
+
+
+@dataclass
 class DrafterConfig:
+    variant: str = "dflash"
+    """The drafter variant by registry name (``dflash``: the z-lab DFlash drafter) or ``package.module:ClassName``
+    of one registered elsewhere. A variant adds its weights, proposal step, FLOPs and export fields to the
+    DFlash drafter (dflash_dist/model/variants/; docs/design.md, "Adding a drafter variant"); a checkpoint of
+    another variant is never resumed."""
+
     num_layers: int = 5
     """Number of DFlash draft layers (Qwen3 decoder layers with target features as extra keys/values)."""
 
@@ -245,11 +270,6 @@ class DrafterConfig:
 
     num_anchors: int = 512
     """Blocks per sample per step: anchors sampled from supervised positions; fewer are padded (static shapes)."""
-
-    loss_gamma: Optional[float] = None
-    """Slot weight exp(-(k-1)/gamma). None: the paper's gamma for the block size (7, 5, 4 for B = 16, 10, 8);
-    other B get :func:`paper_gamma`'s piecewise-linear interpolation through those three points (a rule of this
-    project, not the paper's)."""
 
     layer_types: Optional[list[str]] = None
     """Attention kind of each drafter layer, ``full_attention`` or ``sliding_attention`` (num_layers entries).
@@ -283,16 +303,20 @@ class DrafterConfig:
     tuning: DrafterTuning = field(default_factory=DrafterTuning)
     """Compile, kernel and scheduling knobs (``drafter.tuning.*``); the defaults are the measured best."""
 
+    loss: DrafterLoss = field(default_factory=DrafterLoss)
+    """The training objective (``drafter.loss.*``)."""
+
     def __post_init__(self) -> None:
         _require(self.num_layers >= 1, f"drafter.num_layers={self.num_layers}: must be >= 1")
         _require(self.block_size >= 2, f"drafter.block_size={self.block_size}: must be >= 2 (slot 0 is the anchor)")
         _require(self.num_anchors > 0, f"drafter.num_anchors={self.num_anchors}: must be > 0")
         _check_choices(self, "drafter")
         self.tuning = _sub(self.tuning, DrafterTuning, "drafter.tuning")
+        self.loss = _sub(self.loss, DrafterLoss, "drafter.loss")
+        _require(bool(self.variant), "drafter.variant: name a variant (dflash)")
         _require(self.num_anchors % self.tuning.micro_batches == 0,
                  f"drafter.tuning.micro_batches={self.tuning.micro_batches}: must divide drafter.num_anchors="
                  f"{self.num_anchors}")
-        _require(self.loss_gamma is None or self.loss_gamma > 0, "drafter.loss_gamma must be > 0")
         if self.layer_types is not None:
             self.layer_types = [str(t) for t in self.layer_types]
             bad = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
@@ -317,25 +341,6 @@ class DrafterConfig:
         if self.attention_backend == "flex" and not self.compile:
             raise ConfigError("drafter.attention_backend=flex needs drafter.compile=true: uncompiled flex_attention "
                               "runs the dense fallback (43x slower, 200x the memory). Use sdpa to run without compile.")
-
-    @property
-    def gamma(self) -> float:
-        return float(self.loss_gamma) if self.loss_gamma is not None else paper_gamma(self.block_size)
-
-
-PAPER_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}
-"""Loss decay gamma of the DFlash paper per block size (w_k = exp(-(k-1)/gamma))."""
-
-
-def paper_gamma(block_size: int) -> float:
-    """The paper's gamma for B = 8, 10, 16 (4, 5, 7). Any other B: NOT from the paper, a rule of this project:
-    piecewise-linear interpolation through (8, 4), (10, 5), (16, 7), the end segments extended beyond them
-    (slope 1/2 below 10, 1/3 above 10), floored at 1: B=12 -> 5.67, B=4 -> 2, B=2 -> 1, B=32 -> 12.33."""
-    b = int(block_size)
-    if b in PAPER_GAMMA:
-        return PAPER_GAMMA[b]
-    (b0, g0), (b1, g1) = ((8, 4.0), (10, 5.0)) if b < 10 else ((10, 5.0), (16, 7.0))
-    return max(1.0, g0 + (b - b0) * (g1 - g0) / (b1 - b0))
 
 
 @dataclass
@@ -811,7 +816,12 @@ def resolve_device(cfg: JobConfig) -> str:
 
 
 def resolve_backend(cfg: JobConfig, device: str) -> str:
-    b = cfg.drafter.attention_backend
+    return drafter_backend(cfg.drafter, device)
+
+
+def drafter_backend(dc: "DrafterConfig", device: str) -> str:
+    """The attention backend drafter.attention_backend resolves to on a ``device`` ("cuda" / "cpu")."""
+    b = dc.attention_backend
     if b == "auto":
         return "flex" if device == "cuda" else "sdpa"
     if b == "flex" and device == "cpu":

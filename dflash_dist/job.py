@@ -62,6 +62,7 @@ class Job:
     resumed_meta: Optional[dict] = None  # meta.json of the checkpoint resumed from
     nothing_left: Optional[str] = None   # a resumed run with nothing left to train: why (every rank exits 0)
     ctrl: object = None                  # the ctrl group while ``dist`` is None (a run with nothing left to train)
+    drafter: object = None               # model.spec.DrafterSpec: the drafter resolved once (shape, backend, loss)
 
 
 def on_rank0(ctrl, rank: int, fn):
@@ -275,9 +276,9 @@ def check_job_config(cfg: JobConfig, world_size: Optional[int], device_type: str
     skips the checks of the split. Returns what they resolved."""
     from transformers import AutoTokenizer
 
-    from dflash_dist.model.drafter import DrafterModelConfig
     from dflash_dist.model.fast_path import check_fast_path_for_config
     from dflash_dist.model.hf import attn_note, load_hf_config, resolve_attn_implementation, text_config, tokenizer_path
+    from dflash_dist.model.spec import resolve_drafter
     from dflash_dist.target.capture import check_packing_config
     check_target_paths(cfg)
     hf_config = load_hf_config(cfg.target)
@@ -286,9 +287,7 @@ def check_job_config(cfg: JobConfig, world_size: Optional[int], device_type: str
     tok = AutoTokenizer.from_pretrained(tok_path)
     mask_id = resolve_mask_token_id(cfg, tok, tc.vocab_size)
     layer_ids = validate_job(cfg, world_size, tc.num_hidden_layers, tc.vocab_size, mask_id)
-    DrafterModelConfig.from_target(tc, num_layers=cfg.drafter.num_layers, num_feature_layers=len(layer_ids),
-                                   block_size=cfg.drafter.block_size, intermediate_size=cfg.drafter.intermediate_size,
-                                   layer_types=cfg.drafter.layer_types, sliding_window=cfg.drafter.sliding_window)
+    drafter = resolve_drafter(cfg.drafter, tc, len(layer_ids), device_type)  # the drafter's settings, derived once
     attn = resolve_attn_implementation(cfg.target, hf_config, device_type)
     fast_path = check_fast_path_for_config(hf_config, cfg.target.fast_path, device_type, attn,
                                            attn_note(cfg.target, hf_config, device_type))
@@ -298,7 +297,7 @@ def check_job_config(cfg: JobConfig, world_size: Optional[int], device_type: str
         raise ConfigError(f"data.source={src!r}: no such file or directory (builtin, a .jsonl/.json/.parquet/.arrow "
                           "file or a datasets save_to_disk directory)")
     return {"hf_config": hf_config, "text_config": tc, "tokenizer_path": tok_path, "mask_token_id": mask_id,
-            "layer_ids": layer_ids, "attn_implementation": attn, "fast_path": fast_path}
+            "layer_ids": layer_ids, "attn_implementation": attn, "fast_path": fast_path, "drafter": drafter}
 
 
 def build_job(cfg: JobConfig, rank: int, world_size: Optional[int], ctrl, device_type: str) -> Job:
@@ -308,8 +307,8 @@ def build_job(cfg: JobConfig, rank: int, world_size: Optional[int], ctrl, device
     decisions) and dflash-plan (one process: world_size and ctrl None, no run directory, no resume). ``dist`` is
     left None; ``total_messages`` is the plan of train.epochs until ``setup`` fixes it for train.max_steps."""
     checked = check_job_config(cfg, world_size, device_type)
-    hf_config, tc, tok_path, mask_id, layer_ids = (checked[k] for k in ("hf_config", "text_config", "tokenizer_path",
-                                                                         "mask_token_id", "layer_ids"))
+    hf_config, tc, tok_path, mask_id, layer_ids, drafter = (
+        checked[k] for k in ("hf_config", "text_config", "tokenizer_path", "mask_token_id", "layer_ids", "drafter"))
     part = {"target": target_identity(cfg, hf_config),
             "drafter": drafter_identity(cfg, layer_ids, mask_id, tc.hidden_size)}
 
@@ -337,7 +336,8 @@ def build_job(cfg: JobConfig, rank: int, world_size: Optional[int], ctrl, device
     epoch_plan = plan_for(lengths, cfg, 1)
     identity["plan"] = plan_identity(epoch_plan)
     plan = plan_for(lengths, cfg, cfg.train.epochs)
-    job = Job(cfg=cfg, dist=None, run_dir=run_dir, hf_config=hf_config, layer_ids=layer_ids, mask_token_id=mask_id,
+    job = Job(cfg=cfg, dist=None, run_dir=run_dir, hf_config=hf_config, drafter=drafter, layer_ids=layer_ids,
+              mask_token_id=mask_id,
               tokenizer_path=tok_path, dataset_path=ds_path, holdout_path=ho_path, plan=plan,
               total_messages=len(plan), start_cursor=0, start_step=0, resume_from=resume_from,
               sample_lengths=lengths, identity=identity, epoch_messages=len(epoch_plan),

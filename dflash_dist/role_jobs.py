@@ -27,6 +27,9 @@ class RoleJob:
     """The run directory (checkpoints, metrics, traces)."""
     hf_config: object
     """The target's HF config (its text model's sizes, RoPE, vocabulary)."""
+    drafter: object
+    """model.spec.DrafterSpec: the drafter resolved once for the job (shape, block size, backend, compile flags,
+    variant, objective settings); the target serves its objective with drafter.tuning.loss_on_target."""
     layer_ids: list
     """The target layers whose outputs the drafter is conditioned on."""
     mask_token_id: int

@@ -50,10 +50,12 @@ from dflash_dist.checkpoint.export_load import (
     safetensors_shapes,
     validate_export_tensors,
 )
+from dflash_dist.checkpoint.meta import meta_block_size, meta_variant
 from dflash_dist.checkpoint.safe_io import local_dir
 from dflash_dist.checkpoint.store import CheckpointError
 from dflash_dist.checkpoint.validate import bare_name, check_checkpoint
-from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
+from dflash_dist.model.drafter import DrafterModelConfig
+from dflash_dist.model.variants import variant_class
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +112,10 @@ def mask_token_string(tokenizer: Any, mask_token_id: int) -> str:
 
 def build_export_config(drafter_config: DrafterModelConfig, target_config: dict, layer_ids: list,
                         mask_token_id: int, block_size: int, dtype: str = "bfloat16",
-                        mask_token: str = SGLANG_DEFAULT_MASK_TOKEN) -> dict:
+                        mask_token: str = SGLANG_DEFAULT_MASK_TOKEN, variant: str = "dflash") -> dict:
     """The z-lab ``config.json`` of a drafter trained on a target whose HF config dict is ``target_config``;
-    ``mask_token``: :func:`mask_token_string` of the target tokenizer."""
+    ``mask_token``: :func:`mask_token_string` of the target tokenizer; ``variant``: the drafter variant
+    (``drafter.variant``), whose ``export_fields`` give ``architectures`` and its own ``dflash_config`` fields."""
     dc = drafter_config
     tc = _text_config_dict(dict(target_config))
     layer_ids = [int(i) for i in layer_ids]
@@ -124,6 +127,9 @@ def build_export_config(drafter_config: DrafterModelConfig, target_config: dict,
     cfg.update(_dflash_fields(dc, layer_ids, num_target_layers, mask_token_id, mask_token, block_size))
     cfg.update(_attention_fields(dc))
     cfg.update({"auto_map": dict(AUTO_MAP), "torch_dtype": dtype, "dtype": dtype})
+    fields = variant_class(variant)().export_fields(dc)
+    cfg["architectures"] = list(fields.get("architectures", cfg["architectures"]))
+    cfg["dflash_config"].update(fields.get("dflash_config") or {})
     return cfg
 
 
@@ -275,7 +281,7 @@ def _read_checkpoint(checkpoint_dir: str) -> tuple[dict, dict]:
         meta, _ = check_checkpoint(checkpoint_dir)  # optimizer.pt is never opened
     except CheckpointError as e:
         raise CheckpointInputError(f"checkpoint {checkpoint_dir} is unusable: {e}") from None
-    for key in ("layer_ids", "mask_token_id", "block_size", "drafter_config", "target_config"):
+    for key in ("layer_ids", "mask_token_id", "drafter_config", "target_config"):
         if key not in meta:
             raise CheckpointInputError(f"checkpoint {checkpoint_dir}: meta.json has no {key!r}")
     weights = load_file(os.path.join(checkpoint_dir, "model.safetensors"))
@@ -298,9 +304,11 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, dtype: str = "bfloat16"
     tok_src = tokenizer_path or meta.get("tokenizer")
     tok = _load_tokenizer(tok_src, from_file=tokenizer_path is None,  # the mask token's string, also tokenizer=False
                           meta_path=os.path.join(checkpoint_dir, "meta.json"))
+    variant = variant_class(meta_variant(meta))()
     cfg = build_export_config(dcfg, meta["target_config"], meta["layer_ids"], meta["mask_token_id"],
-                              meta["block_size"], dtype, mask_token=mask_token_string(tok, meta["mask_token_id"]))
-    tensors = _export_tensors(weights, cfg, dtype)
+                              meta_block_size(meta), dtype, mask_token=mask_token_string(tok, meta["mask_token_id"]),
+                              variant=meta_variant(meta))
+    tensors = _export_tensors(weights, cfg, dtype, variant)
 
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
@@ -314,21 +322,31 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, dtype: str = "bfloat16"
     os.makedirs(tmp)
     try:
         _write_export(tmp, tensors, cfg, _side_meta(meta, checkpoint_dir, tok_src, dtype),
-                      tok if tokenizer else None)
+                      tok if tokenizer else None, variant)
         _publish(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 
-def _export_tensors(weights: dict, cfg: dict, dtype: str) -> dict:
-    """The checkpoint's drafter tensors under the export's names, checked against ``cfg``, in ``dtype``."""
-    tensors = _strip_prefixes(weights)
-    validate_export_tensors(tensors, cfg)
+def _validate_with_variant(tensors: dict, cfg: dict, variant) -> None:
+    """DFlash's names and shapes (export_load.validate_export_tensors) and the variant's own beyond them."""
+    extra = variant.extra_tensor_shapes(cfg)
+    validate_export_tensors({k: v for k, v in tensors.items() if k not in extra}, cfg)
+    have = {k: tuple(v.shape) for k, v in tensors.items() if k in extra}
+    if have != {k: tuple(s) for k, s in extra.items()}:
+        raise ExportError(f"the {variant.name} tensors do not match the exported config: have {have}, want {extra}")
+
+
+def _export_tensors(weights: dict, cfg: dict, dtype: str, variant) -> dict:
+    """The checkpoint's drafter tensors under the export's names (the variant's ``export_names``), checked
+    against ``cfg``, in ``dtype``."""
+    tensors = variant.export_names(_strip_prefixes(weights))
+    _validate_with_variant(tensors, cfg, variant)
     # the module must agree with the config too (the same check a consumer's strict load would do)
     with torch.device("meta"):
-        ref = DFlashDrafter(drafter_config_from_export(cfg), "sdpa").state_dict()
-    validate_export_tensors({k: v for k, v in ref.items()}, cfg)
+        ref = variant.export_names(variant.build(drafter_config_from_export(cfg), "sdpa").state_dict())
+    _validate_with_variant(ref, cfg, variant)
     bad = [k for k, v in tensors.items() if not bool(torch.isfinite(v.float()).all())]
     if bad:
         raise ExportError(f"non-finite values in {bad[:6]}: refusing to export a diverged drafter")
@@ -341,27 +359,28 @@ def _side_meta(meta: dict, checkpoint_dir: str, tok_src: Optional[str], dtype: s
     return {"format": META_FORMAT, "source_checkpoint": os.path.abspath(checkpoint_dir),
             "step": meta.get("step"), "final": meta.get("final"), "cursor": meta.get("cursor"),
             "layer_ids": list(meta["layer_ids"]), "mask_token_id": int(meta["mask_token_id"]),
-            "block_size": int(meta["block_size"]), "drafter_config": meta["drafter_config"],
+            "block_size": meta_block_size(meta), "drafter_config": meta["drafter_config"],
+            "drafter": meta.get("drafter"),
             "target": job.get("target"), "data": job.get("data"), "tokenizer_source": tok_src,
             "dtype": dtype, "chat_template_kwargs": meta.get("chat_template_kwargs",
                                                              (job.get("data") or {}).get("chat_template_kwargs", {}))}
 
 
-def _write_export(tmp: str, tensors: dict, cfg: dict, side: dict, tok: Any) -> None:
-    """Every file of the export into ``tmp`` (the tokenizer's unless ``tok`` is None), then read back as a
-    consumer reads it."""
+def _write_export(tmp: str, tensors: dict, cfg: dict, side: dict, tok: Any, variant) -> None:
+    """Every file of the export into ``tmp`` (the tokenizer's unless ``tok`` is None; the variant's standalone
+    module as modeling_dflash.py), then read back as a consumer reads it."""
     from safetensors.torch import save_file
     save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
         f.write("\n")
-    shutil.copyfile(MODELING_SOURCE, os.path.join(tmp, MODELING_NAME))
+    shutil.copyfile(variant.modeling_source, os.path.join(tmp, MODELING_NAME))
     if tok is not None:
         tok.save_pretrained(tmp)
     with open(os.path.join(tmp, META_NAME), "w") as f:
         json.dump(side, f, indent=1)
     # read back what a consumer reads: names/shapes of the file against the config in the file
-    validate_export_tensors(safetensors_shapes(os.path.join(tmp, "model.safetensors")), cfg)
+    _validate_with_variant(safetensors_shapes(os.path.join(tmp, "model.safetensors")), cfg, variant)
     with open(os.path.join(tmp, "config.json")) as f:
         problems = export_problems(json.load(f), tmp)
     if problems:

@@ -29,7 +29,7 @@ PART_KEYS = {
     "data": "data.source (its content) and data.{max_length, overlong, holdout, shuffle_seed, chat_template_kwargs}",
     "tokenizer": "target.tokenizer (the tokenizer files' content)",
     "target": "target.name_or_path / target.hf_config / target.init_seed",
-    "drafter": "drafter.{num_layers, block_size, intermediate_size, mask_token_id}, target.layer_ids",
+    "drafter": "drafter.{variant, num_layers, block_size, intermediate_size, mask_token_id}, target.layer_ids",
     "plan": "target.max_batch_tokens, target.max_batch_samples, data.sort_window_batches",
 }
 
@@ -113,8 +113,10 @@ def drafter_identity(cfg, layer_ids: list, mask_token_id: int, hidden_size: int)
     dc = cfg.drafter
     shape = {"num_layers": dc.num_layers, "block_size": dc.block_size, "intermediate_size": dc.intermediate_size,
              "layer_ids": list(layer_ids), "mask_token_id": int(mask_token_id), "hidden_size": int(hidden_size)}
-    label = (f"{dc.num_layers} layers, block {dc.block_size}, features of layers {list(layer_ids)}, "
-             f"mask {mask_token_id}")
+    if dc.variant != "dflash":  # in the hash only when not the default: DFlash runs from before keep theirs
+        shape["variant"] = dc.variant
+    label = (f"{dc.variant} drafter, {dc.num_layers} layers, block {dc.block_size}, features of layers "
+             f"{list(layer_ids)}, mask {mask_token_id}")
     return {"hash": _sha(json.dumps(shape, sort_keys=True).encode())[:16], "label": label}
 
 

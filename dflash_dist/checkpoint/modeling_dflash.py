@@ -21,6 +21,10 @@ block's. Returns the final-normed hidden states [b, Q, H] (no lm_head: the targe
 non-causal window of the z-lab model and of vLLM). ``past_key_values`` (a transformers ``Cache``): keys and values
 are appended per layer, as the z-lab reference's ``spec_generate`` does; the cached keys are taken to sit at
 positions 0 .. past_len - 1.
+
+A drafter variant's counterpart (dflash_dist/model/variants/) is a copy of this file that overrides the same hooks
+as its training module: ``_make_layer`` (a layer with extra weights), ``_add_modules`` (weights after the layers)
+and ``_after_layers`` (the final hidden states).
 """
 
 from typing import Optional
@@ -147,10 +151,11 @@ class DFlashDraftModel(PreTrainedModel):
         self.mask_token_id = dfc.get("mask_token_id")
         self.block_size = int(dfc.get("block_size", getattr(config, "block_size", 16)))
         h = config.hidden_size
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self._make_layer(config, i) for i in range(config.num_hidden_layers))
         self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
         self.hidden_norm = DFlashRMSNorm(h, config.rms_norm_eps)
         self.norm = DFlashRMSNorm(h, config.rms_norm_eps)
+        self._add_modules(config)
         rope = _rope_params(config)
         self.rope_type = rope.get("rope_type", rope.get("type", "default"))
         self.rope_theta = float(rope["rope_theta"])
@@ -164,6 +169,15 @@ class DFlashDraftModel(PreTrainedModel):
                 inv, scale = self._rope_fn(config, device=torch.device("cpu"))
             self._inv_freq, self.attention_scaling = inv.float(), float(scale)
         self.post_init()
+
+    def _make_layer(self, config, index: int) -> nn.Module:
+        return DFlashDecoderLayer(config, index)
+
+    def _add_modules(self, config) -> None:
+        """A variant's weights after the layers (DFlash: none)."""
+
+    def _after_layers(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h)
 
     def _scaled_inv_freq(self, seq_len: int) -> torch.Tensor:
         """dynamic / longrope: transformers' forward-time choice for seq_len, without its state."""
@@ -240,4 +254,4 @@ class DFlashDraftModel(PreTrainedModel):
                 masks[w] = _prepare(base & near)
         for layer in self.layers:
             h = layer(h, ctx, rope_q, rope_k, masks[layer.self_attn.sliding_window], past_key_values)
-        return self.norm(h)
+        return self._after_layers(h)

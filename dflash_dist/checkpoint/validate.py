@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 import typing
 from typing import Any, Optional
 
@@ -224,6 +225,28 @@ def _counts(file, field, v):
         _nonneg(file, f"{field}.{k}", x)
 
 
+def code_name(file: str, field: str, name: Any, registry) -> None:
+    """A variant / objective named in a file: a registered one, or a ``module:Class`` whose module the calling
+    program imported itself. A file never makes this process import a module (that would run code it names)."""
+    if not isinstance(name, str) or not name:
+        raise fail(file, field, f"{name!r} is not a name")
+    if name in registry.names() or (":" in name and name.partition(":")[0] in sys.modules):
+        return
+    raise fail(file, field, f"{name!r}: a file may name only the registered {registry.kind}s "
+               f"({', '.join(registry.names())}); one of your own is used only when your program imports its module")
+
+
+def _drafter_settings(file, field, v):
+    """The resolved drafter's settings (model/spec.DrafterSpec.to_meta without the model config)."""
+    from dflash_dist.model.objectives import OBJECTIVES
+    from dflash_dist.model.variants import VARIANTS
+    _obj(file, field, v)
+    code_name(file, f"{field}.variant", v.get("variant", "dflash"), VARIANTS)
+    loss = v.get("loss", {})
+    _obj(file, f"{field}.loss", loss)
+    code_name(file, f"{field}.loss.objective", loss.get("objective", "decayed_ce"), OBJECTIVES)
+
+
 def _identity(file, field, v):
     """{part: {hash, label}} (checkpoint/identity.py)."""
     _obj(file, field, v)
@@ -238,7 +261,7 @@ META_SCHEMA = {
     "step": _nonneg, "cursor": _nonneg, "total_messages": _nonneg, "num_targets": _nonneg,
     "tensor_parallel": _nonneg, "num_drafters": _nonneg, "files": _obj, "reason": _opt_str, "final": _bool,
     "layer_ids": _layer_ids, "mask_token_id": _nonneg,
-    "block_size": size, "drafter_config": _obj, "target_config": _obj,
+    "block_size": size, "drafter_config": _obj, "drafter": _drafter_settings, "target_config": _obj,
     "tokenizer": local_location, "job_config": _obj, "counts": _counts, "chat_template_kwargs": _obj,
     "identity": _identity,
 }

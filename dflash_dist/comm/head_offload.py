@@ -13,8 +13,10 @@ receives right before that backward (a receive pending on the GPU holds 16 SMs s
 group's forward took 33.8 ms of kernel time beside one, the first 28.4) and its stream waits for them there (the
 host does not), the rows taking their received gradient (``_ReceivedGrad``); the last reply arrives while the
 earlier groups' backward runs.
-``drafter.tuning.local_loss_groups``: the last groups' loss stays on the drafter. The numbers are those of the local
-fused loss (``loss.frozen_head_ce`` on both sides; bit for bit on CPU, ``tests/integration/test_head_offload.py``). Measured
+``drafter.tuning.local_loss_groups``: the last groups' loss stays on the drafter. This module only moves tensors:
+both sides call the objective object they are handed (model/objectives/: ``rows`` and ``parts`` on the drafter,
+``serve`` on the target), so the numbers are those of the local fused loss (bit for bit on CPU,
+``tests/integration/test_head_offload.py``). Measured
 on 2x H200 (docs/benchmarks.md, drafter-bound 1 + 1 job, 8B shapes): 2 groups 1.18x the local loss, 4
 groups 1.10x. With one backward for all groups waiting for every reply, and the receives posted with the requests
 (one group kept local): 1.06x.
@@ -48,7 +50,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dflash_dist.comm.transport import CODE_DTYPES, DTYPE_CODES, Channel, TransportError, poll_until
-from dflash_dist.model.loss import LossParts, frozen_head_ce, loss_rows, row_weights, slot_stats
 
 log = logging.getLogger("dflash_dist")
 
@@ -120,21 +121,21 @@ class _Pending:
 
 
 class HeadLossClient:
-    """Drafter side: post a group's rows to a target, then collect the replies as LossParts."""
+    """Drafter side: post a group's rows to a target, then collect the replies as the objective's LossParts.
+    ``objective``: the drafter's objective object (its ``rows`` and ``parts``)."""
 
-    def __init__(self, channel: Channel, replies: Channel, rank: int, head_dtype: torch.dtype, block_size: int,
-                 gamma: float):
+    def __init__(self, channel: Channel, replies: Channel, rank: int, head_dtype: torch.dtype, objective):
         if channel.store is None:
             raise ValueError("drafter.tuning.loss_on_target needs the rendezvous store")
         self.ch, self.replies, self.rank, self.dtype = channel, replies, rank, head_dtype
-        self.block_size, self.gamma = block_size, gamma
+        self.objective = objective
         self.sent: dict[int, int] = {}   # requests posted per target
         self.requests = 0
 
     def request(self, target: int, index: int, hidden: Tensor, labels: Tensor) -> _Pending:
         """Post the loss rows of one group (hidden [b, N*B, H] with its graph, labels [b, N*B]) to ``target`` for
         plan message ``index``; returns without waiting. The reply's receives are posted by ``complete``."""
-        rows_h, rows_y, rows_w = loss_rows(hidden, labels, self.block_size, self.gamma)
+        rows_h, rows_y, rows_w = self.objective.rows(hidden, labels)
         send_h = rows_h.detach().to(self.dtype).contiguous()
         send_y = rows_y.contiguous()
         r, h = send_h.shape
@@ -154,7 +155,7 @@ class HeadLossClient:
         surrogate = _ReceivedGrad.apply(rows_h, grad)
         return _Pending(rows_y, rows_w, surrogate, loss, pred, grad, [], (sends, send_h, send_y))
 
-    def complete(self, p: _Pending, target: int) -> LossParts:
+    def complete(self, p: _Pending, target: int):
         """Post the reply's receives (on the reply group) and make the compute stream wait for them (CUDA; CPU:
         the host waits); returns the group's LossParts. Posted this late, right before the group's backward, a
         receive never sits on the GPU while the target computes: a pending NCCL receive holds 16 SMs spinning
@@ -167,19 +168,19 @@ class HeadLossClient:
             self.replies.wait(w, f"the head reply of target rank {target}", host=False, group=g)
         for w in p.sends[0]:
             self.ch.wait(w, f"target rank {target} to take head rows", host=False, group=self.ch.data_group)
-        return slot_stats(p.surrogate + p.loss[0], p.pred, p.rows_y, p.rows_w, self.block_size)
+        return self.objective.parts(p.surrogate + p.loss[0], p.pred, p.rows_y, p.rows_w)
 
 
 class HeadLossServer:
-    """Target side: the requests this rank expects (M per message it sent, in sending order) and their service."""
+    """Target side: the requests this rank expects (M per message it sent, in sending order) and their service.
+    ``objective``: the drafter's objective object (its ``serve`` computes a request's reply)."""
 
-    def __init__(self, channel: Channel, replies: Channel, rank: int, weight: Tensor, block_size: int,
-                 gamma: float, chunk_rows: int, compiled: bool, requests_per_message: int,
-                 before_serve: Optional[Callable[[], None]] = None):
+    def __init__(self, channel: Channel, replies: Channel, rank: int, weight: Tensor, objective,
+                 requests_per_message: int, before_serve: Optional[Callable[[], None]] = None):
         if channel.store is None:
             raise ValueError("drafter.tuning.loss_on_target needs the rendezvous store")
         self.ch, self.replies, self.rank, self.weight = channel, replies, rank, weight.detach()
-        self.block_size, self.gamma, self.chunk_rows, self.compiled = block_size, gamma, chunk_rows, compiled
+        self.objective = objective
         self.requests_per_message = requests_per_message
         # posts the feature payloads whose receives are posted (Sender.pump), before a request's receive is queued:
         # a payload posted later from the compute stream would wait behind the request's receive, which waits for
@@ -229,7 +230,7 @@ class HeadLossServer:
         t0 = time.monotonic()
         cuda = self.weight.device.type == "cuda"
         index, r, h, code = (int(x) for x in spec.split(","))
-        bsz = self.block_size
+        bsz = self.objective.block_size
         if index != k:
             raise TransportError(f"drafter rank {drafter} sent head rows of message {index}, target rank {self.rank} "
                                  f"expected message {k}: the schedules disagree")
@@ -248,9 +249,7 @@ class HeadLossServer:
             self.ch.wait(w, f"head rows of message {k} from drafter rank {drafter}", host=False, group=g)
         start = torch.cuda.current_stream(dev).record_event(torch.cuda.Event(enable_timing=True)) if cuda else None
         with torch.no_grad():
-            loss_sum, pred, grad = frozen_head_ce(rows, self.weight, labels,
-                                                  row_weights(labels, bsz, self.gamma), self.chunk_rows,
-                                                  self.compiled)
+            loss_sum, pred, grad = self.objective.serve(rows, self.weight, labels)
             loss = loss_sum.float().reshape(1)
             grad = grad.to(rows.dtype)
         gr = self.replies.data_group  # the drafter posts their receives right before that group's backward

@@ -154,10 +154,10 @@ class DrafterRun:
                      f"{', compiled layers' if trainer.compile_layers else ''}"
                      f"{', compiled loss' if trainer.compile_loss else ''}"
                      f"{', kernel options ' + str(kernel) if kernel else ''})")
-        log.info("drafter: %d layers, %.2fM trainable params, attention backend=%s%s, anchors=%d, block=%d",
-                 cfg.drafter.num_layers, n_params / 1e6, trainer.backend,
+        log.info("drafter: %s, %d layers, %.2fM trainable params, attention backend=%s%s, anchors=%d, block=%d, "
+                 "loss %s", trainer.spec.variant, cfg.drafter.num_layers, n_params / 1e6, trainer.backend,
                  flex_desc if trainer.backend == "flex" else " (dense bool mask, SDPA)",
-                 cfg.drafter.num_anchors, cfg.drafter.block_size)
+                 cfg.drafter.num_anchors, trainer.block_size, trainer.objective.describe())
 
     def connect(self) -> None:
         """The data channel from every feeding target and, with drafter.tuning.loss_on_target, the head groups."""
@@ -169,7 +169,7 @@ class DrafterRun:
             self.head_channel, self.reply_channel = head_channels(d, cfg.topology.warmup_timeout_s, self.life.check,
                                                                   self.topo.feeders, drafter=True)
             trainer.heads = HeadLossClient(self.head_channel, self.reply_channel, d.rank, trainer.lm_head.dtype,
-                                           cfg.drafter.block_size, cfg.drafter.gamma)
+                                           trainer.objective)
         if trainer.micro_batches > 1 or self.head_channel is not None:
             served = trainer.micro_batches - tuning.local_loss_groups
             log.info("drafter step: %d group(s) of %d anchors, each its own forward; lm_head and loss %s",
@@ -229,8 +229,7 @@ class DrafterRun:
         if isinstance(msg, EndOfStream):
             raise RuntimeError(f"target rank {msg.src} ended its stream before message {self.job.start_cursor + j}")
         self.target_stats[msg.src] = msg.sender_stats
-        self.trainer.counts["messages_received"] += 1
-        self.trainer.counts["samples_received"] += msg.num_samples
+        self.trainer.note_received(msg)
         nxt = j + self.topo.num_drafters
         if nxt < self.run_messages:
             self.pending = self.rx.post(self.topo.target_for(nxt), self.job.start_cursor + nxt)
@@ -249,8 +248,9 @@ class DrafterRun:
             trainer.train_step(trainer.build(msg, k))
 
     def account_step(self, s: int, msg, t0: float, t1: float) -> None:
-        """Counters, the sample log, the step and cursor, wait/busy time; after step 1 the steady timeouts."""
-        trainer, topo, job = self.trainer, self.topo, self.job
+        """The rate, the sample log, the trainer's step (it moves its step, cursor and counts), wait/busy time;
+        after step 1 the steady timeouts."""
+        trainer, topo = self.trainer, self.topo
         if msg is not None:
             self.rate.add(msg.num_samples, msg.num_tokens)
             if self.sample_log is not None:
@@ -260,10 +260,7 @@ class DrafterRun:
                     "k": msg.index, "step": trainer.step, "ids": msg.sample_ids.tolist(), "from": msg.src,
                     "from_node": topo.node_of(msg.src), "to": self.d.rank, "to_node": topo.node_of(self.d.rank),
                     "weights_fp": weights_fingerprint(trainer.model)}) + "\n")
-        else:
-            trainer.counts["empty_steps"] += 1
-        trainer.step += 1
-        trainer.cursor = min(job.start_cursor + (s + 1) * topo.num_drafters, job.total_messages)
+        trainer.finish_step(s, msg)
         self.wait_s += t1 - t0
         self.busy_s += time.monotonic() - t1
         if s == 1:

@@ -13,8 +13,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from dflash_dist.checkpoint.meta import checkpoint_meta
 from dflash_dist.checkpoint.store import load_checkpoint, save_checkpoint
-from dflash_dist.config import resolve_backend
 from dflash_dist.drafter.compile_guard import (
     batch_shape,
     expected_shapes,
@@ -23,11 +23,11 @@ from dflash_dist.drafter.compile_guard import (
     precompile_steps,
 )
 from dflash_dist.model.blocks import make_batch, split_anchors
-from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
 from dflash_dist.model.hf import load_head_from_checkpoint, resolve_dtype, resolve_source, text_config
-from dflash_dist.model.loss import LossParts, decayed_ce
+from dflash_dist.model.loss import LossParts
 from dflash_dist.model.masks import dense_mask, flex_block_mask, layer_masks, visible_pairs
 from dflash_dist.telemetry.flops import attention_flops_per_pair, drafter_step_flops
+from dflash_dist.telemetry.step_stats import StepStats
 from dflash_dist.telemetry.step_trace import phase
 
 LEAKY_MASK_ENV = "DFLASH_LEAKY_MASK_DEMO"
@@ -60,23 +60,17 @@ class DrafterTrainer:
         cfg, d = job.cfg, job.dist
         self.cfg, self.d, self.topo = cfg, d, d.topo
         self.device = d.device
-        self.backend = resolve_backend(cfg, self.device.type)
+        self.spec = spec = job.drafter  # the resolved drafter (model/spec.py): shape, backend, compile, loss
+        self.mcfg, self.backend = spec.model, spec.backend
+        self.flex_dynamic, self.compile_layers, self.compile_loss = (spec.flex_dynamic, spec.compile_layers,
+                                                                     spec.loss.compiled)
+        self.variant = spec.variant_impl()
+        self.objective = spec.make_objective()
         tc = text_config(job.hf_config)
-        self.mcfg = DrafterModelConfig.from_target(tc, num_layers=cfg.drafter.num_layers,
-                                                   num_feature_layers=len(job.layer_ids),
-                                                   block_size=cfg.drafter.block_size,
-                                                   intermediate_size=cfg.drafter.intermediate_size,
-                                                   layer_types=cfg.drafter.layer_types,
-                                                   sliding_window=cfg.drafter.sliding_window)
         torch.manual_seed(cfg.train.seed)
-        self.flex_dynamic = self.backend == "flex" and cfg.drafter.tuning.compile_dynamic and self.device.type == "cuda"
-        cl = cfg.drafter.tuning.compile_layers
-        self.compile_layers = self.backend == "flex" if cl is None else bool(cl)
-        closs = cfg.drafter.tuning.compile_loss
-        self.compile_loss = self.backend == "flex" if closs is None else bool(closs)
-        self.model = DFlashDrafter(self.mcfg, self.backend).to(self.device).configure_compile(
+        self.model = self.variant.build(self.mcfg, self.backend).to(self.device).configure_compile(
             flex_dynamic=self.flex_dynamic, compile_layers=self.compile_layers,
-            kernel_options=cfg.drafter.tuning.flex_kernel_options)
+            kernel_options=spec.flex_kernel_options)
         log.info("drafter RoPE: %s, through transformers' %s init (model/rope.py)", self.model.rope.describe(),
                  self.model.rope.rope_type)
         self.embed, self.lm_head = head_weights if head_weights is not None else receive_head_weights(job, self.device)
@@ -97,11 +91,12 @@ class DrafterTrainer:
                          else torch.autocast("cpu", enabled=False))
         self.counts = {"messages_received": 0, "samples_received": 0, "samples_trained": 0,
                        "samples_skipped_nonfinite": 0, "samples_skipped_shape": 0, "empty_steps": 0}
-        B = cfg.drafter.block_size
-        # per-step statistics accumulated on device, read once per logging window:
-        # [loss_sum, weight_sum, correct[B], count[B], grad_norm, steps, model FLOPs, nonfinite samples per target[T]]
-        self.i_flops = 2 + 2 * B + 2
-        self.acc = torch.zeros(self.i_flops + 1 + self.topo.num_replicas, dtype=torch.float64, device=self.device)
+        # per-step statistics accumulated on device, read once per logging window (one all-reduce): the
+        # objective's, the variant's loss terms, and the step's own
+        slots = dict(self.objective.stat_slots())
+        slots.update({name: 1 for name in self._loss_term_names()})
+        slots.update({"grad_norm": 1, "steps": 1, "model_flops": 1, "nonfinite_by_target": self.topo.num_replicas})
+        self.stats = StepStats(slots, self.device)
         self.nonfinite_by_target = [0] * self.topo.num_replicas
         self.micro_batches = cfg.drafter.tuning.micro_batches
         # A bug on purpose, for scripts/leak_demo.sh only (never a config key): blocks see the target state at
@@ -110,6 +105,7 @@ class DrafterTrainer:
         self.heads = None  # head_offload.HeadLossClient, set by run_drafter with drafter.tuning.loss_on_target
         self.planned_steps = self._planned_steps()
         dc = cfg.drafter
+        self.block_size = spec.block_size
         self.precompile_plan = (precompile_steps(self.planned_steps, dc.tuning.ctx_bucket)
                                 if self.backend == "flex" and dc.tuning.precompile and self.planned_steps else [])
         self.precompile_s: float | None = None  # seconds of the dry steps, once run
@@ -129,7 +125,7 @@ class DrafterTrainer:
         step's shape is one the plan says this drafter will see (see compile_guard)."""
         dc = self.cfg.drafter
         steps = self.planned_steps or []
-        shapes = expected_shapes(steps + [[2]], dc.tuning.ctx_bucket, dc.num_anchors * dc.block_size)  # + empty
+        shapes = expected_shapes(steps + [[2]], dc.tuning.ctx_bucket, dc.num_anchors * self.block_size)  # + empty
         # dynamo: static, then dynamic b, dynamic S_pad, b == 1 specialised -> at most ~4 variants per function;
         # the dry steps of precompile() are warm-up steps too
         return install_guard(num_shape_buckets=min(len(shapes), 4), margin=2,
@@ -152,23 +148,24 @@ class DrafterTrainer:
             ids, mask, cu, feats = empty_batch_inputs(self.feature_width, self.device, self.lm_head.dtype)
         else:
             ids, mask, cu, feats = msg.input_ids, msg.loss_mask, msg.cu_seqlens, msg.features
-        batch = make_batch(ids, mask, cu, feats, num_anchors=cfg.num_anchors, block_size=cfg.block_size,
+        batch = make_batch(ids, mask, cu, feats, num_anchors=cfg.num_anchors, block_size=self.block_size,
                            mask_token_id=self.job.mask_token_id, ctx_bucket=cfg.tuning.ctx_bucket, generator=gen)
         bad = ~torch.isfinite(batch.features).flatten(1).all(1)                        # [b]
         batch.features = torch.nan_to_num(batch.features, nan=0.0, posinf=0.0, neginf=0.0)
         batch.labels = batch.labels.masked_fill(bad[:, None], -100)
         if msg is not None:
-            slot = self.i_flops + 1 + self.topo.replica_of(msg.src)
-            self.acc[slot] += bad.sum()
+            nonfinite = torch.zeros(self.topo.num_replicas, dtype=torch.long, device=self.device)
+            nonfinite[self.topo.replica_of(msg.src)] = bad.sum()
+            self.stats.add("nonfinite_by_target", nonfinite)
         batch.src, batch.index = src, k
         return batch
 
     def attention_mask(self, batch):
-        B = self.cfg.drafter.block_size
+        B = self.block_size
         leak = self.leaky_mask  # False except in the leak demonstration
         if self.backend == "flex":
             def build(w):
-                return flex_block_mask(batch.anchors, batch.valid, batch.ctx_len, B, compile=self.cfg.drafter.compile,
+                return flex_block_mask(batch.anchors, batch.valid, batch.ctx_len, B, compile=self.spec.compile_mask,
                                        context_inclusive=leak, dynamic=self.flex_dynamic, sliding_window=w)
         else:
             def build(w):
@@ -208,9 +205,29 @@ class DrafterTrainer:
                             out.append(self.heads.request(batch.src, batch.index, hidden, group.labels))
                     else:
                         with phase(f"group{i} loss"):
-                            out.append(decayed_ce(hidden, self.lm_head, group.labels, dc.block_size, dc.gamma,
-                                                  dc.tuning.loss_chunk_rows, compiled=self.compile_loss))
+                            out.append(self.objective.loss(hidden, self.lm_head, group.labels))
+                    terms = self.model.loss_terms(hidden, group.labels, self.lm_head)
+                    if terms:  # a variant's own losses, named; a served group's are added once its reply is in
+                        out[-1] = (out[-1], terms)
         return out
+
+    def _loss_term_names(self) -> list:
+        """The names of the variant's loss terms (``DFlashDrafter.loss_terms``), declared by the model class."""
+        return list(self.model.loss_term_names)
+
+    @staticmethod
+    def _weight_sum(groups: list):
+        """The step's local loss weight sum (known before any reply: the normalisation needs it first)."""
+        return sum((g[0] if isinstance(g, tuple) else g).weight_sum for g in groups).detach().float()
+
+    def _with_terms(self, group, src) -> LossParts:
+        """A group's LossParts, its reply collected, the variant's loss terms added (each also kept by name)."""
+        group, terms = group if isinstance(group, tuple) else (group, {})
+        part = group if isinstance(group, LossParts) else self.heads.complete(group, src)
+        if terms:
+            part.loss_sum = part.loss_sum + sum(terms.values())
+            part.extra = dict(terms)
+        return part
 
     def _backward(self, groups: list, src, scale) -> LossParts:
         """Backward of each group in order, each once its own reply is in (``HeadLossClient.complete`` makes the
@@ -224,7 +241,7 @@ class DrafterTrainer:
         held = None
         for i, g in enumerate(groups):
             with phase(f"group{i} backward"):
-                part = g if isinstance(g, LossParts) else self.heads.complete(g, src)
+                part = self._with_terms(g, src)
                 parts.append(part)
                 loss = part.loss_sum * scale
                 if i < len(groups) - 1:
@@ -254,13 +271,13 @@ class DrafterTrainer:
             ids = torch.randint(0, vocab, (t,), generator=gen).to(self.device)
             sup = torch.ones(t, dtype=torch.bool, device=self.device)
             feats = torch.zeros(t, self.feature_width, dtype=self.lm_head.dtype, device=self.device)
-            batch = make_batch(ids, sup, cu, feats, num_anchors=dc.num_anchors, block_size=dc.block_size,
+            batch = make_batch(ids, sup, cu, feats, num_anchors=dc.num_anchors, block_size=self.block_size,
                                mask_token_id=self.job.mask_token_id, ctx_bucket=dc.tuning.ctx_bucket, generator=gen)
             no_sync = self.ddp.no_sync() if self.ddp is not self.model else contextlib.nullcontext()
             guard = self.guard.step(batch_shape(batch)) if self.guard is not None else contextlib.nullcontext()
             with guard, no_sync:
                 groups = self._group_losses(batch)
-                wsum = sum(g.weight_sum for g in groups).detach().float()
+                wsum = self._weight_sum(groups)
                 self._backward(groups, batch.src, 1.0 / wsum.clamp_min(1e-6))
             self.opt.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
@@ -273,9 +290,8 @@ class DrafterTrainer:
         mult = cosine_lr(self.cursor, self.job.total_messages, cfg.train.warmup_ratio, cfg.train.min_lr_ratio)
         for g in self.opt.param_groups:
             g["lr"] = cfg.train.lr * mult
-        B = cfg.drafter.block_size
         groups = self._group_losses(batch)
-        wsum = sum(g.weight_sum for g in groups).detach().float().clone()  # known before the replies
+        wsum = self._weight_sum(groups).clone()  # known before the replies
         if self.d.drafters is not None:
             dist.all_reduce(wsum, group=self.d.drafters)
         parts = self._backward(groups, batch.src, self.topo.num_drafters / wsum.clamp_min(1e-6))
@@ -284,19 +300,19 @@ class DrafterTrainer:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
         with torch.no_grad():
-            self.acc[:4 + 2 * B] += torch.cat([parts.loss_sum.detach().double().view(1), parts.weight_sum.double().view(1),
-                                   parts.slot_correct.double(), parts.slot_count.double(),
-                                   gnorm.detach().double().view(1), torch.ones(1, dtype=torch.float64,
-                                                                               device=self.device)])
-            self.acc[self.i_flops] += self.step_flops(batch)
+            self.stats.add_all(self.objective.stats(parts))
+            self.stats.add_all({k: v.detach() for k, v in parts.extra.items()})
+            self.stats.add_all({"grad_norm": gnorm, "steps": 1.0, "model_flops": self.step_flops(batch)})
         self.lr = cfg.train.lr * mult
 
     def step_flops(self, batch) -> torch.Tensor:
         """Model FLOPs of this step (flops.drafter_step_flops) as a device scalar: the shape terms are host
         integers, the attention term needs the anchors (visible pairs), summed on the device (no sync)."""
-        B = self.cfg.drafter.block_size
+        B = self.block_size
         b, n = batch.anchors.shape
-        fixed = drafter_step_flops(self.mcfg, b, batch.ctx_len, n, self.lm_head.shape[0], 0.0)
+        vocab = self.lm_head.shape[0]
+        fixed = drafter_step_flops(self.mcfg, b, batch.ctx_len, n, vocab, 0.0)
+        fixed["model"] += self.variant.extra_flops(self.mcfg, b, batch.ctx_len, n, vocab)
         if self.heads is not None and batch.src is not None:  # the head's FLOPs of the served groups: the target's
             dc = self.cfg.drafter
             fixed["model"] -= fixed["lm_head"] * (dc.tuning.micro_batches - dc.tuning.local_loss_groups) / dc.tuning.micro_batches
@@ -310,51 +326,43 @@ class DrafterTrainer:
         return pairs * attention_flops_per_pair(self.mcfg) + fixed
 
     # ------------------------------------------------------------------ bookkeeping
+    def note_received(self, msg) -> None:
+        """A message arrived for this rank (counted before its step)."""
+        self.counts["messages_received"] += 1
+        self.counts["samples_received"] += msg.num_samples
+
+    def finish_step(self, s: int, msg) -> None:
+        """Step ``s`` of this run is done (``msg`` None: an empty step): the step counter, the cursor (messages
+        of the plan trained by all drafters) and the counts move on."""
+        if msg is None:
+            self.counts["empty_steps"] += 1
+        self.step += 1
+        job = self.job
+        self.cursor = min(job.start_cursor + (s + 1) * self.topo.num_drafters, job.total_messages)
+
     def read_window(self) -> dict:
-        B = self.cfg.drafter.block_size
-        acc = self.acc.clone()
-        dist.all_reduce(acc, group=self.d.drafters)
-        v = acc.tolist()
-        self.acc.zero_()
-        T = self.topo.num_replicas
-        bad = [int(x) for x in v[len(v) - T:]]
-        flops = v[self.i_flops]
+        """The metrics of the steps since the last read, over all drafters (one all-reduce of the statistics)."""
+        v = self.stats.read(group=self.d.drafters)
+        bad = [int(x) for x in v["nonfinite_by_target"]]
         for t, n in enumerate(bad):
             self.nonfinite_by_target[t] += n
-        out_bad = {"skipped_nonfinite": sum(bad)}
-        for t, n in enumerate(bad):
             if n:
                 log.warning("target rank %d sent %d samples with non-finite hidden states in this window "
                             "(skipped; %d so far)", self.topo.feeders[t], n, self.nonfinite_by_target[t])
-        loss_sum, wsum = v[0], v[1]
-        correct, count = v[2:2 + B], v[2 + B:2 + 2 * B]
-        gnorm, nsteps = v[2 + 2 * B], v[3 + 2 * B]
-        out = {"loss": loss_sum / max(wsum, 1e-9), "lr": self.lr, "model_flops": flops,
-               "grad_norm": gnorm / max(nsteps, 1) / self.topo.num_drafters}
-        tot_c, tot_n = sum(correct[1:]), sum(count[1:])
-        out["acc"] = tot_c / max(tot_n, 1)
-        for k in range(1, B):
-            out[f"acc_slot_{k}"] = correct[k] / max(count[k], 1)
-        # expected accepted length if slots were independent given a correct prefix (a training-side proxy)
-        tau, run = 1.0, 1.0
-        for k in range(1, B):
-            run *= correct[k] / max(count[k], 1)
-            tau += run
-        out["tau_from_acc"] = tau
-        out.update(out_bad)
+        out = {"loss": None, "lr": self.lr, "model_flops": v["model_flops"][0],  # loss: the objective's, below
+               "grad_norm": v["grad_norm"][0] / max(v["steps"][0], 1) / self.topo.num_drafters}
+        out.update(self.objective.window_metrics(v))
+        wsum = max(v["weight_sum"][0], 1e-9) if "weight_sum" in v else 1.0
+        for name in self._loss_term_names():
+            out[f"loss_{name}"] = v[name][0] / wsum
+        out["skipped_nonfinite"] = sum(bad)
         return out
 
     def save(self, final: bool = False, reason: str = "periodic") -> None:
         if not self.topo.is_leader:
             return
-        meta = {"reason": "final" if final else reason, "cursor": self.cursor, "total_messages": self.job.total_messages,
-                "num_targets": self.topo.num_targets, "tensor_parallel": self.topo.tp, "num_drafters": self.topo.num_drafters,
-                "layer_ids": self.job.layer_ids, "mask_token_id": self.job.mask_token_id,
-                "block_size": self.cfg.drafter.block_size, "drafter_config": self.mcfg.__dict__,
-                "target_config": self.job.hf_config.to_dict(), "tokenizer": self.job.tokenizer_path,
-                "job_config": self.cfg.to_dict(), "final": final, "counts": dict(self.counts),
-                "chat_template_kwargs": dict(self.cfg.data.chat_template_kwargs or {}),
-                "identity": self.job.identity}
+        meta = checkpoint_meta(self.job, self.topo, self.spec, cursor=self.cursor, counts=self.counts, final=final,
+                               reason=reason)
         path = save_checkpoint(self.job.run_dir, self.step, self.model.state_dict(), self.opt.state_dict(), meta,
                                keep=self.cfg.train.keep_checkpoints)
         self.last_checkpoint = path

@@ -23,9 +23,6 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
-from dflash_dist.model.hf import text_config
-
 log = logging.getLogger("dflash_dist")
 REQ, READY, RES = "dflash/eval_req/", "dflash/eval_ready/", "dflash/eval_res/"
 CLOSED = "dflash/eval_closed"  # the target stopped early and takes no more requests
@@ -51,14 +48,6 @@ def _completed(work, device: torch.device) -> bool:
         return work.is_completed()
     work.wait()
     return True
-
-
-def _model_config(job) -> DrafterModelConfig:
-    c = job.cfg
-    return DrafterModelConfig.from_target(text_config(job.hf_config), num_layers=c.drafter.num_layers,
-                                          num_feature_layers=len(job.layer_ids), block_size=c.drafter.block_size,
-                                          intermediate_size=c.drafter.intermediate_size,
-                                          layer_types=c.drafter.layer_types, sliding_window=c.drafter.sliding_window)
 
 
 def eval_enabled(job) -> bool:
@@ -226,7 +215,8 @@ class TargetEval:
         self.running: Optional[_Running] = None
         c = job.cfg
         connect(job, leader=False)
-        self.drafter = DFlashDrafter(_model_config(job), "sdpa").to(job.dist.device).eval()
+        # the job's variant and shape (model/spec.py), sdpa: the decode step's shapes change every block
+        self.drafter = job.drafter.build_model("sdpa").to(job.dist.device).eval()
         self.numel = sum(v.numel() for v in self.drafter.state_dict().values())
         tok = AutoTokenizer.from_pretrained(job.tokenizer_path)
         try:
@@ -284,7 +274,7 @@ class TargetEval:
         unpack_state_(self.drafter, r.flat)
         c = self.job.cfg
         steps = evaluate_steps(self.model, self.drafter, None, None, self.prompts, self.job.layer_ids,
-                               self.job.mask_token_id, c.drafter.block_size, c.train.eval_max_new_tokens, self.eos,
+                               self.job.mask_token_id, self.job.drafter.block_size, c.train.eval_max_new_tokens, self.eos,
                                check_lossless=False)
         self.running = _Running(r.n, r.step, steps, r.taken_at, time.monotonic() - r.taken_at)
 

@@ -150,7 +150,6 @@ def load_drafter(checkpoint: Optional[str] = None, export: Optional[str] = None,
     """Drafter (fp32, eval, SDPA backend) and what is needed to rebuild its target, from a checkpoint or export.
     Raises ``CheckpointError`` (one line naming the file and field) for files that do not check out. The target
     section, tokenizer and data returned came from a file: load them local-only (cli/eval.py)."""
-    from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
     if (checkpoint is None) == (export is None):
         raise ConfigError("give exactly one of --checkpoint DIR or --export DIR")
     from dflash_dist.checkpoint.store import CheckpointError
@@ -163,17 +162,18 @@ def load_drafter(checkpoint: Optional[str] = None, export: Optional[str] = None,
             raise
         except ValueError as e:
             raise ConfigError(str(e)) from e
-        for key in ("drafter_config", "layer_ids", "mask_token_id", "block_size"):
+        for key in ("drafter_config", "layer_ids", "mask_token_id"):
             if key not in meta:
                 raise CheckpointError(f"{os.path.join(checkpoint, 'meta.json')}: {key}: missing")
-        model = DFlashDrafter(DrafterModelConfig(**meta["drafter_config"]), "sdpa")
+        from dflash_dist.checkpoint.meta import meta_block_size, meta_model
+        model = meta_model(meta, "sdpa")  # the recorded variant's module
         model.load_state_dict({bare_name(k): v for k, v in weights.items()})
         model.to(device).eval().requires_grad_(False)
         job = meta.get("job_config") or {}
         tgt = TargetConfig(**job["target"]) if job.get("target") else None
         dat = DataConfig(**job["data"]) if job.get("data") else None
         kw = meta.get("chat_template_kwargs", (job.get("data") or {}).get("chat_template_kwargs"))
-        return EvalSetup(model, list(meta["layer_ids"]), int(meta["mask_token_id"]), int(meta["block_size"]), tgt,
+        return EvalSetup(model, list(meta["layer_ids"]), int(meta["mask_token_id"]), meta_block_size(meta), tgt,
                          dat, meta.get("tokenizer"), os.path.abspath(checkpoint), kw)
     from dflash_dist.checkpoint.export_load import ExportError, load_export
     try:

@@ -60,7 +60,8 @@ def _unwrap(module: nn.Module) -> nn.Module:
 
 
 def make_dflash_draft_fn(drafter: nn.Module, embed: Tensor, lm_head: Tensor) -> DraftFn:
-    """The greedy draft step of a :class:`~dflash_dist.model.drafter.DFlashDrafter` (any backend; run with SDPA).
+    """The greedy draft step of a :class:`~dflash_dist.model.drafter.DFlashDrafter` or a variant's subclass (any
+    backend; run with SDPA): the block's final hidden states, then the model's ``propose``.
 
     ``embed``/``lm_head`` [V, H] are the target's (frozen) weights. On CUDA an fp32 drafter runs under bf16
     autocast, as in training."""
@@ -86,9 +87,7 @@ def make_dflash_draft_fn(drafter: nn.Module, embed: Tensor, lm_head: Tensor) -> 
                 hidden = model(block_embeds, ctx, ctx_pos, blk_pos, mask)
         finally:
             model.backend = saved
-        head = lm_head.to(dev)
-        logits = F.linear(hidden[:, 1:].to(head.dtype), head)
-        return logits[0].argmax(-1)
+        return model.propose(hidden, lm_head)[0]  # the variant's proposal step (DFlash: argmax of the logits)
 
     return draft
 

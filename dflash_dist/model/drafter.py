@@ -262,7 +262,14 @@ class DFlashDecoderLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
-    """DFlash draft model. ``forward`` returns normed hidden states [b, Q, H]; apply the target lm_head."""
+    """DFlash draft model. ``forward`` returns normed hidden states [b, Q, H]; apply the target lm_head.
+
+    A drafter variant (model/variants/) subclasses it and overrides what differs: ``make_layer`` (replace or wrap
+    a decoder layer: weights inside the layers), ``add_modules`` and ``after_layers`` (modules after the
+    layers), ``propose`` (a block's proposals from its final hidden states), ``loss_terms`` (its own losses)."""
+
+    loss_term_names: tuple = ()
+    """The names of ``loss_terms`` (each a step statistic; the trainer declares them before the first step)."""
 
     def __init__(self, cfg: DrafterModelConfig, backend: str):
         super().__init__()
@@ -271,10 +278,11 @@ class DFlashDrafter(nn.Module):
         self.config = cfg
         self.backend = backend
         h = cfg.hidden_size
-        self.layers = nn.ModuleList(DFlashDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(cfg, i) for i in range(cfg.num_layers))
         self.fc = nn.Linear(cfg.num_feature_layers * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.add_modules(cfg)
         self.attention_calls: dict = {"flex_compiled": 0, "sdpa": 0, "flex_dynamic": 0, "compiled_layers": 0}
         self.flex_dynamic = False
         self.flex_kernel_options: Optional[dict] = None
@@ -284,6 +292,30 @@ class DFlashDrafter(nn.Module):
                                 num_attention_heads=cfg.num_attention_heads,
                                 max_position_embeddings=cfg.max_position_embeddings)
         self.reset_parameters()
+
+    # ---- what a variant overrides
+    def make_layer(self, cfg: DrafterModelConfig, index: int) -> nn.Module:
+        """Decoder layer ``index``: ``layer(h, ctx, rope_q, rope_k, mask, backend) -> h``, with a ``self_attn``
+        (DFlashAttention) the compile settings reach."""
+        return DFlashDecoderLayer(cfg)
+
+    def add_modules(self, cfg: DrafterModelConfig) -> None:
+        """Modules beside fc / norms (a variant's weights after the layers); initialised by reset_parameters."""
+
+    def after_layers(self, h: Tensor) -> Tensor:
+        """Final hidden states [b, Q, H] from the last layer's output."""
+        return self.norm(h)
+
+    def propose(self, hidden: Tensor, lm_head: Tensor) -> Tensor:
+        """A block's proposals [b, B-1] from its final hidden states [b, B, H] and the target head [V, H]:
+        DFlash proposes the argmax of the unary logits of slots 1..B-1."""
+        head = lm_head.to(hidden.device)
+        return F.linear(hidden[:, 1:].to(head.dtype), head).argmax(-1)
+
+    def loss_terms(self, hidden: Tensor, labels: Tensor, lm_head: Tensor) -> dict:
+        """A variant's own loss sums {name: fp32 scalar with its graph} for a group (hidden [b, N*B, H], labels
+        [b, N*B]); added to the objective's loss sum and normalised with it, each a named statistic. DFlash: none."""
+        return {}
 
     def configure_compile(self, flex_dynamic: bool = False, compile_layers: bool = False,
                           kernel_options: Optional[dict] = None) -> "DFlashDrafter":
@@ -403,4 +435,4 @@ class DFlashDrafter(nn.Module):
         self.attention_calls["flex_compiled" if self.backend == "flex" else "sdpa"] += n
         self.attention_calls["flex_dynamic"] += n if self.backend == "flex" and self.flex_dynamic else 0
         self.attention_calls["compiled_layers"] += n if self.compiled_layers else 0
-        return self.norm(h)
+        return self.after_layers(h)

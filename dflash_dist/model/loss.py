@@ -1,9 +1,11 @@
-"""Slot weights and the chunked, decayed cross-entropy of the DFlash drafter.
+"""Slot weights and the chunked, weighted cross-entropy of the DFlash drafter (the math objectives are built from).
 
 Slot k of a block predicts the token k positions after the anchor. Later slots matter less for acceptance
 length (a draft is accepted only up to its first miss), so slot k >= 1 gets weight exp(-(k-1)/gamma) and slot
 0 (the known anchor) gets 0. The loss is sum(w * CE) / sum(w); this module returns the two sums separately
-so the caller can normalise by a global (all-reduced) weight sum.
+so the caller can normalise by a global (all-reduced) weight sum. The functions take the per-slot weights
+[B] (``weighted_ce``, ``weighted_rows``, ``slot_row_weights``) or, as before, the decay gamma (``decayed_ce``,
+``loss_rows``, ``row_weights``); the objective objects (model/objectives/) pick the weights.
 
 The vocab projection is the memory peak ([rows, V] fp32 logits with V ~ 150k), so rows are processed in
 chunks and at most one chunk of logits is alive at a time. Two ways, same numbers:
@@ -18,7 +20,7 @@ chunks and at most one chunk of logits is alive at a time. Two ways, same number
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +29,8 @@ from torch.utils.checkpoint import checkpoint
 
 from dflash_dist.model.lazy_compile import lazy_compile
 
-__all__ = ["slot_weights", "LossParts", "decayed_ce", "frozen_head_ce", "loss_rows", "row_weights", "slot_stats"]
+__all__ = ["slot_weights", "LossParts", "decayed_ce", "weighted_ce", "frozen_head_ce", "loss_rows", "weighted_rows",
+           "row_weights", "slot_row_weights", "slot_stats"]
 
 IGNORE_INDEX = -100
 
@@ -41,20 +44,23 @@ def slot_weights(block_size: int, gamma: float, device=None) -> Tensor:
 
 @dataclass
 class LossParts:
-    """Weighted CE sum (carries grad), weight sum, per-slot correct / label counts [B] (int64, no grad)."""
+    """Weighted CE sum (carries grad), weight sum, per-slot correct / label counts [B] (int64, no grad);
+    ``extra``: a variant's own loss terms by name (sums, already included in ``loss_sum``), for its statistics."""
 
     loss_sum: Tensor
     weight_sum: Tensor
     slot_correct: Tensor
     slot_count: Tensor
+    extra: dict = field(default_factory=dict)
 
     @staticmethod
     def total(parts: list["LossParts"]) -> "LossParts":
         """The sums of several parts (the micro-batches of one step)."""
         if len(parts) == 1:
             return parts[0]
+        extra = {k: sum(p.extra[k] for p in parts) for k in parts[0].extra}
         return LossParts(*(sum(getattr(p, f) for p in parts)
-                           for f in ("loss_sum", "weight_sum", "slot_correct", "slot_count")))
+                           for f in ("loss_sum", "weight_sum", "slot_correct", "slot_count")), extra=extra)
 
     def loss(self) -> Tensor:
         """Local normalisation, sum(w*CE)/sum(w) (0 when nothing is supervised)."""
@@ -152,7 +158,15 @@ class _FrozenHeadCE(torch.autograd.Function):
 
 def decayed_ce(hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, block_size: int, gamma: float,
                chunk_rows: int, mode: str = "auto", compiled: bool = False) -> LossParts:
-    """Decayed cross-entropy of drafter outputs through the (frozen) target lm_head.
+    """Decayed cross-entropy: ``weighted_ce`` with the slot weights exp(-(k-1)/gamma)."""
+    return weighted_ce(hidden, lm_head_weight, labels, slot_weights(block_size, gamma, device=labels.device),
+                       chunk_rows, mode=mode, compiled=compiled)
+
+
+def weighted_ce(hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, slot_w: Tensor, chunk_rows: int,
+                mode: str = "auto", compiled: bool = False) -> LossParts:
+    """Slot-weighted cross-entropy of drafter outputs through the (frozen) target lm_head; ``slot_w`` [B] fp32 on
+    the labels' device (slot 0 is never supervised).
 
     hidden [b, N*B, H], lm_head_weight [V, H], labels [b, N*B] (-100 = no loss). Slot-0 rows never carry a
     loss, so they are dropped before the projection (static slicing, no sync). No .item(): every output is a
@@ -161,7 +175,8 @@ def decayed_ce(hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, block_siz
     a gradient; see the module docstring). ``compiled``: the fused path's per-chunk softmax/CE/gradient runs
     through torch.compile (``drafter.tuning.compile_loss``; same math as the eager chain, fewer passes over the logits).
     """
-    rows_h, rows_y, rows_w = loss_rows(hidden, labels, block_size, gamma)
+    block_size = slot_w.numel()
+    rows_h, rows_y, rows_w = weighted_rows(hidden, labels, slot_w)
     if mode not in ("auto", "fused", "checkpoint"):
         raise ValueError(f"mode={mode!r}: use auto, fused or checkpoint")
     grad = torch.is_grad_enabled() and (hidden.requires_grad or lm_head_weight.requires_grad)
@@ -192,24 +207,33 @@ def decayed_ce(hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, block_siz
 
 
 def loss_rows(hidden: Tensor, labels: Tensor, block_size: int, gamma: float) -> tuple[Tensor, Tensor, Tensor]:
-    """The rows that can carry a loss: slots 1..B-1 of every block. hidden [b, N*B, H], labels [b, N*B] ->
-    (rows [b*N*(B-1), H], labels [rows], weights [rows] fp32: the slot's decay weight, 0 where ignored).
+    """``weighted_rows`` with the decay weights of ``gamma``."""
+    return weighted_rows(hidden, labels, slot_weights(block_size, gamma, device=labels.device))
+
+
+def weighted_rows(hidden: Tensor, labels: Tensor, slot_w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The rows that can carry a loss: slots 1..B-1 of every block (B = len(slot_w)). hidden [b, N*B, H], labels
+    [b, N*B] -> (rows [b*N*(B-1), H], labels [rows], weights [rows] fp32: the slot's weight, 0 where ignored).
     Static slicing: no host sync."""
     b, q, h_dim = hidden.shape
-    bsz = block_size
+    bsz = slot_w.numel()
     if q % bsz:
         raise ValueError(f"hidden has {q} rows per sample, not a multiple of block_size={bsz}")
     if labels.shape != (b, q):
         raise ValueError(f"labels {tuple(labels.shape)} must be [b, N*B] = {(b, q)}")
     rows_h = hidden.reshape(b, q // bsz, bsz, h_dim)[:, :, 1:].reshape(-1, h_dim)
     rows_y = labels.reshape(b, q // bsz, bsz)[:, :, 1:].reshape(-1)
-    return rows_h, rows_y, row_weights(rows_y, block_size, gamma)
+    return rows_h, rows_y, slot_row_weights(rows_y, slot_w)
 
 
 def row_weights(rows_y: Tensor, block_size: int, gamma: float) -> Tensor:
-    """Decay weight of each loss row (rows in block order, B-1 per block), 0 where the label is ignored."""
-    w_slot = slot_weights(block_size, gamma, device=rows_y.device)[1:]
-    return w_slot.repeat(rows_y.numel() // (block_size - 1)) * (rows_y != IGNORE_INDEX)
+    """``slot_row_weights`` with the decay weights of ``gamma``."""
+    return slot_row_weights(rows_y, slot_weights(block_size, gamma, device=rows_y.device))
+
+
+def slot_row_weights(rows_y: Tensor, slot_w: Tensor) -> Tensor:
+    """Weight of each loss row (rows in block order, B-1 per block): its slot's, 0 where the label is ignored."""
+    return slot_w[1:].repeat(rows_y.numel() // (slot_w.numel() - 1)) * (rows_y != IGNORE_INDEX)
 
 
 def slot_stats(loss_sum: Tensor, pred: Tensor, rows_y: Tensor, rows_w: Tensor, block_size: int) -> LossParts:

@@ -25,7 +25,6 @@ from dflash_dist.comm.distributed import shorten_timeouts
 from dflash_dist.comm.faults import apply_target_fault, fault_for, stall_if_due
 from dflash_dist.comm.head_offload import HeadLossServer, head_channels
 from dflash_dist.comm.transport import Message, Sender, job_channel
-from dflash_dist.config import resolve_backend
 from dflash_dist.data.plan import pad_batch
 from dflash_dist.data.tokenize import TokenizedDataset
 from dflash_dist.eval.in_training import TargetEval, eval_enabled, expected_evals
@@ -91,9 +90,9 @@ def head_server(job, model, tx):
     # after the data group's connection, as on the drafters
     ch, replies = head_channels(d, cfg.topology.warmup_timeout_s, job.life.check, d.topo.drafter_ranks, drafter=False)
     dc = cfg.drafter
-    compiled = dc.tuning.compile_loss if dc.tuning.compile_loss is not None else resolve_backend(cfg, d.device.type) == "flex"
-    server = HeadLossServer(ch, replies, d.rank, head_weights(model)[1], dc.block_size, dc.gamma, dc.tuning.loss_chunk_rows,
-                            bool(compiled), dc.tuning.micro_batches - dc.tuning.local_loss_groups, before_serve=tx.pump)
+    compiled = job.drafter.loss.compiled  # the drafter's objective, resolved once for the job (model/spec.py)
+    server = HeadLossServer(ch, replies, d.rank, head_weights(model)[1], job.drafter.make_objective(),
+                            dc.tuning.micro_batches - dc.tuning.local_loss_groups, before_serve=tx.pump)
     tx.serve = server.poll
     log.info("lm_head and loss of the drafters' steps run here (drafter.tuning.loss_on_target): %d request(s) per "
              "message, %s loss", dc.tuning.micro_batches - dc.tuning.local_loss_groups, "compiled" if compiled else "eager")

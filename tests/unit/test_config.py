@@ -51,7 +51,8 @@ def test_shallow_target_trains_on_default_ids_and_the_last_layer_is_refused():
     ("drafter", {"num_layers": 0}, "num_layers"),
     ("drafter", {"attention_backend": "dense"}, "attention_backend"),
     ("drafter", {"attention_backend": "flex", "compile": False}, "compile"),
-    ("drafter", {"loss_gamma": 0}, "loss_gamma"),
+    ("drafter", {"loss": {"gamma": 0}}, "loss.gamma"),
+    ("drafter", {"loss": {"gamma": 1.0, "weights": "flat"}}, "unknown keys"),
     ("drafter", {"ctx_bucket": 10}, "ctx_bucket"),
     ("drafter", {"flex_kernel_options": {"bwd_BLOCK_M1": "big"}}, "flex_kernel_options"),
     ("target", {"hf_config": {"builtin": "tiny"}, "dtype": "fp8"}, "target.dtype"),
@@ -123,18 +124,6 @@ def test_torchrun_refuses_bad_split_before_loading(tmp_path):
     assert r.returncode != 0
     assert "topology.target_ranks=2 leaves no drafter rank" in r.stdout + r.stderr
     assert "target loaded" not in r.stdout + r.stderr
-
-
-def test_gamma_per_paper_and_rule_for_other_block_sizes():
-    from dflash_dist.config import DrafterConfig, paper_gamma
-    # the DFlash paper: gamma 7, 5, 4 for block sizes 16, 10, 8
-    assert [DrafterConfig(block_size=b).gamma for b in (16, 10, 8)] == [7.0, 5.0, 4.0]
-    # other B: this project's piecewise-linear rule through the paper's points (not from the paper)
-    assert paper_gamma(12) == pytest.approx(5 + 2 / 3) and paper_gamma(9) == pytest.approx(4.5)
-    assert paper_gamma(4) == 2.0 and paper_gamma(2) == 1.0 and paper_gamma(32) == pytest.approx(7 + 16 / 3)
-    gammas = [paper_gamma(b) for b in range(2, 65)]
-    assert all(a < b for a, b in zip(gammas, gammas[1:]))  # longer blocks never decay faster
-    assert DrafterConfig(block_size=10, loss_gamma=3.5).gamma == 3.5  # an explicit value wins
 
 
 def test_hydra_override_errors_become_config_errors(tmp_path):

@@ -100,7 +100,8 @@ def test_presets_hold_no_defaults():
 
 
 def test_every_config_field_is_documented():
-    for cls in [C.TargetConfig, C.TargetTuning, C.DrafterConfig, C.DrafterTuning, C.DataConfig, C.TopologyConfig,
+    for cls in [C.TargetConfig, C.TargetTuning, C.DrafterConfig, C.DrafterTuning, C.DrafterLoss, C.DataConfig,
+                C.TopologyConfig,
                 C.TopologyTuning, C.TrainConfig, C.TrainTuning, C.LoggingConfig, C.LoggingDebug, C.WandbConfig]:
         src = open(C.__file__).read()
         tree = ast.parse(src)
@@ -151,3 +152,48 @@ def test_roles_read_only_their_view_of_the_job():
             outside += [f"{os.path.relpath(path, REPO)}: job.{n}" for n in sorted(used - names)]
     assert outside == []
     assert {f.name for f in fields(TargetJob)} - {f.name for f in fields(RoleJob)} == {"dataset_path"}
+
+
+def _calls(name: str) -> list[str]:
+    """'file:line' of every call of a function or method named ``name`` in the package."""
+    out = []
+    for path in glob.glob(os.path.join(PKG, "**", "*.py"), recursive=True):
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                called = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+                if called == name:
+                    out.append(f"{os.path.relpath(path, REPO)}:{node.lineno}")
+    return sorted(out)
+
+
+def test_drafter_settings_derived_in_one_place():
+    """The drafter's shape is derived from the target in one place (model/spec.resolve_drafter), and the job
+    resolves it once (job.build_job); everything else reads the resolved description (a saved one is read with
+    DrafterModelConfig(**...), which does not count)."""
+    assert [c.rsplit(":", 1)[0] for c in _calls("from_target")] == ["dflash_dist/model/spec.py"]
+    assert [c.rsplit(":", 1)[0] for c in _calls("resolve_drafter")] == ["dflash_dist/job.py"]
+    # "None means on with flex" and the loss knobs are resolved there too, read nowhere else
+    knobs = ("compile_loss", "compile_layers", "compile_dynamic", "loss_chunk_rows", "loss_gamma")
+    readers = []
+    for path in glob.glob(os.path.join(PKG, "**", "*.py"), recursive=True):
+        rel = os.path.relpath(path, REPO)
+        if rel in ("dflash_dist/config.py", "dflash_dist/model/spec.py"):
+            continue
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Attribute) and node.attr in knobs and \
+                    isinstance(node.value, ast.Attribute) and node.value.attr == "tuning":
+                readers.append(f"{rel}:{node.lineno} .tuning.{node.attr}")
+    assert readers == []
+
+
+def test_communication_computes_no_loss():
+    """comm/ moves tensors: the loss math (model/loss.py, model/objectives/) is the objective object's, handed in."""
+    g = import_graph()
+    reaching = [(u, v) for u, deps in g.items() if u.startswith("dflash_dist.comm") for v in deps
+                if v.startswith(("dflash_dist.model.loss", "dflash_dist.model.objectives"))]
+    assert reaching == []
+
+
+def test_call_finder_finds_calls():
+    assert _calls("resolve_drafter") and not _calls("no_function_is_named_like_this")

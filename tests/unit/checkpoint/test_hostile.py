@@ -96,6 +96,27 @@ def test_hub_attention_kernel_in_meta(tmp_path, capsys):
     refused(capsys, eval_main, eval_argv(tmp_path, export=out), META_NAME, "target.experts_implementation")
 
 
+@pytest.mark.parametrize("field", ["variant", "loss.objective"])
+def test_code_named_in_meta_is_never_imported(tmp_path, capsys, monkeypatch, field):
+    """A ``module:Class`` variant or objective in meta.json is refused unless the program imported that module
+    itself: the module (on sys.path, so an import would succeed) never runs."""
+    mods, ran = tmp_path / "mods", tmp_path / "ran"
+    mods.mkdir()
+    (mods / "evil_part.py").write_text(f"open({str(ran)!r}, 'w').write('ran')\nclass Part:\n    name = 'x'\n")
+    monkeypatch.syspath_prepend(str(mods))
+    ckpt, _ = make_checkpoint(tmp_path)
+    settings = {"variant": "dflash", "loss": {"objective": "decayed_ce"}}
+    if field == "variant":
+        settings["variant"] = "evil_part:Part"
+    else:
+        settings["loss"]["objective"] = "evil_part:Part"
+    edit_meta(ckpt, lambda m: m.__setitem__("drafter", settings))
+    refused(capsys, export_main, [ckpt, str(tmp_path / "e")], "meta.json", f"drafter.{field}")
+    refused(capsys, eval_main, eval_argv(tmp_path, ckpt), "meta.json", f"drafter.{field}")
+    assert f"drafter.{field}" in (checkpoint_problem(ckpt) or "")  # a resume skips it too
+    assert not ran.exists()
+
+
 def test_hub_tokenizer_id_in_meta(tmp_path, capsys):
     ckpt, _ = make_checkpoint(tmp_path)
     edit_meta(ckpt, lambda m: m.__setitem__("tokenizer", "attacker-org/evil-tokenizer"))

@@ -4,10 +4,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from toy_seams import ScaledDFlash
 
 from dflash_dist.drafter.trainer import DrafterTrainer
 from dflash_dist.model.blocks import make_batch
 from dflash_dist.model.drafter import DrafterModelConfig
+from dflash_dist.model.variants import DFlash
 from dflash_dist.telemetry.flops import attention_flops_per_pair, drafter_step_flops, target_forward_flops
 from dflash_dist.telemetry.metrics import target_window_metrics
 
@@ -47,8 +49,8 @@ def test_trainer_step_flops_matches_the_formula():
     feats = torch.randn(sum(lens), 16)
     batch = make_batch(ids, mask, cu, feats, num_anchors=5, block_size=4, mask_token_id=9, ctx_bucket=16,
                        generator=g)
-    fake = SimpleNamespace(cfg=SimpleNamespace(drafter=SimpleNamespace(block_size=4, tuning=SimpleNamespace(
-        micro_batches=2, local_loss_groups=0))),
+    fake = SimpleNamespace(cfg=SimpleNamespace(drafter=SimpleNamespace(tuning=SimpleNamespace(
+        micro_batches=2, local_loss_groups=0))), block_size=4, variant=DFlash(),
                            mcfg=m, lm_head=torch.zeros(10, 8), heads=None)
     got = DrafterTrainer.step_flops(fake, batch)
     pairs = float((4 * (batch.anchors + 4) * batch.valid).sum())
@@ -59,6 +61,9 @@ def test_trainer_step_flops_matches_the_formula():
     assert float(DrafterTrainer.step_flops(fake, batch)) == pytest.approx(want["model"] - want["lm_head"])
     fake.cfg.drafter.tuning.local_loss_groups = 1
     assert float(DrafterTrainer.step_flops(fake, batch)) == pytest.approx(want["model"] - want["lm_head"] / 2)
+    # a variant's own FLOPs are added to the step's (the toy's scale: 3 x rows x H)
+    fake.variant, fake.heads = ScaledDFlash(), None
+    assert float(DrafterTrainer.step_flops(fake, batch)) == pytest.approx(want["model"] + 3.0 * 2 * 5 * 4 * m.hidden_size)
 
 
 def test_target_window_metrics_rates_and_mfu():

@@ -1,0 +1,100 @@
+"""The objective interface and the slot-weighted, chunked cross-entropy most objectives are.
+
+Rows: slots 1..B-1 of every block (slot 0 is the known anchor), in block order (``loss.weighted_rows``). Every
+sum an objective returns is a sum over its rows: the trainer divides the step's loss sum by the step's weight sum
+over all drafter ranks and groups (one all-reduce), so the update never depends on how the step was split.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from dflash_dist.model import loss as L
+
+__all__ = ["Objective", "SlotWeightedCE"]
+
+
+class Objective:
+    """What the trainer and the head server ask of an objective. ``spec``: the resolved drafter description
+    (model/spec.py): block size, loss settings (``spec.loss``: chunk rows, compiled, gamma)."""
+
+    name = ""
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.block_size = spec.block_size
+        self.chunk_rows = spec.loss.chunk_rows
+        self.compiled = spec.loss.compiled
+
+    # ---- the loss of one group of blocks
+    def loss(self, hidden: Tensor, lm_head: Tensor, labels: Tensor) -> L.LossParts:
+        """A group's LossParts on the drafter: hidden [b, N*B, H] (with its graph), the frozen head [V, H],
+        labels [b, N*B] (-100: no loss)."""
+        raise NotImplementedError
+
+    def rows(self, hidden: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(rows [R, H], labels [R], weights [R]) of a group, as sent to a target that computes the loss."""
+        raise NotImplementedError
+
+    def serve(self, rows: Tensor, head: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """On a target: (loss sum fp32 [], argmax [R], d(loss sum)/d rows [R, H]) of rows it was sent (no
+        autograd)."""
+        raise NotImplementedError
+
+    def parts(self, loss_sum: Tensor, pred: Tensor, rows_y: Tensor, rows_w: Tensor) -> L.LossParts:
+        """The LossParts of a served group from its reply (loss sum tied to the rows' graph, argmax)."""
+        return L.slot_stats(loss_sum, pred, rows_y, rows_w, self.block_size)
+
+    # ---- statistics
+    def stat_slots(self) -> dict[str, int]:
+        """Named statistics this objective adds to the step's accumulator, and their sizes."""
+        B = self.block_size
+        return {"loss_sum": 1, "weight_sum": 1, "slot_correct": B, "slot_count": B}
+
+    def stats(self, parts: L.LossParts) -> dict[str, Tensor]:
+        """A step's values of ``stat_slots`` (device tensors, no sync)."""
+        return {"loss_sum": parts.loss_sum.detach(), "weight_sum": parts.weight_sum, "slot_correct": parts.slot_correct,
+                "slot_count": parts.slot_count}
+
+    def window_metrics(self, sums: dict[str, list]) -> dict[str, float]:
+        """The window's metrics from the all-reduced sums of ``stat_slots``: loss, acc, acc_slot_k and
+        tau_from_acc (the accepted length if slots were independent given a correct prefix). ``loss`` and ``acc``
+        are required (the progress line shows them)."""
+        B = self.block_size
+        correct, count = sums["slot_correct"], sums["slot_count"]
+        out = {"loss": sums["loss_sum"][0] / max(sums["weight_sum"][0], 1e-9),
+               "acc": sum(correct[1:]) / max(sum(count[1:]), 1)}
+        for k in range(1, B):
+            out[f"acc_slot_{k}"] = correct[k] / max(count[k], 1)
+        tau, run = 1.0, 1.0
+        for k in range(1, B):
+            run *= correct[k] / max(count[k], 1)
+            tau += run
+        out["tau_from_acc"] = tau
+        return out
+
+    def describe(self) -> str:
+        return self.name
+
+
+class SlotWeightedCE(Objective):
+    """Cross-entropy on the data's labels, row weight = its slot's weight (``slot_weights``), vocab projection in
+    chunks (``loss.weighted_ce``: fused when the head is frozen). A subclass gives ``slot_weights`` only."""
+
+    def slot_weights(self, device: Optional[torch.device] = None) -> Tensor:
+        """[B] fp32 weights of the slots (slot 0 must be 0: it is the anchor)."""
+        raise NotImplementedError
+
+    def loss(self, hidden, lm_head, labels):
+        return L.weighted_ce(hidden, lm_head, labels, self.slot_weights(labels.device), self.chunk_rows,
+                             compiled=self.compiled)
+
+    def rows(self, hidden, labels):
+        return L.weighted_rows(hidden, labels, self.slot_weights(labels.device))
+
+    def serve(self, rows, head, labels):
+        w = L.slot_row_weights(labels, self.slot_weights(labels.device))
+        return L.frozen_head_ce(rows, head, labels, w, self.chunk_rows, self.compiled)

@@ -1,0 +1,101 @@
+"""The drafter's resolved description, derived once from the job: model shape, backend, compile flags, loss.
+
+``resolve_drafter`` is the one place the drafter's shape is derived from the target (``job.build_job`` calls it;
+the bench scripts call it too); the role views carry the result (``role_jobs``), and the trainer, evaluation,
+export, FLOP counting and checkpoint meta read it. ``from_meta`` reads the one a checkpoint recorded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+from dflash_dist.config import DrafterConfig, drafter_backend
+from dflash_dist.model.drafter import DrafterModelConfig
+
+__all__ = ["LossSpec", "DrafterSpec", "resolve_drafter"]
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """The objective and its settings (``drafter.loss.*`` and the loss knobs of ``drafter.tuning``)."""
+    objective: str
+    """``drafter.loss.objective``: a registered name or ``package.module:ClassName``."""
+    gamma: Optional[float]
+    """``drafter.loss.gamma`` (None: the objective's default for the block size)."""
+    chunk_rows: int
+    """Rows of the vocab projection at once (``drafter.tuning.loss_chunk_rows``)."""
+    compiled: bool
+    """The fused loss's chunk math through torch.compile (``drafter.tuning.compile_loss``; None meant flex)."""
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """Everything about the drafter that follows from the config and the target, resolved."""
+    model: DrafterModelConfig
+    """The module's shape (its ``block_size`` is the job's, the only copy)."""
+    variant: str
+    """``drafter.variant``: a registered name or ``package.module:ClassName``."""
+    backend: str
+    """Attention backend of training, flex or sdpa (``drafter.attention_backend`` on this device)."""
+    compile_mask: bool
+    """``drafter.compile``: the flex mask builder compiled."""
+    flex_dynamic: bool
+    """The dynamic-shape flex kernel and mask builder (flex on CUDA with ``drafter.tuning.compile_dynamic``)."""
+    compile_layers: bool
+    """Each decoder layer through torch.compile (``drafter.tuning.compile_layers``; None meant flex)."""
+    flex_kernel_options: Optional[dict]
+    """``drafter.tuning.flex_kernel_options``."""
+    loss: LossSpec
+    """The objective and its settings."""
+
+    @property
+    def block_size(self) -> int:
+        return self.model.block_size
+
+    def variant_impl(self):
+        """The variant object (model/variants/)."""
+        from dflash_dist.model.variants import variant_class
+        return variant_class(self.variant)()
+
+    def make_objective(self):
+        """The objective object (model/objectives/), built for this drafter."""
+        from dflash_dist.model.objectives import objective_class
+        return objective_class(self.loss.objective)(self)
+
+    def build_model(self, backend: Optional[str] = None):
+        """The variant's module on the CPU, for ``backend`` (default: the training backend), compile flags not
+        applied (``DFlashDrafter.configure_compile``)."""
+        return self.variant_impl().build(self.model, backend or self.backend)
+
+    def to_meta(self) -> dict:
+        """What a checkpoint records: the settings, the model config under ``model``."""
+        out = asdict(self)
+        out["model"] = dict(self.model.__dict__)
+        return out
+
+    @staticmethod
+    def from_meta(d: dict) -> "DrafterSpec":
+        d = dict(d)
+        return DrafterSpec(**dict(d, model=DrafterModelConfig(**d["model"]), loss=LossSpec(**d["loss"])))
+
+
+def resolve_drafter(dc: DrafterConfig, hf_config: Any, num_feature_layers: int, device_type: str) -> DrafterSpec:
+    """The drafter of ``drafter.*`` on a target whose (text) HF config is ``hf_config``, trained on
+    ``device_type`` ("cuda" / "cpu"). Raises ConfigError for a target the drafter cannot mirror."""
+    model = DrafterModelConfig.from_target(hf_config, num_layers=dc.num_layers, num_feature_layers=num_feature_layers,
+                                           block_size=dc.block_size, intermediate_size=dc.intermediate_size,
+                                           layer_types=dc.layer_types, sliding_window=dc.sliding_window)
+    backend = drafter_backend(dc, device_type)
+    flex = backend == "flex"
+    t = dc.tuning
+    spec = DrafterSpec(
+        model=model, variant=str(dc.variant), backend=backend, compile_mask=bool(dc.compile),
+        flex_dynamic=flex and bool(t.compile_dynamic) and device_type == "cuda",
+        compile_layers=flex if t.compile_layers is None else bool(t.compile_layers),
+        flex_kernel_options=dict(t.flex_kernel_options) if t.flex_kernel_options else None,
+        loss=LossSpec(objective=str(dc.loss.objective), gamma=dc.loss.gamma, chunk_rows=int(t.loss_chunk_rows),
+                      compiled=flex if t.compile_loss is None else bool(t.compile_loss)))
+    spec.variant_impl()   # an unknown variant or objective is refused here, before any model loads
+    spec.make_objective()
+    return spec

@@ -1,0 +1,53 @@
+"""DFlash (z-lab): the default drafter variant, and the base class of every other.
+
+A variant subclass overrides what differs: ``model_class`` (a ``DFlashDrafter`` subclass), ``extra_flops``,
+``export_fields``, ``extra_tensor_shapes`` / ``export_names`` and ``modeling_source``. Everything here reads the
+resolved drafter description (``model/spec.DrafterSpec``) or its model config, never the job config.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from torch import nn
+
+from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
+from dflash_dist.model.variants.registry import VARIANTS
+
+__all__ = ["DFlash"]
+
+_CHECKPOINT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                               "checkpoint")
+
+
+@VARIANTS.register
+class DFlash:
+    name = "dflash"
+    model_class = DFlashDrafter
+    """The module trained and evaluated (``forward`` -> final hidden states, ``propose``, ``loss_terms``)."""
+    architecture = "DFlashDraftModel"
+    """config.json ``architectures`` of the export (what vLLM and SGLang dispatch on)."""
+    modeling_source = os.path.join(_CHECKPOINT_DIR, "modeling_dflash.py")
+    """The standalone transformers module copied into the export (its ``auto_map`` class serves this variant)."""
+
+    def build(self, model_config: DrafterModelConfig, backend: str) -> nn.Module:
+        """The variant's module on the CPU, initialised (the trainer moves it and applies the compile flags)."""
+        return self.model_class(model_config, backend)
+
+    def extra_flops(self, model_config: DrafterModelConfig, b: int, s_pad: int, n_blocks: int, vocab: int) -> float:
+        """Training FLOPs of one step beyond DFlash's (telemetry/flops.drafter_step_flops); DFlash: none."""
+        return 0.0
+
+    def export_fields(self, model_config: DrafterModelConfig) -> dict[str, Any]:
+        """config.json fields of the export beyond DFlash's: ``architectures`` and a ``dflash_config`` dict merged
+        into DFlash's (checkpoint/export.build_export_config)."""
+        return {"architectures": [self.architecture], "dflash_config": {}}
+
+    def extra_tensor_shapes(self, config: dict) -> dict[str, tuple]:
+        """Names and shapes of the export's tensors beyond DFlash's (checked as DFlash's are); DFlash: none."""
+        return {}
+
+    def export_names(self, tensors: dict) -> dict:
+        """The trained state dict under the export's tensor names; DFlash: the module's names are z-lab's."""
+        return dict(tensors)

@@ -1,0 +1,50 @@
+"""A drafter variant and an objective registered from test code alone (tests/toy_seams.py) train in a
+real job: drafter.variant / drafter.loss.objective name them as module:Class, every rank imports them, and the
+trainer, the statistics, the checkpoint and the export take what they declare."""
+
+import json
+import os
+
+import torch
+from launch_util import REPO, torchrun
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from dflash_dist.checkpoint.export import export_checkpoint
+
+TOY_DIR = os.path.join(REPO, "tests")
+VARIANT, OBJECTIVE = "toy_seams:ScaledDFlash", "toy_seams:UniformCE"
+
+
+def test_toy_variant_and_objective_train_checkpoint_and_export(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(TOY_DIR)  # this process reads the checkpoint too (export)
+    run = tmp_path / "run"
+    r = torchrun(2, ["-m", "dflash_dist.train", f"train.output_dir={run}", "train.max_steps=10",
+                     "train.eval_prompts=0", "logging.log_every=5", "logging.progress_bar=false",
+                     "logging.wandb.mode=disabled", f"drafter.variant={VARIANT}",
+                     f"drafter.loss.objective={OBJECTIVE}"],
+                 timeout=400, env={"PYTHONPATH": REPO + os.pathsep + TOY_DIR})
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    rows = [json.loads(x) for x in open(run / "metrics.jsonl")]
+    train = [x for x in rows if "loss" in x and "acc" in x]
+    assert train[-1]["step"] == 10
+    # the objective's own metric: every supervised row weighs 1 (decayed_ce's mean weight is below 1)
+    assert all(x["mean_row_weight"] == 1.0 for x in train)
+    # the variant's loss term, a named statistic; its weight moved away from 1 by training
+    assert all("loss_scale_l2" in x for x in train) and train[-1]["loss_scale_l2"] > 0
+    assert train[-1]["loss"] < train[0]["loss"]
+    ck = run / "checkpoints" / sorted(os.listdir(run / "checkpoints"))[-1]
+    meta = json.load(open(ck / "meta.json"))
+    assert meta["drafter"]["variant"] == VARIANT and meta["drafter"]["loss"]["objective"] == OBJECTIVE
+    assert "block_size" not in meta and meta["drafter_config"]["block_size"] == 16
+    assert VARIANT in meta["identity"]["drafter"]["label"]
+    scale = load_file(ck / "model.safetensors")["out_scale"]
+    assert not torch.equal(scale, torch.ones_like(scale))
+    import toy_seams  # noqa: F401  (a file never imports the code it names: the program does)
+    exp = export_checkpoint(str(ck), str(tmp_path / "export"), dtype="float32", tokenizer=False)
+    cfg = json.load(open(os.path.join(exp, "config.json")))
+    assert cfg["architectures"] == ["ScaledDFlashDraftModel"] and cfg["dflash_config"]["output_scale"] is True
+    with safe_open(os.path.join(exp, "model.safetensors"), "pt") as f:
+        assert "output_scale.weight" in f.keys() and "out_scale" not in f.keys()
+        assert torch.equal(f.get_tensor("output_scale.weight"), scale)
