@@ -240,6 +240,8 @@ def _drafter_settings(file, field, v):
     """The resolved drafter's settings (model/spec.DrafterSpec.to_meta without the model config)."""
     from dflash_dist.model.objectives import OBJECTIVES
     from dflash_dist.model.variants import VARIANTS
+    if v is None:  # written before variants: DFlash, decayed CE
+        return
     _obj(file, field, v)
     code_name(file, f"{field}.variant", v.get("variant", "dflash"), VARIANTS)
     loss = v.get("loss", {})
@@ -471,7 +473,7 @@ def _check_data(file: str, field: str, d: Any) -> None:
 SIDE_SCHEMA = {
     "format": _opt_str, "source_checkpoint": _opt_str, "tokenizer_source": local_location, "dtype": _opt_str,
     "step": _optional(_nonneg), "cursor": _optional(_nonneg), "final": _optional(_bool), "layer_ids": _layer_ids,
-    "mask_token_id": _nonneg, "block_size": size, "drafter_config": check_drafter_config,
+    "mask_token_id": _nonneg, "block_size": size, "drafter_config": check_drafter_config, "drafter": _drafter_settings,
     "target": _optional(_check_target), "data": _optional(_check_data), "chat_template_kwargs": _obj,
 }
 _EXPORT_INTS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
