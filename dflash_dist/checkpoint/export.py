@@ -45,6 +45,9 @@ from dflash_dist.checkpoint.export_load import (
     MODELING_NAME,
     CheckpointInputError,
     ExportError,
+    auto_map_for,
+    dflash2_problems,
+    dflash2_tensor_shapes,
     drafter_config_from_export,
     export_problems,
     safetensors_shapes,
@@ -60,7 +63,7 @@ from dflash_dist.model.variants import variant_class
 log = logging.getLogger(__name__)
 
 
-__all__ = ["export_checkpoint", "build_export_config", "mask_token_string", "DTYPES"]
+__all__ = ["export_checkpoint", "build_export_config", "apply_variant_fields", "mask_token_string", "DTYPES"]
 
 
 META_FORMAT = "dflash_dist.export/1"
@@ -127,9 +130,19 @@ def build_export_config(drafter_config: DrafterModelConfig, target_config: dict,
     cfg.update(_dflash_fields(dc, layer_ids, num_target_layers, mask_token_id, mask_token, block_size))
     cfg.update(_attention_fields(dc))
     cfg.update({"auto_map": dict(AUTO_MAP), "torch_dtype": dtype, "dtype": dtype})
-    fields = variant_class(variant)().export_fields(dc)
+    return apply_variant_fields(cfg, variant_class(variant)().export_fields(dc))
+
+
+def apply_variant_fields(cfg: dict, fields: dict) -> dict:
+    """``cfg`` with a variant's ``export_fields`` merged in: its ``architectures``, its ``dflash_config`` fields,
+    and the ``auto_map`` class of modeling_dflash.py named like the architecture. Refuses a DFlash2 config
+    either engine would load wrongly (export_load.dflash2_problems)."""
     cfg["architectures"] = list(fields.get("architectures", cfg["architectures"]))
     cfg["dflash_config"].update(fields.get("dflash_config") or {})
+    cfg["auto_map"] = auto_map_for(cfg)
+    problems = dflash2_problems(cfg)
+    if problems:
+        raise ExportError("the DFlash2 fields are not what both engines load: " + "; ".join(problems))
     return cfg
 
 
@@ -330,9 +343,11 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, dtype: str = "bfloat16"
 
 
 def _validate_with_variant(tensors: dict, cfg: dict, variant) -> None:
-    """DFlash's names and shapes (export_load.validate_export_tensors) and the variant's own beyond them."""
+    """The names and shapes the config implies (export_load.validate_export_tensors: DFlash's, and DFlash2's from
+    its fields) and the variant's own beyond them."""
     extra = variant.extra_tensor_shapes(cfg)
-    validate_export_tensors({k: v for k, v in tensors.items() if k not in extra}, cfg)
+    known = dflash2_tensor_shapes(cfg)
+    validate_export_tensors({k: v for k, v in tensors.items() if k not in extra or k in known}, cfg)
     have = {k: tuple(v.shape) for k, v in tensors.items() if k in extra}
     if have != {k: tuple(s) for k, s in extra.items()}:
         raise ExportError(f"the {variant.name} tensors do not match the exported config: have {have}, want {extra}")

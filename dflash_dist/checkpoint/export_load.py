@@ -26,8 +26,9 @@ log = logging.getLogger(__name__)
 
 
 __all__ = ["load_export", "export_problems", "drafter_config_from_export", "expected_tensor_shapes",
-           "validate_export_tensors", "safetensors_shapes", "checked_export", "ExportError", "CheckpointInputError", "META_NAME", "MODELING_NAME",
-           "AUTO_MAP"]
+           "validate_export_tensors", "safetensors_shapes", "checked_export", "ExportError", "CheckpointInputError",
+           "META_NAME", "MODELING_NAME", "AUTO_MAP", "DFLASH2_ARCHITECTURE", "auto_map_for", "is_dflash2",
+           "dflash2_problems", "dflash2_tensor_shapes", "dflash2_settings"]
 
 
 META_NAME = "dflash_dist_meta.json"
@@ -37,6 +38,123 @@ MODELING_NAME = "modeling_dflash.py"
 """The standalone modeling file copied into every export (``auto_map`` names its DFlashDraftModel)."""
 
 AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+"""The one architecture string both engines serve DFlash2 under (model/dflash2.ARCHITECTURE)."""
+
+DFLASH2_REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+"""dflash_config fields vLLM reads with ``[]``: a missing one is a KeyError at load."""
+
+DFLASH2_WRITTEN = ("output_multiplier", "final_logit_softcapping")
+"""dflash_config fields the engines read with a default; written explicitly so no default decides them."""
+
+
+def auto_map_for(cfg: dict) -> dict:
+    """The ``auto_map`` an export of ours carries: modeling_dflash's class named like its architecture."""
+    return ({"AutoModel": f"modeling_dflash.{DFLASH2_ARCHITECTURE}"} if is_dflash2(cfg) else dict(AUTO_MAP))
+
+
+def is_dflash2(cfg: dict) -> bool:
+    """The export means to be DFlash2: it says so, or carries any DFlash2 field (SGLang turns the conv on for
+    ``conv_kernel_size`` under any architecture)."""
+    dfc = cfg.get("dflash_config") or {}
+    return (DFLASH2_ARCHITECTURE in (cfg.get("architectures") or [])
+            or any(k in dfc for k in DFLASH2_REQUIRED + DFLASH2_WRITTEN))
+
+
+def dflash2_problems(cfg: dict) -> list[str]:
+    """What in a DFlash2 ``config.json`` vLLM or SGLang would refuse, read differently from the other, or serve
+    silently degraded (empty: none; also empty for a DFlash export)."""
+    if not is_dflash2(cfg):
+        return []
+    out, dfc = [], cfg.get("dflash_config") or {}
+    if cfg.get("architectures") != [DFLASH2_ARCHITECTURE]:
+        out.append(f"architectures={cfg.get('architectures')}: a DFlash2 export needs exactly "
+                   f"[{DFLASH2_ARCHITECTURE!r}] (vLLM drafts anything else as DFlash, SGLang builds no selector)")
+    if cfg.get("model_type") != "qwen3":
+        out.append(f"model_type={cfg.get('model_type')!r}: both engines build the DFlash2 drafter from a qwen3 config")
+    for key in DFLASH2_REQUIRED:
+        v = dfc.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            out.append(f"dflash_config.{key}={v!r}: must be an integer >= 1 (vLLM reads it with [], KeyError "
+                       "when missing)")
+    for key in DFLASH2_WRITTEN:
+        if key not in dfc:
+            out.append(f"no dflash_config.{key} (write it: the engines' default would decide it)")
+    mult, cap = dfc.get("output_multiplier", 1.0), dfc.get("final_logit_softcapping")
+    if not isinstance(mult, (int, float)) or not float(mult) > 0:
+        out.append(f"dflash_config.output_multiplier={mult!r}: must be > 0 (SGLang refuses anything else)")
+    if cap is not None and (not isinstance(cap, (int, float)) or float(cap) < 0):
+        out.append(f"dflash_config.final_logit_softcapping={cap!r}: use a cap > 0, or 0 for off")
+    for where, holder in (("", cfg), ("dflash_config.", dfc)):
+        scale = holder.get("input_embedding_scale", 1.0)
+        if scale != 1.0:
+            out.append(f"{where}input_embedding_scale={scale!r}: SGLang ignores it and vLLM applies it, so only 1.0 "
+                       "(or no field) serves alike")
+    for key in ("mask_token_id", "target_layer_ids", "block_size"):
+        if dfc.get(key) is None:
+            out.append(f"no dflash_config.{key}")
+    if "is_causal" not in cfg:
+        out.append("no top-level is_causal (vLLM then falls back to dflash_config.causal or the layer kind)")
+    if isinstance(dfc.get("conv_kernel_size"), int) and isinstance(dfc.get("block_size"), int) \
+            and dfc["conv_kernel_size"] > dfc["block_size"]:
+        out.append(f"dflash_config.conv_kernel_size={dfc['conv_kernel_size']} exceeds block_size={dfc['block_size']}")
+    group = dfc.get("conv_group_size")
+    if isinstance(group, int) and group > 0 and int(cfg.get("hidden_size") or 0) % group:
+        out.append(f"dflash_config.conv_group_size={group} does not divide hidden_size={cfg.get('hidden_size')}")
+    top_k = dfc.get("selector_top_k")
+    if isinstance(top_k, int) and top_k > int(cfg.get("vocab_size") or 0):
+        out.append(f"dflash_config.selector_top_k={top_k} exceeds vocab_size={cfg.get('vocab_size')}")
+    return out
+
+
+def dflash2_settings(cfg: dict):
+    """The DFlash2 settings (model/dflash2.DFlash2Settings) a DFlash2 ``config.json`` records; training-only
+    fields keep their defaults."""
+    from dflash_dist.model.dflash2 import DFlash2Settings
+    problems = dflash2_problems(cfg)
+    if problems:
+        raise ExportError("config.json is not a DFlash2 export both engines load alike: " + "; ".join(problems))
+    dfc = cfg["dflash_config"]
+    return DFlash2Settings(**{k: dfc[k] for k in DFLASH2_REQUIRED + DFLASH2_WRITTEN})
+
+
+def _export_variant(cfg: dict, side: Optional[dict]):
+    """The drafter variant (model/variants) an export was trained as: the one its provenance file names, else
+    the registered one whose ``architecture`` the config lists."""
+    from dflash_dist.model.variants import VARIANTS, variant_class
+    arch = cfg.get("architectures") or []
+    name = ((side or {}).get("drafter") or {}).get("variant")
+    if name:
+        variant = variant_class(name)()
+    else:
+        found = [VARIANTS.get(n) for n in VARIANTS.names() if VARIANTS.get(n).architecture in arch]
+        if not found:
+            raise ExportError(f"architectures={arch}: no registered drafter variant serves it")
+        variant = found[0]()
+    if variant.architecture not in arch:
+        raise ExportError(f"architectures={arch}, but the {variant.name} variant exports {variant.architecture}")
+    return variant
+
+
+def dflash2_tensor_shapes(cfg: dict) -> dict[str, tuple]:
+    """The DFlash2 tensors beyond DFlash's a ``config.json`` implies (from its fields, independent of the module
+    code): per layer the two convs, then the selector with bare codebooks (no ``.weight``); {} unless DFlash2
+    (or when its fields are unusable: :func:`dflash2_problems` names them)."""
+    dfc = cfg.get("dflash_config") or {}
+    if not is_dflash2(cfg) or any(not isinstance(dfc.get(k), int) or dfc[k] < 1 for k in DFLASH2_REQUIRED):
+        return {}
+    h, v = int(cfg["hidden_size"]), int(cfg["vocab_size"])
+    k, groups, r = dfc["conv_kernel_size"], h // dfc["conv_group_size"], dfc["selector_rank"]
+    shapes: dict[str, tuple] = {}
+    for i in range(int(cfg["num_hidden_layers"])):
+        for conv in ("attention_conv", "mlp_conv"):
+            shapes[f"layers.{i}.{conv}.base_kernel"] = (2, k, h)
+            shapes[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * k * groups, h)
+    shapes.update({"candidate_selector.hidden_projection.weight": (r, h),
+                   "candidate_selector.predecessor_codebook": (v, r),
+                   "candidate_selector.successor_codebook": (v, r)})
+    return shapes
 
 
 class ExportError(ValueError):
@@ -74,14 +192,15 @@ def export_problems(cfg: dict, path: Optional[str] = None) -> list[str]:
         out.append("no eagle_aux_hidden_state_layer_ids (older vLLM reads only it for the capture layers)")
     elif [int(i) for i in aux] != [int(i) + 1 for i in ids]:
         out.append(f"eagle_aux_hidden_state_layer_ids {aux} != target_layer_ids + 1 ({[int(i) + 1 for i in ids]})")
-    if (cfg.get("auto_map") or {}).get("AutoModel") != AUTO_MAP["AutoModel"]:
-        out.append(f"auto_map.AutoModel is not {AUTO_MAP['AutoModel']!r} (AutoModel(trust_remote_code) would build "
-                   "a plain Qwen3Model)")
+    want_auto = auto_map_for(cfg)["AutoModel"]
+    if (cfg.get("auto_map") or {}).get("AutoModel") != want_auto:
+        out.append(f"auto_map.AutoModel is not {want_auto!r} (AutoModel(trust_remote_code) would build another "
+                   "model)")
     if path is not None and not os.path.exists(os.path.join(path, MODELING_NAME)):
         out.append(f"no {MODELING_NAME} (auto_map names it)")
     if cfg.get("is_causal") is not False:
         out.append("is_causal is not false (vLLM and the z-lab model make sliding layers causal unless told)")
-    return out
+    return out + dflash2_problems(cfg)
 
 
 def expected_tensor_shapes(cfg: dict) -> dict[str, tuple]:
@@ -117,8 +236,9 @@ def expected_tensor_shapes(cfg: dict) -> dict[str, tuple]:
 
 
 def validate_export_tensors(tensors: dict, cfg: dict) -> None:
-    """Raise ExportError unless ``tensors`` has exactly the names and shapes ``cfg`` implies."""
-    want = expected_tensor_shapes(cfg)
+    """Raise ExportError unless ``tensors`` has exactly the names and shapes ``cfg`` implies (a DFlash2 export's
+    convs and selector too)."""
+    want = {**expected_tensor_shapes(cfg), **dflash2_tensor_shapes(cfg)}
     have = {k: tuple(v.shape) for k, v in tensors.items()}
     missing = sorted(set(want) - set(have))
     extra = sorted(set(have) - set(want))
@@ -129,6 +249,8 @@ def validate_export_tensors(tensors: dict, cfg: dict) -> None:
             parts.append(f"missing {missing[:6]}{' ...' if len(missing) > 6 else ''}")
         if extra:
             parts.append(f"unexpected {extra[:6]}{' ...' if len(extra) > 6 else ''}")
+            if any(k.endswith("codebook.weight") for k in extra):
+                parts.append("a codebook has a .weight suffix: SGLang skips it and serves zeros without an error")
         if wrong:
             parts.append("wrong shapes " + ", ".join(f"{k}: {have[k]} != {want[k]}" for k in wrong[:6]))
         raise ExportError("drafter tensors do not match the exported config: " + "; ".join(parts))
@@ -264,9 +386,14 @@ def load_export(path: str, device: Any = "cpu", dtype: Optional[torch.dtype] = t
     if not (os.path.exists(cfg_path) and os.path.exists(st_path)):
         raise ExportError(f"{path}: not an export directory (needs config.json and model.safetensors)")
     cfg, header = checked_export(path)
-    arch = cfg.get("architectures") or []
-    if "DFlashDraftModel" not in arch:
-        raise ExportError(f"{path}: architectures={arch}, expected DFlashDraftModel")
+    side_path = os.path.join(path, META_NAME)
+    side = None
+    if os.path.exists(side_path):
+        with open(side_path) as f:
+            side = json.load(f)  # checked by checked_export
+    if is_dflash2(cfg):
+        dflash2_settings(cfg)   # refuses a config either engine would load wrongly
+    variant = _export_variant(cfg, side)
     if require_complete is None:
         require_complete = os.path.exists(os.path.join(path, META_NAME))
     problems = export_problems(cfg, path) if require_complete else []
@@ -280,11 +407,12 @@ def load_export(path: str, device: Any = "cpu", dtype: Optional[torch.dtype] = t
     except (ValueError, TypeError, KeyError) as e:  # well-typed values that do not fit (e.g. heads that do not divide)
         raise CheckpointInputError(f"export {path} is unusable: {cfg_path}: {e}") from None
     validate_export_tensors({k: _Shape(shape) for k, (_, shape) in header.items()}, cfg)  # before reading any
+    meta_extra = {"variant": variant.name}
     tensors = load_file(st_path)
     if dtype is None:
         dtype = next(iter(tensors.values())).dtype
-    model = DFlashDrafter(dcfg, backend)
-    model.load_state_dict(tensors, strict=True)
+    model = variant.build(dcfg, backend)
+    model.load_state_dict(tensors, strict=True)   # every variant's module names are the export's
     model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     dfc = cfg["dflash_config"]
     meta: dict[str, Any] = {
@@ -296,13 +424,11 @@ def load_export(path: str, device: Any = "cpu", dtype: Optional[torch.dtype] = t
         "eos_token_id": cfg.get("eos_token_id"),
         "config": cfg,
         "drafter_config": dict(dcfg.__dict__),
+        **meta_extra,
         "tokenizer": path if any(os.path.exists(os.path.join(path, n))
                                  for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")) else None,
     }
-    side_path = os.path.join(path, META_NAME)
-    if os.path.exists(side_path):
-        with open(side_path) as f:
-            side = json.load(f)  # checked by checked_export
+    if side is not None:
         for k in ("target", "data", "source_checkpoint", "step", "tokenizer_source", "chat_template_kwargs"):
             meta[k] = side.get(k)
     return model, meta
