@@ -47,11 +47,10 @@ from dflash_dist.checkpoint.export_load import (
     ExportError,
     auto_map_for,
     dflash2_problems,
-    dflash2_tensor_shapes,
     drafter_config_from_export,
     export_problems,
     safetensors_shapes,
-    validate_export_tensors,
+    validate_variant_tensors,
 )
 from dflash_dist.checkpoint.meta import meta_block_size, meta_variant
 from dflash_dist.checkpoint.safe_io import local_dir
@@ -342,26 +341,15 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, dtype: str = "bfloat16"
     return out_dir
 
 
-def _validate_with_variant(tensors: dict, cfg: dict, variant) -> None:
-    """The names and shapes the config implies (export_load.validate_export_tensors: DFlash's, and DFlash2's from
-    its fields) and the variant's own beyond them."""
-    extra = variant.extra_tensor_shapes(cfg)
-    known = dflash2_tensor_shapes(cfg)
-    validate_export_tensors({k: v for k, v in tensors.items() if k not in extra or k in known}, cfg)
-    have = {k: tuple(v.shape) for k, v in tensors.items() if k in extra}
-    if have != {k: tuple(s) for k, s in extra.items()}:
-        raise ExportError(f"the {variant.name} tensors do not match the exported config: have {have}, want {extra}")
-
-
 def _export_tensors(weights: dict, cfg: dict, dtype: str, variant) -> dict:
     """The checkpoint's drafter tensors under the export's names (the variant's ``export_names``), checked
     against ``cfg``, in ``dtype``."""
     tensors = variant.export_names(_strip_prefixes(weights))
-    _validate_with_variant(tensors, cfg, variant)
+    validate_variant_tensors(tensors, cfg, variant)
     # the module must agree with the config too (the same check a consumer's strict load would do)
     with torch.device("meta"):
         ref = variant.export_names(variant.build(drafter_config_from_export(cfg), "sdpa").state_dict())
-    _validate_with_variant(ref, cfg, variant)
+    validate_variant_tensors(ref, cfg, variant)
     bad = [k for k, v in tensors.items() if not bool(torch.isfinite(v.float()).all())]
     if bad:
         raise ExportError(f"non-finite values in {bad[:6]}: refusing to export a diverged drafter")
@@ -395,7 +383,7 @@ def _write_export(tmp: str, tensors: dict, cfg: dict, side: dict, tok: Any, vari
     with open(os.path.join(tmp, META_NAME), "w") as f:
         json.dump(side, f, indent=1)
     # read back what a consumer reads: names/shapes of the file against the config in the file
-    _validate_with_variant(safetensors_shapes(os.path.join(tmp, "model.safetensors")), cfg, variant)
+    validate_variant_tensors(safetensors_shapes(os.path.join(tmp, "model.safetensors")), cfg, variant)
     with open(os.path.join(tmp, "config.json")) as f:
         problems = export_problems(json.load(f), tmp)
     if problems:

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 __all__ = ["load_export", "export_problems", "drafter_config_from_export", "expected_tensor_shapes",
-           "validate_export_tensors", "safetensors_shapes", "checked_export", "ExportError", "CheckpointInputError",
+           "validate_export_tensors", "validate_variant_tensors", "safetensors_shapes", "checked_export", "ExportError", "CheckpointInputError",
            "META_NAME", "MODELING_NAME", "AUTO_MAP", "DFLASH2_ARCHITECTURE", "auto_map_for", "is_dflash2",
            "dflash2_problems", "dflash2_tensor_shapes", "dflash2_settings"]
 
@@ -135,6 +135,15 @@ def _export_variant(cfg: dict, side: Optional[dict]):
     if variant.architecture not in arch:
         raise ExportError(f"architectures={arch}, but the {variant.name} variant exports {variant.architecture}")
     return variant
+
+
+def _module_state(variant, model: torch.nn.Module, tensors: dict) -> dict:
+    """The export's tensors under the module's names: ``variant.export_names`` maps a state dict's names to the
+    export's, passing each tensor object through, so the objects say which module name each export name is."""
+    own = model.state_dict()
+    by_id = {id(v): k for k, v in own.items()}
+    names = {e: by_id.get(id(v), e) for e, v in variant.export_names(own).items()}
+    return {names.get(k, k): v for k, v in tensors.items()}
 
 
 def dflash2_tensor_shapes(cfg: dict) -> dict[str, tuple]:
@@ -254,6 +263,18 @@ def validate_export_tensors(tensors: dict, cfg: dict) -> None:
         if wrong:
             parts.append("wrong shapes " + ", ".join(f"{k}: {have[k]} != {want[k]}" for k in wrong[:6]))
         raise ExportError("drafter tensors do not match the exported config: " + "; ".join(parts))
+
+
+def validate_variant_tensors(tensors: dict, cfg: dict, variant) -> None:
+    """The names and shapes the config implies (:func:`validate_export_tensors`: DFlash's, and DFlash2's from its
+    fields) and the variant's own beyond them (``extra_tensor_shapes``)."""
+    extra = variant.extra_tensor_shapes(cfg)
+    known = dflash2_tensor_shapes(cfg)
+    validate_export_tensors({k: v for k, v in tensors.items() if k not in extra or k in known}, cfg)
+    have = {k: tuple(v.shape) for k, v in tensors.items() if k in extra and k not in known}
+    want = {k: tuple(s) for k, s in extra.items() if k not in known}
+    if have != want:
+        raise ExportError(f"the {variant.name} tensors do not match the exported config: have {have}, want {want}")
 
 
 def safetensors_shapes(path: str) -> dict[str, Any]:
@@ -406,13 +427,13 @@ def load_export(path: str, device: Any = "cpu", dtype: Optional[torch.dtype] = t
         raise
     except (ValueError, TypeError, KeyError) as e:  # well-typed values that do not fit (e.g. heads that do not divide)
         raise CheckpointInputError(f"export {path} is unusable: {cfg_path}: {e}") from None
-    validate_export_tensors({k: _Shape(shape) for k, (_, shape) in header.items()}, cfg)  # before reading any
+    validate_variant_tensors({k: _Shape(shape) for k, (_, shape) in header.items()}, cfg, variant)  # before reading
     meta_extra = {"variant": variant.name}
     tensors = load_file(st_path)
     if dtype is None:
         dtype = next(iter(tensors.values())).dtype
     model = variant.build(dcfg, backend)
-    model.load_state_dict(tensors, strict=True)   # every variant's module names are the export's
+    model.load_state_dict(_module_state(variant, model, tensors), strict=True)
     model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     dfc = cfg["dflash_config"]
     meta: dict[str, Any] = {

@@ -149,3 +149,131 @@ def test_a_swapped_or_renamed_codebook_is_caught(spec):
     renamed = {k.replace("successor_codebook", "successor_codebook.weight"): v for k, v in sd.items()}
     with pytest.raises(RuntimeError, match="successor_codebook"):
         theirs.load_state_dict(renamed, strict=True)
+
+
+# --- the export: speculators' drafter from the exported config.json fields and model.safetensors ---------------
+
+def spec_drafter(spec, export_dir):
+    """Speculators' DFlash2 modules (decoder layers, selector; transformers' Qwen3 norms and RoPE) sized from
+    nothing but the export's config.json, with its model.safetensors loaded strictly: every tensor name and
+    shape must be what they load (speculators' own drafter also holds embed_tokens and lm_head: the target's)."""
+    import json
+    import os
+
+    from safetensors.torch import load_file
+    from torch import nn
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Config, Qwen3RMSNorm, Qwen3RotaryEmbedding
+    with open(os.path.join(export_dir, "config.json")) as f:
+        cfg = json.load(f)
+    dfc = cfg["dflash_config"]
+    fields = {k: cfg[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                  "intermediate_size", "rms_norm_eps", "vocab_size", "rope_parameters")}
+    qc = Qwen3Config(**fields, attention_bias=False)
+    qc._attn_implementation = "eager"
+    h, n_feat = cfg["hidden_size"], len(dfc["target_layer_ids"])
+    m = nn.Module()
+    m.fc = nn.Linear(n_feat * h, h, bias=False)
+    m.hidden_norm, m.norm = Qwen3RMSNorm(h, qc.rms_norm_eps), Qwen3RMSNorm(h, qc.rms_norm_eps)
+    m.layers = nn.ModuleList(
+        spec.Qwen3DFlash2DecoderLayer(qc, i, block_size=dfc["block_size"], conv_kernel_size=dfc["conv_kernel_size"],
+                                      conv_group_size=dfc["conv_group_size"])
+        for i in range(cfg["num_hidden_layers"]))
+    m.candidate_selector = spec.CandidateSelector(vocab_size=cfg["vocab_size"], hidden_size=h,
+                                                  rank=dfc["selector_rank"], top_k=dfc["selector_top_k"])
+    m.load_state_dict(load_file(os.path.join(export_dir, "model.safetensors")), strict=True)
+    m.rotary, m.cfg = Qwen3RotaryEmbedding(qc), cfg
+    return m.eval()
+
+
+def spec_block(m, feats, embeds, positions):
+    """Speculators' final hidden states of one block per row: every query sees the whole context and block."""
+    ctx = m.hidden_norm(m.fc(feats))
+    rope = m.rotary(feats, positions.expand(feats.shape[0], -1))
+    mask = torch.zeros(feats.shape[0], 1, embeds.shape[1], positions.shape[1])
+    h = embeds
+    for layer in m.layers:
+        h = layer(target_hidden=ctx, hidden_states=h, attention_mask=mask, position_embeddings=rope)
+    return m.norm(h)
+
+
+def spec_walk(m, hidden, anchors, head):
+    """Speculators' unary logits (multiplier, then soft cap, applied here: it has neither), candidates, the
+    lattice from its edge scores and the greedy walk over it in plain Python (ties to the lowest index)."""
+    dfc = m.cfg["dflash_config"]
+    unary = transform_logits(hidden[:, 1:] @ head.t(), dfc["output_multiplier"], dfc["final_logit_softcapping"])
+    ids = unary.topk(dfc["selector_top_k"], dim=-1).indices
+    k, sel = ids.shape[-1], m.candidate_selector
+    lat = torch.stack([torch.stack([sel.score_candidates(unary[:, j], hidden[:, 1 + j],
+                                                         anchors if j == 0 else ids[:, j - 1, p], ids[:, j])
+                                    for p in range(k)], 1) for j in range(ids.shape[1])], 1)
+    tokens = []
+    for n in range(hidden.shape[0]):
+        p, row_tokens = 0, []
+        for j in range(ids.shape[1]):
+            row = lat[n, j, p].tolist()
+            p = row.index(max(row))
+            row_tokens.append(int(ids[n, j, p]))
+        tokens.append(row_tokens)
+    return unary, ids, lat, torch.tensor(tokens)
+
+
+def export_gap(spec, export_dir, served, seed=1):
+    """(max |d| of the unary logits, max |d| of the lattice scores, greedy tokens equal) between speculators on
+    the export's files and ``served``: the project's DFlash2 drafter with the weights it was exported from."""
+    from dflash_dist.model.dflash2_selector import lattice as our_lattice
+    from tests.unit.checkpoint.test_export_dflash2 import LAYER_IDS
+    m = spec_drafter(spec, export_dir)
+    g = torch.Generator().manual_seed(seed)
+    ctx, block, hsz = 11, m.cfg["block_size"], m.cfg["hidden_size"]
+    feats = torch.randn(3, ctx, len(LAYER_IDS) * hsz, generator=g)
+    embeds = torch.randn(3, block, hsz, generator=g)
+    positions = torch.arange(ctx + block)[None]
+    head = torch.randn(m.cfg["vocab_size"], hsz, generator=g)
+    anchors = torch.randint(0, m.cfg["vocab_size"], (3,), generator=g)
+    with torch.no_grad():
+        ref_hidden = spec_block(m, feats, embeds, positions)
+        ref_unary, ref_ids, ref_lat, ref_tokens = spec_walk(m, ref_hidden, anchors, head)
+        hidden = served(position_ids=positions, noise_embedding=embeds, target_hidden=feats)
+        unary = served.compute_logits(hidden[:, 1:], head)
+        tokens, cand, _ = served.propose(hidden, anchors, head, 0.0)
+        lat = our_lattice(served.candidate_selector, hidden[:, 1:], anchors, cand, unary.gather(-1, cand))
+    same_choice = torch.equal(cand, ref_ids) and torch.equal(tokens, ref_tokens)
+    return float((unary - ref_unary).abs().max()), float((lat - ref_lat).abs().max()), same_choice
+
+
+def served_model(cfg, tensors):
+    """The project's DFlash2 drafter as served (checkpoint/modeling_dflash.DFlash2DraftModel, which
+    tests/unit/checkpoint/test_export_dflash2.py checks against model/dflash2.py) holding ``tensors`` in memory,
+    not read back from the export: a naming mistake in the file shows as a gap."""
+    from transformers import Qwen3Config
+
+    from dflash_dist.checkpoint import modeling_dflash
+    model = modeling_dflash.DFlash2DraftModel(Qwen3Config(**cfg))
+    model.load_state_dict(tensors, strict=True)
+    return model.eval()
+
+
+def test_export_parity_with_speculators(spec, tmp_path):
+    """Speculators' drafter built from the exported config.json and loaded strictly from the exported
+    model.safetensors: the same unary logits (fp32, max |d| <= 1e-5), selector scores and greedy choices as the
+    project's drafter on the same hidden states and block inputs."""
+    from tests.unit.checkpoint.test_export_dflash2 import dflash2_config, random_tensors, write_export
+    cfg, tensors = dflash2_config(), random_tensors(seed=5, scale=0.1)
+    out = write_export(tmp_path / "export", cfg, tensors)
+    unary_gap, score_gap, same = export_gap(spec, out, served_model(cfg, tensors))
+    assert unary_gap <= 1e-5 and score_gap <= 1e-5 and same, (unary_gap, score_gap, same)
+
+
+def test_export_parity_fails_on_a_renamed_or_swapped_codebook(spec, tmp_path):
+    """The parity check sees both mistakes: a codebook saved as ``...codebook.weight`` does not load strictly
+    (SGLang would skip it silently), and a file with the predecessor and successor codebooks swapped scores
+    differently from the drafter it was exported from."""
+    from tests.unit.checkpoint.test_export_dflash2 import dflash2_config, random_tensors, write_export
+    cfg, tensors = dflash2_config(), random_tensors(seed=5, scale=0.1)
+    a, b = "candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook"
+    renamed = {(k + ".weight" if k == b else k): v for k, v in tensors.items()}
+    with pytest.raises(RuntimeError, match="successor_codebook"):
+        spec_drafter(spec, write_export(tmp_path / "renamed", cfg, renamed))
+    swapped = dict(tensors, **{a: tensors[b], b: tensors[a]})
+    _, score_gap, _ = export_gap(spec, write_export(tmp_path / "swapped", cfg, swapped), served_model(cfg, tensors))
+    assert score_gap > 1e-2
