@@ -306,9 +306,10 @@ class DFlashDrafter(nn.Module):
         """Final hidden states [b, Q, H] from the last layer's output."""
         return self.norm(h)
 
-    def propose(self, hidden: Tensor, lm_head: Tensor) -> Tensor:
-        """A block's proposals [b, B-1] from its final hidden states [b, B, H] and the target head [V, H]:
-        DFlash proposes the argmax of the unary logits of slots 1..B-1."""
+    def propose(self, hidden: Tensor, lm_head: Tensor, anchor_ids: Optional[Tensor] = None) -> Tensor:
+        """A block's proposals [b, B-1] from its final hidden states [b, B, H], the target head [V, H] and the
+        block's anchor tokens [b] (a variant that reads the previous token needs them): DFlash proposes the
+        argmax of the unary logits of slots 1..B-1."""
         head = lm_head.to(hidden.device)
         return F.linear(hidden[:, 1:].to(head.dtype), head).argmax(-1)
 
