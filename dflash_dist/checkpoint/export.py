@@ -11,6 +11,11 @@ The directory holds:
   (:func:`build_export_config` says which reads what): ``rope_theta`` + ``rope_scaling`` (transformers 4.x) next
   to ``rope_parameters`` (5.x); ``eagle_aux_hidden_state_layer_ids`` (vLLM's capture points, = layer ids + 1);
   ``layer_types`` / ``use_sliding_window`` / ``sliding_window`` / ``is_causal: false``; ``auto_map``.
+* a variant's fields (its ``export_fields``, :func:`apply_variant_fields`): DFlash2 writes ``architectures:
+  ["DFlash2DraftModel"]``, ``dflash_config.{conv_kernel_size, conv_group_size, selector_rank, selector_top_k}``
+  (vLLM reads them with ``[]``), ``output_multiplier`` and ``final_logit_softcapping`` (read with defaults, written
+  anyway), no ``input_embedding_scale`` (SGLang ignores it), and ``auto_map`` ``modeling_dflash.DFlash2DraftModel``;
+  its tensors add ``layers.i.{attention,mlp}_conv.*`` and ``candidate_selector.*`` (codebooks without ``.weight``).
 * ``modeling_dflash.py``: the drafter as a standalone transformers model (checkpoint/modeling_dflash.py), so
   ``AutoModel.from_pretrained(dir, trust_remote_code=True)`` builds it with the same outputs as load_export's.
 * ``model.safetensors``: ``layers.*``, ``fc.weight`` [H, n*H], ``hidden_norm.weight``, ``norm.weight``; no

@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 
 __all__ = ["load_export", "export_problems", "drafter_config_from_export", "expected_tensor_shapes",
-           "validate_export_tensors", "validate_variant_tensors", "safetensors_shapes", "checked_export", "ExportError", "CheckpointInputError",
+           "validate_export_tensors", "validate_variant_tensors", "safetensors_shapes", "checked_export",
+           "ExportError", "CheckpointInputError",
            "META_NAME", "MODELING_NAME", "AUTO_MAP", "DFLASH2_ARCHITECTURE", "auto_map_for", "is_dflash2",
            "dflash2_problems", "dflash2_tensor_shapes", "dflash2_settings"]
 

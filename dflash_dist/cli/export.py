@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from dflash_dist.checkpoint.export import DTYPES, export_checkpoint
-from dflash_dist.checkpoint.export_load import ExportError, expected_tensor_shapes
+from dflash_dist.checkpoint.export_load import ExportError, safetensors_shapes
 from dflash_dist.checkpoint.store import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,8 @@ def main(argv: Optional[list] = None) -> int:
         return 2
     with open(os.path.join(out, "config.json")) as f:
         cfg = json.load(f)
-    n = sum(int(torch.Size(s).numel()) for s in expected_tensor_shapes(cfg).values())
+    shapes = safetensors_shapes(os.path.join(out, "model.safetensors"))   # every tensor, a variant's too
+    n = sum(int(torch.Size(t.shape).numel()) for t in shapes.values())
     print(f"exported {args.checkpoint_dir} -> {out}: {cfg['num_hidden_layers']} layers, {n / 1e6:.2f}M params, "
           f"{args.dtype}, block {cfg['block_size']}, target layers {cfg['dflash_config']['target_layer_ids']} "
           f"of {cfg['num_target_layers']} (vLLM aux {cfg['eagle_aux_hidden_state_layer_ids']}), mask token "
