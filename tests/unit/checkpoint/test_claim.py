@@ -1,0 +1,110 @@
+"""The run directory's claim: exclusive across processes, the holder named, stale claims (dead pid, a pid now
+another process, an old heartbeat of another host) taken over with a warning, released on exit."""
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dflash_dist.checkpoint import claim as claimmod
+from dflash_dist.checkpoint.claim import CLAIM_FILE, claim_run_dir, process_start
+from dflash_dist.config import ConfigError
+
+_HOLD = r"""
+import sys, time
+from dflash_dist.checkpoint.claim import claim_run_dir
+claim_run_dir(sys.argv[1])
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def _holder(run_dir):
+    p = subprocess.Popen([sys.executable, "-c", _HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+def _write_claim(run_dir, **rec):
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, CLAIM_FILE)
+    with open(path, "w") as f:
+        json.dump(dict({"host": socket.gethostname(), "started": "2026-01-01 00:00:00", "token": "x"}, **rec), f)
+    return path
+
+
+def test_a_live_holder_is_named_and_a_released_claim_is_free(tmp_path):
+    run = tmp_path / "run"
+    p = _holder(run)
+    try:
+        with pytest.raises(ConfigError) as e:
+            claim_run_dir(str(run))
+        msg = str(e.value)
+        assert f"train.output_dir={run} is in use by another job" in msg
+        assert f"pid {p.pid}" in msg and socket.gethostname() in msg
+    finally:
+        p.kill()
+        p.wait()
+    # its process is gone (kill -9: nothing released): stale, taken over
+    c = claim_run_dir(str(run))
+    assert json.load(open(run / CLAIM_FILE))["pid"] == os.getpid()
+    c.release()
+    assert not os.path.exists(run / CLAIM_FILE)
+    assert os.path.isdir(run)  # it existed before this claim: left in place
+
+
+def test_a_claim_of_a_dead_pid_is_stale_and_said_so(tmp_path, caplog):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    run = tmp_path / "run"
+    _write_claim(run, pid=dead.pid, start_ticks=1, SLURM_JOB_ID="77")
+    with caplog.at_level(logging.WARNING):
+        c = claim_run_dir(str(run))
+    assert "stale claim" in caplog.text and f"pid {dead.pid} is gone" in caplog.text and "SLURM_JOB_ID=77" in caplog.text
+    c.release()
+
+
+def test_a_pid_that_is_another_process_now_is_stale(tmp_path, caplog):
+    run = tmp_path / "run"
+    # this very process, with another start time: the pid was reused
+    _write_claim(run, pid=os.getpid(), start_ticks=process_start(os.getpid()) - 1)
+    with caplog.at_level(logging.WARNING):
+        c = claim_run_dir(str(run))
+    assert "is another process now" in caplog.text
+    c.release()
+
+
+def test_another_hosts_claim_is_live_until_its_heartbeat_is_old(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    path = _write_claim(run, host="node-elsewhere", pid=12345, start_ticks=5)
+    with pytest.raises(ConfigError, match="host node-elsewhere, pid 12345"):
+        claim_run_dir(str(run))
+    old = time.time() - claimmod.STALE_AFTER_S - 10
+    os.utime(path, (old, old))
+    c = claim_run_dir(str(run))
+    assert json.load(open(path))["host"] == socket.gethostname()
+    c.release()
+
+
+def test_a_claim_this_process_made_is_released_with_the_directory_it_made(tmp_path):
+    run = tmp_path / "new"
+    c = claim_run_dir(str(run))
+    assert claim_run_dir(str(run)) is c  # the same process asks again (rank 0 re-resolving): its own claim
+    claimmod.release_claims()
+    assert not os.path.exists(run)
+
+
+def test_the_heartbeat_refreshes_the_claim(tmp_path, monkeypatch):
+    monkeypatch.setattr(claimmod, "HEARTBEAT_S", 0.05)
+    run = tmp_path / "run"
+    c = claim_run_dir(str(run))
+    old = time.time() - 1000
+    os.utime(run / CLAIM_FILE, (old, old))
+    time.sleep(0.3)
+    assert time.time() - os.path.getmtime(run / CLAIM_FILE) < 10
+    c.release()
