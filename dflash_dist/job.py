@@ -298,7 +298,8 @@ def fix_total(job: Job, num_drafters: int) -> None:
                f"epoch(s) of {job.epoch_messages} messages (train.epochs is not used)")
     else:
         want = _epochs_total(job)
-        how = f"train.epochs={t.epochs}: {want} messages"
+        how = (f"train.epochs={t.epochs}: {want} messages ({job.epoch_messages} in the first epoch, as run.json "
+               f"records)")
     if meta is not None:
         before = (meta.get("job_config") or {}).get("train", {})
         same = before.get("max_steps") == t.max_steps and (t.max_steps > 0 or before.get("epochs") == t.epochs)

@@ -18,7 +18,14 @@ from typing import Optional
 
 from dflash_dist.checkpoint.claim import claim_run_dir
 from dflash_dist.checkpoint.identity import differences, read_run_json, run_markers, write_run_json
-from dflash_dist.checkpoint.store import CheckpointError, find_latest, remove_stale_tmp, usable_problem
+from dflash_dist.checkpoint.store import (
+    CheckpointError,
+    checkpoint_bytes,
+    find_latest,
+    remove_stale_tmp,
+    space_problem,
+    usable_problem,
+)
 from dflash_dist.config import ConfigError
 
 log = logging.getLogger("dflash_dist")
@@ -142,6 +149,10 @@ def claim_and_resolve(cfg, identity: dict) -> dict:
             raise
         for path in remove_stale_tmp(run_dir):
             log.warning("removed %s: what a save that never finished left behind", path)
+        if run["resume_from"] is not None:  # at the start, not at the failing write
+            problem = space_problem(run_dir, checkpoint_bytes(run["resume_from"]))
+            if problem:
+                log.warning("run directory %s: %s", run_dir, problem)
         return run
     raise ConfigError("train.output_dir: no free outputs/run-<date>-<time> directory; set train.output_dir")
 

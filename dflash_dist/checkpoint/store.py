@@ -63,9 +63,12 @@ def state_bytes(state) -> int:
 
 
 def checkpoint_bytes(path: str) -> int:
-    """Bytes of a checkpoint directory's files."""
-    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
-               if os.path.isfile(os.path.join(path, f)))
+    """Bytes of a checkpoint directory's files (0 when it is gone)."""
+    try:
+        return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
+                   if os.path.isfile(os.path.join(path, f)))
+    except OSError:
+        return 0
 
 
 class CheckpointSaveError(CheckpointError):
@@ -105,7 +108,8 @@ def save_failure(path: str, e: BaseException, needed: int) -> CheckpointSaveErro
              errno_mod.EIO: "an I/O error on the storage"}.get(code, "the write failed")
     root = os.path.dirname(os.path.dirname(path))
     fix = {errno_mod.EFBIG: f"raise the file size limit (ulimit -f) to more than {needed} bytes",
-           errno_mod.EIO: f"check the storage of {root}"}.get(code, f"free at least {needed} bytes on the disk of {root}")
+           errno_mod.EIO: f"check the storage of {root}"}.get(code,
+                                                               f"free at least {needed} bytes on the disk of {root}")
     try:
         free = f"{shutil.disk_usage(os.path.dirname(path)).free} bytes free there"
     except OSError:

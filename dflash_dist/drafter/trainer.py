@@ -386,7 +386,7 @@ class DrafterTrainer:
                 "identity": self.job.identity, "run_totals": totals}
         previous = self.last_checkpoint or self.job.resume_from
         model_state, opt_state = self.model.state_dict(), self.opt.state_dict()
-        needed = checkpoint_bytes(previous) if previous else state_bytes(model_state) + state_bytes(opt_state)
+        needed = (checkpoint_bytes(previous) if previous else 0) or state_bytes(model_state) + state_bytes(opt_state)
         problem = space_problem(self.job.run_dir, needed)
         if problem:
             log.warning("checkpoint at step %d: %s", self.step, problem)

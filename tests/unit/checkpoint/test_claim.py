@@ -65,7 +65,8 @@ def test_a_claim_of_a_dead_pid_is_stale_and_said_so(tmp_path, caplog):
     _write_claim(run, pid=dead.pid, start_ticks=1, SLURM_JOB_ID="77")
     with caplog.at_level(logging.WARNING):
         c = claim_run_dir(str(run))
-    assert "stale claim" in caplog.text and f"pid {dead.pid} is gone" in caplog.text and "SLURM_JOB_ID=77" in caplog.text
+    assert "stale claim" in caplog.text and f"pid {dead.pid} is gone" in caplog.text
+    assert "SLURM_JOB_ID=77" in caplog.text
     c.release()
 
 

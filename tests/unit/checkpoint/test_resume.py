@@ -128,3 +128,16 @@ def test_the_runs_totals_add_the_earlier_launches_and_what_they_dropped(tmp_path
     assert run_totals(before, dict(launch, samples_received=5), plan, 4)["run_samples_repeated"] == 2
     # a checkpoint of an older dflash_dist (no totals): the plan's samples through its cursor
     assert earlier_totals({"cursor": 3}, ck, str(tmp_path), plan)["samples_trained"] == 6
+
+
+def test_a_resume_onto_a_disk_without_room_for_another_checkpoint_warns_at_the_start(tmp_path, monkeypatch, caplog):
+    import logging
+    from collections import namedtuple
+
+    from dflash_dist.checkpoint import store
+    run = tmp_path / "run"
+    fake_run(run, identity())
+    monkeypatch.setattr(store.shutil, "disk_usage", lambda p: namedtuple("u", "total used free")(100, 97, 3))
+    with caplog.at_level(logging.WARNING):
+        claim_and_resolve(cfg(output_dir=str(run), resume="auto"), identity())
+    assert "3 bytes free" in caplog.text and "needs about" in caplog.text
