@@ -5,7 +5,8 @@ on NFS v3+, unlike ``flock``), holding who took it: host, pid, the process's sta
 (SLURM_JOB_ID / TORCHELASTIC_RUN_ID) and a random token. The holder refreshes the file's mtime every
 ``HEARTBEAT_S`` (a daemon thread that only touches the file). A claim whose holder is gone is stale and is
 taken over with a warning: on the same host when its pid no longer runs or runs another process (another start
-time); on another host when its heartbeat is older than ``STALE_AFTER_S``. Released on every exit path that
+time); on another host when its heartbeat is older than ``STALE_AFTER_S``; anywhere when it is an earlier launch
+of this same job (same SLURM job and step or torchrun run id, a lower restart count). Released on every exit path that
 can run code (the exit paths of ``train`` and the lifecycle call ``release_claims``; atexit covers the rest);
 a ``kill -9`` leaves it behind, which the next job detects as stale.
 """
@@ -30,6 +31,9 @@ CLAIM_FILE = ".dflash-claim"
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 300.0  # a holder on another host whose heartbeat is older than this is gone
 _JOB_ID_VARS = ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
+# a later launch of the same job (SLURM requeue, a torchrun restart): its earlier workers were all stopped first
+_RESTART_VARS = (("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT"),
+                 ("TORCHELASTIC_RUN_ID", None, "TORCHELASTIC_RESTART_COUNT"))
 
 
 def process_start(pid: int) -> Optional[int]:
@@ -57,11 +61,27 @@ def describe(holder: dict) -> str:
     return f"host {holder.get('host')}, pid {holder.get('pid')}, started {holder.get('started')}, {job}"
 
 
+def _restarted(holder: dict, env=os.environ) -> Optional[str]:
+    """The holder is an earlier launch of this very job (same job id and step, a lower restart count)."""
+    for job, step, count in _RESTART_VARS:
+        if not env.get(job) or holder.get(job) != env.get(job) or (step and holder.get(step) != env.get(step)):
+            continue
+        try:
+            if int(holder.get(count) or 0) < int(env.get(count) or 0):
+                return f"it is an earlier launch of this job ({job}={env[job]}, {count} {holder.get(count) or 0})"
+        except ValueError:
+            pass
+    return None
+
+
 def stale_reason(holder: dict, mtime: float, now: Optional[float] = None) -> Optional[str]:
     """Why a claim's holder is gone (the claim can be taken over), or None while it may still run."""
     pid = holder.get("pid")
     if not isinstance(pid, int):
         return "the claim file names no pid (unreadable)"
+    restarted = _restarted(holder)
+    if restarted:
+        return restarted
     if holder.get("host") == socket.gethostname():
         if not os.path.exists("/proc/self/stat"):  # no /proc: the pid alone
             return None if _pid_runs(pid) else f"pid {pid} is gone"
@@ -138,7 +158,7 @@ def _read(path: str) -> tuple[dict, float]:
 def _record() -> dict:
     rec = {"host": socket.gethostname(), "pid": os.getpid(), "start_ticks": process_start(os.getpid()),
            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "token": uuid.uuid4().hex}
-    rec.update({k: os.environ[k] for k in _JOB_ID_VARS if os.environ.get(k)})
+    rec.update({k: os.environ[k] for g in _RESTART_VARS for k in g if k and os.environ.get(k)})
     return rec
 
 

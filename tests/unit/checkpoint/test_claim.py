@@ -109,3 +109,19 @@ def test_the_heartbeat_refreshes_the_claim(tmp_path, monkeypatch):
     time.sleep(0.3)
     assert time.time() - os.path.getmtime(run / CLAIM_FILE) < 10
     c.release()
+
+
+def test_an_earlier_launch_of_the_same_job_on_another_host_is_stale_at_once(tmp_path, monkeypatch):
+    """A requeued SLURM job (same job and step id, a higher restart count) takes over the claim its first launch
+    left on a lost node, without waiting for the heartbeat to age; another step of the same allocation does not."""
+    run = tmp_path / "run"
+    path = _write_claim(run, host="lost-node", pid=99, SLURM_JOB_ID="5", SLURM_STEP_ID="0", SLURM_RESTART_COUNT="0")
+    monkeypatch.setenv("SLURM_JOB_ID", "5")
+    monkeypatch.setenv("SLURM_STEP_ID", "1")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    with pytest.raises(ConfigError, match="host lost-node"):
+        claim_run_dir(str(run))  # another step of the allocation: may still run
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    c = claim_run_dir(str(run))
+    assert json.load(open(path))["SLURM_RESTART_COUNT"] == "1"
+    c.release()
