@@ -30,6 +30,7 @@ log = logging.getLogger("dflash_dist")
 CLAIM_FILE = ".dflash-claim"
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 300.0  # a holder on another host whose heartbeat is older than this is gone
+WRITING_S = 5.0  # an empty claim file younger than this is being written (O_EXCL create, then the record)
 _JOB_ID_VARS = ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
 # a later launch of the same job (SLURM requeue, a torchrun restart): its earlier workers were all stopped first
 _RESTART_VARS = (("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT"),
@@ -78,7 +79,7 @@ def stale_reason(holder: dict, mtime: float, now: Optional[float] = None) -> Opt
     """Why a claim's holder is gone (the claim can be taken over), or None while it may still run."""
     pid = holder.get("pid")
     if not isinstance(pid, int):
-        return "the claim file names no pid (unreadable)"
+        return f"the claim file names no pid (unreadable for more than {WRITING_S:.0f} s)"
     restarted = _restarted(holder)
     if restarted:
         return restarted
@@ -196,12 +197,15 @@ def claim_run_dir(run_dir: str, what: str = "train.output_dir") -> RunClaim:
     made_dir = not os.path.isdir(run_dir)
     os.makedirs(run_dir, exist_ok=True)
     path, rec = os.path.join(run_dir, CLAIM_FILE), _record()
-    for _ in range(5):
+    for _ in range(100):
         if _create(path, rec):
             claim = RunClaim(run_dir, rec, made_dir)
             _HELD.append(claim)
             return claim
         holder, mtime = _read(path)
+        if not holder and time.time() - mtime < WRITING_S:  # created, its record not written yet: look again
+            time.sleep(0.1)
+            continue
         if holder.get("token") and any(c.record["token"] == holder["token"] for c in _HELD):
             return next(c for c in _HELD if c.record["token"] == holder["token"])  # this process holds it
         why = stale_reason(holder, mtime)

@@ -125,3 +125,29 @@ def test_an_earlier_launch_of_the_same_job_on_another_host_is_stale_at_once(tmp_
     c = claim_run_dir(str(run))
     assert json.load(open(path))["SLURM_RESTART_COUNT"] == "1"
     c.release()
+
+
+def test_a_claim_file_still_being_written_is_not_taken_over(tmp_path, monkeypatch):
+    """Between another job's O_EXCL create and its record the file is empty: wait for the record, do not take it."""
+    monkeypatch.setattr(claimmod, "WRITING_S", 0.5)
+    run = tmp_path / "run"
+    os.makedirs(run)
+    (run / CLAIM_FILE).write_text("")
+    calls = []
+    real_read = claimmod._read
+
+    def read_then_written(path):
+        calls.append(path)
+        if len(calls) == 2:  # the record lands while this job waits
+            _write_claim(run, host="node-elsewhere", pid=4321, start_ticks=1)
+        return real_read(path)
+
+    monkeypatch.setattr(claimmod, "_read", read_then_written)
+    with pytest.raises(ConfigError, match="pid 4321"):
+        claim_run_dir(str(run))
+    # empty for longer than that: unreadable, stale
+    (run / CLAIM_FILE).write_text("")
+    old = time.time() - 10
+    os.utime(run / CLAIM_FILE, (old, old))
+    monkeypatch.setattr(claimmod, "_read", real_read)
+    claim_run_dir(str(run)).release()
