@@ -376,7 +376,7 @@ class DrafterTrainer:
                          self.stats.peek("nonfinite_by_target").sum().cpu()]).to(self.device)
         if self.d.drafters is not None:
             dist.all_reduce(v, group=self.d.drafters)
-        received, shape, pending = v.tolist()
+        received, shape, pending = (int(round(x)) for x in v.tolist())
         return {"received": received, "skipped": shape + pending + sum(self.nonfinite_by_target)}
 
     def save(self, final: bool = False, reason: str = "periodic") -> None:
