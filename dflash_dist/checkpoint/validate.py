@@ -373,16 +373,18 @@ def bare_name(name: str) -> str:
     return name
 
 
-def check_weights(file: str, header: dict, drafter_config: dict) -> None:
+def check_weights(file: str, header: dict, drafter_config: dict, variant: str = "dflash") -> None:
     """The tensors of ``model.safetensors`` (wrapper prefixes aside) have exactly the names and shapes of the
-    drafter ``drafter_config`` describes (built on the meta device: nothing allocated)."""
+    drafter ``drafter_config`` describes, of the recorded ``variant`` (built on the meta device: nothing
+    allocated)."""
     import torch
 
-    from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
+    from dflash_dist.model.drafter import DrafterModelConfig
+    from dflash_dist.model.variants import variant_class
     try:
         with torch.device("meta"):
-            want = {k: tuple(v.shape) for k, v in
-                    DFlashDrafter(DrafterModelConfig(**drafter_config), "sdpa").state_dict().items()}
+            want = {k: tuple(v.shape) for k, v in variant_class(variant)().build(
+                DrafterModelConfig(**drafter_config), "sdpa").state_dict().items()}
     except (ValueError, TypeError, KeyError) as e:
         raise fail(os.path.join(os.path.dirname(file), "meta.json"), "drafter_config", str(e)[:300]) from None
     have = {bare_name(k): shape for k, (_, shape) in header.items()}
@@ -449,7 +451,8 @@ def check_checkpoint(path: str) -> tuple[dict, dict]:
     st = os.path.join(path, "model.safetensors")
     header = safetensors_header(st)
     if "drafter_config" in meta:
-        check_weights(st, header, meta["drafter_config"])
+        from dflash_dist.checkpoint.meta import meta_variant
+        check_weights(st, header, meta["drafter_config"], meta_variant(meta))
     return meta, header
 
 

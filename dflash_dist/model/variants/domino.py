@@ -105,6 +105,7 @@ class Domino(DFlash):
     name = "domino"
     model_class = DominoDrafter
     architecture = D.ARCHITECTURE
+    auto_model = "modeling_dflash.DominoDraftModel"
     settings_key = "domino"
     """The ``drafter.*`` section the model config carries as ``variant_settings``."""
 
@@ -122,8 +123,19 @@ class Domino(DFlash):
         return D.expected_shapes(int(config["hidden_size"]), int(config["vocab_size"]), settings_from_export(config))
 
     def export_names(self, tensors: dict) -> dict:
-        """The head's weights without the module prefix (``domino.prefix_gru...`` -> ``prefix_gru...``)."""
+        """The head's weights without the module prefix (``domino.prefix_gru...`` -> ``prefix_gru...``), the
+        names SGLang's ``DominoDraftModel`` loads."""
         return {k.removeprefix("domino."): v for k, v in tensors.items()}
+
+    def import_names(self, tensors: dict) -> dict:
+        return {("domino." + k if k.split(".")[0] in _HEAD_MODULES else k): v for k, v in tensors.items()}
+
+    def settings_from_export(self, config: dict) -> dict:
+        """The ``dflash_config`` fields SGLang parses (the curriculum keeps its defaults: it trains only)."""
+        return vars(settings_from_export(config))
+
+
+_HEAD_MODULES = ("prefix_gru", "embed_proj")
 
 
 def settings_from_export(config: dict) -> D.DominoSettings:
@@ -132,5 +144,8 @@ def settings_from_export(config: dict) -> D.DominoSettings:
     if dc.get("projector_type") != D.PROJECTOR_TYPE:
         raise ConfigError(f"dflash_config.projector_type={dc.get('projector_type')!r}: a Domino export has "
                           f"{D.PROJECTOR_TYPE!r}")
-    return D.DominoSettings(emb_dim=dc["emb_dim"], gru_hidden_dim=dc["gru_hidden_dim"],
-                            pure_draft_prefix_len=dc["pure_draft_prefix_len"], shift_label=dc["shift_label"])
+    try:
+        return D.DominoSettings(emb_dim=dc["emb_dim"], gru_hidden_dim=dc["gru_hidden_dim"],
+                                pure_draft_prefix_len=dc["pure_draft_prefix_len"], shift_label=dc["shift_label"])
+    except KeyError as e:
+        raise ConfigError(f"config.json: dflash_config has no {e.args[0]} (a Domino export needs it)") from None
