@@ -125,3 +125,23 @@ def test_flops_and_export_fields_delegate_to_the_math():
     assert Domino().extra_tensor_shapes(cfg) == D.expected_shapes(H, V, s)
     names = Domino().export_names(spec.build_model().state_dict())
     assert set(D.expected_shapes(H, V, s)) <= set(names) and not any(k.startswith("domino.") for k in names)
+
+
+def test_checkpoint_and_export_checks_bound_the_domino_sizes(tmp_path):
+    """meta.json's drafter_config.variant_settings and an export's dflash_config sizes are bounded before any
+    module is built (a crafted 2^30-wide GRU is refused, naming the field)."""
+    import dataclasses
+    import json
+
+    from dflash_dist.checkpoint.store import CheckpointError
+    from dflash_dist.checkpoint.validate import check_drafter_config, check_export_dir
+    dc = dataclasses.asdict(_spec().model)
+    assert check_drafter_config("meta.json", "drafter_config", dc)["variant_settings"]["emb_dim"] == 8
+    dc["variant_settings"]["gru_hidden_dim"] = 1 << 30
+    with pytest.raises(CheckpointError, match="drafter_config.variant_settings.gru_hidden_dim"):
+        check_drafter_config("meta.json", "drafter_config", dc)
+    cfg = {"hidden_size": H, "num_attention_heads": 4, "intermediate_size": 96, "num_hidden_layers": 2,
+           "vocab_size": V, "dflash_config": {"projector_type": "domino", "emb_dim": 1 << 30}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="dflash_config.emb_dim"):
+        check_export_dir(str(tmp_path))
