@@ -45,17 +45,18 @@ from typing import Any, Optional
 import torch
 
 from dflash_dist.checkpoint.export_load import (
-    AUTO_MAP,
     META_NAME,
     MODELING_NAME,
     CheckpointInputError,
     ExportError,
     auto_map_for,
     dflash2_problems,
+    dflash2_tensor_shapes,
     drafter_config_from_export,
     export_problems,
+    is_dflash2,
     safetensors_shapes,
-    validate_variant_tensors,
+    validate_export_tensors,
 )
 from dflash_dist.checkpoint.meta import meta_block_size, meta_variant
 from dflash_dist.checkpoint.safe_io import local_dir
@@ -133,17 +134,20 @@ def build_export_config(drafter_config: DrafterModelConfig, target_config: dict,
     cfg.update({k: tc.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
     cfg.update(_dflash_fields(dc, layer_ids, num_target_layers, mask_token_id, mask_token, block_size))
     cfg.update(_attention_fields(dc))
-    cfg.update({"auto_map": dict(AUTO_MAP), "torch_dtype": dtype, "dtype": dtype})
-    return apply_variant_fields(cfg, variant_class(variant)().export_fields(dc))
+    impl = variant_class(variant)()
+    cfg.update({"auto_map": {"AutoModel": impl.auto_model}, "torch_dtype": dtype, "dtype": dtype})
+    return apply_variant_fields(cfg, impl.export_fields(dc))
 
 
 def apply_variant_fields(cfg: dict, fields: dict) -> dict:
     """``cfg`` with a variant's ``export_fields`` merged in: its ``architectures``, its ``dflash_config`` fields,
-    and the ``auto_map`` class of modeling_dflash.py named like the architecture. Refuses a DFlash2 config
-    either engine would load wrongly (export_load.dflash2_problems)."""
+    its top-level fields; a DFlash2 config gets modeling_dflash's ``DFlash2DraftModel`` as ``auto_map`` and is
+    refused when either engine would load it wrongly (export_load.dflash2_problems)."""
     cfg["architectures"] = list(fields.get("architectures", cfg["architectures"]))
     cfg["dflash_config"].update(fields.get("dflash_config") or {})
-    cfg["auto_map"] = auto_map_for(cfg)
+    cfg.update({k: v for k, v in fields.items() if k not in ("architectures", "dflash_config")})  # top level
+    if is_dflash2(cfg):
+        cfg["auto_map"] = auto_map_for(cfg)
     problems = dflash2_problems(cfg)
     if problems:
         raise ExportError("the DFlash2 fields are not what both engines load: " + "; ".join(problems))
@@ -346,15 +350,26 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, dtype: str = "bfloat16"
     return out_dir
 
 
+def _validate_with_variant(tensors: dict, cfg: dict, variant) -> None:
+    """The names and shapes the config implies (export_load.validate_export_tensors: DFlash's, and DFlash2's from
+    its fields) and the variant's own beyond them."""
+    known = dflash2_tensor_shapes(cfg)
+    extra = {k: v for k, v in variant.extra_tensor_shapes(cfg).items() if k not in known}
+    validate_export_tensors({k: v for k, v in tensors.items() if k not in extra}, cfg)
+    have = {k: tuple(v.shape) for k, v in tensors.items() if k in extra}
+    if have != {k: tuple(s) for k, s in extra.items()}:
+        raise ExportError(f"the {variant.name} tensors do not match the exported config: have {have}, want {extra}")
+
+
 def _export_tensors(weights: dict, cfg: dict, dtype: str, variant) -> dict:
     """The checkpoint's drafter tensors under the export's names (the variant's ``export_names``), checked
     against ``cfg``, in ``dtype``."""
     tensors = variant.export_names(_strip_prefixes(weights))
-    validate_variant_tensors(tensors, cfg, variant)
+    _validate_with_variant(tensors, cfg, variant)
     # the module must agree with the config too (the same check a consumer's strict load would do)
     with torch.device("meta"):
         ref = variant.export_names(variant.build(drafter_config_from_export(cfg), "sdpa").state_dict())
-    validate_variant_tensors(ref, cfg, variant)
+    _validate_with_variant(ref, cfg, variant)
     bad = [k for k, v in tensors.items() if not bool(torch.isfinite(v.float()).all())]
     if bad:
         raise ExportError(f"non-finite values in {bad[:6]}: refusing to export a diverged drafter")
@@ -388,7 +403,7 @@ def _write_export(tmp: str, tensors: dict, cfg: dict, side: dict, tok: Any, vari
     with open(os.path.join(tmp, META_NAME), "w") as f:
         json.dump(side, f, indent=1)
     # read back what a consumer reads: names/shapes of the file against the config in the file
-    validate_variant_tensors(safetensors_shapes(os.path.join(tmp, "model.safetensors")), cfg, variant)
+    _validate_with_variant(safetensors_shapes(os.path.join(tmp, "model.safetensors")), cfg, variant)
     with open(os.path.join(tmp, "config.json")) as f:
         problems = export_problems(json.load(f), tmp)
     if problems:

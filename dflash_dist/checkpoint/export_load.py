@@ -21,13 +21,13 @@ from dflash_dist.checkpoint.store import CheckpointError
 from dflash_dist.config import ConfigError
 from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
 from dflash_dist.model.rope import drafter_rope_parameters
+from dflash_dist.model.variants import VARIANTS, variant_of_export
 
 log = logging.getLogger(__name__)
 
 
 __all__ = ["load_export", "export_problems", "drafter_config_from_export", "expected_tensor_shapes",
-           "validate_export_tensors", "validate_variant_tensors", "safetensors_shapes", "checked_export",
-           "ExportError", "CheckpointInputError",
+           "validate_export_tensors", "safetensors_shapes", "checked_export", "ExportError", "CheckpointInputError",
            "META_NAME", "MODELING_NAME", "AUTO_MAP", "DFLASH2_ARCHITECTURE", "auto_map_for", "is_dflash2",
            "dflash2_problems", "dflash2_tensor_shapes", "dflash2_settings"]
 
@@ -120,33 +120,6 @@ def dflash2_settings(cfg: dict):
     return DFlash2Settings(**{k: dfc[k] for k in DFLASH2_REQUIRED + DFLASH2_WRITTEN})
 
 
-def _export_variant(cfg: dict, side: Optional[dict]):
-    """The drafter variant (model/variants) an export was trained as: the one its provenance file names, else
-    the registered one whose ``architecture`` the config lists."""
-    from dflash_dist.model.variants import VARIANTS, variant_class
-    arch = cfg.get("architectures") or []
-    name = ((side or {}).get("drafter") or {}).get("variant")
-    if name:
-        variant = variant_class(name)()
-    else:
-        found = [VARIANTS.get(n) for n in VARIANTS.names() if VARIANTS.get(n).architecture in arch]
-        if not found:
-            raise ExportError(f"architectures={arch}: no registered drafter variant serves it")
-        variant = found[0]()
-    if variant.architecture not in arch:
-        raise ExportError(f"architectures={arch}, but the {variant.name} variant exports {variant.architecture}")
-    return variant
-
-
-def _module_state(variant, model: torch.nn.Module, tensors: dict) -> dict:
-    """The export's tensors under the module's names: ``variant.export_names`` maps a state dict's names to the
-    export's, passing each tensor object through, so the objects say which module name each export name is."""
-    own = model.state_dict()
-    by_id = {id(v): k for k, v in own.items()}
-    names = {e: by_id.get(id(v), e) for e, v in variant.export_names(own).items()}
-    return {names.get(k, k): v for k, v in tensors.items()}
-
-
 def dflash2_tensor_shapes(cfg: dict) -> dict[str, tuple]:
     """The DFlash2 tensors beyond DFlash's a ``config.json`` implies (from its fields, independent of the module
     code): per layer the two convs, then the selector with bare codebooks (no ``.weight``); {} unless DFlash2
@@ -165,6 +138,8 @@ def dflash2_tensor_shapes(cfg: dict) -> dict[str, tuple]:
                    "candidate_selector.predecessor_codebook": (v, r),
                    "candidate_selector.successor_codebook": (v, r)})
     return shapes
+
+
 
 
 class ExportError(ValueError):
@@ -202,10 +177,11 @@ def export_problems(cfg: dict, path: Optional[str] = None) -> list[str]:
         out.append("no eagle_aux_hidden_state_layer_ids (older vLLM reads only it for the capture layers)")
     elif [int(i) for i in aux] != [int(i) + 1 for i in ids]:
         out.append(f"eagle_aux_hidden_state_layer_ids {aux} != target_layer_ids + 1 ({[int(i) + 1 for i in ids]})")
-    want_auto = auto_map_for(cfg)["AutoModel"]
-    if (cfg.get("auto_map") or {}).get("AutoModel") != want_auto:
-        out.append(f"auto_map.AutoModel is not {want_auto!r} (AutoModel(trust_remote_code) would build another "
-                   "model)")
+    variant = variant_of_export(cfg)
+    auto = variant.auto_model if variant is not None else auto_map_for(cfg)["AutoModel"]
+    if (cfg.get("auto_map") or {}).get("AutoModel") != auto:
+        out.append(f"auto_map.AutoModel is not {auto!r} (AutoModel(trust_remote_code) would build "
+                   "a plain Qwen3Model)")
     if path is not None and not os.path.exists(os.path.join(path, MODELING_NAME)):
         out.append(f"no {MODELING_NAME} (auto_map names it)")
     if cfg.get("is_causal") is not False:
@@ -246,9 +222,8 @@ def expected_tensor_shapes(cfg: dict) -> dict[str, tuple]:
 
 
 def validate_export_tensors(tensors: dict, cfg: dict) -> None:
-    """Raise ExportError unless ``tensors`` has exactly the names and shapes ``cfg`` implies (a DFlash2 export's
-    convs and selector too)."""
-    want = {**expected_tensor_shapes(cfg), **dflash2_tensor_shapes(cfg)}
+    """Raise ExportError unless ``tensors`` has exactly the names and shapes ``cfg`` implies."""
+    want = {**expected_tensor_shapes(cfg), **dflash2_tensor_shapes(cfg)}   # a DFlash2 export's convs and selector
     have = {k: tuple(v.shape) for k, v in tensors.items()}
     missing = sorted(set(want) - set(have))
     extra = sorted(set(have) - set(want))
@@ -266,16 +241,17 @@ def validate_export_tensors(tensors: dict, cfg: dict) -> None:
         raise ExportError("drafter tensors do not match the exported config: " + "; ".join(parts))
 
 
-def validate_variant_tensors(tensors: dict, cfg: dict, variant) -> None:
-    """The names and shapes the config implies (:func:`validate_export_tensors`: DFlash's, and DFlash2's from its
-    fields) and the variant's own beyond them (``extra_tensor_shapes``)."""
-    extra = variant.extra_tensor_shapes(cfg)
-    known = dflash2_tensor_shapes(cfg)
-    validate_export_tensors({k: v for k, v in tensors.items() if k not in extra or k in known}, cfg)
-    have = {k: tuple(v.shape) for k, v in tensors.items() if k in extra and k not in known}
-    want = {k: tuple(s) for k, s in extra.items() if k not in known}
-    if have != want:
-        raise ExportError(f"the {variant.name} tensors do not match the exported config: have {have}, want {want}")
+def validate_variant_tensors(tensors: dict, cfg: dict) -> None:
+    """:func:`validate_export_tensors` for DFlash's tensors, and the names and shapes of the variant's own (its
+    ``extra_tensor_shapes``; the variant ``architectures`` names) for the rest."""
+    variant = variant_of_export(cfg)
+    known = dflash2_tensor_shapes(cfg)   # checked by validate_export_tensors from the config's fields
+    extra = {k: v for k, v in (variant.extra_tensor_shapes(cfg) if variant is not None else {}).items()
+             if k not in known}
+    validate_export_tensors({k: v for k, v in tensors.items() if k not in extra}, cfg)
+    have = {k: tuple(v.shape) for k, v in tensors.items() if k in extra}
+    if have != {k: tuple(s) for k, s in extra.items()}:
+        raise ExportError(f"the {variant.name} tensors do not match the exported config: have {have}, want {extra}")
 
 
 def safetensors_shapes(path: str) -> dict[str, Any]:
@@ -335,7 +311,22 @@ def drafter_config_from_export(cfg: dict) -> DrafterModelConfig:
         initializer_range=float(cfg.get("initializer_range", 0.02) or 0.02),
         layer_types=layer_types,
         sliding_window=window,
+        variant_settings=_variant_settings(cfg),
     )
+
+
+def _variant_settings(cfg: dict) -> Optional[dict]:
+    variant = variant_of_export(cfg)   # a config naming no variant is DFlash's
+    return variant.settings_from_export(cfg) if variant is not None else None
+
+
+def _export_variant(cfg: dict):
+    """The variant an export's ``architectures`` names (model/variants/), refused when none does."""
+    variant = variant_of_export(cfg)
+    if variant is None:
+        raise ExportError(f"architectures={cfg.get('architectures')}: no drafter variant serves it (known: "
+                          f"{', '.join(VARIANTS.get(n).architecture for n in VARIANTS.names())})")
+    return variant
 
 
 def _rope_parameters(cfg: dict) -> dict:
@@ -408,14 +399,12 @@ def load_export(path: str, device: Any = "cpu", dtype: Optional[torch.dtype] = t
     if not (os.path.exists(cfg_path) and os.path.exists(st_path)):
         raise ExportError(f"{path}: not an export directory (needs config.json and model.safetensors)")
     cfg, header = checked_export(path)
-    side_path = os.path.join(path, META_NAME)
-    side = None
-    if os.path.exists(side_path):
-        with open(side_path) as f:
-            side = json.load(f)  # checked by checked_export
     if is_dflash2(cfg):
         dflash2_settings(cfg)   # refuses a config either engine would load wrongly
-    variant = _export_variant(cfg, side)
+    try:
+        variant = _export_variant(cfg)
+    except ExportError as e:
+        raise ExportError(f"{path}: {e}") from None
     if require_complete is None:
         require_complete = os.path.exists(os.path.join(path, META_NAME))
     problems = export_problems(cfg, path) if require_complete else []
@@ -428,13 +417,12 @@ def load_export(path: str, device: Any = "cpu", dtype: Optional[torch.dtype] = t
         raise
     except (ValueError, TypeError, KeyError) as e:  # well-typed values that do not fit (e.g. heads that do not divide)
         raise CheckpointInputError(f"export {path} is unusable: {cfg_path}: {e}") from None
-    validate_variant_tensors({k: _Shape(shape) for k, (_, shape) in header.items()}, cfg, variant)  # before reading
-    meta_extra = {"variant": variant.name}
+    validate_variant_tensors({k: _Shape(shape) for k, (_, shape) in header.items()}, cfg)  # before reading any
     tensors = load_file(st_path)
     if dtype is None:
         dtype = next(iter(tensors.values())).dtype
     model = variant.build(dcfg, backend)
-    model.load_state_dict(_module_state(variant, model, tensors), strict=True)
+    model.load_state_dict(variant.import_names(tensors), strict=True)
     model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     dfc = cfg["dflash_config"]
     meta: dict[str, Any] = {
@@ -446,11 +434,13 @@ def load_export(path: str, device: Any = "cpu", dtype: Optional[torch.dtype] = t
         "eos_token_id": cfg.get("eos_token_id"),
         "config": cfg,
         "drafter_config": dict(dcfg.__dict__),
-        **meta_extra,
         "tokenizer": path if any(os.path.exists(os.path.join(path, n))
                                  for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")) else None,
     }
-    if side is not None:
+    side_path = os.path.join(path, META_NAME)
+    if os.path.exists(side_path):
+        with open(side_path) as f:
+            side = json.load(f)  # checked by checked_export
         for k in ("target", "data", "source_checkpoint", "step", "tokenizer_source", "chat_template_kwargs"):
             meta[k] = side.get(k)
     return model, meta

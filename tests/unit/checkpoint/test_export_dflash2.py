@@ -187,36 +187,6 @@ def _linear(weight):
 
 
 
-def test_load_export_builds_the_recorded_variant_and_maps_its_names_back(tmp_path):
-    """An export of a variant whose tensors are renamed on export (toy_seams: ``out_scale`` ->
-    ``output_scale.weight``) loads back as that variant's module with its own names, computing what it did."""
-    import toy_seams
-
-    from dflash_dist.checkpoint.export import export_checkpoint
-    from dflash_dist.checkpoint.export_load import load_export
-    from dflash_dist.checkpoint.store import save_checkpoint
-    from dflash_dist.config import JobConfig, TargetConfig
-    from dflash_dist.model.hf import TINY_DIR
-    from tests.unit.checkpoint.test_export import BLOCK as B
-    from tests.unit.checkpoint.test_export import TARGET_HF, drafter_out, make_drafter
-
-    base = make_drafter(seed=4)
-    model = toy_seams.ScaledDrafter(base.config, "sdpa").eval()
-    model.load_state_dict({**base.state_dict(), "out_scale": torch.linspace(0.5, 1.5, H)})
-    job = JobConfig(target=TargetConfig(hf_config=dict(TARGET_HF), tokenizer=TINY_DIR, layer_ids=LAYER_IDS))
-    meta = {"cursor": 5, "total_messages": 10, "layer_ids": LAYER_IDS, "mask_token_id": MASK,
-            "drafter_config": model.config.__dict__, "drafter": {"variant": "toy_seams:ScaledDFlash"},
-            "target_config": target_config_dict(), "tokenizer": TINY_DIR, "job_config": job.to_dict(),
-            "final": False}
-    assert model.config.block_size == B
-    ckpt = save_checkpoint(str(tmp_path / "run"), 3, model.state_dict(), None, meta)
-    out = export_checkpoint(ckpt, str(tmp_path / "toy_export"), dtype="float32", tokenizer=False)
-    back, info = load_export(out)
-    assert type(back) is toy_seams.ScaledDrafter and info["variant"] == "toy_scaled"
-    assert torch.equal(back.out_scale, model.out_scale)
-    assert torch.equal(drafter_out(back), drafter_out(model))
-
-
 def test_load_export_refuses_a_dflash2_config_an_engine_would_misread(tmp_path):
     cfg = dflash2_config()
     del cfg["dflash_config"]["conv_group_size"]

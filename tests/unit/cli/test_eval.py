@@ -30,8 +30,8 @@ def test_result_lands_beside_what_was_evaluated_or_at_out(tmp_path, monkeypatch)
 
 
 class SelectorDrafter:
-    """A DFlash drafter proposing with the DFlash2 selector's walk (the draft step's contract: ``propose``
-    gets the block's anchor tokens)."""
+    """A DFlash drafter proposing with the DFlash2 selector's walk from the block's anchor (the draft step's
+    contract: ``set_context(block_ids=...)`` just before ``propose``)."""
 
     @staticmethod
     def build(seed=0):
@@ -46,13 +46,13 @@ class SelectorDrafter:
         with torch.no_grad():
             for p in model.candidate_selector.parameters():   # a selector term as large as the unary logits
                 p.normal_(0.0, 1.0)
-        model.propose = lambda hidden, lm_head, anchor_ids: propose(model.candidate_selector, hidden, anchor_ids,
-                                                                    lm_head, 5)[0]
+        model.propose = lambda hidden, lm_head: propose(model.candidate_selector, hidden,
+                                                        model.context["block_ids"][:, 0], lm_head, 5)[0]
         return model
 
 
 def test_the_draft_step_proposes_with_the_selector_walk_from_the_blocks_anchor():
-    """The eval's draft step hands ``propose`` the block's anchor: a DFlash2 drafter's proposals are the walk's
+    """The eval's draft step gives ``propose`` the block's anchor: a DFlash2 drafter's proposals are the walk's
     (dflash2_selector.propose on the block's final hidden states from that anchor)."""
     import torch
 
