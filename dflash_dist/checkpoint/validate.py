@@ -247,6 +247,12 @@ def _drafter_settings(file, field, v):
     loss = v.get("loss", {})
     _obj(file, f"{field}.loss", loss)
     code_name(file, f"{field}.loss.objective", loss.get("objective", "decayed_ce"), OBJECTIVES)
+    for key, choices in (("labels", ("data", "target")), ("kind", ("ce", "kl"))):
+        if loss.get(key, choices[0]) not in choices:
+            raise fail(file, f"{field}.loss.{key}", f"{loss[key]!r}: one of {', '.join(choices)}")
+    top_k = loss.get("kl_top_k", 20)
+    if not (isinstance(top_k, int) and not isinstance(top_k, bool) and 1 <= top_k <= 1024):
+        raise fail(file, f"{field}.loss.kl_top_k", f"{top_k!r}: an integer in 1..1024")
 
 
 def _identity(file, field, v):

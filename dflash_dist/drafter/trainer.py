@@ -22,7 +22,7 @@ from dflash_dist.drafter.compile_guard import (
     plan_step_lengths,
     precompile_steps,
 )
-from dflash_dist.model.blocks import make_batch, split_anchors
+from dflash_dist.model.blocks import make_batch, split_anchors, target_labels
 from dflash_dist.model.hf import load_head_from_checkpoint, resolve_dtype, resolve_source, text_config
 from dflash_dist.model.loss import LossParts
 from dflash_dist.model.masks import dense_mask, flex_block_mask, layer_masks, visible_pairs
@@ -149,7 +149,8 @@ class DrafterTrainer:
         else:
             ids, mask, cu, feats = msg.input_ids, msg.loss_mask, msg.cu_seqlens, msg.features
         batch = make_batch(ids, mask, cu, feats, num_anchors=cfg.num_anchors, block_size=self.block_size,
-                           mask_token_id=self.job.mask_token_id, ctx_bucket=cfg.tuning.ctx_bucket, generator=gen)
+                           mask_token_id=self.job.mask_token_id, ctx_bucket=cfg.tuning.ctx_bucket, generator=gen,
+                           **target_labels(self.spec.loss, msg, ids.numel()))
         bad = ~torch.isfinite(batch.features).flatten(1).all(1)                        # [b]
         batch.features = torch.nan_to_num(batch.features, nan=0.0, posinf=0.0, neginf=0.0)
         batch.labels = batch.labels.masked_fill(bad[:, None], -100)
@@ -205,7 +206,8 @@ class DrafterTrainer:
                             out.append(self.heads.request(batch.src, batch.index, hidden, group.labels))
                     else:
                         with phase(f"group{i} loss"):
-                            out.append(self.objective.loss(hidden, self.lm_head, group.labels))
+                            soft = () if group.soft is None else (group.soft,)  # drafter.loss.kind=kl
+                            out.append(self.objective.loss(hidden, self.lm_head, group.labels, *soft))
                     terms = self.model.loss_terms(hidden, group.labels, self.lm_head)
                     if terms:  # a variant's own losses, named; a served group's are added once its reply is in
                         out[-1] = (out[-1], terms)
@@ -272,7 +274,8 @@ class DrafterTrainer:
             sup = torch.ones(t, dtype=torch.bool, device=self.device)
             feats = torch.zeros(t, self.feature_width, dtype=self.lm_head.dtype, device=self.device)
             batch = make_batch(ids, sup, cu, feats, num_anchors=dc.num_anchors, block_size=self.block_size,
-                               mask_token_id=self.job.mask_token_id, ctx_bucket=dc.tuning.ctx_bucket, generator=gen)
+                               mask_token_id=self.job.mask_token_id, ctx_bucket=dc.tuning.ctx_bucket, generator=gen,
+                               **target_labels(self.spec.loss, None, t, ids))
             no_sync = self.ddp.no_sync() if self.ddp is not self.model else contextlib.nullcontext()
             guard = self.guard.step(batch_shape(batch)) if self.guard is not None else contextlib.nullcontext()
             with guard, no_sync:
