@@ -164,3 +164,25 @@ def test_flops_count_every_layer_and_the_head_with_own_labels(model):
     layers = SimpleNamespace(layer_ids=[5], hf_config=model.config)
     assert full == pytest.approx(capture_flops_fn(model, layers)([20, 10]) + 2 * 32 * 128 * 30)
     assert full > truncated
+
+
+def test_a_checkpoint_naming_another_label_source_is_refused():
+    """meta.json's drafter.loss.{labels, kind, kl_top_k} are checked like every field a file gives; a meta written
+    before them (no such keys) still reads."""
+    from dflash_dist.checkpoint.safe_io import CheckpointError
+    from dflash_dist.checkpoint.validate import _drafter_settings
+    ok = {"variant": "dflash", "loss": {"objective": "decayed_ce", "labels": "target", "kind": "kl", "kl_top_k": 8}}
+    _drafter_settings("meta.json", "drafter", ok)
+    _drafter_settings("meta.json", "drafter", {"variant": "dflash", "loss": {"objective": "decayed_ce"}})
+    for key, bad in (("labels", "teacher"), ("kind", "mse"), ("kl_top_k", 0), ("kl_top_k", "8")):
+        with pytest.raises(CheckpointError, match=f"drafter.loss.{key}"):
+            _drafter_settings("meta.json", "drafter", {"variant": "dflash", "loss": dict(ok["loss"], **{key: bad})})
+
+
+def test_builtin_original_is_the_packaged_corpus_unregenerated():
+    from dflash_dist.data.conversations import builtin_conversations, chatterbot_conversations
+    original, regenerated = builtin_conversations("builtin_original"), builtin_conversations()
+    assert original == chatterbot_conversations() and original != regenerated
+    # the same prompts, other responses (the regenerated file keeps the dialogues' user turns)
+    prompts = {c["messages"][0]["content"] for c in regenerated}
+    assert sum(c["messages"][0]["content"] in prompts for c in original) > 0.5 * len(original)
