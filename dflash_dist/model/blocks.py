@@ -37,6 +37,7 @@ class DrafterBatch:
     block_ids: Tensor        # [b, Q] long: anchor token then MASK ids (all MASK for padding blocks)
     block_positions: Tensor  # [b, Q] long: a, a+1, ..., a+B-1 per block (0..B-1 for padding blocks)
     labels: Tensor           # [b, Q] long, IGNORE_INDEX (-100) where there is no loss
+    block_tokens: Tensor     # [b, Q] long: the sequence's token at each slot, whatever the loss mask (teacher forcing)
     anchors: Tensor          # [b, N] long, sorted ascending among valid blocks; 0 for padding blocks
     valid: Tensor            # [b, N] bool
     num_samples: int         # b
@@ -70,7 +71,8 @@ def split_anchors(batch: DrafterBatch, groups: int) -> list[DrafterBatch]:
     out = []
     for i in range(groups):
         rows, blocks = slice(i * q, (i + 1) * q), slice(i * nb, (i + 1) * nb)
-        part = {name: getattr(batch, name)[:, rows].contiguous() for name in ("block_ids", "block_positions", "labels")}
+        part = {name: getattr(batch, name)[:, rows].contiguous() for name in ("block_ids", "block_positions", "labels",
+                                                                      "block_tokens")}
         if batch.soft_ids is not None:
             part.update({name: getattr(batch, name)[:, rows].contiguous() for name in ("soft_ids", "soft_probs")})
         part.update({name: getattr(batch, name)[:, blocks].contiguous() for name in ("anchors", "valid")})
@@ -192,15 +194,16 @@ def make_batch(input_ids: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, feature
     in_sample = pos < to_device_async(torch.tensor(lens), dev)[:, None, None]
     has_label = in_sample & tok_sup & valid[:, :, None] & (offs >= 1)
     soft_ids = soft_probs = None
+    target = tok  # what each slot is supervised with; block_tokens stay the sequence's (teacher forcing)
     if nxt is not None:
         # slot k >= 1 at position a+k: the target's prediction made at a+k-1 (slot 0 is never supervised)
         prev = (flat - 1).clamp(min=0)[:, :, None].expand(-1, -1, nxt.shape[-1])
         tops = nxt.gather(1, prev).view(*pos.shape, -1)                                  # [b, N, B, k]
-        tok = torch.where(offs >= 1, tops[..., 0], tok)
+        target = torch.where(offs >= 1, tops[..., 0], tok)
         if nxt_p is not None:
             soft_ids = tops.reshape(b, -1, tops.shape[-1])
             soft_probs = nxt_p.gather(1, prev).reshape(b, -1, tops.shape[-1])
-    labels = torch.where(has_label, tok, torch.full_like(tok, IGNORE_INDEX))
+    labels = torch.where(has_label, target, torch.full_like(tok, IGNORE_INDEX))
 
     block_ids = torch.full_like(tok, int(mask_token_id))
     block_ids[:, :, 0] = torch.where(valid, tok[:, :, 0], block_ids[:, :, 0])
@@ -211,6 +214,7 @@ def make_batch(input_ids: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, feature
         block_ids=block_ids.reshape(b, -1),
         block_positions=pos.reshape(b, -1),
         labels=labels.reshape(b, -1),
+        block_tokens=tok.reshape(b, -1),
         anchors=anchors,
         valid=valid,
         num_samples=b,
