@@ -247,6 +247,11 @@ def _drafter_settings(file, field, v):
     loss = v.get("loss", {})
     _obj(file, f"{field}.loss", loss)
     code_name(file, f"{field}.loss.objective", loss.get("objective", "decayed_ce"), OBJECTIVES)
+    if loss.get("weighting", "decay") not in ("decay", "dpace"):
+        raise fail(file, f"{field}.loss.weighting", f"{str(loss.get('weighting'))[:40]!r} is not decay or dpace")
+    alpha = loss.get("dpace_alpha", 0.5)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
+        raise fail(file, f"{field}.loss.dpace_alpha", f"{str(alpha)[:40]} is not a number in (0, 1]")
 
 
 def _identity(file, field, v):

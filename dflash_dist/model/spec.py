@@ -27,6 +27,10 @@ class LossSpec:
     """Rows of the vocab projection at once (``drafter.tuning.loss_chunk_rows``)."""
     compiled: bool
     """The fused loss's chunk math through torch.compile (``drafter.tuning.compile_loss``; None meant flex)."""
+    weighting: str = "decay"
+    """``drafter.loss.weighting``: decay or dpace."""
+    dpace_alpha: float = 0.5
+    """``drafter.loss.dpace_alpha``."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,8 @@ def resolve_drafter(dc: DrafterConfig, hf_config: Any, num_feature_layers: int, 
         compile_layers=flex if t.compile_layers is None else bool(t.compile_layers),
         flex_kernel_options=dict(t.flex_kernel_options) if t.flex_kernel_options else None,
         loss=LossSpec(objective=str(dc.loss.objective), gamma=dc.loss.gamma, chunk_rows=int(t.loss_chunk_rows),
-                      compiled=flex if t.compile_loss is None else bool(t.compile_loss)))
+                      compiled=flex if t.compile_loss is None else bool(t.compile_loss),
+                      weighting=str(dc.loss.weighting), dpace_alpha=float(dc.loss.dpace_alpha)))
     spec.variant_impl()   # an unknown variant or objective is refused here, before any model loads
     spec.make_objective()
     return spec
