@@ -47,7 +47,9 @@ def slot_weights(block_size: int, gamma: float, device=None) -> Tensor:
 class LossParts:
     """Weighted CE sum (carries grad), weight sum, per-slot correct / label counts [B] (int64, no grad);
     ``extra``: a variant's own loss terms by name (sums, already included in ``loss_sum``), for its statistics;
-    ``stats``: the objective's own statistics by name (sums, device tensors; ``Objective.stats`` reads them)."""
+    ``stats``: the objective's own statistics by name (sums, device tensors; ``Objective.stats`` reads them);
+    ``row_weights``: the detached weight of each loss row of one group (``weighted_rows`` order), for a variant's
+    loss term weighted like the base loss (None once several groups are summed)."""
 
     loss_sum: Tensor
     weight_sum: Tensor
@@ -55,6 +57,7 @@ class LossParts:
     slot_count: Tensor
     extra: dict = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
+    row_weights: Optional[Tensor] = None
 
     @staticmethod
     def total(parts: list["LossParts"]) -> "LossParts":
@@ -261,4 +264,5 @@ def slot_stats(loss_sum: Tensor, pred: Tensor, rows_y: Tensor, rows_w: Tensor, b
         slot_correct = torch.cat([zero, correct.long()])
         slot_count = torch.cat([zero, count.long()])
         weight_sum = rows_w.sum()
-    return LossParts(loss_sum=loss_sum, weight_sum=weight_sum, slot_correct=slot_correct, slot_count=slot_count)
+    return LossParts(loss_sum=loss_sum, weight_sum=weight_sum, slot_correct=slot_correct, slot_count=slot_count,
+                     row_weights=rows_w.detach())

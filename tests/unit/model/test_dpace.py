@@ -79,6 +79,7 @@ def test_fused_chunked_loss_and_gradient_equal_full_logits(chunk_rows):
     torch.testing.assert_close(got.weight_sum, ref_w)
     torch.testing.assert_close(hidden.grad, g_ref)
     assert got.stats["dpace_weight"].sum() == pytest.approx(float(ref_w), rel=1e-5)
+    assert got.row_weights is not None and got.row_weights.sum() == pytest.approx(float(ref_w), rel=1e-5)
     with torch.no_grad():                                          # the unfused path (evaluation): same sums
         plain = dpace_ce(hidden, head, labels, B, 0.5, chunk_rows)
     torch.testing.assert_close(plain.loss_sum, ref_sum.detach())
