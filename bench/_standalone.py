@@ -67,7 +67,7 @@ def make_job(cfg, world_size: int, device: torch.device, run_dir: str):
 
     from dflash_dist.comm.topology import Topology
     from dflash_dist.config import validate_job
-    from dflash_dist.data.plan import build_plan
+    from dflash_dist.data.batching import build_plan
     from dflash_dist.data.synthetic import synthetic_dataset
     from dflash_dist.job import resolve_mask_token_id
     from dflash_dist.model.hf import load_hf_config, text_config, tokenizer_path

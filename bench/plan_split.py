@@ -5,7 +5,7 @@ supply = samples/s one target GPU produces (bench/target_capture.py, the capture
 packed, the SpecForge-like ~550-token mix; samples/s = capture tokens/s / mean sample length), demand = samples/s
 one drafter GPU trains (bench/drafter_step.py at ctx 550 / 256 anchors, flex backend). For every split T + D = W
 the job runs at min(T * supply, D * demand) samples/s (the slower side sets the pace; transport assumed hidden, which
-bench/pipeline.py checks; the arithmetic is ``dflash_dist.autosplit.choose_split``, shared with
+bench/pipeline.py checks; the arithmetic is ``dflash_dist.planning.split.choose_split``, shared with
 ``topology.target_ranks=auto`` and ``dflash-plan``, which measure both rates on the job's own data). Prints the
 table, the best split and samples/s per GPU, writes JSON and, when matplotlib is importable, a PNG of supply vs
 demand per split.
@@ -24,7 +24,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402  (puts the repo root on sys.path)
 
-from dflash_dist.autosplit import choose_split  # noqa: E402  (torch-free)
+from dflash_dist.planning.split import choose_split  # noqa: E402  (torch-free)
 
 
 def supply_from(path: str, mix: str, budget, variant: str = "packed") -> tuple[float, dict]:
@@ -62,7 +62,7 @@ def demand_from(path: str, config: str, backend: str, batch: int) -> tuple[float
 
 
 def project(supply: float, demand: float, gpus: int) -> dict:
-    """Every split of ``gpus`` and the best one: ``dflash_dist.autosplit.choose_split`` (the arithmetic that
+    """Every split of ``gpus`` and the best one: ``dflash_dist.planning.split.choose_split`` (the arithmetic that
     ``topology.target_ranks=auto`` and dflash-plan use)."""
     return choose_split(gpus, supply, demand)
 

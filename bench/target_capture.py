@@ -11,7 +11,7 @@ attention (``target.packing=on``), ``*_compiled`` = the same with the decoder la
 Dense mode (default): the Qwen3-8B-shaped random-init bf16 target of ``conf/target/qwen3_8b_random.yaml`` (36
 layers, hidden 4096), built by ``dflash_dist.model.hf.build_target_model`` (random init on the device), capture
 layers ``[1, 9, 17, 25, 33]``. Samples come from ``dflash_dist.data.synthetic`` (random ids; length mixes "550" =
-uniform 275..825 and "256-3072" = uniform 256..3072) and are batched by ``dflash_dist.data.plan.build_plan`` under a
+uniform 275..825 and "256-3072" = uniform 256..3072) and are batched by ``dflash_dist.data.batching.build_plan`` under a
 token budget (``n * max_len <= budget``), padded by ``target_loop.pad_batch``: exactly what a target rank runs.
 The timed region per batch is what the target rank counts as busy: pad_batch + forward + synchronize. Warm-up
 passes (untimed, ``warmup_s``) run every batch, so compiled variants compile every shape before timing.
@@ -55,12 +55,10 @@ import _common as C  # noqa: E402
 import torch  # noqa: E402
 
 from dflash_dist.config import TargetConfig, default_layer_ids  # noqa: E402
-from dflash_dist.data.plan import (
-    build_plan,  # noqa: E402
-    pad_batch,  # noqa: E402
-)
+from dflash_dist.data.batching import build_plan  # noqa: E402
 from dflash_dist.data.synthetic import synthetic_dataset  # noqa: E402
 from dflash_dist.model.hf import text_config  # noqa: E402
+from dflash_dist.target.batch import pad_batch  # noqa: E402
 from dflash_dist.target.capture import FeatureCapture, packed_stats  # noqa: E402
 from dflash_dist.telemetry.flops import nominal_peak_tflops, target_forward_flops  # noqa: E402
 

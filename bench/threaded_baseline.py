@@ -38,8 +38,8 @@ from pipeline import add_job_args, finish_job_args, overrides  # noqa: E402
 # Imported here, in the main thread: a first import inside a thread races the other thread's import of
 # torch._dynamo (importlib's module lock reports a deadlock).
 from dflash_dist.comm.transport import Message  # noqa: E402
-from dflash_dist.data.plan import pad_batch  # noqa: E402
 from dflash_dist.model.fast_path import check_target_fast_path  # noqa: E402
+from dflash_dist.target.batch import pad_batch  # noqa: E402
 from dflash_dist.target.capture import build_capture  # noqa: E402
 
 COMPILE_MARKERS = ("torch._dynamo", "torch._inductor", "torch/_dynamo", "torch/_inductor", "torch.fx", "torch/fx",

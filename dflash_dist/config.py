@@ -266,6 +266,25 @@ class DrafterLoss:
 
 
 @dataclass
+class DrafterDomino:
+    """The Domino variant's additions (``drafter.domino.*``, read when ``drafter.variant=domino``): a GRU over
+    the block's previous tokens whose projection corrects the logits (model/domino.py checks the values)."""
+
+    emb_dim: int = 256
+    """Width E of the correction's hidden layer (Linear(H + G_r -> E) -> SiLU -> Linear(E -> V))."""
+    gru_hidden_dim: int = 1024
+    """State width G_r of the GRU over the previous tokens' embeddings."""
+    pure_draft_prefix_len: int = 1
+    """Proposals at the block start that keep the backbone's logits; SGLang serves only 1."""
+    shift_label: bool = False
+    """Engine label alignment; false (slot k predicts anchor + k) is the only one this drafter trains."""
+    lambda_base_start: float = 1.0
+    """Weight lambda of the base cross-entropy at step 0: loss = (1 - lambda) CE(corrected) + lambda CE(base)."""
+    lambda_base_decay_ratio: float = 0.5
+    """Fraction of ``train.max_steps`` over which lambda decays linearly to 0."""
+
+
+@dataclass
 class DrafterConfig:
     variant: str = "dflash"
     """The drafter variant by registry name (``dflash``: the z-lab DFlash drafter) or ``package.module:ClassName``
@@ -303,6 +322,8 @@ class DrafterConfig:
     compile: bool = True
     """torch.compile the flex attention kernel and the mask builder (fullgraph). Required for flex."""
 
+    domino: DrafterDomino = field(default_factory=DrafterDomino)
+    """The Domino variant's settings (``drafter.domino.*``; used only with ``drafter.variant=domino``)."""
 
 
 
@@ -324,6 +345,7 @@ class DrafterConfig:
         _check_choices(self, "drafter")
         self.tuning = _sub(self.tuning, DrafterTuning, "drafter.tuning")
         self.loss = _sub(self.loss, DrafterLoss, "drafter.loss")
+        self.domino = _sub(self.domino, DrafterDomino, "drafter.domino")
         _require(bool(self.variant), "drafter.variant: name a variant (dflash)")
         _require(not (self.loss.weighting == "dpace" and self.tuning.loss_on_target),
                  "drafter.loss.weighting=dpace with drafter.tuning.loss_on_target is not supported yet (the weight "

@@ -26,8 +26,8 @@ from dflash_dist.checkpoint.resume import (  # noqa: F401  (resolve_run: the pur
 from dflash_dist.comm.distributed import Dist, init_distributed, make_ctrl_group, make_groups, setup_logging
 from dflash_dist.comm.topology import TopologyError, make_topology
 from dflash_dist.config import ConfigError, JobConfig, resolve_device, validate_job
+from dflash_dist.data.batching import build_plan
 from dflash_dist.data.conversations import BadDataStats, DataError, check_bad_fraction
-from dflash_dist.data.plan import build_plan
 from dflash_dist.data.sources import no_usable_data, prepare_conversations
 from dflash_dist.data.tokenize import TokenizedDataset, cache_key
 
@@ -360,7 +360,7 @@ def setup(cfg: JobConfig) -> Job:
     if rank == 0:
         write_run_files(job)
     if auto:
-        from dflash_dist.autosplit import auto_split
+        from dflash_dist.planning.startup import auto_split
         job.auto_split = auto_split(job, rank, world, device)
         t = int(job.auto_split["target_ranks"])
     topo = topology(t)

@@ -10,7 +10,7 @@ same kind of short English, so this doubles the text a 2M-parameter model learns
 learns the turn structure (close a reply with ``<|im_end|>``, which greedy generation stops on).
 
 Reproducible: fixed seeds, fixed thread count, deterministic algorithms, a fixed number of steps (not a time
-budget), batches from ``dflash_dist.data.plan.build_plan``. Bit-identical output needs the same torch build and
+budget), batches from ``dflash_dist.data.batching.build_plan``. Bit-identical output needs the same torch build and
 CPU kind (float reductions depend on the vector unit).
 
 Usage: python scripts/train_tiny_target.py [--epochs 16] [--out dflash_dist/assets/tiny]
@@ -30,11 +30,11 @@ sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
 
+from dflash_dist.data import batching as data_plan  # noqa: E402
 from dflash_dist.data import (
     conversations,  # noqa: E402
     tokenize,  # noqa: E402
 )
-from dflash_dist.data import plan as data_plan  # noqa: E402
 
 PROMPTS = [
     "Hello",

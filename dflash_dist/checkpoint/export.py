@@ -40,7 +40,6 @@ from typing import Any, Optional
 import torch
 
 from dflash_dist.checkpoint.export_load import (
-    AUTO_MAP,
     META_NAME,
     MODELING_NAME,
     CheckpointInputError,
@@ -126,10 +125,12 @@ def build_export_config(drafter_config: DrafterModelConfig, target_config: dict,
     cfg.update({k: tc.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
     cfg.update(_dflash_fields(dc, layer_ids, num_target_layers, mask_token_id, mask_token, block_size))
     cfg.update(_attention_fields(dc))
-    cfg.update({"auto_map": dict(AUTO_MAP), "torch_dtype": dtype, "dtype": dtype})
-    fields = variant_class(variant)().export_fields(dc)
+    impl = variant_class(variant)()
+    cfg.update({"auto_map": {"AutoModel": impl.auto_model}, "torch_dtype": dtype, "dtype": dtype})
+    fields = impl.export_fields(dc)
     cfg["architectures"] = list(fields.get("architectures", cfg["architectures"]))
     cfg["dflash_config"].update(fields.get("dflash_config") or {})
+    cfg.update({k: v for k, v in fields.items() if k not in ("architectures", "dflash_config")})  # top level
     return cfg
 
 

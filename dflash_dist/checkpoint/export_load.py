@@ -21,6 +21,7 @@ from dflash_dist.checkpoint.store import CheckpointError
 from dflash_dist.config import ConfigError
 from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
 from dflash_dist.model.rope import drafter_rope_parameters
+from dflash_dist.model.variants import VARIANTS, variant_of_export
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +75,10 @@ def export_problems(cfg: dict, path: Optional[str] = None) -> list[str]:
         out.append("no eagle_aux_hidden_state_layer_ids (older vLLM reads only it for the capture layers)")
     elif [int(i) for i in aux] != [int(i) + 1 for i in ids]:
         out.append(f"eagle_aux_hidden_state_layer_ids {aux} != target_layer_ids + 1 ({[int(i) + 1 for i in ids]})")
-    if (cfg.get("auto_map") or {}).get("AutoModel") != AUTO_MAP["AutoModel"]:
-        out.append(f"auto_map.AutoModel is not {AUTO_MAP['AutoModel']!r} (AutoModel(trust_remote_code) would build "
+    variant = variant_of_export(cfg)
+    auto = variant.auto_model if variant is not None else AUTO_MAP["AutoModel"]
+    if (cfg.get("auto_map") or {}).get("AutoModel") != auto:
+        out.append(f"auto_map.AutoModel is not {auto!r} (AutoModel(trust_remote_code) would build "
                    "a plain Qwen3Model)")
     if path is not None and not os.path.exists(os.path.join(path, MODELING_NAME)):
         out.append(f"no {MODELING_NAME} (auto_map names it)")
@@ -132,6 +135,17 @@ def validate_export_tensors(tensors: dict, cfg: dict) -> None:
         if wrong:
             parts.append("wrong shapes " + ", ".join(f"{k}: {have[k]} != {want[k]}" for k in wrong[:6]))
         raise ExportError("drafter tensors do not match the exported config: " + "; ".join(parts))
+
+
+def validate_variant_tensors(tensors: dict, cfg: dict) -> None:
+    """:func:`validate_export_tensors` for DFlash's tensors, and the names and shapes of the variant's own (its
+    ``extra_tensor_shapes``; the variant ``architectures`` names) for the rest."""
+    variant = variant_of_export(cfg)
+    extra = variant.extra_tensor_shapes(cfg) if variant is not None else {}
+    validate_export_tensors({k: v for k, v in tensors.items() if k not in extra}, cfg)
+    have = {k: tuple(v.shape) for k, v in tensors.items() if k in extra}
+    if have != {k: tuple(s) for k, s in extra.items()}:
+        raise ExportError(f"the {variant.name} tensors do not match the exported config: have {have}, want {extra}")
 
 
 def safetensors_shapes(path: str) -> dict[str, Any]:
@@ -191,7 +205,22 @@ def drafter_config_from_export(cfg: dict) -> DrafterModelConfig:
         initializer_range=float(cfg.get("initializer_range", 0.02) or 0.02),
         layer_types=layer_types,
         sliding_window=window,
+        variant_settings=_variant_settings(cfg),
     )
+
+
+def _variant_settings(cfg: dict) -> Optional[dict]:
+    variant = variant_of_export(cfg)   # a config naming no variant is DFlash's
+    return variant.settings_from_export(cfg) if variant is not None else None
+
+
+def _export_variant(cfg: dict):
+    """The variant an export's ``architectures`` names (model/variants/), refused when none does."""
+    variant = variant_of_export(cfg)
+    if variant is None:
+        raise ExportError(f"architectures={cfg.get('architectures')}: no drafter variant serves it (known: "
+                          f"{', '.join(VARIANTS.get(n).architecture for n in VARIANTS.names())})")
+    return variant
 
 
 def _rope_parameters(cfg: dict) -> dict:
@@ -264,9 +293,10 @@ def load_export(path: str, device: Any = "cpu", dtype: Optional[torch.dtype] = t
     if not (os.path.exists(cfg_path) and os.path.exists(st_path)):
         raise ExportError(f"{path}: not an export directory (needs config.json and model.safetensors)")
     cfg, header = checked_export(path)
-    arch = cfg.get("architectures") or []
-    if "DFlashDraftModel" not in arch:
-        raise ExportError(f"{path}: architectures={arch}, expected DFlashDraftModel")
+    try:
+        variant = _export_variant(cfg)
+    except ExportError as e:
+        raise ExportError(f"{path}: {e}") from None
     if require_complete is None:
         require_complete = os.path.exists(os.path.join(path, META_NAME))
     problems = export_problems(cfg, path) if require_complete else []
@@ -279,12 +309,12 @@ def load_export(path: str, device: Any = "cpu", dtype: Optional[torch.dtype] = t
         raise
     except (ValueError, TypeError, KeyError) as e:  # well-typed values that do not fit (e.g. heads that do not divide)
         raise CheckpointInputError(f"export {path} is unusable: {cfg_path}: {e}") from None
-    validate_export_tensors({k: _Shape(shape) for k, (_, shape) in header.items()}, cfg)  # before reading any
+    validate_variant_tensors({k: _Shape(shape) for k, (_, shape) in header.items()}, cfg)  # before reading any
     tensors = load_file(st_path)
     if dtype is None:
         dtype = next(iter(tensors.values())).dtype
-    model = DFlashDrafter(dcfg, backend)
-    model.load_state_dict(tensors, strict=True)
+    model = variant.build(dcfg, backend)
+    model.load_state_dict(variant.import_names(tensors), strict=True)
     model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     dfc = cfg["dflash_config"]
     meta: dict[str, Any] = {

@@ -131,7 +131,7 @@ def drafter_identity(cfg, layer_ids: list, mask_token_id: int, hidden_size: int)
 
 
 def plan_identity(epoch_plan: list) -> dict:
-    """Hash of the first epoch's batches: later epochs follow from the same inputs (data.plan.build_plan)."""
+    """Hash of the first epoch's batches: later epochs follow from the same inputs (data.batching.build_plan)."""
     return {"hash": _sha(json.dumps(epoch_plan).encode())[:16], "label": f"{len(epoch_plan)} messages per epoch"}
 
 

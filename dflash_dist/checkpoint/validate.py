@@ -43,6 +43,7 @@ BOUNDS = {
     "num_hidden_layers": 1024, "num_attention_heads": 1024, "num_key_value_heads": 1024, "head_dim": 4096,
     "num_feature_layers": 256, "block_size": 4096, "max_position_embeddings": 1 << 24, "sliding_window": 1 << 24,
     "num_experts": 1 << 14, "moe_intermediate_size": 1 << 19,
+    "emb_dim": 1 << 16, "gru_hidden_dim": 1 << 16, "pure_draft_prefix_len": 4096,   # a variant's (Domino's)
 }
 MAX_LAYER_ID = 4096
 CHECKPOINT_FILES = ("model.safetensors", "optimizer.pt")
@@ -331,6 +332,11 @@ def check_drafter_config(file: str, field: str, dc: Any) -> dict:
         size(file, f"{field}.{k}", dc[k])
     if dc.get("sliding_window") is not None:
         size(file, f"{field}.sliding_window", dc["sliding_window"])
+    if dc.get("variant_settings") is not None:          # a variant's own section (drafter.domino): sizes bounded
+        _obj(file, f"{field}.variant_settings", dc["variant_settings"])
+        for k, v in dc["variant_settings"].items():
+            if k in BOUNDS:
+                size(file, f"{field}.variant_settings.{k}", v)
     if dc["num_attention_heads"] % dc["num_key_value_heads"]:
         raise fail(file, f"{field}.num_key_value_heads", f"{dc['num_key_value_heads']} does not divide "
                    f"num_attention_heads={dc['num_attention_heads']}")
@@ -378,16 +384,18 @@ def bare_name(name: str) -> str:
     return name
 
 
-def check_weights(file: str, header: dict, drafter_config: dict) -> None:
+def check_weights(file: str, header: dict, drafter_config: dict, variant: str = "dflash") -> None:
     """The tensors of ``model.safetensors`` (wrapper prefixes aside) have exactly the names and shapes of the
-    drafter ``drafter_config`` describes (built on the meta device: nothing allocated)."""
+    drafter ``drafter_config`` describes, of the recorded ``variant`` (built on the meta device: nothing
+    allocated)."""
     import torch
 
-    from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
+    from dflash_dist.model.drafter import DrafterModelConfig
+    from dflash_dist.model.variants import variant_class
     try:
         with torch.device("meta"):
-            want = {k: tuple(v.shape) for k, v in
-                    DFlashDrafter(DrafterModelConfig(**drafter_config), "sdpa").state_dict().items()}
+            want = {k: tuple(v.shape) for k, v in variant_class(variant)().build(
+                DrafterModelConfig(**drafter_config), "sdpa").state_dict().items()}
     except (ValueError, TypeError, KeyError) as e:
         raise fail(os.path.join(os.path.dirname(file), "meta.json"), "drafter_config", str(e)[:300]) from None
     have = {bare_name(k): shape for k, (_, shape) in header.items()}
@@ -454,7 +462,8 @@ def check_checkpoint(path: str) -> tuple[dict, dict]:
     st = os.path.join(path, "model.safetensors")
     header = safetensors_header(st)
     if "drafter_config" in meta:
-        check_weights(st, header, meta["drafter_config"])
+        from dflash_dist.checkpoint.meta import meta_variant
+        check_weights(st, header, meta["drafter_config"], meta_variant(meta))
     return meta, header
 
 
@@ -483,7 +492,7 @@ SIDE_SCHEMA = {
 }
 _EXPORT_INTS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                 "num_hidden_layers", "vocab_size", "max_position_embeddings", "block_size", "sliding_window",
-                "num_target_layers", "target_hidden_size")
+                "num_target_layers", "target_hidden_size", "emb_dim")
 # the other config.json fields load_export reads, with their types
 _EXPORT_TYPES = {
     "rms_norm_eps": Optional[float], "rope_theta": Optional[float], "initializer_range": Optional[float],
@@ -517,6 +526,9 @@ def check_export_dir(path: str, side_name: str = "dflash_dist_meta.json") -> tup
     check_type(file, "dflash_config.mask_token", dfc.get("mask_token"), Optional[str])
     if "target_layer_ids" in dfc:
         _layer_ids(file, "dflash_config.target_layer_ids", dfc["target_layer_ids"])
+    for k in ("emb_dim", "gru_hidden_dim", "pure_draft_prefix_len"):   # Domino's
+        if dfc.get(k) is not None:
+            size(file, f"dflash_config.{k}", dfc[k])
     for k in ("mask_token_id", "block_size"):
         if dfc.get(k) is not None:
             count(file, f"dflash_config.{k}", dfc[k], 0 if k == "mask_token_id" else 1, BOUNDS["block_size"]

@@ -434,7 +434,7 @@ def check_export(doc: Doctor, path: str) -> None:
         drafter_config_from_export,
         export_problems,
         safetensors_shapes,
-        validate_export_tensors,
+        validate_variant_tensors,
     )
     cfg_path, st_path = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
     if not (os.path.exists(cfg_path) and os.path.exists(st_path)):
@@ -449,7 +449,7 @@ def check_export(doc: Doctor, path: str) -> None:
     problems = list(export_problems(cfg, path))
     try:
         dcfg = drafter_config_from_export(cfg)
-        validate_export_tensors(safetensors_shapes(st_path), cfg)
+        validate_variant_tensors(safetensors_shapes(st_path), cfg)   # DFlash's and its variant's tensors
     except (ExportError, ValueError) as e:
         problems.append(str(e))
         dcfg = None

@@ -1,5 +1,5 @@
 """``dflash-plan [--gpus 2,4,8] [--out plan.json] [hydra overrides]``: the job's data plan, target supply and
-drafter demand measured one after the other on one device (``autosplit``), and the best split for each world
+drafter demand measured one after the other on one device (``dflash_dist.planning``), and the best split for each world
 size; ``--replica-supply`` plans target replicas from a replica's rate measured elsewhere."""
 
 from __future__ import annotations
@@ -16,15 +16,10 @@ if TYPE_CHECKING:  # annotations only: the split arithmetic (bench/plan_split.py
 log = logging.getLogger("dflash_dist")
 
 
-from dflash_dist.autosplit import (
-    choose_split,
-    format_rates,
-    measure_drafter_demand,
-    measure_target_supply,
-    measured_range,
-    write_plan_json,
-)
 from dflash_dist.paths import CONF_DIR
+from dflash_dist.planning.measure import measure_drafter_demand, measure_target_supply
+from dflash_dist.planning.split import choose_split, format_rates, measured_range
+from dflash_dist.planning.startup import write_plan_json
 
 
 def compose_config(overrides: list[str]):

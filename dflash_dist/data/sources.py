@@ -337,7 +337,7 @@ def prepare_conversations(source: str, holdout: int, seed: int, tokenizer_path: 
     split (``plan.split_holdout`` over that count) picks the held-out ones, the second tokenizes the others as a
     stream (:func:`tokenize_stream`) and keeps the few held-out ones. The same samples, ids, held-out set and
     stats as tokenizing the whole list; the memory is the tokenized result and a window, not the corpus."""
-    from dflash_dist.data.plan import holdout_size, split_holdout
+    from dflash_dist.data.batching import holdout_size, split_holdout
     counted = BadDataStats()
     n = sum(1 for _ in iter_conversations(source, counted))
     if n == 0:

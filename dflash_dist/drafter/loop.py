@@ -119,7 +119,7 @@ class DrafterRun:
         self.writer = MetricsWriter(job.run_dir, self.cfg.to_dict(), self.cfg.logging.wandb, self.total_steps,
                                     self.topo.is_leader, self.cfg.logging.progress_bar)
         if job.auto_split is not None:  # topology.target_ranks=auto: the measured rates and the split, once
-            from dflash_dist.telemetry.plan_record import plan_record
+            from dflash_dist.planning.record import plan_record
             self.writer.log(job.start_step, plan_record(job.auto_split), kind="plan")
         self.connect()
         self.rx = Receiver(self.channel, self.d.rank)

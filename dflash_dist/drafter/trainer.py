@@ -216,6 +216,8 @@ class DrafterTrainer:
                     else:
                         with phase(f"group{i} loss"):
                             out.append(self.objective.loss(hidden, self.lm_head, group.labels))
+                    self.model.set_context(group=group, embed=self.embed, objective=self.objective, step=self.step,
+                                           total_steps=self.cfg.train.max_steps)
                     terms = self.model.loss_terms(hidden, group.labels, self.lm_head)
                     if terms:  # a variant's own losses, named; a served group's are added once its reply is in
                         out[-1] = (out[-1], terms)
@@ -381,7 +383,7 @@ class DrafterTrainer:
                          self.stats.peek("nonfinite_by_target").sum().cpu()]).to(self.device)
         if self.d.drafters is not None:
             dist.all_reduce(v, group=self.d.drafters)
-        received, shape, pending = v.tolist()
+        received, shape, pending = (int(round(x)) for x in v.tolist())
         return {"received": received, "skipped": shape + pending + sum(self.nonfinite_by_target)}
 
     def save(self, final: bool = False, reason: str = "periodic") -> None:

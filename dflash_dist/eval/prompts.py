@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from dflash_dist.config import ConfigError, DataConfig, TargetConfig
+from dflash_dist.data.batching import holdout_size, split_holdout
 from dflash_dist.data.conversations import BadDataStats, builtin_conversations
-from dflash_dist.data.plan import holdout_size, split_holdout
 from dflash_dist.data.sources import read_conversations
 
 log = logging.getLogger("dflash_dist")

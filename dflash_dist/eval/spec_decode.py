@@ -87,6 +87,7 @@ def make_dflash_draft_fn(drafter: nn.Module, embed: Tensor, lm_head: Tensor) -> 
                 hidden = model(block_embeds, ctx, ctx_pos, blk_pos, mask)
         finally:
             model.backend = saved
+        model.set_context(block_ids=block_ids, embed=embed)
         return model.propose(hidden, lm_head)[0]  # the variant's proposal step (DFlash: argmax of the logits)
 
     return draft

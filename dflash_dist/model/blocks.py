@@ -32,6 +32,7 @@ class DrafterBatch:
     block_ids: Tensor        # [b, Q] long: anchor token then MASK ids (all MASK for padding blocks)
     block_positions: Tensor  # [b, Q] long: a, a+1, ..., a+B-1 per block (0..B-1 for padding blocks)
     labels: Tensor           # [b, Q] long, IGNORE_INDEX (-100) where there is no loss
+    block_tokens: Tensor     # [b, Q] long: the sequence's token at each slot, whatever the loss mask (teacher forcing)
     anchors: Tensor          # [b, N] long, sorted ascending among valid blocks; 0 for padding blocks
     valid: Tensor            # [b, N] bool
     num_samples: int         # b
@@ -58,7 +59,8 @@ def split_anchors(batch: DrafterBatch, groups: int) -> list[DrafterBatch]:
     out = []
     for i in range(groups):
         rows, blocks = slice(i * q, (i + 1) * q), slice(i * nb, (i + 1) * nb)
-        part = {name: getattr(batch, name)[:, rows].contiguous() for name in ("block_ids", "block_positions", "labels")}
+        part = {name: getattr(batch, name)[:, rows].contiguous() for name in ("block_ids", "block_positions", "labels",
+                                                                      "block_tokens")}
         part.update({name: getattr(batch, name)[:, blocks].contiguous() for name in ("anchors", "valid")})
         out.append(DrafterBatch(features=batch.features, ctx_positions=batch.ctx_positions, **part,
                                 num_samples=batch.num_samples,
@@ -165,6 +167,7 @@ def make_batch(input_ids: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, feature
         block_ids=block_ids.reshape(b, -1),
         block_positions=pos.reshape(b, -1),
         labels=labels.reshape(b, -1),
+        block_tokens=tok.reshape(b, -1),
         anchors=anchors,
         valid=valid,
         num_samples=b,

@@ -82,6 +82,9 @@ class DrafterModelConfig:
     # transformers 5 rope_parameters of the drafter (rope_type, rope_theta, scaling fields; model/rope.py);
     # None: default RoPE with rope_theta (checkpoints written before RoPE scaling was supported)
     rope_parameters: Optional[dict] = None
+    # a variant's own settings (the drafter.* section its class names in ``settings_key``, e.g. drafter.domino);
+    # None: the variant has none, or takes its defaults
+    variant_settings: Optional[dict] = None
 
     def __post_init__(self) -> None:
         if self.layer_types is not None:
@@ -311,6 +314,12 @@ class DFlashDrafter(nn.Module):
         DFlash proposes the argmax of the unary logits of slots 1..B-1."""
         head = lm_head.to(hidden.device)
         return F.linear(hidden[:, 1:].to(head.dtype), head).argmax(-1)
+
+    def set_context(self, **context: Any) -> None:
+        """What a variant's ``loss_terms`` / ``propose`` may read beyond their arguments, set by their caller just
+        before: the trainer passes ``group`` (the DrafterBatch), ``embed`` (the target's [V, H]), ``objective``,
+        ``step`` (optimizer steps taken) and ``total_steps``; evaluation passes ``block_ids`` and ``embed``."""
+        self.context = context
 
     def loss_terms(self, hidden: Tensor, labels: Tensor, lm_head: Tensor) -> dict:
         """A variant's own loss sums {name: fp32 scalar with its graph} for a group (hidden [b, N*B, H], labels

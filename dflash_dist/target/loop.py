@@ -25,7 +25,6 @@ from dflash_dist.comm.distributed import shorten_timeouts
 from dflash_dist.comm.faults import apply_target_fault, fault_for, stall_if_due
 from dflash_dist.comm.head_offload import HeadLossServer, head_channels
 from dflash_dist.comm.transport import Message, Sender, job_channel
-from dflash_dist.data.plan import pad_batch
 from dflash_dist.data.tokenize import TokenizedDataset
 from dflash_dist.eval.in_training import TargetEval, eval_enabled, expected_evals
 from dflash_dist.model.fast_path import check_target_fast_path
@@ -41,6 +40,7 @@ from dflash_dist.model.hf import (
     text_config,
 )
 from dflash_dist.role_jobs import TargetJob
+from dflash_dist.target.batch import pad_batch
 from dflash_dist.target.capture import build_capture
 from dflash_dist.telemetry.flops import target_capture_flops, target_layers_profile
 from dflash_dist.telemetry.step_trace import TraceWindow, format_timeline, phase

@@ -1,8 +1,8 @@
-"""The scaling model of docs/scaling.md (dflash_dist/scaling.py)."""
+"""The scaling model of docs/scaling.md (dflash_dist/planning/scaling.py)."""
 
 import pytest
 
-from dflash_dist.scaling import Setup, evaluate, main, table
+from dflash_dist.planning.scaling import Setup, evaluate, main, table
 
 
 def test_one_node_8b_reproduces_the_measured_projection():

@@ -10,12 +10,23 @@ docs/design.md, "Adding a drafter variant", lists what a new one touches.
 from __future__ import annotations
 
 from dflash_dist.model.variants.dflash import DFlash
+from dflash_dist.model.variants.domino import Domino
 from dflash_dist.model.variants.registry import VARIANTS
 
-__all__ = ["VARIANTS", "DFlash", "variant_class"]
+__all__ = ["VARIANTS", "DFlash", "Domino", "variant_class", "variant_of_export"]
 
 
 def variant_class(name: str) -> type:
     """The class ``drafter.variant`` names: a registered one (the built-in ones are, by this
     package's import) or ``package.module:ClassName``."""
     return VARIANTS.get(name)
+
+
+def variant_of_export(config: dict):
+    """The variant (an instance) whose ``architecture`` an exported config.json names, or None."""
+    archs = config.get("architectures") or []
+    for name in VARIANTS.names():
+        cls = VARIANTS.get(name)
+        if cls.architecture in archs:
+            return cls()
+    return None

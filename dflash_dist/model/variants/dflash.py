@@ -8,7 +8,7 @@ resolved drafter description (``model/spec.DrafterSpec``) or its model config, n
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
 
 from torch import nn
 
@@ -30,6 +30,8 @@ class DFlash:
     """config.json ``architectures`` of the export (what vLLM and SGLang dispatch on)."""
     modeling_source = os.path.join(_CHECKPOINT_DIR, "modeling_dflash.py")
     """The standalone transformers module copied into the export (its ``auto_map`` class serves this variant)."""
+    auto_model = "modeling_dflash.DFlashDraftModel"
+    """config.json ``auto_map.AutoModel`` of the export: the class of ``modeling_source`` that serves it."""
 
     def build(self, model_config: DrafterModelConfig, backend: str) -> nn.Module:
         """The variant's module on the CPU, initialised (the trainer moves it and applies the compile flags)."""
@@ -51,3 +53,11 @@ class DFlash:
     def export_names(self, tensors: dict) -> dict:
         """The trained state dict under the export's tensor names; DFlash: the module's names are z-lab's."""
         return dict(tensors)
+
+    def import_names(self, tensors: dict) -> dict:
+        """An export's tensors under the module's names (the inverse of ``export_names``)."""
+        return dict(tensors)
+
+    def settings_from_export(self, config: dict) -> Optional[dict]:
+        """The model config's ``variant_settings`` an exported config.json implies; DFlash: none."""
+        return None

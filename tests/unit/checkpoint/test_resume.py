@@ -39,8 +39,11 @@ def fake_run(run_dir, identity_, step=4, total=8):
     os.makedirs(ck)
     ident.write_run_json(str(run_dir), identity_)
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
-    (ck / "model.safetensors").write_bytes(b"x" * 8)
-    meta = {"step": step, "cursor": total, "total_messages": total, "files": {"model.safetensors": 8},
+    import torch
+    from safetensors.torch import save_file
+    save_file({"w": torch.zeros(1)}, str(ck / "model.safetensors"))  # a real header: checkpoint_problem reads it
+    meta = {"step": step, "cursor": total, "total_messages": total,
+            "files": {"model.safetensors": os.path.getsize(ck / "model.safetensors")},
             "identity": dict(identity_, plan={"hash": "p" * 16, "label": "plan"})}
     (ck / "meta.json").write_text(json.dumps(meta))
     return str(ck)

@@ -15,18 +15,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from launch_util import REPO, free_port, torchrun
 
-from dflash_dist.autosplit import (
+from dflash_dist.cli.plan import format_best
+from dflash_dist.config import ConfigError, JobConfig, validate_job
+from dflash_dist.planning.split import (
     MAX_ROUNDS_FACTOR,
-    auto_split,
     choose_split,
     format_rates,
     format_splits,
     rate_summary,
     timed_rounds,
-    wait_for,
 )
-from dflash_dist.cli.plan import format_best
-from dflash_dist.config import ConfigError, JobConfig, validate_job
+from dflash_dist.planning.startup import auto_split, wait_for
 
 
 def best_by_hand(w, s, d):

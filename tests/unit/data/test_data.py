@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from launch_util import REPO as REPO_ROOT
 
+from dflash_dist.data import batching as data_plan
 from dflash_dist.data import conversations, tokenize
-from dflash_dist.data import plan as data_plan
 from dflash_dist.data.conversations import BadDataStats, DataError
 from dflash_dist.data.tokenize import TokenizedDataset
 
@@ -489,7 +489,7 @@ def test_plan_golden_and_seed_dependence():
 
 def test_plan_same_in_another_process():
     """No hash-seed or process state leaks into the plan."""
-    code = ("from dflash_dist.data.plan import build_plan; import json; "
+    code = ("from dflash_dist.data.batching import build_plan; import json; "
             "print(json.dumps(build_plan([(i * 37) % 301 + 1 for i in range(400)], range(400), epochs=2, seed=7, "
             "max_batch_tokens=1024, max_batch_samples=16)))")
     here = data_plan.build_plan([(i * 37) % 301 + 1 for i in range(400)], range(400), epochs=2, seed=7,

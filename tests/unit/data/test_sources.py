@@ -301,7 +301,7 @@ def test_regeneration_renders_with_the_same_kwargs(qwen3_tok_dir):
 
 
 def test_prepare_conversations_streams_the_same_split_and_samples(tmp_path):
-    from dflash_dist.data.plan import holdout_size, split_holdout
+    from dflash_dist.data.batching import holdout_size, split_holdout
 
     rows = [MSG_ROW, SHAREGPT_ROW, {"messages": [{"role": "user", "content": "x"}]}, SHAREGPT_BAD_ROLE] * 6
     rows = [dict(r, n=i) for i, r in enumerate(rows)]

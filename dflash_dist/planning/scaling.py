@@ -14,7 +14,7 @@ Every number is tagged measured (docs/benchmarks.md, with where) or assumed. The
 * Features: ``feature_bytes_per_token`` x tokens per sample per sample, from a replica's sending rank to its
   drafter: NVLink when both are on one node, else the network (the NICs of the sending node).
 
-``python -m dflash_dist.scaling`` prints the tables (``--markdown`` as in docs/scaling.md, ``--json``).
+``python -m dflash_dist.planning.scaling`` prints the tables (``--markdown`` as in docs/scaling.md, ``--json``).
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def format_inputs(s: Setup) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dflash_dist.scaling", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m dflash_dist.planning.scaling", description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--gpus", default="8,64,512")

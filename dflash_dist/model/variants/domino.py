@@ -1,0 +1,151 @@
+"""Domino: DFlash plus a bias-free GRU over the block's previous tokens whose projection corrects the logits.
+
+The math (head, teacher tokens, chunked loss, greedy decode, curriculum, FLOPs, export layout) is
+``model/domino.py``; this module wires it into the variant seam. Training adds one loss term to the
+objective's base cross-entropy so that the step's loss is SpecForge's mix::
+
+    objective:  sum w CE(base)
+    term:       (1 - lambda) * sum w (CE(corrected) - CE(base))
+    total:      sum w ((1 - lambda) CE(corrected) + lambda CE(base)),  lambda = lambda_base(step, max_steps)
+
+with ``w`` the objective's own row weights. The GRU reads the sequence's tokens (teacher forcing) and the
+target's embedding, which the trainer hands over through ``set_context``; evaluation hands over the block's ids.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from dflash_dist.config import ConfigError
+from dflash_dist.model import domino as D
+from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
+from dflash_dist.model.variants.dflash import DFlash
+from dflash_dist.model.variants.registry import VARIANTS
+
+__all__ = ["Domino", "DominoDrafter", "settings_of"]
+
+
+def settings_of(model_config: DrafterModelConfig) -> D.DominoSettings:
+    """The checked ``drafter.domino`` settings a model config carries (its defaults when it carries none)."""
+    return D.DominoSettings(**(model_config.variant_settings or {}))
+
+
+def mixed_term(rows_h: Tensor, rows_e: Tensor, corrected: Tensor, head_weight: Tensor, proj_weight: Tensor,
+               labels: Tensor, weights: Tensor, lam: float, chunk_rows: int) -> tuple[Tensor, Tensor]:
+    """(1 - lam) * sum w (CE(corrected) - CE(base)) over the loss rows, chunk by chunk (each chunk's [rows, V]
+    logits recomputed in backward, as ``domino.domino_loss``), and the detached sum w CE(corrected)."""
+    w = weights.float() * (labels >= 0)
+    step = max(1, int(chunk_rows))
+    term = (rows_h.sum() + rows_e.sum()).float() * 0.0          # no rows: the graph stays connected
+    final = term.detach()
+    for lo in range(0, labels.numel(), step):
+        sl = slice(lo, lo + step)
+        f, b, _, _ = checkpoint(D._chunk, rows_h[sl], rows_e[sl], corrected[sl], head_weight, proj_weight,
+                                labels[sl], w[sl], use_reentrant=False)
+        term = term + (1.0 - lam) * (f - b)
+        final = final + f.detach()
+    return term, final
+
+
+class DominoDrafter(DFlashDrafter):
+    """The DFlash drafter with ``domino`` (a ``DominoHead``: ``prefix_gru``, ``embed_proj``)."""
+
+    loss_term_names = ("domino",)
+    """``loss_domino``: what the correction changes in the mixed loss (negative once it helps)."""
+
+    def add_modules(self, cfg: DrafterModelConfig) -> None:
+        self.settings = settings_of(cfg)
+        self.settings.check_model(cfg.block_size)
+        s = self.settings
+        self.domino = D.DominoHead(cfg.hidden_size, cfg.vocab_size, s.gru_hidden_dim, s.emb_dim,
+                                   s.pure_draft_prefix_len)
+        self.context: dict = {}
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        super().reset_parameters()          # the Linear weights N(0, initializer_range); the GRU keeps torch's
+        self.domino.prefix_gru.reset_parameters()
+
+    def _need(self, key: str) -> Any:
+        if key not in self.context:
+            raise RuntimeError(f"the Domino drafter needs {key!r} from set_context before this call")
+        return self.context[key]
+
+    def loss_terms(self, hidden: Tensor, labels: Tensor, lm_head: Tensor) -> dict:
+        group, embed, objective = self._need("group"), self._need("embed"), self._need("objective")
+        lam = D.lambda_base(int(self._need("step")), int(self._need("total_steps")), self.settings)
+        B = self.config.block_size
+        tokens = F.embedding(group.block_tokens, embed).to(hidden.dtype)
+        feats = self.domino.features(hidden, tokens, B)
+        rows_h, rows_e, corrected, rows_y, _ = D.domino_rows(hidden, feats, labels, labels, B,
+                                                              self.settings.suffix_start)
+        _, _, weights = objective.rows(hidden, labels)               # the objective's own row weights
+        term, _ = mixed_term(rows_h, rows_e, corrected, lm_head.to(hidden.dtype),
+                             self.domino.embed_proj[2].weight.to(hidden.dtype), rows_y, weights, lam,
+                             objective.chunk_rows)
+        return {"domino": term}
+
+    def propose(self, hidden: Tensor, lm_head: Tensor) -> Tensor:
+        """The head's sequential greedy decode (``domino.propose``) of the block whose ids were set."""
+        block_ids, embed = self._need("block_ids"), self._need("embed")
+        dev = hidden.device
+        tokens, _ = D.propose(self.domino, hidden.to(self.domino.embed_proj[0].weight.dtype),
+                              block_ids[:, 0].to(dev), lm_head.to(dev, self.domino.embed_proj[0].weight.dtype),
+                              embed.to(dev, self.domino.embed_proj[0].weight.dtype))
+        return tokens
+
+
+@VARIANTS.register
+class Domino(DFlash):
+    name = "domino"
+    model_class = DominoDrafter
+    architecture = D.ARCHITECTURE
+    auto_model = "modeling_dflash.DominoDraftModel"
+    settings_key = "domino"
+    """The ``drafter.*`` section the model config carries as ``variant_settings``."""
+
+    def extra_flops(self, model_config: DrafterModelConfig, b: int, s_pad: int, n_blocks: int, vocab: int) -> float:
+        """The head's forward FLOPs per slot (``domino.flops_per_block_token``) x3 with backward, over the
+        step's b * N * B slots."""
+        per = D.flops_per_block_token(model_config.hidden_size, vocab, model_config.block_size,
+                                      settings_of(model_config))
+        return 3.0 * sum(per.values()) * b * n_blocks * model_config.block_size
+
+    def export_fields(self, model_config: DrafterModelConfig) -> dict[str, Any]:
+        return D.export_fields(settings_of(model_config))
+
+    def extra_tensor_shapes(self, config: dict) -> dict[str, tuple]:
+        return D.expected_shapes(int(config["hidden_size"]), int(config["vocab_size"]), settings_from_export(config))
+
+    def export_names(self, tensors: dict) -> dict:
+        """The head's weights without the module prefix (``domino.prefix_gru...`` -> ``prefix_gru...``), the
+        names SGLang's ``DominoDraftModel`` loads."""
+        return {k.removeprefix("domino."): v for k, v in tensors.items()}
+
+    def import_names(self, tensors: dict) -> dict:
+        return {("domino." + k if k.split(".")[0] in _HEAD_MODULES else k): v for k, v in tensors.items()}
+
+    def settings_from_export(self, config: dict) -> dict:
+        """The ``dflash_config`` fields SGLang parses (the curriculum keeps its defaults: it trains only)."""
+        return vars(settings_from_export(config))
+
+
+_HEAD_MODULES = ("prefix_gru", "embed_proj")
+
+
+def settings_from_export(config: dict) -> D.DominoSettings:
+    """The Domino settings an exported config.json carries (``dflash_config``)."""
+    dc = config.get("dflash_config") or {}
+    if dc.get("projector_type") != D.PROJECTOR_TYPE:
+        raise ConfigError(f"dflash_config.projector_type={dc.get('projector_type')!r}: a Domino export has "
+                          f"{D.PROJECTOR_TYPE!r}")
+    try:
+        return D.DominoSettings(emb_dim=dc["emb_dim"], gru_hidden_dim=dc["gru_hidden_dim"],
+                                pure_draft_prefix_len=dc["pure_draft_prefix_len"], shift_label=dc["shift_label"])
+    except KeyError as e:
+        raise ConfigError(f"config.json: dflash_config has no {e.args[0]} (a Domino export needs it)") from None

@@ -1,0 +1,26 @@
+"""Choosing the target/drafter split from measured rates: ``topology.target_ranks=auto`` and ``dflash-plan``.
+
+A job of W ranks with T targets runs at min(T * supply, (W - T) * demand) samples/s: supply = samples/s one
+target rank produces, demand = samples/s one drafter rank trains (the slower side sets the pace; transport is
+assumed hidden behind compute, which bench/pipeline.py checks). Both rates are measured with the project's
+own code on the job's own data: the target role's model and ``FeatureCapture`` on real batches of the plan,
+and ``DrafterTrainer``'s step (alone: no DDP) on the same messages with random features.
+
+* ``topology.target_ranks=auto`` (``job.setup``; ``planning/startup.py``): rank 0 is a drafter and rank W-1 a target for every
+  split, so both measure at the same time on their own devices, without spending a rank on a role it will
+  not have; the other ranks wait. The results meet in the rendezvous store (keys ``dflash/plan/*``), rank 0
+  picks the split and publishes it, and every rank then builds its role groups. W = 2 has one split (1 + 1)
+  and measures nothing.
+* ``dflash-plan [--gpus 2,4,8] [--out plan.json] [hydra overrides]``: one process, both measurements one
+  after the other on one device, the best split for each W.
+
+Each side times its batches (steps) ``topology.plan_rounds`` times over, and more rounds until it has timed
+``topology.plan_min_seconds``; its rate is the median round's and the rounds' min..max is its spread. The
+choice: the fastest split by the median rates, unless a split with fewer targets is a near-tie, i.e. its
+predicted rate reaches the fastest split's lowest one (both sides at their slowest round): within the
+measurement's noise, the fewest targets win (the drafters are the ranks that train). Exact ties are near-ties.
+
+Split arithmetic (torch-free): ``planning/split.py``; the measurements: ``planning/measure.py``; the startup
+rendezvous: ``planning/startup.py``; the ``kind: plan`` record: ``planning/record.py``; the scaling model on paper
+(docs/scaling.md): ``planning/scaling.py``.
+"""

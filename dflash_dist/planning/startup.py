@@ -1,0 +1,124 @@
+"""``topology.target_ranks=auto`` at startup: rank 0 measures the drafter and rank W-1 the target at the same time,
+the results meet in the rendezvous store (keys ``dflash/plan/*``), rank 0 picks the split and publishes it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from dflash_dist.planning.measure import measure_drafter_demand, measure_target_supply
+from dflash_dist.planning.split import choose_split, format_rates, format_splits, measured_range
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("dflash_dist")
+
+KEY_PREFIX = "dflash/plan/"
+
+
+def _report(store, name: str, fn) -> dict:
+    """Run a measurement and post its result (or its error, so the reader fails now instead of at a timeout)."""
+    try:
+        value = fn()
+    except BaseException as e:
+        store.set(KEY_PREFIX + name, json.dumps({"error": f"{type(e).__name__}: {e}"}))
+        raise
+    store.set(KEY_PREFIX + name, json.dumps(value))
+    return value
+
+
+def wait_for(store, name: str, rank: int, what: str, timeout_s: float) -> dict:
+    """The value rank ``rank`` posted under ``dflash/plan/<name>``; a clear error naming that rank if it posted
+    an error or nothing within ``timeout_s``."""
+    try:
+        store.wait([KEY_PREFIX + name], timedelta(seconds=timeout_s))
+    except Exception as e:  # the store's timeout (DistStoreError) or a lost store
+        raise RuntimeError(f"topology.target_ranks=auto: rank {rank} did not report {what} within {timeout_s:.0f} s "
+                           f"(topology.warmup_timeout_s): {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                           ) from e
+    value = json.loads(store.get(KEY_PREFIX + name))
+    if "error" in value:
+        raise RuntimeError(f"topology.target_ranks=auto: rank {rank} failed while measuring {what}: {value['error']}")
+    return value
+
+
+def write_plan_json(path: str, res: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(res, f, indent=1)
+    os.replace(tmp, path)
+
+
+def auto_split(job, rank: int, world: int, device: torch.device) -> dict:
+    """``topology.target_ranks=auto`` on every rank of the job (after the data plan, before the role groups):
+    returns the same dict on every rank (``target_ranks`` is the split); rank 0 logs it and writes plan.json."""
+    timeout = job.cfg.topology.warmup_timeout_s
+    if world == 2:
+        res = {"world_size": 2, "target_ranks": 1, "drafter_ranks": 1, "measured": False,
+               "note": "2 ranks have one split (1 target + 1 drafter): nothing measured"}
+        if rank == 0:
+            log.info("topology.target_ranks=auto: %s", res["note"])
+            write_plan_json(os.path.join(job.run_dir, "plan.json"), res)
+        return res
+    import torch.distributed as dist
+    store = dist.distributed_c10d._get_default_store()
+    t0 = time.monotonic()
+    k = job.cfg.target.tensor_parallel
+    # target.tensor_parallel=k: the last k ranks measure as one replica (a group every rank creates, members or not)
+    members = list(range(world - k, world))
+    if k > 1:
+        from datetime import timedelta
+
+        from dflash_dist.model.hf import build_target_replica, random_target_dir
+        if world <= k:
+            from dflash_dist.config import ConfigError
+            raise ConfigError(f"topology.target_ranks=auto: a replica of {k} ranks leaves no drafter in a world of "
+                              f"{world}")
+        group = dist.new_group(ranks=members, timeout=timedelta(seconds=timeout))
+        rdir = os.path.join(random_target_dir(job.run_dir, 0), "plan")
+
+        def build():
+            return build_target_replica(job.cfg.target, device.type, group, rdir, build_random=rank == members[0],
+                                        ready=(lambda: store.set(KEY_PREFIX + "random_target", "1"),
+                                               lambda: store.wait([KEY_PREFIX + "random_target"],
+                                                                  timedelta(seconds=timeout))))
+        if rank in members[:-1]:
+            log.info("topology.target_ranks=auto: measuring the supply of replica %s with rank %d", members,
+                     world - 1)
+            measure_target_supply(job, device, build=build)
+    if rank == world - 1:  # a target in every split
+        log.info("topology.target_ranks=auto: measuring target supply on this rank%s",
+                 f" (replica {members} of target.tensor_parallel={k})" if k > 1 else "")
+        _report(store, "supply", lambda: measure_target_supply(job, device, build=build if k > 1 else None))
+    elif rank != 0 and rank not in members:
+        log.info("topology.target_ranks=auto: waiting for the measurements of ranks 0 and %d", world - 1)
+    if rank != 0:
+        # rank 0 waits up to `timeout` for rank W-1 after its own measurement: give it time to say why
+        return wait_for(store, "choice", 0, "the chosen split", 2 * timeout)
+    try:  # rank 0: a drafter in every split
+        log.info("topology.target_ranks=auto: measuring drafter demand on this rank (rank %d measures the target)",
+                 world - 1)
+        demand = measure_drafter_demand(job, device)
+        supply = wait_for(store, "supply", world - 1, "its target supply", timeout)
+        if k > 1:  # the replica's rate (and its measured spread), per rank of it, for splits of whole replicas
+            per_rank = {key: supply[key] / k for key in ("samples_per_s", "tokens_per_s", "samples_per_s_min",
+                                                         "samples_per_s_max") if key in supply}
+            supply.update(replica_samples_per_s=supply["samples_per_s"], tensor_parallel=k, **per_rank)
+        res = choose_split(world, supply["samples_per_s"], demand["samples_per_s"], measured_range(supply),
+                           measured_range(demand), tensor_parallel=k)
+        res.update(measured=True, measured_on={"drafter": 0, "target": world - 1}, supply=supply, demand=demand,
+                   calibration_s=time.monotonic() - t0)
+    except BaseException as e:
+        store.set(KEY_PREFIX + "choice", json.dumps({"error": f"rank 0: {type(e).__name__}: {e}"}))
+        raise
+    store.set(KEY_PREFIX + "choice", json.dumps(res))
+    log.info("topology.target_ranks=auto: measured in %.1f s (drafter demand on rank 0, target supply on rank %d)\n"
+             "%s\n%s", res["calibration_s"], world - 1, format_rates(supply, demand), format_splits(res))
+    write_plan_json(os.path.join(job.run_dir, "plan.json"), res)
+    return res
