@@ -263,9 +263,19 @@ class DrafterLoss:
     kl_top_k: int = 20
     """Tokens of the target's distribution that ``kind=kl`` distils (each costs 12 bytes per position on the wire)."""
 
+    weighting: Literal["decay", "dpace"] = "decay"
+    """Per-position weights of the CE objectives: ``decay`` (slot k weighted exp(-(k-1)/gamma)) or ``dpace``
+    (D-PACE: slot j weighted by the drafter's own detached confidences, sum over t >= j of prod over i <= t of
+    (1-alpha) exp(-CE_i) + alpha; model/objectives/dpace.py)."""
+
+    dpace_alpha: float = 0.5
+    """Smoothing alpha of ``weighting=dpace``, in (0, 1]: 1 gives every valid slot of a block the weight of the
+    number of valid slots from it to the block's end."""
+
     def __post_init__(self) -> None:
-        _require(self.gamma is None or self.gamma > 0, f"drafter.loss.gamma={self.gamma}: must be > 0")
         _check_choices(self, "drafter.loss")
+        _require(0.0 < self.dpace_alpha <= 1.0, f"drafter.loss.dpace_alpha={self.dpace_alpha}: must be in (0, 1]")
+        _require(self.gamma is None or self.gamma > 0, f"drafter.loss.gamma={self.gamma}: must be > 0")
         _require(1 <= self.kl_top_k <= 1024, f"drafter.loss.kl_top_k={self.kl_top_k}: must be in 1..1024")
         _require(self.kind != "kl" or self.labels == "target",
                  "drafter.loss.kind=kl distils the target's distribution: set drafter.loss.labels=target")
@@ -354,6 +364,9 @@ class DrafterConfig:
         self.loss = _sub(self.loss, DrafterLoss, "drafter.loss")
         self.domino = _sub(self.domino, DrafterDomino, "drafter.domino")
         _require(bool(self.variant), "drafter.variant: name a variant (dflash)")
+        _require(not (self.loss.weighting == "dpace" and self.tuning.loss_on_target),
+                 "drafter.loss.weighting=dpace with drafter.tuning.loss_on_target is not supported yet (the weight "
+                 "sum would come with the target's reply); set drafter.tuning.loss_on_target=false")
         _require(self.num_anchors % self.tuning.micro_batches == 0,
                  f"drafter.tuning.micro_batches={self.tuning.micro_batches}: must divide drafter.num_anchors="
                  f"{self.num_anchors}")

@@ -7,7 +7,8 @@ part, with a readable label beside it, so that a resume can name what differs:
   settings that change the samples (max_length, overlong, holdout, shuffle seed);
 * ``tokenizer``: the tokenizer's files (tokenizer*.json, vocab, merges, chat template...);
 * ``target``: the target's HF config (path-like and version keys left out) and, for a random-init target, its seed;
-* ``drafter``: the drafter's shape (layers, block size, MLP width, feature layers, mask token);
+* ``drafter``: the drafter's shape (layers, block size, MLP width, feature layers, mask token) and, when not the
+  default, its variant, objective and loss weighting;
 * ``plan``: the batching plan of one epoch (sample lengths, seed, batch budgets): a resume replays the same order.
 
 A resume (``train.resume=auto`` or a checkpoint path) goes on only when every part matches.
@@ -29,8 +30,8 @@ PART_KEYS = {
     "data": "data.source (its content) and data.{max_length, overlong, holdout, shuffle_seed, chat_template_kwargs}",
     "tokenizer": "target.tokenizer (the tokenizer files' content)",
     "target": "target.name_or_path / target.hf_config / target.init_seed",
-    "drafter": "drafter.{variant, num_layers, block_size, intermediate_size, mask_token_id, loss.labels, loss.kind, "
-               "loss.kl_top_k}, target.layer_ids",
+    "drafter": ("drafter.{variant, num_layers, block_size, intermediate_size, mask_token_id, loss.objective, "
+                "loss.weighting, loss.dpace_alpha, loss.labels, loss.kind, loss.kl_top_k}, target.layer_ids"),
     "plan": "target.max_batch_tokens, target.max_batch_samples, data.sort_window_batches",
 }
 
@@ -123,8 +124,15 @@ def drafter_identity(cfg, layer_ids: list, mask_token_id: int, hidden_size: int)
             shape["kl_top_k"] = int(loss.kl_top_k)
         supervision = f", labels {loss.labels}, loss {loss.kind}" + (
             f" top-{loss.kl_top_k}" if loss.kind == "kl" else "")
+    if loss.objective != "decayed_ce":  # the objective and its weighting: likewise only when not the default
+        shape["objective"] = loss.objective
+    if loss.weighting != "decay":
+        shape["weighting"] = {"weighting": loss.weighting, "dpace_alpha": float(loss.dpace_alpha)}
+    objective = "" if loss.objective == "decayed_ce" and loss.weighting == "decay" else (
+        f", objective {loss.objective}" + (f" with D-PACE weights (alpha {loss.dpace_alpha:g})"
+                                           if loss.weighting == "dpace" else ""))
     label = (f"{dc.variant} drafter, {dc.num_layers} layers, block {dc.block_size}, features of layers "
-             f"{list(layer_ids)}, mask {mask_token_id}{supervision}")
+             f"{list(layer_ids)}, mask {mask_token_id}{objective}{supervision}")
     return {"hash": _sha(json.dumps(shape, sort_keys=True).encode())[:16], "label": label}
 
 

@@ -254,6 +254,11 @@ def _drafter_settings(file, field, v):
     top_k = loss.get("kl_top_k", 20)
     if not (isinstance(top_k, int) and not isinstance(top_k, bool) and 1 <= top_k <= 1024):
         raise fail(file, f"{field}.loss.kl_top_k", f"{top_k!r}: an integer in 1..1024")
+    if loss.get("weighting", "decay") not in ("decay", "dpace"):
+        raise fail(file, f"{field}.loss.weighting", f"{str(loss.get('weighting'))[:40]!r} is not decay or dpace")
+    alpha = loss.get("dpace_alpha", 0.5)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
+        raise fail(file, f"{field}.loss.dpace_alpha", f"{str(alpha)[:40]} is not a number in (0, 1]")
 
 
 def _identity(file, field, v):

@@ -301,6 +301,11 @@ class DrafterTrainer:
         return self.precompile_s
 
     def _train_step(self, batch) -> None:
+        """Forward of every group, one all-reduce of the step's weight sum over the drafter ranks, then backward
+        with each loss sum scaled num_drafters / that sum (DDP averages over the ranks): every objective is
+        normalised by the weight sum of the whole step, so the update does not depend on how its samples are split
+        over ranks and micro-batches. An objective whose weights come from its own forward (D-PACE) knows them when
+        the group's loss is computed, so the order costs it nothing more."""
         cfg = self.cfg
         mult = cosine_lr(self.cursor, self.job.total_messages, cfg.train.warmup_ratio, cfg.train.min_lr_ratio)
         for g in self.opt.param_groups:

@@ -33,6 +33,10 @@ class LossSpec:
     """``drafter.loss.kind``: ce or kl."""
     kl_top_k: int = 20
     """``drafter.loss.kl_top_k``."""
+    weighting: str = "decay"
+    """``drafter.loss.weighting``: decay or dpace."""
+    dpace_alpha: float = 0.5
+    """``drafter.loss.dpace_alpha``."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,8 @@ def resolve_drafter(dc: DrafterConfig, hf_config: Any, num_feature_layers: int, 
         flex_kernel_options=dict(t.flex_kernel_options) if t.flex_kernel_options else None,
         loss=LossSpec(objective=str(dc.loss.objective), gamma=dc.loss.gamma, chunk_rows=int(t.loss_chunk_rows),
                       compiled=flex if t.compile_loss is None else bool(t.compile_loss),
-                      labels=str(dc.loss.labels), kind=str(dc.loss.kind), kl_top_k=int(dc.loss.kl_top_k)))
+                      labels=str(dc.loss.labels), kind=str(dc.loss.kind), kl_top_k=int(dc.loss.kl_top_k),
+                      weighting=str(dc.loss.weighting), dpace_alpha=float(dc.loss.dpace_alpha)))
     spec.variant_impl()   # an unknown variant or objective is refused here, before any model loads
     spec.make_objective()
     return spec
