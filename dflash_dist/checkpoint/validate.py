@@ -43,6 +43,8 @@ BOUNDS = {
     "num_hidden_layers": 1024, "num_attention_heads": 1024, "num_key_value_heads": 1024, "head_dim": 4096,
     "num_feature_layers": 256, "block_size": 4096, "max_position_embeddings": 1 << 24, "sliding_window": 1 << 24,
     "num_experts": 1 << 14, "moe_intermediate_size": 1 << 19,
+    # a variant's sizes (drafter_config.variant_settings: DFlash2's convolutions and selector)
+    "conv_kernel_size": 4096, "conv_group_size": 1 << 16, "selector_rank": 1 << 14, "selector_top_k": 1 << 14,
 }
 MAX_LAYER_ID = 4096
 CHECKPOINT_FILES = ("model.safetensors", "optimizer.pt")
@@ -326,6 +328,11 @@ def check_drafter_config(file: str, field: str, dc: Any) -> dict:
         size(file, f"{field}.{k}", dc[k])
     if dc.get("sliding_window") is not None:
         size(file, f"{field}.sliding_window", dc["sliding_window"])
+    if dc.get("variant_settings") is not None:  # its keys and choices: the variant's build, in check_weights
+        _obj(file, f"{field}.variant_settings", dc["variant_settings"])
+        for k, v in dc["variant_settings"].items():
+            if k in BOUNDS:
+                size(file, f"{field}.variant_settings.{k}", v)
     if dc["num_attention_heads"] % dc["num_key_value_heads"]:
         raise fail(file, f"{field}.num_key_value_heads", f"{dc['num_key_value_heads']} does not divide "
                    f"num_attention_heads={dc['num_attention_heads']}")
@@ -373,16 +380,18 @@ def bare_name(name: str) -> str:
     return name
 
 
-def check_weights(file: str, header: dict, drafter_config: dict) -> None:
+def check_weights(file: str, header: dict, drafter_config: dict, variant: str = "dflash") -> None:
     """The tensors of ``model.safetensors`` (wrapper prefixes aside) have exactly the names and shapes of the
-    drafter ``drafter_config`` describes (built on the meta device: nothing allocated)."""
+    drafter ``drafter_config`` describes, of the recorded ``variant`` (checked by :func:`check_meta`; built on
+    the meta device: nothing allocated)."""
     import torch
 
-    from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
+    from dflash_dist.model.drafter import DrafterModelConfig
+    from dflash_dist.model.variants import variant_class
     try:
         with torch.device("meta"):
-            want = {k: tuple(v.shape) for k, v in
-                    DFlashDrafter(DrafterModelConfig(**drafter_config), "sdpa").state_dict().items()}
+            want = {k: tuple(v.shape) for k, v in variant_class(variant)().build(
+                DrafterModelConfig(**drafter_config), "sdpa").state_dict().items()}
     except (ValueError, TypeError, KeyError) as e:
         raise fail(os.path.join(os.path.dirname(file), "meta.json"), "drafter_config", str(e)[:300]) from None
     have = {bare_name(k): shape for k, (_, shape) in header.items()}
@@ -449,7 +458,7 @@ def check_checkpoint(path: str) -> tuple[dict, dict]:
     st = os.path.join(path, "model.safetensors")
     header = safetensors_header(st)
     if "drafter_config" in meta:
-        check_weights(st, header, meta["drafter_config"])
+        check_weights(st, header, meta["drafter_config"], (meta.get("drafter") or {}).get("variant", "dflash"))
     return meta, header
 
 

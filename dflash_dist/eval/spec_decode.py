@@ -87,7 +87,8 @@ def make_dflash_draft_fn(drafter: nn.Module, embed: Tensor, lm_head: Tensor) -> 
                 hidden = model(block_embeds, ctx, ctx_pos, blk_pos, mask)
         finally:
             model.backend = saved
-        return model.propose(hidden, lm_head)[0]  # the variant's proposal step (DFlash: argmax of the logits)
+        # the variant's proposal step (DFlash: argmax of the logits; DFlash2: the selector's walk from the anchor)
+        return model.propose(hidden, lm_head, block_ids[:, 0])[0]
 
     return draft
 

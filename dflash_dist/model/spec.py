@@ -86,6 +86,8 @@ def resolve_drafter(dc: DrafterConfig, hf_config: Any, num_feature_layers: int, 
     model = DrafterModelConfig.from_target(hf_config, num_layers=dc.num_layers, num_feature_layers=num_feature_layers,
                                            block_size=dc.block_size, intermediate_size=dc.intermediate_size,
                                            layer_types=dc.layer_types, sliding_window=dc.sliding_window)
+    from dflash_dist.model.variants import variant_class
+    model.variant_settings = variant_class(str(dc.variant))().model_settings(dc, model)
     backend = drafter_backend(dc, device_type)
     flex = backend == "flex"
     t = dc.tuning

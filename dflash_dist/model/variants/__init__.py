@@ -10,9 +10,10 @@ docs/design.md, "Adding a drafter variant", lists what a new one touches.
 from __future__ import annotations
 
 from dflash_dist.model.variants.dflash import DFlash
+from dflash_dist.model.variants.dflash2 import DFlash2
 from dflash_dist.model.variants.registry import VARIANTS
 
-__all__ = ["VARIANTS", "DFlash", "variant_class"]
+__all__ = ["VARIANTS", "DFlash", "DFlash2", "variant_class"]
 
 
 def variant_class(name: str) -> type:

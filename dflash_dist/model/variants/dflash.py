@@ -8,7 +8,7 @@ resolved drafter description (``model/spec.DrafterSpec``) or its model config, n
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
 
 from torch import nn
 
@@ -30,6 +30,11 @@ class DFlash:
     """config.json ``architectures`` of the export (what vLLM and SGLang dispatch on)."""
     modeling_source = os.path.join(_CHECKPOINT_DIR, "modeling_dflash.py")
     """The standalone transformers module copied into the export (its ``auto_map`` class serves this variant)."""
+
+    def model_settings(self, drafter_config, model_config: DrafterModelConfig) -> Optional[dict]:
+        """The variant's own settings from ``drafter.*`` (checked against the shape), recorded in the model config
+        as ``variant_settings`` (so a checkpoint or export rebuilds the same module); DFlash: none."""
+        return None
 
     def build(self, model_config: DrafterModelConfig, backend: str) -> nn.Module:
         """The variant's module on the CPU, initialised (the trainer moves it and applies the compile flags)."""
