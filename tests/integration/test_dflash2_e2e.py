@@ -12,22 +12,22 @@ QUICK = ["-m", "dflash_dist.train", "logging.progress_bar=false", "logging.wandb
 
 def test_dflash2_trains_logs_its_statistics_and_refuses_a_dflash_checkpoint(tmp_path):
     run = tmp_path / "d2"
-    r = torchrun(3, QUICK + [f"train.output_dir={run}", "drafter=tiny_dflash2", "train.max_steps=40",
-                             "train.eval_every=40", "train.eval_prompts=4", "logging.log_every=10"], timeout=400)
+    r = torchrun(3, QUICK + [f"train.output_dir={run}", "drafter=tiny_dflash2", "train.max_steps=30",
+                             "train.eval_every=30", "train.eval_prompts=2", "logging.log_every=10"], timeout=400)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     rows = [json.loads(x) for x in open(run / "metrics.jsonl")]
     train = [x for x in rows if x.get("kind") == "train"]
-    assert train[-1]["step"] == 40
+    assert train[-1]["step"] == 30
     first, last = train[0], train[-1]
     assert last["loss"] < 0.7 * first["loss"]
     # the selector's mean CE over its supervised rows (selector_gold=exclude: the rows grow as the gold tokens
     # enter the top-K, so loss_selector, normalised by the base weights, starts near 0)
-    assert last["selector_ce"] < 0.7 * first["selector_ce"] and last["loss_selector"] > 0
+    assert last["selector_ce"] < 0.8 * first["selector_ce"] and last["loss_selector"] > 0
     assert last["gold_in_topk"] > first["gold_in_topk"] and last["acc_selected"] > 0
     assert {"acc_unary_slot_1", "acc_selected_slot_7", "tau_selector"} <= set(last)
     (ev,) = [x for x in rows if x.get("kind") == "eval"]
-    assert ev["step"] == 40 and ev["tau"] > 1.0
+    assert ev["step"] == 30 and ev["tau"] > 1.0
     ck = run / "checkpoints" / sorted(os.listdir(run / "checkpoints"))[-1]
     meta = json.load(open(ck / "meta.json"))
     assert meta["drafter"]["variant"] == "dflash2"
