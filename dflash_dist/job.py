@@ -14,17 +14,15 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from dflash_dist.checkpoint.identity import (
-    data_identity,
-    differences,
-    drafter_identity,
-    plan_identity,
-    read_run_json,
-    run_markers,
-    target_identity,
-    write_run_json,
+from dflash_dist.checkpoint.identity import data_identity, differences, drafter_identity, plan_identity, target_identity
+from dflash_dist.checkpoint.resume import (  # noqa: F401  (resolve_run: the pure decision, for tools and tests)
+    check_resume_point,
+    claim_and_resolve,
+    new_run_hint,
+    read_meta,
+    resolve_run,
+    write_run_files,
 )
-from dflash_dist.checkpoint.store import checkpoint_problem, find_latest
 from dflash_dist.comm.distributed import Dist, init_distributed, make_ctrl_group, make_groups, setup_logging
 from dflash_dist.comm.topology import TopologyError, make_topology
 from dflash_dist.config import ConfigError, JobConfig, resolve_device, validate_job
@@ -174,95 +172,6 @@ def check_target_paths(cfg: JobConfig) -> None:
                               f"such as Qwen/Qwen3-8B)")
 
 
-def new_run_dir(root: str = "outputs") -> str:
-    """outputs/run-YYYYmmdd-HHMMSS (-2, -3... if taken), relative to the current directory."""
-    base = os.path.join(root, time.strftime("run-%Y%m%d-%H%M%S"))
-    path, k = base, 1
-    while os.path.exists(path):
-        k += 1
-        path = f"{base}-{k}"
-    return path
-
-
-def _checkpoint_run_dir(path: str) -> Optional[str]:
-    """<run>/checkpoints/step_N -> <run>."""
-    parent = os.path.dirname(os.path.normpath(path))
-    return os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else None
-
-
-def _newest_matching_run(identity: dict, root: str = "outputs") -> Optional[str]:
-    if not os.path.isdir(root):
-        return None
-    for name in sorted(os.listdir(root), reverse=True):
-        d = os.path.join(root, name)
-        rec = read_run_json(d)
-        if rec is not None and not differences(rec.get("identity"), identity):
-            return d
-    return None
-
-
-def _meta(path: str) -> dict:
-    with open(os.path.join(path, "meta.json")) as f:
-        return json.load(f)
-
-
-def _new_run_hint(run_dir: str) -> str:
-    return (f"To start a new run: leave train.output_dir unset (each run gets its own outputs/run-<date>-<time>) or "
-            f"set another one, with train.resume=none. To continue the run in {run_dir}: use its settings "
-            f"({os.path.join(run_dir, 'config.json')}) with train.output_dir={run_dir} train.resume=auto.")
-
-
-def resolve_run(cfg: JobConfig, identity: dict) -> dict:
-    """Rank 0: the run directory and the checkpoint to resume (None: a fresh start), or a ConfigError that names
-    the directory, what differs and what to set. Nothing is written here. ``identity``: this job's parts except
-    the plan (known only once the data is tokenized)."""
-    t = cfg.train
-    resume = t.resume if t.resume not in ("", None) else "none"
-    explicit = t.output_dir
-    ckpt_path = None if resume in ("none", "auto") else resume
-    if ckpt_path is not None:
-        if not os.path.isdir(ckpt_path):
-            raise ConfigError(f"train.resume={ckpt_path}: no such checkpoint directory (use auto, none or a "
-                              f"<run>/checkpoints/step_N directory)")
-        problem = checkpoint_problem(ckpt_path)
-        if problem:
-            raise ConfigError(f"train.resume={ckpt_path}: {problem}")
-    if explicit:
-        run_dir = explicit
-    elif ckpt_path is not None and _checkpoint_run_dir(ckpt_path):
-        run_dir = _checkpoint_run_dir(ckpt_path)
-    elif resume == "auto":
-        run_dir = _newest_matching_run(identity)
-        if run_dir is None:
-            run_dir = new_run_dir()
-            log.info("train.resume=auto: no earlier run of this data, target and drafter under outputs/: "
-                     "starting a new run")
-    else:
-        run_dir = new_run_dir()
-    markers = run_markers(run_dir)
-    recorded = (read_run_json(run_dir) or {}).get("identity")
-    latest = find_latest(run_dir) if resume == "auto" else None
-    if recorded is None and latest is not None:
-        recorded = _meta(latest).get("identity")
-    if markers and (resume == "none" or recorded is None or differences(recorded, identity)):
-        if resume == "none":
-            why = "a new run (train.resume=none) would mix its files with that run's"
-        else:
-            why = "this job cannot continue it:\n  - " + "\n  - ".join(differences(recorded, identity))
-        raise ConfigError(f"train.output_dir={run_dir} already holds a run ({', '.join(markers)}); {why}.\n"
-                          + _new_run_hint(run_dir))
-    resume_from = ckpt_path or latest
-    if resume_from is not None:
-        diffs = differences(_meta(resume_from).get("identity"), identity)
-        if diffs:
-            raise ConfigError(f"train.resume: checkpoint {resume_from} (run {run_dir}) cannot be continued by this job:"
-                              f"\n  - " + "\n  - ".join(diffs) + "\n" + _new_run_hint(run_dir))
-    elif resume == "auto" and markers:
-        log.warning("train.resume=auto: %s has no complete checkpoint: this run starts again from step 0 there",
-                    run_dir)
-    return {"run_dir": run_dir, "resume_from": resume_from}
-
-
 def plan_for(lengths: list, cfg: JobConfig, epochs: int) -> list:
     return build_plan(lengths, list(range(len(lengths))), epochs=epochs, seed=cfg.data.shuffle_seed,
                       max_batch_tokens=cfg.target.max_batch_tokens, max_batch_samples=cfg.target.max_batch_samples,
@@ -318,7 +227,7 @@ def build_job(cfg: JobConfig, rank: int, world_size: Optional[int], ctrl, device
             run = {"run_dir": cfg.train.output_dir or os.path.join(tempfile.gettempdir(), "dflash-plan"),
                    "resume_from": None}
         else:
-            run = resolve_run(cfg, identity)
+            run = claim_and_resolve(cfg, identity)
         return dict(run, identity=identity)
 
     run = on_rank0(ctrl, rank, decide)
@@ -343,12 +252,13 @@ def build_job(cfg: JobConfig, rank: int, world_size: Optional[int], ctrl, device
               sample_lengths=lengths, identity=identity, epoch_messages=len(epoch_plan),
               epochs_messages=len(plan))
     if resume_from is not None:
-        meta = _meta(resume_from)
+        meta = read_meta(resume_from)
         diffs = differences(meta.get("identity"), identity, parts=("plan",))
         if diffs:  # the same on every rank: every rank raises it
             raise ConfigError(f"train.resume: checkpoint {resume_from} (run {run_dir}) belongs to another batching "
-                              f"plan:\n  - {diffs[0]}\n" + _new_run_hint(run_dir))
-        job.start_cursor, job.start_step = int(meta["cursor"]), int(meta["step"])
+                              f"plan:\n  - {diffs[0]}\n" + new_run_hint(run_dir))
+        check_resume_point(meta, resume_from)  # the same on every rank: every rank raises it
+        job.start_cursor, job.start_step = meta["cursor"], meta["step"]
         job.resumed_meta = meta
         if rank == 0:
             log.info("resuming from %s: step %d, %d of %d messages trained", resume_from, job.start_step,
@@ -402,7 +312,8 @@ def fix_total(job: Job, num_drafters: int) -> None:
                f"epoch(s) of {job.epoch_messages} messages (train.epochs is not used)")
     else:
         want = _epochs_total(job)
-        how = f"train.epochs={t.epochs}: {want} messages"
+        how = (f"train.epochs={t.epochs}: {want} messages ({job.epoch_messages} in the first epoch, as run.json "
+               f"records)")
     if meta is not None:
         before = (meta.get("job_config") or {}).get("train", {})
         same = before.get("max_steps") == t.max_steps and (t.max_steps > 0 or before.get("epochs") == t.epochs)
@@ -459,22 +370,6 @@ def setup(cfg: JobConfig) -> Job:
     if rank == 0:
         log.info("topology: %s", topo.describe())
     return job
-
-
-def write_run_files(job: Job) -> None:
-    """Rank 0: run.json (what the run belongs to) and config.json (this launch's resolved config; a resume keeps
-    the earlier launch's as config.before-step<N>.json)."""
-    d = job.run_dir
-    os.makedirs(d, exist_ok=True)
-    write_run_json(d, job.identity, {"created": time.strftime("%Y-%m-%d %H:%M:%S")} if job.resume_from is None
-                   else dict(read_run_json(d) or {}, resumed=time.strftime("%Y-%m-%d %H:%M:%S")))
-    path = os.path.join(d, "config.json")
-    if job.resume_from is not None and os.path.exists(path):
-        os.replace(path, os.path.join(d, f"config.before-step{job.start_step}.json"))
-    with open(path, "w") as f:
-        json.dump(job.cfg.to_dict(), f, indent=1)
-
-
 
 
 def resolve_mask_token_id(cfg: JobConfig, tok, vocab_size: int) -> int:

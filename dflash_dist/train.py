@@ -18,6 +18,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from dflash_dist.checkpoint.claim import release_claims
+from dflash_dist.checkpoint.store import CheckpointError
 from dflash_dist.comm.lifecycle import STOPPED_AT_ONCE, Lifecycle
 from dflash_dist.config import ConfigError, JobConfig
 from dflash_dist.data.conversations import DataError
@@ -70,6 +72,7 @@ def run(cfg: JobConfig) -> int:
             # a secondary error (a broken wait on a dead or failed peer): report the root cause once
             log.error("stopping without a checkpoint because %s (here: %s: %s)", root, type(e).__name__,
                       (str(e).splitlines() or [""])[0][:200])
+            release_claims()
             os._exit(1)
         job.life.report_failure(f"rank {topo.rank} ({topo.role}) failed: {type(e).__name__}: {e}")
         raise
@@ -106,7 +109,7 @@ def _hydra_main():
     def entry(dcfg: DictConfig) -> None:
         try:
             run(JobConfig.from_omegaconf(dcfg))
-        except (ConfigError, DataError) as e:  # before any model loads: say what to change, once; exit 2
+        except (ConfigError, DataError, CheckpointError) as e:  # say what to change, once; exit 2
             usage_error_exit(e)
 
     entry()
@@ -156,7 +159,9 @@ def usage_error_exit(e: Exception) -> None:
     the same everywhere, rank 0's data preparation hands its errors to every rank). A SIGTERM from here on (torchrun
     stopping the group once a worker exited) exits 2 as well."""
     signal.signal(signal.SIGTERM, lambda *_: os._exit(2))
-    kind = "configuration error" if isinstance(e, ConfigError) else "data error"
+    release_claims()
+    kind = ("configuration error" if isinstance(e, ConfigError) else "data error" if isinstance(e, DataError)
+            else "checkpoint error")
     if "RANK" in os.environ and not _ROLES_RUNNING:
         _wait_for_peers()
     if _first_to_report(str(e)):

@@ -31,9 +31,11 @@ def free_port() -> int:
 
 
 def torchrun(nproc: int, args: list, timeout: float = 300, env: dict | None = None, nnodes: int = 1,
-             node_rank: int | None = None, rdzv: str | None = None, popen: bool = False, cwd: str | None = None):
+             node_rank: int | None = None, rdzv: str | None = None, popen: bool = False, cwd: str | None = None,
+             preexec_fn=None):
     """Run `torchrun --standalone` (or a c10d multi-node agent) on this machine; returns CompletedProcess.
     ``cwd``: the directory it runs in (default: the repository; runs without train.output_dir land in its outputs/).
+    ``preexec_fn``: run in the child before torchrun starts (e.g. a resource limit every rank inherits).
     A training job without ``data.cache_dir`` uses the session's shared cache (``shared_data_cache``)."""
     cmd = [sys.executable, "-m", "torch.distributed.run"]
     if nnodes == 1:
@@ -50,5 +52,6 @@ def torchrun(nproc: int, args: list, timeout: float = 300, env: dict | None = No
     full_env.update(env or {})
     if popen:
         return subprocess.Popen(cmd, cwd=cwd or REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-    return subprocess.run(cmd, cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+                                text=True, start_new_session=True, preexec_fn=preexec_fn)
+    return subprocess.run(cmd, cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=preexec_fn)

@@ -49,21 +49,109 @@ def checkpoint_root(output_dir: str) -> str:
     return os.path.join(output_dir, "checkpoints")
 
 
+def state_bytes(state) -> int:
+    """Bytes of the tensors in a (nested) state dict: about what its file takes on disk."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(v) for v in state)
+    return 0
+
+
+def checkpoint_bytes(path: str) -> int:
+    """Bytes of a checkpoint directory's files (0 when it is gone)."""
+    try:
+        return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
+                   if os.path.isfile(os.path.join(path, f)))
+    except OSError:
+        return 0
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save that failed (disk full, quota, file size limit, I/O error); the previous checkpoint is intact."""
+
+    def __init__(self, message: str, errno_: Optional[int], needed: int, fix: str = ""):
+        super().__init__(message)
+        self.errno, self.needed, self.fix = errno_, needed, fix
+
+
+def _os_error_of(e: BaseException) -> Optional[OSError]:
+    """The OSError behind a failed write: itself, or the one torch's RuntimeError wrapped (its context)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _errno_of(e: BaseException) -> Optional[int]:
+    ose = _os_error_of(e)
+    if ose is not None:
+        return ose.errno
+    m = re.search(r"os error (\d+)|Errno (\d+)", str(e))  # safetensors (Rust) names it in its message only
+    return int(m.group(1) or m.group(2)) if m else None
+
+
+def save_failure(path: str, e: BaseException, needed: int) -> CheckpointSaveError:
+    """A one-line account of a failed save: the path, the errno, the bytes needed and free."""
+    import errno as errno_mod
+    code = _errno_of(e)
+    name = errno_mod.errorcode.get(code, "no errno") if code is not None else "no errno"
+    cause = {errno_mod.ENOSPC: "the disk is full", errno_mod.EDQUOT: "the disk quota is exceeded",
+             errno_mod.EFBIG: "a file grew past the file size limit (ulimit -f)",
+             errno_mod.EIO: "an I/O error on the storage"}.get(code, "the write failed")
+    root = os.path.dirname(os.path.dirname(path))
+    fix = {errno_mod.EFBIG: f"raise the file size limit (ulimit -f) to more than {needed} bytes",
+           errno_mod.EIO: f"check the storage of {root}"}.get(code,
+                                                               f"free at least {needed} bytes on the disk of {root}")
+    try:
+        free = f"{shutil.disk_usage(os.path.dirname(path)).free} bytes free there"
+    except OSError:
+        free = "free space unknown"
+    first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+    return CheckpointSaveError(f"saving checkpoint {path} failed: {cause} (errno {code} {name}: {first}); it needs "
+                               f"about {needed} bytes, {free}", code, needed, fix)
+
+
 def save_checkpoint(output_dir: str, step: int, model_state: dict, optimizer_state: Optional[dict],
                     meta: dict, keep: int = 2) -> str:
-    """Write one checkpoint atomically; returns its directory. Only one rank (the leader) calls this."""
-    from safetensors.torch import save_file
+    """Write one checkpoint atomically; returns its directory. Only one rank (the leader) calls this. A failed
+    write (any OSError, or torch's RuntimeError around one) removes the temporary directory and raises
+    ``CheckpointSaveError``; the earlier checkpoints are untouched (pruning runs only after a complete save)."""
     root = checkpoint_root(output_dir)
-    os.makedirs(root, exist_ok=True)
     final = os.path.join(root, f"step_{step:08d}")
     tmp = os.path.join(root, f".tmp_step_{step:08d}_{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    needed = state_bytes(model_state) + state_bytes(optimizer_state) + 65536
+    try:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        _write_files(tmp, model_state, optimizer_state, meta, step)
+        if os.path.exists(final):  # same step saved twice (e.g. signal right after a periodic save)
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+    except (OSError, RuntimeError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise save_failure(final, e, needed) from e
+    _prune(root, keep)
+    return final
+
+
+def _write_files(tmp: str, model_state: dict, optimizer_state: Optional[dict], meta: dict, step: int) -> None:
+    """The checkpoint's files into ``tmp``, fsynced. torch.save writes through a Python file, so that an OSError
+    (ENOSPC, EFBIG...) keeps its errno (a path would give only a RuntimeError of its C++ writer)."""
+    from safetensors.torch import save_file
     weights = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
     save_file(weights, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     files = ["model.safetensors"]
     if optimizer_state is not None:
-        torch.save(optimizer_state, os.path.join(tmp, "optimizer.pt"))
+        with open(os.path.join(tmp, "optimizer.pt"), "wb") as f:
+            torch.save(optimizer_state, f)
         files.append("optimizer.pt")
     meta = dict(meta, step=step, files={f: os.path.getsize(os.path.join(tmp, f)) for f in files})
     with open(os.path.join(tmp, "meta.json"), "w") as f:
@@ -71,12 +159,31 @@ def save_checkpoint(output_dir: str, step: int, model_state: dict, optimizer_sta
     for name in files + ["meta.json"]:
         _fsync_file(os.path.join(tmp, name))
     _fsync_dir(tmp)
-    if os.path.exists(final):  # same step saved twice (e.g. signal right after a periodic save)
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync_dir(root)
-    _prune(root, keep)
-    return final
+
+
+def space_problem(output_dir: str, needed: int) -> Optional[str]:
+    """Why the next save may not fit (free space below ``needed`` bytes), or None."""
+    root = checkpoint_root(output_dir)
+    try:
+        free = shutil.disk_usage(root if os.path.isdir(root) else output_dir).free
+    except OSError:
+        return None
+    if free >= needed:
+        return None
+    return (f"{free} bytes free on the disk of {root}, the next checkpoint needs about {needed} (the size of the "
+            f"last one): free space there now, or the save will fail")
+
+
+def remove_stale_tmp(output_dir: str) -> list:
+    """Remove the temporary directories of saves that never finished (a crash, a kill): the caller holds the run
+    directory's claim, so no save of another job is under way there. Returns what was removed."""
+    root = checkpoint_root(output_dir)
+    if not os.path.isdir(root):
+        return []
+    gone = [os.path.join(root, d) for d in sorted(os.listdir(root)) if d.startswith(".tmp_step_")]
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return gone
 
 
 def _prune(root: str, keep: int) -> None:
@@ -101,6 +208,22 @@ def checkpoint_problem(path: str, optimizer: bool = True) -> Optional[str]:
     return None
 
 
+def usable_problem(path: str) -> Optional[str]:
+    """checkpoint_problem, and a meta.json that is not a JSON object (``[1]``) or that checkpoint_problem cannot
+    read is a problem too (said, never raised: resume=auto goes on to an older checkpoint)."""
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            meta = json.load(f)
+        if not isinstance(meta, dict):
+            return f"meta.json holds a {type(meta).__name__}, not a JSON object"
+    except (OSError, ValueError):
+        pass  # checkpoint_problem names it
+    try:
+        return checkpoint_problem(path)
+    except Exception as e:  # a meta.json of the wrong shape
+        return f"unusable meta.json ({type(e).__name__}: {e})"
+
+
 def find_latest(output_dir: str) -> Optional[str]:
     """Newest complete checkpoint; partial or corrupt ones are skipped with a warning naming them."""
     root = checkpoint_root(output_dir)
@@ -108,7 +231,7 @@ def find_latest(output_dir: str) -> Optional[str]:
         return None
     for d in sorted((d for d in os.listdir(root) if STEP_RE.match(d)), reverse=True):
         path = os.path.join(root, d)
-        problem = checkpoint_problem(path)
+        problem = usable_problem(path)
         if problem is None:
             return path
         log.warning("skipping checkpoint %s: %s", path, problem)

@@ -267,7 +267,7 @@ META_SCHEMA = {
     "layer_ids": _layer_ids, "mask_token_id": _nonneg,
     "block_size": size, "drafter_config": _obj, "drafter": _drafter_settings, "target_config": _obj,
     "tokenizer": local_location, "job_config": _obj, "counts": _counts, "chat_template_kwargs": _obj,
-    "identity": _identity,
+    "identity": _identity, "run_totals": _counts,
 }
 
 

@@ -106,6 +106,8 @@ class Lifecycle:
         failure = self.failure()
         if dead or failure:
             log.error("stopping without a checkpoint because %s", failure or (", ".join(dead) + " died"))
+            from dflash_dist.checkpoint.claim import release_claims
+            release_claims()
             os._exit(1)
         self.signal_name = signal.Signals(signum).name
         log.warning("received %s: finishing the current step, then checkpoint and exit", self.signal_name)

@@ -15,6 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from dflash_dist.checkpoint.resume import record_dropped, run_totals
 from dflash_dist.comm.distributed import shorten_timeouts
 from dflash_dist.comm.faults import fault_for, stall_if_due
 from dflash_dist.comm.head_offload import HeadLossClient, head_channels
@@ -381,11 +382,14 @@ class DrafterRun:
         trainer, job = self.trainer, self.job
         accounting = account(trainer, self.d, self.target_stats, self.stopped)
         wall = time.monotonic() - self.t_start
+        totals = run_totals(trainer.before, accounting, job.plan, trainer.cursor)  # over all the run's launches
         if self.topo.is_leader:
-            self.writer.log(trainer.step, accounting, kind="accounting")
+            self.writer.log(trainer.step, dict(accounting, **totals), kind="accounting")
             log.info("%s: %d steps, %d of %d messages trained in %.1f s; samples %s",
                      "stopped" if self.stopped else "done", trainer.step, trainer.cursor, job.total_messages, wall,
                      {k: int(v) for k, v in accounting.items()})
+            if self.stopped:
+                record_dropped(job.run_dir, trainer.last_checkpoint, int(accounting["samples_dropped_after_stop"]))
         self.writer.close()
         if self.topo.is_leader:
             log.info("%s", run_summary(
@@ -393,7 +397,7 @@ class DrafterRun:
                 samples=int(accounting["samples_trained"]), wall_s=time.monotonic() - self.t_start,
                 loss=None if self.last_window is None else self.last_window.get("loss"), tau=self.last_tau,
                 checkpoint=trainer.last_checkpoint, metrics_path=self.writer.path, wandb_dir=self.writer.wandb_run_dir,
-                wandb_mode=self.writer.wandb_mode))
+                wandb_mode=self.writer.wandb_mode, totals=totals, launch=accounting))
 
 
 def account(trainer, d, target_stats: dict, stopped: bool) -> dict:

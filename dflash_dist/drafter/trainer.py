@@ -14,7 +14,15 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflash_dist.checkpoint.meta import checkpoint_meta
-from dflash_dist.checkpoint.store import load_checkpoint, save_checkpoint
+from dflash_dist.checkpoint.resume import earlier_totals, resume_command
+from dflash_dist.checkpoint.store import (
+    CheckpointSaveError,
+    checkpoint_bytes,
+    load_checkpoint,
+    save_checkpoint,
+    space_problem,
+    state_bytes,
+)
 from dflash_dist.drafter.compile_guard import (
     batch_shape,
     expected_shapes,
@@ -80,11 +88,13 @@ class DrafterTrainer:
         self.step = job.start_step
         self.cursor = job.start_cursor
         self.last_checkpoint = None  # the newest checkpoint this run wrote (the leader)
+        meta = None
         if job.resume_from:
             weights, opt_state, meta = load_checkpoint(job.resume_from)
             self.model.load_state_dict(weights)
             if opt_state is not None:
                 self.opt.load_state_dict(opt_state)
+        self.before = earlier_totals(meta, job.resume_from, job.run_dir, job.plan)  # the run's earlier launches
         kwargs = {"device_ids": [self.device.index]} if self.device.type == "cuda" else {}
         self.ddp = self.model if d.drafters is None else DDP(self.model, process_group=d.drafters, **kwargs)
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
@@ -367,13 +377,44 @@ class DrafterTrainer:
         out["skipped_nonfinite"] = sum(bad)
         return out
 
+    def launch_counts(self) -> dict:
+        """This launch's samples received and skipped so far, over all drafters (every drafter calls it at the
+        same point: the nonfinite counts not yet read by a logging window are summed here too)."""
+        v = torch.stack([torch.tensor(float(self.counts["samples_received"]), dtype=torch.float64),
+                         torch.tensor(float(self.counts["samples_skipped_shape"]), dtype=torch.float64),
+                         self.stats.peek("nonfinite_by_target").sum().cpu()]).to(self.device)
+        if self.d.drafters is not None:
+            dist.all_reduce(v, group=self.d.drafters)
+        received, shape, pending = (int(round(x)) for x in v.tolist())
+        return {"received": received, "skipped": shape + pending + sum(self.nonfinite_by_target)}
+
     def save(self, final: bool = False, reason: str = "periodic") -> None:
+        """Every drafter calls it at the same point (the run's totals are summed over them); the leader writes."""
+        launch = self.launch_counts()
         if not self.topo.is_leader:
             return
+        b = self.before
+        totals = {"samples_sent": b["samples_sent"] + launch["received"],  # sent through this checkpoint
+                  "samples_trained": b["samples_trained"] + launch["received"] - launch["skipped"],
+                  "samples_skipped": b["samples_skipped"] + launch["skipped"],
+                  "samples_dropped_after_stop": b["samples_dropped_after_stop"], "launches": b["launches"] + 1}
         meta = checkpoint_meta(self.job, self.topo, self.spec, cursor=self.cursor, counts=self.counts, final=final,
                                reason=reason)
-        path = save_checkpoint(self.job.run_dir, self.step, self.model.state_dict(), self.opt.state_dict(), meta,
-                               keep=self.cfg.train.keep_checkpoints)
+        meta["run_totals"] = totals
+        previous = self.last_checkpoint or self.job.resume_from
+        model_state, opt_state = self.model.state_dict(), self.opt.state_dict()
+        needed = (checkpoint_bytes(previous) if previous else 0) or state_bytes(model_state) + state_bytes(opt_state)
+        problem = space_problem(self.job.run_dir, needed)
+        if problem:
+            log.warning("checkpoint at step %d: %s", self.step, problem)
+        try:
+            path = save_checkpoint(self.job.run_dir, self.step, model_state, opt_state, meta,
+                                   keep=self.cfg.train.keep_checkpoints)
+        except CheckpointSaveError as e:
+            kept = f"the checkpoint {previous} is intact" if previous else "no earlier checkpoint of this run"
+            raise CheckpointSaveError(
+                f"{e}. Nothing of it is left behind; {kept}. To go on: {e.fix}, then resume with "
+                f"{resume_command(self.job.run_dir)}", e.errno, e.needed, e.fix) from None
         self.last_checkpoint = path
         log.info("checkpoint %s", path)
 

@@ -207,8 +207,10 @@ class MetricsWriter:
 
 def run_summary(*, stopped: bool, steps: int, steps_this_run: int, samples: int, wall_s: float,
                 loss: Optional[float], tau: Optional[tuple], checkpoint: Optional[str], metrics_path: str,
-                wandb_dir: Optional[str], wandb_mode: str) -> str:
-    """The few lines a run ends with (leader): what it trained and where its results are."""
+                wandb_dir: Optional[str], wandb_mode: str, totals: Optional[dict] = None,
+                launch: Optional[dict] = None) -> str:
+    """The few lines a run ends with (leader): what it trained and where its results are; ``totals``: the run's
+    sample totals over all its launches (``run_*`` keys of the accounting record) next to this ``launch``'s."""
     def fmt(x, spec):
         return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
     lines = [f"run {'stopped' if stopped else 'finished'}: {steps} steps"
@@ -216,6 +218,13 @@ def run_summary(*, stopped: bool, steps: int, steps_this_run: int, samples: int,
              + f", {samples} samples in {wall_s:.1f} s ({samples / max(wall_s, 1e-9):.1f} samples/s), "
                f"final loss {fmt(loss, '.4f')}"
              + (f", tau {fmt(tau[1], '.3f')} (acceptance at step {tau[0]})" if tau else ", tau not evaluated")]
+    if totals:
+        n = int(totals["run_launches"])
+        lines.append(f"  samples:    over the run's {n} launch{'es' if n != 1 else ''}: "
+                     + ", ".join(f"{int(totals['run_samples_' + k])} {k.replace('_', ' ')}" for k in
+                                 ("sent", "trained", "skipped", "dropped_after_stop", "repeated"))
+                     + (f" (this launch: {int(launch['samples_sent'])} sent, {int(launch['samples_trained'])} "
+                        f"trained)" if launch else ""))
     lines.append(f"  checkpoint: {checkpoint or 'none written'}")
     lines.append(f"  metrics:    {metrics_path}")
     if wandb_dir:

@@ -41,6 +41,10 @@ class StepStats:
         for name, value in values.items():
             self.add(name, value)
 
+    def peek(self, name: str) -> torch.Tensor:
+        """The slot's local sums since the last read (not reduced, not reset)."""
+        return self.buf[self.slots[name]]
+
     def read(self, group: Optional[object] = None, reduce: bool = True) -> dict[str, list[float]]:
         """The sums since the last read, summed over ``group`` (an all-reduce when a process group is up), as
         {name: list of floats}; the slots start again from zero."""

@@ -188,6 +188,10 @@ def test_sigterm_then_resume_with_another_split(tmp_path):
     assert ks == list(range(meta["total_messages"])), "every message of the plan trained exactly once"
     ids = sorted(i for x in log for i in x["ids"])
     assert ids == list(range(240)), "every sample exactly once (1 epoch)"
+    acc2 = accounting(tmp_path)  # the run's totals over both launches: what the first dropped was sent again
+    assert acc2["run_samples_trained"] == 240 and acc2["run_samples_repeated"] == 0 and acc2["run_launches"] == 2
+    assert acc2["run_samples_sent"] == acc1["samples_sent"] + acc2["samples_sent"]
+    assert acc2["run_samples_dropped_after_stop"] == acc1["samples_dropped_after_stop"]
     second = train_records(tmp_path)[len(first_losses):]
     assert second[0]["step"] > meta["step"]
     assert second[-1]["loss"] < first_losses[0]

@@ -4,6 +4,8 @@ that names a callable is refused before it runs, and export / evaluation never o
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -135,3 +137,75 @@ def test_export_and_eval_never_open_the_optimizer_file(tmp_path, monkeypatch):
     assert eval_main(["--checkpoint", ckpt, "--prompts", str(rows), "--max-new-tokens", "4", "--out", str(res)]) == 0
     assert json.load(open(res))["n_prompts"] == 1
     assert opened == [] and not marker.exists()
+
+
+_SAVE_UNDER_LIMIT = r"""
+import resource, sys, torch
+from dflash_dist.checkpoint.store import CheckpointSaveError, save_checkpoint
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), int(sys.argv[2])))
+model = {"w": torch.ones(200_000)}                   # 800 kB: under the limit
+opt = {"state": {0: {"m": torch.ones(400_000)}}, "param_groups": []}  # 1.6 MB: past it (torch.save's file)
+try:
+    save_checkpoint(sys.argv[1], 4, model, opt, {"cursor": 4, "total_messages": 10})
+except CheckpointSaveError as e:
+    print("ERR", e.errno, e.needed, e)
+"""
+
+
+def test_a_save_past_the_file_size_limit_names_path_errno_and_bytes_and_keeps_the_previous(tmp_path):
+    """A write past ``ulimit -f`` (EFBIG: Python ignores SIGXFSZ) inside torch.save, which wraps it in a
+    RuntimeError without errno: the error names the checkpoint, errno 27 and the bytes it needs; no temporary
+    directory stays; the previous checkpoint is the newest complete one still."""
+    good = save_checkpoint(str(tmp_path), 2, {"w": torch.ones(4)}, None, {"cursor": 2, "total_messages": 10})
+    r = subprocess.run([sys.executable, "-c", _SAVE_UNDER_LIMIT, str(tmp_path), str(1_200_000)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.stdout.startswith("ERR 27 "), r.stdout + r.stderr
+    assert os.path.join(str(tmp_path), "checkpoints", "step_00000004") in r.stdout
+    needed = int(r.stdout.split()[2])
+    assert needed >= 2_400_000 and f"about {needed} bytes" in r.stdout and "EFBIG" in r.stdout
+    assert "ulimit -f" in r.stdout and "bytes free there" in r.stdout
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000002"]  # no .tmp_step_* left
+    assert find_latest(str(tmp_path)) == good
+
+
+def test_a_full_disk_says_what_to_free(tmp_path, monkeypatch):
+    """ENOSPC from the weights' writer (safetensors names the errno only in its message)."""
+    import errno
+
+    import safetensors.torch
+
+    from dflash_dist.checkpoint import store
+
+    def full(*a, **k):
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    with pytest.raises(store.CheckpointSaveError) as e:
+        save_checkpoint(str(tmp_path), 3, {"w": torch.ones(1000)}, None, {"cursor": 3, "total_messages": 10})
+    assert e.value.errno == errno.ENOSPC and "the disk is full" in str(e.value)
+    assert e.value.fix.startswith(f"free at least {e.value.needed} bytes on the disk of {tmp_path}")
+    assert os.listdir(tmp_path / "checkpoints") == []
+
+
+def test_space_is_compared_before_a_save_and_stale_temporaries_are_removed(tmp_path, monkeypatch):
+    from collections import namedtuple
+
+    from dflash_dist.checkpoint import store
+    assert store.space_problem(str(tmp_path), 1000) is None
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(store.shutil, "disk_usage", lambda p: usage(10_000, 9_000, 1_000))
+    assert "1000 bytes free" in store.space_problem(str(tmp_path), 5_000)
+    os.makedirs(tmp_path / "checkpoints" / ".tmp_step_00000004_123")
+    assert store.remove_stale_tmp(str(tmp_path)) == [str(tmp_path / "checkpoints" / ".tmp_step_00000004_123")]
+    assert os.listdir(tmp_path / "checkpoints") == []
+
+
+def test_resume_auto_skips_a_checkpoint_whose_meta_is_not_an_object(tmp_path, caplog):
+    import logging
+    good = save_checkpoint(str(tmp_path), 2, {"w": torch.ones(4)}, None, {"cursor": 2, "total_messages": 10})
+    bad = save_checkpoint(str(tmp_path), 4, {"w": torch.ones(4)}, None, {"cursor": 4, "total_messages": 10})
+    with open(os.path.join(bad, "meta.json"), "w") as f:
+        json.dump([1], f)
+    with caplog.at_level(logging.WARNING):
+        assert find_latest(str(tmp_path)) == good
+    assert f"skipping checkpoint {bad}: meta.json holds a list, not a JSON object" in caplog.text
