@@ -302,6 +302,44 @@ class DrafterDomino:
 
 
 @dataclass
+class DrafterDFlash2:
+    """The DFlash2 additions (``drafter.dflash2.*``, used when ``drafter.variant=dflash2``); the same fields as
+    ``model/dflash2.DFlash2Settings``, which checks them against the drafter's shape."""
+
+    conv_kernel_size: int = 2
+    """Taps k of each grouped dynamic convolution (tap t reads the token t slots earlier in the same block)."""
+
+    conv_group_size: int = 16
+    """Channels g sharing one dynamic coefficient; must divide the hidden size."""
+
+    selector_rank: int = 256
+    """Rank r of the candidate selector's codebooks and hidden projection (the codebooks are 2 x V x r)."""
+
+    selector_top_k: int = 16
+    """Candidates K per position: the top-K of the target head's logits, re-ranked by the selector."""
+
+    output_multiplier: float = 1.0
+    """Scale of the top-K unary logits before the soft cap (the engines' ``output_multiplier``)."""
+
+    final_logit_softcapping: Optional[float] = None
+    """Soft cap c of the unary logits, c * tanh(x / c), after the multiplier; None or 0 = off."""
+
+    selector_loss_weight: float = 1.0
+    """Weight of the selector's K-way cross-entropy, added to the base objective (same per-position weights,
+    same whole-step normaliser)."""
+
+    selector_gold: Literal["exclude", "replace_last"] = "exclude"
+    """A gold token outside the top-K: ``exclude`` (that position has no selector loss) or ``replace_last`` (it
+    takes the last candidate's place with its own unary logit). ``exclude`` by measurement: on the tiny default
+    (``drafter=tiny_dflash2``, 231 steps, 16 prompts) its in-training tau was 4.18 against 4.14, a difference
+    within the prompts' standard error (0.6); the pooled tau went the other way (2.47 against 2.63)
+    (docs/benchmarks.md)."""
+
+    def __post_init__(self) -> None:
+        _check_choices(self, "drafter.dflash2")
+
+
+@dataclass
 class DrafterConfig:
     variant: str = "dflash"
     """The drafter variant by registry name (``dflash``: the z-lab DFlash drafter) or ``package.module:ClassName``
@@ -342,6 +380,9 @@ class DrafterConfig:
     domino: DrafterDomino = field(default_factory=DrafterDomino)
     """The Domino variant's settings (``drafter.domino.*``; used only with ``drafter.variant=domino``)."""
 
+    dflash2: DrafterDFlash2 = field(default_factory=DrafterDFlash2)
+    """The DFlash2 convolutions and candidate selector (``drafter.dflash2.*``; ``drafter.variant=dflash2``)."""
+
 
 
 
@@ -363,6 +404,7 @@ class DrafterConfig:
         self.tuning = _sub(self.tuning, DrafterTuning, "drafter.tuning")
         self.loss = _sub(self.loss, DrafterLoss, "drafter.loss")
         self.domino = _sub(self.domino, DrafterDomino, "drafter.domino")
+        self.dflash2 = _sub(self.dflash2, DrafterDFlash2, "drafter.dflash2")
         _require(bool(self.variant), "drafter.variant: name a variant (dflash)")
         _require(not (self.loss.weighting == "dpace" and self.tuning.loss_on_target),
                  "drafter.loss.weighting=dpace with drafter.tuning.loss_on_target is not supported yet (the weight "

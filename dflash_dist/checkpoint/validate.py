@@ -44,6 +44,8 @@ BOUNDS = {
     "num_feature_layers": 256, "block_size": 4096, "max_position_embeddings": 1 << 24, "sliding_window": 1 << 24,
     "num_experts": 1 << 14, "moe_intermediate_size": 1 << 19,
     "emb_dim": 1 << 16, "gru_hidden_dim": 1 << 16, "pure_draft_prefix_len": 4096,   # a variant's (Domino's)
+    # a variant's sizes (drafter_config.variant_settings: DFlash2's convolutions and selector)
+    "conv_kernel_size": 4096, "conv_group_size": 1 << 16, "selector_rank": 1 << 14, "selector_top_k": 1 << 14,
 }
 MAX_LAYER_ID = 4096
 CHECKPOINT_FILES = ("model.safetensors", "optimizer.pt")

@@ -105,6 +105,7 @@ class DrafterTrainer:
         # objective's, the variant's loss terms, and the step's own
         slots = dict(self.objective.stat_slots())
         slots.update({name: 1 for name in self._loss_term_names()})
+        slots.update(self.model.stat_slots())
         slots.update({"grad_norm": 1, "steps": 1, "model_flops": 1, "nonfinite_by_target": self.topo.num_replicas})
         self.stats = StepStats(slots, self.device)
         self.nonfinite_by_target = [0] * self.topo.num_replicas
@@ -220,10 +221,17 @@ class DrafterTrainer:
                             out.append(self.objective.loss(hidden, self.lm_head, group.labels, *soft))
                     self.model.set_context(group=group, embed=self.embed, objective=self.objective, step=self.step,
                                            total_steps=self.cfg.train.max_steps)
-                    terms = self.model.loss_terms(hidden, group.labels, self.lm_head)
+                    terms = self.model.loss_terms(hidden, group.labels, self.lm_head, block_ids=group.block_ids,
+                                                  row_weights=self._row_weights(hidden, group.labels))
                     if terms:  # a variant's own losses, named; a served group's are added once its reply is in
                         out[-1] = (out[-1], terms)
         return out
+
+    def _row_weights(self, hidden, labels):
+        """The objective's detached weights of the loss rows, for a variant's own terms (None: it has none)."""
+        if not self._loss_term_names():
+            return None
+        return self.objective.rows(hidden.detach(), labels)[2].detach()
 
     def _loss_term_names(self) -> list:
         """The names of the variant's loss terms (``DFlashDrafter.loss_terms``), declared by the model class."""
@@ -239,7 +247,7 @@ class DrafterTrainer:
         group, terms = group if isinstance(group, tuple) else (group, {})
         part = group if isinstance(group, LossParts) else self.heads.complete(group, src)
         if terms:
-            part.loss_sum = part.loss_sum + sum(terms.values())
+            part.loss_sum = part.loss_sum + sum(terms[name] for name in self._loss_term_names())
             part.extra = dict(terms)
         return part
 
@@ -375,6 +383,7 @@ class DrafterTrainer:
         wsum = max(v["weight_sum"][0], 1e-9) if "weight_sum" in v else 1.0
         for name in self._loss_term_names():
             out[f"loss_{name}"] = v[name][0] / wsum
+        out.update(self.model.window_metrics(v))
         out["skipped_nonfinite"] = sum(bad)
         return out
 

@@ -101,8 +101,7 @@ def resolve_drafter(dc: DrafterConfig, hf_config: Any, num_feature_layers: int, 
                                            block_size=dc.block_size, intermediate_size=dc.intermediate_size,
                                            layer_types=dc.layer_types, sliding_window=dc.sliding_window)
     from dflash_dist.model.variants import variant_class
-    key = getattr(variant_class(str(dc.variant)), "settings_key", None)   # e.g. drafter.domino
-    model.variant_settings = asdict(getattr(dc, key)) if key else None
+    model.variant_settings = variant_class(str(dc.variant))().model_settings(dc, model)
     backend = drafter_backend(dc, device_type)
     flex = backend == "flex"
     t = dc.tuning
