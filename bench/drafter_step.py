@@ -40,7 +40,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from dflash_dist.model.blocks import make_batch  # noqa: E402
-from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig  # noqa: E402
+from dflash_dist.model.drafter import DrafterModelConfig  # noqa: E402
 from dflash_dist.model.hf import load_hf_config, resolve_dtype, text_config  # noqa: E402
 from dflash_dist.model.loss import decayed_ce  # noqa: E402
 from dflash_dist.model.masks import dense_mask, flex_block_mask  # noqa: E402
@@ -73,6 +73,17 @@ def drafter_spec(tiny: bool, dc, device_type: str, shape: str = "qwen3_8b"):
     tcfg = C.target_config(small if tiny else full)
     tc = text_config(load_hf_config(tcfg))
     return resolve_drafter(dc, tc, tcfg.num_feature_layers, device_type)
+
+
+def drafter_variant_config(tiny: bool, entry: str):
+    """``VARIANT@BLOCK`` (--drafters) -> the DrafterConfig of that variant at that block size on the tiny preset
+    (--tiny) or the paper's; DFlash2 with the released convolution and selector sizes (the ``drafter.dflash2``
+    defaults; not the released layer window: the rows compare the variants at one shape)."""
+    variant, _, block = entry.strip().partition("@")
+    overrides = {"variant": variant}
+    if block:
+        overrides["block_size"] = int(block)
+    return C.drafter_config("tiny" if tiny else "dflash", **overrides)
 
 
 def make_inputs(ctx: int, b: int, mc: DrafterModelConfig, device, feat_dtype, prompt_frac: float, seed: int):
@@ -111,8 +122,10 @@ class Runner:
         self.loss_mode = "auto"  # loss.decayed_ce: auto = fused (frozen head), or checkpoint
         self.kernel_options: Optional[dict] = None  # --kernel-options, used by the "+ko" backends
         torch.manual_seed(0)
-        with torch.device(device):  # fp32 master weights, initialised on the device
-            self.model = DFlashDrafter(mc, "sdpa")
+        self.variant = spec.variant_impl()
+        self.objective = spec.make_objective()
+        with torch.device(device):  # fp32 master weights, initialised on the device (the variant's module)
+            self.model = spec.build_model("sdpa")
         hdt = resolve_dtype("auto", device.type)       # the target's dtype: bf16 on CUDA
         g = torch.Generator(device=device).manual_seed(1)
         self.embed = (torch.randn(mc.vocab_size, mc.hidden_size, generator=g, device=device) * 0.02).to(hdt)
@@ -155,13 +168,25 @@ class Runner:
                 hidden = self.model(block_embeds, batch.features, batch.ctx_positions, batch.block_positions, mask)
                 parts = decayed_ce(hidden, self.lm_head, batch.labels, B, self.gamma, self.spec.loss.chunk_rows,
                                    mode=self.loss_mode, compiled=compiled_loss)
+                loss_sum = parts.loss_sum + self.variant_loss(hidden, batch)
             if train:
-                loss = parts.loss_sum / parts.weight_sum.clamp_min(1e-6)
+                loss = loss_sum / parts.weight_sum.clamp_min(1e-6)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
                 self.opt.step()
                 self.opt.zero_grad(set_to_none=True)
         return batch
+
+
+    def variant_loss(self, hidden, batch):
+        """The variant's own loss terms (DrafterTrainer._group_losses; DFlash: none), weighted by the objective."""
+        names = self.model.loss_term_names
+        if not names:
+            return 0.0
+        weights = self.objective.rows(hidden.detach(), batch.labels)[2].detach()
+        terms = self.model.loss_terms(hidden, batch.labels, self.lm_head, block_ids=batch.block_ids,
+                                      row_weights=weights)
+        return sum(terms[n] for n in names)
 
 
 # kernel name -> category of the step-time breakdown (first match wins)
@@ -203,7 +228,8 @@ def run_one(runner: Runner, ctx: int, anchors: int, b: int, backend: str, train:
             nominal) -> dict:
     dev = runner.device
     row = {"ctx": ctx, "anchors": anchors, "batch": b, "backend": backend,
-           "mode": "train" if train else "forward-only"}
+           "mode": "train" if train else "forward-only", "drafter": runner.label,
+           "variant": runner.spec.variant, "block_size": runner.mc.block_size}
     inputs = make_inputs(ctx, b, runner.mc, dev, runner.feat_dtype, args.prompt_frac, seed=ctx * 7919 + anchors + b)
     timer = C.StepTimer(dev)
     C.free_memory(dev)
@@ -228,9 +254,14 @@ def run_one(runner: Runner, ctx: int, anchors: int, b: int, backend: str, train:
             batch = runner.step(inputs, k, backend, train, anchors)
             times.append(timer.stop())
             k += 1
-            flops.append(step_flops(runner.mc, b, batch.ctx_len, anchors, runner.mc.vocab_size,
-                                    visible_pairs(batch, runner.mc.block_size), train,
-                                    recompute_head=runner.loss_mode == "checkpoint"))
+            fl = step_flops(runner.mc, b, batch.ctx_len, anchors, runner.mc.vocab_size,
+                            visible_pairs(batch, runner.mc.block_size), train,
+                            recompute_head=runner.loss_mode == "checkpoint")
+            extra = runner.variant.extra_flops(runner.mc, b, batch.ctx_len, anchors, runner.mc.vocab_size)
+            fl["variant"] = extra  # the variant's convs / selector (telemetry's model FLOPs add them too)
+            fl["model"] += extra
+            fl["hardware"] += extra
+            flops.append(fl)
             valid.append(float(batch.valid.float().mean()))
         s_pad = batch.ctx_len
         # back-to-back steps, one sync at the end (the launch of step k+1 may overlap the tail of step k)
@@ -272,6 +303,28 @@ def run_one(runner: Runner, ctx: int, anchors: int, b: int, backend: str, train:
     return row
 
 
+def run_drafter(runner, backends, configs, batches, args, peak, nominal, result, t_start, dev) -> None:
+    """Every backend x config x batch of one drafter, rows appended to ``result`` (written after each)."""
+    # backend outermost: a backend change recompiles the layers, a shape change does not (dynamic shapes)
+    for backend in backends:
+        for ctx, anchors in configs:
+            for b in batches:
+                if args.time_budget_s and time.time() - t_start > args.time_budget_s:
+                    result["skipped"].append({"ctx": ctx, "anchors": anchors, "batch": b, "backend": backend,
+                                              "reason": "time budget"})
+                    continue
+                train = not (backend.startswith("flex") and dev.type == "cpu")
+                C.log(f"run {backend} ctx={ctx} anchors={anchors} b={b} ({'train' if train else 'forward-only'})")
+                row = run_one(runner, ctx, anchors, b, backend, train, args, peak, nominal)
+                result["rows"].append(row)
+                if "error" not in row:
+                    C.log(f"  {row['ms_per_step']:.1f} ms/step, {row['samples_per_s']:.2f} samples/s, "
+                          f"MFU {100 * (row['mfu_measured_peak'] or 0):.1f}% of measured peak, "
+                          f"peak mem {row['peak_mem_gb']} GB, first step {row['first_step_s']:.1f} s")
+                result["wall_s"] = time.time() - t_start
+                C.write_json(args.out, result)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="CPU-sized smoke run (tiny target shape, 2-layer drafter)")
@@ -300,6 +353,10 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--profile", default="", help="CTXxANCHORS list: also profile one step of these configs (CUDA) "
                                                  "and print the GPU time by kernel category")
+    p.add_argument("--drafters", default=None,
+                   help="comma list of VARIANT@BLOCK drafters timed in one run (drafter.variant, drafter.block_size), "
+                        "e.g. dflash@16,dflash2@16,dflash@8,dflash2@8 (conf/drafter/dflash2.yaml's DFlash2 sizes "
+                        "unless --tiny); default: the preset's drafter")
     p.add_argument("--loss-mode", choices=["auto", "checkpoint"], default="auto",
                    help="decayed_ce: auto (fused: hidden-state gradient computed in forward, the trainer's "
                         "path) or checkpoint (logits recomputed in backward)")
@@ -324,16 +381,26 @@ def main(argv=None) -> int:
     if args.dynamic == "off":
         dyn.automatic_dynamic_shapes = False
 
-    dc = C.drafter_config("tiny" if tiny else "dflash")
+    drafters = [(None, C.drafter_config("tiny" if tiny else "dflash"))]
+    if args.drafters:
+        drafters = [(d, drafter_variant_config(tiny, d)) for d in args.drafters.split(",") if d.strip()]
+    label0, dc = drafters[0]
     spec = drafter_spec(tiny, dc, dev.type, args.shape)
     mc = spec.model
     peak = C.peak_matmul_tflops(dev, n=args.peak_n or (256 if tiny else 8192))
     nominal = C.nominal_peak_tflops(dev)
     C.log(f"measured matmul peak {peak['tflops']:.1f} TFLOP/s ({peak['dtype']} {peak['n']}^3); nominal {nominal}")
-    runner = Runner(spec, dc, dev, args.lr, dynamic=args.dynamic == "on" and dev.type == "cuda")
-    runner.loss_mode = args.loss_mode
-    runner.kernel_options = load_kernel_options(args.kernel_options)
-    if any("+ko" in b for b in backends) and not runner.kernel_options:
+    kernel_options = load_kernel_options(args.kernel_options)
+
+    def make_runner(label, dc):
+        r = Runner(drafter_spec(tiny, dc, dev.type, args.shape), dc, dev, args.lr,
+                   dynamic=args.dynamic == "on" and dev.type == "cuda")
+        r.loss_mode, r.kernel_options = args.loss_mode, kernel_options
+        r.label = label or f"{dc.variant}@{dc.block_size}"
+        return r
+
+    runner = make_runner(label0, dc)
+    if any("+ko" in b for b in backends) and not kernel_options:
         C.log("a +ko backend without --kernel-options (or the tune found none): it runs inductor's defaults")
     result = {"bench": "drafter_step", "env": C.env_info(dev), "tiny": tiny, "peak_matmul": peak,
               "nominal_peak_tflops": nominal, "drafter_config": mc.__dict__, "trainable_params": runner.n_params,
@@ -344,28 +411,20 @@ def main(argv=None) -> int:
               "loss_chunk_rows": dc.tuning.loss_chunk_rows,
               "ctx_bucket": dc.tuning.ctx_bucket, "gamma": runner.gamma, "prompt_frac": args.prompt_frac,
               "dynamic": args.dynamic, "loss_mode": args.loss_mode, "kernel_options": runner.kernel_options, "warmup": args.warmup, "repeats": args.repeats,
-              "flop_formula": "docs/benchmarks.md#drafter-step-flops", "rows": [], "skipped": []}
+              "flop_formula": "docs/benchmarks.md#drafter-step-flops", "rows": [], "skipped": [], "drafters": []}
     C.log(f"drafter: {mc.num_layers} layers, hidden {mc.hidden_size}, {runner.n_params / 1e6:.1f}M trainable params, "
           f"vocab {mc.vocab_size}, device {dev}")
-    # backend outermost: a backend change recompiles the layers, a shape change does not (dynamic shapes)
-    for backend in backends:
-        for ctx, anchors in configs:
-            for b in batches:
-                if args.time_budget_s and time.time() - t_start > args.time_budget_s:
-                    result["skipped"].append({"ctx": ctx, "anchors": anchors, "batch": b, "backend": backend,
-                                              "reason": "time budget"})
-                    continue
-                train = not (backend.startswith("flex") and dev.type == "cpu")
-                C.log(f"run {backend} ctx={ctx} anchors={anchors} b={b} ({'train' if train else 'forward-only'})")
-                row = run_one(runner, ctx, anchors, b, backend, train, args, peak, nominal)
-                result["rows"].append(row)
-                if "error" not in row:
-                    C.log(f"  {row['ms_per_step']:.1f} ms/step, {row['samples_per_s']:.2f} samples/s, "
-                          f"MFU {100 * (row['mfu_measured_peak'] or 0):.1f}% of measured peak, "
-                          f"peak mem {row['peak_mem_gb']} GB, first step {row['first_step_s']:.1f} s")
-                result["wall_s"] = time.time() - t_start
-                C.write_json(args.out, result)
-    cols = [("backend", "backend"), ("mode", "mode"), ("ctx", "ctx"), ("anchors", "anchors"), ("batch", "b"),
+    # one drafter at a time (its weights and optimizer state freed before the next)
+    first = [runner]  # built above for the result's header
+    del runner
+    for label, dc in drafters:
+        runner = first.pop() if first else make_runner(label, dc)
+        result["drafters"].append({"drafter": runner.label, "variant": runner.spec.variant,
+                                   "drafter_config": dict(runner.mc.__dict__), "trainable_params": runner.n_params})
+        run_drafter(runner, backends, configs, batches, args, peak, nominal, result, t_start, dev)
+        del runner
+        C.free_memory(dev)
+    cols = [("drafter", "drafter"), ("backend", "backend"), ("mode", "mode"), ("ctx", "ctx"), ("anchors", "anchors"), ("batch", "b"),
             ("ms_per_step", "ms/step"), ("ms_per_step_back_to_back", "ms/step b2b"), ("samples_per_s", "samples/s"),
             ("tflops_model", "TFLOP/s"), ("mfu_measured_pct", "MFU % (meas.)"), ("mfu_nominal_pct", "MFU % (nom.)"),
             ("attention_flop_share", "attn share"), ("peak_mem_gb", "peak GB"), ("first_step_s", "1st step s"),

@@ -249,8 +249,36 @@ class DrafterLoss:
     B = 16, 10, 8); other B get ``objectives.decayed_ce.paper_gamma``'s piecewise-linear interpolation through
     those three points (a rule of this project, not the paper's)."""
 
+    labels: Literal["data", "target"] = "data"
+    """What each block slot is supervised with: ``data`` = the corpus's next token (regenerate the corpus with the
+    target first, ``dflash-regenerate``, so it is the target's own text), ``target`` = the target's greedy next token
+    given the true prefix, computed on the target rank from its final layer (the forward then runs every layer,
+    final norm and lm_head) and sent as 8 bytes per token: no regeneration needed."""
+
+    kind: Literal["ce", "kl"] = "ce"
+    """The loss of a slot: ``ce`` = cross-entropy on its label; ``kl`` = KL(target || drafter) on the target's
+    next-token distribution restricted to its ``kl_top_k`` most likely tokens and renormalised there (the target
+    sends their ids and probabilities; needs ``labels=target``, whose greedy token the accuracy statistics use)."""
+
+    kl_top_k: int = 20
+    """Tokens of the target's distribution that ``kind=kl`` distils (each costs 12 bytes per position on the wire)."""
+
+    weighting: Literal["decay", "dpace"] = "decay"
+    """Per-position weights of the CE objectives: ``decay`` (slot k weighted exp(-(k-1)/gamma)) or ``dpace``
+    (D-PACE: slot j weighted by the drafter's own detached confidences, sum over t >= j of prod over i <= t of
+    (1-alpha) exp(-CE_i) + alpha; model/objectives/dpace.py)."""
+
+    dpace_alpha: float = 0.5
+    """Smoothing alpha of ``weighting=dpace``, in (0, 1]: 1 gives every valid slot of a block the weight of the
+    number of valid slots from it to the block's end."""
+
     def __post_init__(self) -> None:
+        _check_choices(self, "drafter.loss")
+        _require(0.0 < self.dpace_alpha <= 1.0, f"drafter.loss.dpace_alpha={self.dpace_alpha}: must be in (0, 1]")
         _require(self.gamma is None or self.gamma > 0, f"drafter.loss.gamma={self.gamma}: must be > 0")
+        _require(1 <= self.kl_top_k <= 1024, f"drafter.loss.kl_top_k={self.kl_top_k}: must be in 1..1024")
+        _require(self.kind != "kl" or self.labels == "target",
+                 "drafter.loss.kind=kl distils the target's distribution: set drafter.loss.labels=target")
         _require(bool(self.objective), "drafter.loss.objective: name an objective (decayed_ce)")
 
 
@@ -271,6 +299,44 @@ class DrafterDomino:
     """Weight lambda of the base cross-entropy at step 0: loss = (1 - lambda) CE(corrected) + lambda CE(base)."""
     lambda_base_decay_ratio: float = 0.5
     """Fraction of ``train.max_steps`` over which lambda decays linearly to 0."""
+
+
+@dataclass
+class DrafterDFlash2:
+    """The DFlash2 additions (``drafter.dflash2.*``, used when ``drafter.variant=dflash2``); the same fields as
+    ``model/dflash2.DFlash2Settings``, which checks them against the drafter's shape."""
+
+    conv_kernel_size: int = 2
+    """Taps k of each grouped dynamic convolution (tap t reads the token t slots earlier in the same block)."""
+
+    conv_group_size: int = 16
+    """Channels g sharing one dynamic coefficient; must divide the hidden size."""
+
+    selector_rank: int = 256
+    """Rank r of the candidate selector's codebooks and hidden projection (the codebooks are 2 x V x r)."""
+
+    selector_top_k: int = 16
+    """Candidates K per position: the top-K of the target head's logits, re-ranked by the selector."""
+
+    output_multiplier: float = 1.0
+    """Scale of the top-K unary logits before the soft cap (the engines' ``output_multiplier``)."""
+
+    final_logit_softcapping: Optional[float] = None
+    """Soft cap c of the unary logits, c * tanh(x / c), after the multiplier; None or 0 = off."""
+
+    selector_loss_weight: float = 1.0
+    """Weight of the selector's K-way cross-entropy, added to the base objective (same per-position weights,
+    same whole-step normaliser)."""
+
+    selector_gold: Literal["exclude", "replace_last"] = "exclude"
+    """A gold token outside the top-K: ``exclude`` (that position has no selector loss) or ``replace_last`` (it
+    takes the last candidate's place with its own unary logit). ``exclude`` by measurement: on the tiny default
+    (``drafter=tiny_dflash2``, 231 steps, 16 prompts) its in-training tau was 4.18 against 4.14, a difference
+    within the prompts' standard error (0.6); the pooled tau went the other way (2.47 against 2.63)
+    (docs/benchmarks.md)."""
+
+    def __post_init__(self) -> None:
+        _check_choices(self, "drafter.dflash2")
 
 
 @dataclass
@@ -314,6 +380,9 @@ class DrafterConfig:
     domino: DrafterDomino = field(default_factory=DrafterDomino)
     """The Domino variant's settings (``drafter.domino.*``; used only with ``drafter.variant=domino``)."""
 
+    dflash2: DrafterDFlash2 = field(default_factory=DrafterDFlash2)
+    """The DFlash2 convolutions and candidate selector (``drafter.dflash2.*``; ``drafter.variant=dflash2``)."""
+
 
 
 
@@ -335,7 +404,11 @@ class DrafterConfig:
         self.tuning = _sub(self.tuning, DrafterTuning, "drafter.tuning")
         self.loss = _sub(self.loss, DrafterLoss, "drafter.loss")
         self.domino = _sub(self.domino, DrafterDomino, "drafter.domino")
+        self.dflash2 = _sub(self.dflash2, DrafterDFlash2, "drafter.dflash2")
         _require(bool(self.variant), "drafter.variant: name a variant (dflash)")
+        _require(not (self.loss.weighting == "dpace" and self.tuning.loss_on_target),
+                 "drafter.loss.weighting=dpace with drafter.tuning.loss_on_target is not supported yet (the weight "
+                 "sum would come with the target's reply); set drafter.tuning.loss_on_target=false")
         _require(self.num_anchors % self.tuning.micro_batches == 0,
                  f"drafter.tuning.micro_batches={self.tuning.micro_batches}: must divide drafter.num_anchors="
                  f"{self.num_anchors}")
@@ -368,7 +441,8 @@ class DrafterConfig:
 @dataclass
 class DataConfig:
     source: str = "builtin"
-    """builtin (the packaged corpus, regenerated by the tiny target) or a path to a JSONL file of
+    """builtin (the packaged corpus, regenerated by the tiny target), builtin_original (the same dialogues as written,
+    not regenerated) or a path to a JSONL file of
     ``{"messages": [{"role": ..., "content": ...}]}`` conversations (loss on assistant tokens only)."""
 
     max_length: int = 3072
@@ -814,6 +888,12 @@ def validate_job(cfg: JobConfig, world_size: Optional[int], num_target_layers: i
                  "in-training evaluation (train.eval_prompts > 0) with target.tensor_parallel > 1 is not supported "
                  "yet (every rank of the replica would have to run the verify steps): set train.eval_prompts=0 and "
                  "evaluate the exported drafter with dflash-eval")
+        _require(cfg.drafter.loss.labels == "data",
+                 "drafter.loss.labels=target with target.tensor_parallel > 1 is not supported: the lm_head of a "
+                 "replica is sharded; set drafter.loss.labels=data")
+    _require(not (cfg.drafter.loss.kind == "kl" and cfg.drafter.tuning.loss_on_target),
+             "drafter.loss.kind=kl with drafter.tuning.loss_on_target is not supported: the target would have to "
+             "keep every message's top-k distribution until its head requests come; set one of them back")
     _require(not (cfg.drafter.tuning.loss_on_target and cfg.topology.tuning.rendezvous_sends is False),
              "drafter.loss_on_target needs rendezvous sends (a target serves head requests while it waits for its "
              "drafters): remove topology.tuning.rendezvous_sends=false")

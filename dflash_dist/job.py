@@ -27,7 +27,7 @@ from dflash_dist.comm.distributed import Dist, init_distributed, make_ctrl_group
 from dflash_dist.comm.topology import TopologyError, make_topology
 from dflash_dist.config import ConfigError, JobConfig, resolve_device, validate_job
 from dflash_dist.data.batching import build_plan
-from dflash_dist.data.conversations import BadDataStats, DataError, check_bad_fraction
+from dflash_dist.data.conversations import PACKAGED_SOURCES, BadDataStats, DataError, check_bad_fraction
 from dflash_dist.data.sources import no_usable_data, prepare_conversations
 from dflash_dist.data.tokenize import TokenizedDataset, cache_key
 
@@ -202,8 +202,8 @@ def check_job_config(cfg: JobConfig, world_size: Optional[int], device_type: str
                                            attn_note(cfg.target, hf_config, device_type))
     check_packing_config(cfg.target, hf_config)  # target.packing=on for a hybrid: refused before weights load
     src = cfg.data.source
-    if src != "builtin" and not src.startswith("synthetic:") and not os.path.exists(src):
-        raise ConfigError(f"data.source={src!r}: no such file or directory (builtin, a .jsonl/.json/.parquet/.arrow "
+    if src not in PACKAGED_SOURCES and not src.startswith("synthetic:") and not os.path.exists(src):
+        raise ConfigError(f"data.source={src!r}: no such file or directory (builtin, builtin_original, a .jsonl/.json/.parquet/.arrow "
                           "file or a datasets save_to_disk directory)")
     return {"hf_config": hf_config, "text_config": tc, "tokenizer_path": tok_path, "mask_token_id": mask_id,
             "layer_ids": layer_ids, "attn_implementation": attn, "fast_path": fast_path, "drafter": drafter}

@@ -23,7 +23,7 @@ class ScaledDrafter(DFlashDrafter):
     def after_layers(self, h):
         return self.norm(h) * self.out_scale
 
-    def loss_terms(self, hidden, labels, lm_head):
+    def loss_terms(self, hidden, labels, lm_head, block_ids=None, row_weights=None):
         return {"scale_l2": 1e-3 * (self.out_scale.float() - 1.0).pow(2).sum()}
 
 

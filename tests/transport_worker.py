@@ -28,10 +28,22 @@ def make_message(k: int) -> Message:
     width = int(torch.randint(1, 48, (1,), generator=g))
     dtype = DTYPES[int(torch.randint(0, 3, (1,), generator=g))]
     cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
-    return Message(index=k, sample_ids=torch.arange(n) + 10 * k, cu_seqlens=cu,
-                   input_ids=torch.randint(0, 50000, (t,), generator=g),
-                   loss_mask=torch.rand(t, generator=g) > 0.5,
-                   features=torch.randn(t, width, generator=g).to(dtype))
+    msg = Message(index=k, sample_ids=torch.arange(n) + 10 * k, cu_seqlens=cu,
+                  input_ids=torch.randint(0, 50000, (t,), generator=g),
+                  loss_mask=torch.rand(t, generator=g) > 0.5,
+                  features=torch.randn(t, width, generator=g).to(dtype))
+    # the target's labels on two of three messages: greedy ids only, or a top-k distribution
+    label_k = (0, 1, int(torch.randint(1, 6, (1,), generator=g)))[k % 3]
+    if label_k:
+        msg.target_ids = torch.randint(0, 50000, (t, label_k), generator=g)
+    if k % 3 == 2:
+        msg.target_probs = torch.rand(t, label_k, generator=g)
+    return msg
+
+
+def same_labels(a, b) -> bool:
+    return all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+               for x, y in ((a.target_ids, b.target_ids), (a.target_probs, b.target_probs)))
 
 
 def main():
@@ -79,7 +91,8 @@ def main():
             ok = (msg.index == j and msg.features.dtype == ref.features.dtype
                   and torch.equal(msg.features, ref.features) and torch.equal(msg.input_ids, ref.input_ids)
                   and torch.equal(msg.loss_mask, ref.loss_mask) and torch.equal(msg.cu_seqlens, ref.cu_seqlens)
-                  and torch.equal(msg.sample_ids, ref.sample_ids) and msg.src == topo.target_for(j))
+                  and torch.equal(msg.sample_ids, ref.sample_ids) and msg.src == topo.target_for(j)
+                  and same_labels(msg, ref))
             if not ok:
                 report["errors"].append(j)
             report["received"].append(j)

@@ -7,7 +7,8 @@ part, with a readable label beside it, so that a resume can name what differs:
   settings that change the samples (max_length, overlong, holdout, shuffle seed);
 * ``tokenizer``: the tokenizer's files (tokenizer*.json, vocab, merges, chat template...);
 * ``target``: the target's HF config (path-like and version keys left out) and, for a random-init target, its seed;
-* ``drafter``: the drafter's shape (layers, block size, MLP width, feature layers, mask token);
+* ``drafter``: the drafter's shape (layers, block size, MLP width, feature layers, mask token) and, when not the
+  default, its variant, objective and loss weighting;
 * ``plan``: the batching plan of one epoch (sample lengths, seed, batch budgets): a resume replays the same order.
 
 A resume (``train.resume=auto`` or a checkpoint path) goes on only when every part matches.
@@ -20,7 +21,7 @@ import json
 import os
 from typing import Optional
 
-from dflash_dist.data.conversations import builtin_conversations
+from dflash_dist.data.conversations import PACKAGED_SOURCES, builtin_conversations
 
 PARTS = ("data", "tokenizer", "target", "drafter", "plan")
 
@@ -29,7 +30,8 @@ PART_KEYS = {
     "data": "data.source (its content) and data.{max_length, overlong, holdout, shuffle_seed, chat_template_kwargs}",
     "tokenizer": "target.tokenizer (the tokenizer files' content)",
     "target": "target.name_or_path / target.hf_config / target.init_seed",
-    "drafter": "drafter.{variant, num_layers, block_size, intermediate_size, mask_token_id}, target.layer_ids",
+    "drafter": ("drafter.{variant, num_layers, block_size, intermediate_size, mask_token_id, loss.objective, "
+                "loss.weighting, loss.dpace_alpha, loss.labels, loss.kind, loss.kl_top_k}, target.layer_ids"),
     "plan": "target.max_batch_tokens, target.max_batch_samples, data.sort_window_batches",
 }
 
@@ -69,8 +71,8 @@ def data_source_hash(source: str) -> str:
     """Hash of the training data's content: the JSONL file's bytes, the packaged corpus, a synthetic spec."""
     if source.startswith("synthetic:"):
         return _sha(source.encode())
-    if source == "builtin":
-        return _sha(json.dumps(builtin_conversations(), sort_keys=True).encode())
+    if source in PACKAGED_SOURCES:
+        return _sha(json.dumps(builtin_conversations(source), sort_keys=True).encode())
     if os.path.isdir(source):  # a datasets save_to_disk directory: every file, by relative path and content
         h = hashlib.sha256()
         for root, dirs, files in os.walk(source):
@@ -87,7 +89,7 @@ def data_identity(cfg, tok_path: str, vocab: int) -> dict:
     d = cfg.data
     settings = [d.max_length, d.overlong, d.holdout, d.shuffle_seed, int(vocab),
                 sorted((getattr(d, "chat_template_kwargs", None) or {}).items())]
-    label = "builtin" if d.source == "builtin" else d.source if d.source.startswith("synthetic:") \
+    label = d.source if d.source in PACKAGED_SOURCES else d.source if d.source.startswith("synthetic:") \
         else os.path.basename(d.source)
     data = _sha(json.dumps([data_source_hash(d.source), settings], default=repr).encode())
     return {"data": {"hash": data[:16], "label": f"{label}, max_length {d.max_length}, holdout {d.holdout}, "
@@ -115,8 +117,22 @@ def drafter_identity(cfg, layer_ids: list, mask_token_id: int, hidden_size: int)
              "layer_ids": list(layer_ids), "mask_token_id": int(mask_token_id), "hidden_size": int(hidden_size)}
     if dc.variant != "dflash":  # in the hash only when not the default: DFlash runs from before keep theirs
         shape["variant"] = dc.variant
+    loss, supervision = dc.loss, ""
+    if loss.labels != "data" or loss.kind != "ce":  # likewise: runs on the data's labels keep their hash
+        shape["labels"], shape["loss_kind"] = loss.labels, loss.kind
+        if loss.kind == "kl":
+            shape["kl_top_k"] = int(loss.kl_top_k)
+        supervision = f", labels {loss.labels}, loss {loss.kind}" + (
+            f" top-{loss.kl_top_k}" if loss.kind == "kl" else "")
+    if loss.objective != "decayed_ce":  # the objective and its weighting: likewise only when not the default
+        shape["objective"] = loss.objective
+    if loss.weighting != "decay":
+        shape["weighting"] = {"weighting": loss.weighting, "dpace_alpha": float(loss.dpace_alpha)}
+    objective = "" if loss.objective == "decayed_ce" and loss.weighting == "decay" else (
+        f", objective {loss.objective}" + (f" with D-PACE weights (alpha {loss.dpace_alpha:g})"
+                                           if loss.weighting == "dpace" else ""))
     label = (f"{dc.variant} drafter, {dc.num_layers} layers, block {dc.block_size}, features of layers "
-             f"{list(layer_ids)}, mask {mask_token_id}")
+             f"{list(layer_ids)}, mask {mask_token_id}{objective}{supervision}")
     return {"hash": _sha(json.dumps(shape, sort_keys=True).encode())[:16], "label": label}
 
 

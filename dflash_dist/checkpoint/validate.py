@@ -44,6 +44,8 @@ BOUNDS = {
     "num_feature_layers": 256, "block_size": 4096, "max_position_embeddings": 1 << 24, "sliding_window": 1 << 24,
     "num_experts": 1 << 14, "moe_intermediate_size": 1 << 19,
     "emb_dim": 1 << 16, "gru_hidden_dim": 1 << 16, "pure_draft_prefix_len": 4096,   # a variant's (Domino's)
+    # a variant's sizes (drafter_config.variant_settings: DFlash2's convolutions and selector)
+    "conv_kernel_size": 4096, "conv_group_size": 1 << 16, "selector_rank": 1 << 14, "selector_top_k": 1 << 14,
 }
 MAX_LAYER_ID = 4096
 CHECKPOINT_FILES = ("model.safetensors", "optimizer.pt")
@@ -248,6 +250,17 @@ def _drafter_settings(file, field, v):
     loss = v.get("loss", {})
     _obj(file, f"{field}.loss", loss)
     code_name(file, f"{field}.loss.objective", loss.get("objective", "decayed_ce"), OBJECTIVES)
+    for key, choices in (("labels", ("data", "target")), ("kind", ("ce", "kl"))):
+        if loss.get(key, choices[0]) not in choices:
+            raise fail(file, f"{field}.loss.{key}", f"{loss[key]!r}: one of {', '.join(choices)}")
+    top_k = loss.get("kl_top_k", 20)
+    if not (isinstance(top_k, int) and not isinstance(top_k, bool) and 1 <= top_k <= 1024):
+        raise fail(file, f"{field}.loss.kl_top_k", f"{top_k!r}: an integer in 1..1024")
+    if loss.get("weighting", "decay") not in ("decay", "dpace"):
+        raise fail(file, f"{field}.loss.weighting", f"{str(loss.get('weighting'))[:40]!r} is not decay or dpace")
+    alpha = loss.get("dpace_alpha", 0.5)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
+        raise fail(file, f"{field}.loss.dpace_alpha", f"{str(alpha)[:40]} is not a number in (0, 1]")
 
 
 def _identity(file, field, v):

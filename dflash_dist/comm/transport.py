@@ -7,8 +7,9 @@ selected features [tokens, n_layers*H]. On the wire it is three point-to-point s
    receiver learns shape, dtype and kind (and the sample boundaries it needs to build a step) on the host
    without touching a CUDA stream, and gloo aborts on a too-small buffer or silently accepts a wrong one,
    so every payload buffer is allocated from the header, never guessed;
-2. an int64 *meta* tensor (ids, cu_seqlens, tokens, mask) and
-3. the features, both over the *data* group (NCCL on GPU, gloo on CPU).
+2. an int64 *meta* tensor (ids, cu_seqlens, tokens, mask; with the target's labels also their ids [T, k]),
+3. the features and, with a top-k distribution (``drafter.loss.kind=kl``), its probabilities [T, k] fp32, all
+   over the *data* group (NCCL on GPU, gloo on CPU).
 
 Backpressure: a sender keeps at most ``max_in_flight`` unfinished messages per destination and waits on
 the oldest before sending more. Receivers post the next header ahead of the current step and post the
@@ -25,9 +26,8 @@ for its GPU, while it waits on backpressure). NCCL matches the two sides' point-
 pair in posting order, and both sides count the same payloads, so the counter is all they share.
 
 Communication streams (``Channel(comm_stream=True)``, CUDA): an experiment that measured no gain in a job (2x H200,
-target-bound 1 + 1 job: 30.51 vs 31.42 samples/s), so no job setting reaches it; ``bench/transport_check.py`` exercises it.
-NCCL starts an operation only after the work queued on the
-stream it is posted from. Posted from the compute stream, a drafter's receive began on its GPU only after the
+target-bound 1 + 1 job: 30.51 vs 31.42 samples/s), so no job setting reaches it; ``bench/transport_check.py`` exercises
+it. NCCL starts an operation only after the work queued on the stream it is posted from. Posted from the compute stream, a drafter's receive began on its GPU only after the
 training step queued before it (a send waiting for it spun on the target's GPU meanwhile), and a staged send
 posted while the target's next capture was queued waited for that capture. So payloads are posted from a stream
 of their own: a send waits only for the event recorded when its features were ready, a receive for nothing;
@@ -48,13 +48,15 @@ import torch
 import torch.distributed as dist
 
 MAGIC = 0x44464C53  # "DFLS"
-HEADER_LEN = 17
+HEADER_LEN = 19
 KIND_DATA, KIND_END, KIND_ERROR = 1, 2, 3
 
 # header slots
 H_MAGIC, H_KIND, H_INDEX, H_NSAMPLES, H_NTOKENS, H_WIDTH, H_DTYPE, H_METALEN, H_SRC, H_ERRLEN = range(10)
 H_STATS = 10  # 10..16: sender statistics (cumulative busy us, wait us, tokens, samples, wall us, MFLOP,
 #              idle-work us: the in-training evaluation run while waiting)
+N_STATS = 7
+H_LABEL_K, H_LABEL_PROBS = 17, 18  # the target's labels: k ids per token (0: none), whether probabilities follow
 
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
@@ -82,6 +84,8 @@ class Message:
     features: torch.Tensor      # [T, F]
     src: int = -1
     sender_stats: list = field(default_factory=list)
+    target_ids: Optional[torch.Tensor] = None    # [T, k] int64: the target's k likeliest next tokens, greedy first
+    target_probs: Optional[torch.Tensor] = None  # [T, k] fp32: their probabilities renormalised over the k
 
     @property
     def num_samples(self) -> int:
@@ -91,10 +95,18 @@ class Message:
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
 
+    @property
+    def label_k(self) -> int:
+        return 0 if self.target_ids is None else int(self.target_ids.shape[1])
+
     def validate(self) -> None:
         n, t = self.sample_ids.numel(), self.input_ids.numel()
         if self.cu_seqlens.numel() != n + 1 or self.loss_mask.numel() != t or self.features.shape[0] != t:
             raise TransportError(f"message {self.index}: inconsistent shapes")
+        ids, probs = self.target_ids, self.target_probs
+        if (ids is not None and (ids.dim() != 2 or ids.shape[0] != t or ids.shape[1] < 1)) or (
+                probs is not None and (ids is None or probs.shape != ids.shape)):
+            raise TransportError(f"message {self.index}: target labels of inconsistent shape")
 
 
 @dataclass
@@ -151,16 +163,28 @@ def _batched(op, tensors, peer: int, group) -> list:
     return dist.batch_isend_irecv([dist.P2POp(op, t, peer, group) for t in tensors])
 
 
-def pack_meta(sample_ids, cu_seqlens, input_ids, loss_mask) -> torch.Tensor:
-    return torch.cat([sample_ids.long(), cu_seqlens.long(), input_ids.long(), loss_mask.long()])
+def meta_len(n: int, t: int, label_k: int = 0) -> int:
+    """Elements of the meta tensor: sample ids, cu_seqlens, token ids, loss mask, the target's label ids."""
+    return 2 * n + 1 + 2 * t + t * label_k
+
+
+def pack_meta(sample_ids, cu_seqlens, input_ids, loss_mask, target_ids=None) -> torch.Tensor:
+    labels = [] if target_ids is None else [target_ids.to(input_ids.device).long().reshape(-1)]
+    return torch.cat([sample_ids.long(), cu_seqlens.long(), input_ids.long(), loss_mask.long()] + labels)
 
 
 def unpack_meta(meta: torch.Tensor, n: int, t: int):
+    """(sample ids, cu_seqlens, token ids, loss mask); the target's label ids after them: ``unpack_labels``."""
     sample_ids = meta[:n]
     cu = meta[n:2 * n + 1]
     ids = meta[2 * n + 1:2 * n + 1 + t]
-    mask = meta[2 * n + 1 + t:].bool()
+    mask = meta[2 * n + 1 + t:2 * n + 1 + 2 * t].bool()
     return sample_ids, cu, ids, mask
+
+
+def unpack_labels(meta: torch.Tensor, n: int, t: int, label_k: int) -> Optional[torch.Tensor]:
+    """The target's label ids [t, label_k] at the end of the meta tensor (None when label_k is 0)."""
+    return meta[meta_len(n, t):].view(t, label_k) if label_k else None
 
 
 RENDEZVOUS_GRACE_S = 0.005  # how long a sender waits, right after a header, for the drafter to post its receive
@@ -301,16 +325,16 @@ class Sender:
     def _header(self, kind: int, index: int = -1, stats=()) -> torch.Tensor:
         h = torch.zeros(HEADER_LEN, dtype=torch.int64)
         h[H_MAGIC], h[H_KIND], h[H_INDEX], h[H_SRC] = MAGIC, kind, index, self.rank
-        for i, v in enumerate(list(stats)[: HEADER_LEN - H_STATS]):
+        for i, v in enumerate(list(stats)[:N_STATS]):
             h[H_STATS + i] = int(v)
         return h
 
     def _post_payload(self, dst: int, out: _Outgoing) -> None:
-        meta, feats, ready = out.staged
+        payload, ready = out.staged[:-1], out.staged[-1]
         if ready is not None:  # the communication stream waits for these features only, not for later captures
             self.ch.stream.wait_event(ready)
         with self.ch.posting():
-            works = _batched(dist.isend, (meta, feats), dst, self.ch.data_group)
+            works = _batched(dist.isend, payload, dst, self.ch.data_group)
         out.works += [(w, self.ch.data_group) for w in works]
         out.staged = None
         self._staged[dst] -= 1
@@ -388,9 +412,13 @@ class Sender:
         h = self._header(KIND_DATA, msg.index, stats)
         n, t = msg.num_samples, msg.num_tokens
         h[H_NSAMPLES], h[H_NTOKENS], h[H_WIDTH] = n, t, feats.shape[1]
-        h[H_DTYPE], h[H_METALEN] = DTYPE_CODES[feats.dtype], 2 * n + 1 + 2 * t
-        meta = pack_meta(msg.sample_ids, msg.cu_seqlens, msg.input_ids, msg.loss_mask).to(self.ch.device)
+        h[H_DTYPE], h[H_METALEN] = DTYPE_CODES[feats.dtype], meta_len(n, t, msg.label_k)
+        h[H_LABEL_K], h[H_LABEL_PROBS] = msg.label_k, int(msg.target_probs is not None)
+        meta = pack_meta(msg.sample_ids, msg.cu_seqlens, msg.input_ids, msg.loss_mask,
+                         msg.target_ids).to(self.ch.device)
         feats = feats.to(self.ch.device)
+        probs = () if msg.target_probs is None else (msg.target_probs.to(self.ch.device, torch.float32).contiguous(),)
+        payload = (meta, feats) + probs
         # cu_seqlens also travel on the host channel right behind the header: the drafter needs them on the host
         # to build the step, and reading them from a device tensor would sync its compute stream every step
         cu_host = msg.cu_seqlens.to("cpu", torch.int64).contiguous()
@@ -398,7 +426,7 @@ class Sender:
         works = [(dist.isend(h, dst, group=ctrl), ctrl), (dist.isend(cu_host, dst, group=ctrl), ctrl)]
         t0 = time.monotonic()
         ready = torch.cuda.current_stream(self.ch.device).record_event() if self.ch.stream is not None else None
-        out = _Outgoing(works, (h, cu_host, meta, feats), staged=(meta, feats, ready))
+        out = _Outgoing(works, (h, cu_host) + payload, staged=payload + (ready,))
         self._inflight[dst].append(out)
         self._staged[dst] = self._staged.get(dst, 0) + 1
         if self.ch.store is None:
@@ -408,7 +436,7 @@ class Sender:
             # than after this rank's next forward (whose launch can take tens of ms of host time)
             self._await_receive(dst, out, grace_s=RENDEZVOUS_GRACE_S)
             self.wait_s += time.monotonic() - t0
-        self.bytes_sent += meta.numel() * 8 + feats.numel() * feats.element_size()
+        self.bytes_sent += sum(p.numel() * p.element_size() for p in payload)
 
     def send_end(self, dst: int, stats=()) -> None:
         self._throttle(dst, self.max_in_flight)
@@ -455,7 +483,7 @@ class PendingMessage:
         h = self.header.tolist()
         if h[H_MAGIC] != MAGIC:
             raise TransportError(f"bad header from rank {self.src}: {h}")
-        kind, stats = h[H_KIND], h[H_STATS:]
+        kind, stats = h[H_KIND], h[H_STATS:H_STATS + N_STATS]
         ch = self.rx.ch
         if kind == KIND_END:
             self.result = EndOfStream(self.src, stats)
@@ -472,18 +500,22 @@ class PendingMessage:
                                  f"the routing schedules of target and drafter disagree")
         if h[H_DTYPE] not in CODE_DTYPES:
             raise TransportError(f"rank {self.src}: unknown dtype code {h[H_DTYPE]}")
-        n, t, width = h[H_NSAMPLES], h[H_NTOKENS], h[H_WIDTH]
-        if h[H_METALEN] != 2 * n + 1 + 2 * t:
-            raise TransportError(f"rank {self.src}: header meta length {h[H_METALEN]} != {2 * n + 1 + 2 * t}")
+        n, t, width, label_k = h[H_NSAMPLES], h[H_NTOKENS], h[H_WIDTH], h[H_LABEL_K]
+        if label_k < 0 or h[H_METALEN] != meta_len(n, t, label_k) or (h[H_LABEL_PROBS] and not label_k):
+            raise TransportError(f"rank {self.src}: header meta length {h[H_METALEN]} != "
+                                 f"{meta_len(n, t, max(label_k, 0))} (or label probabilities without label ids)")
         self.cu_host = torch.empty(n + 1, dtype=torch.int64)
         self.cu_work = dist.irecv(self.cu_host, self.src, group=ch.ctrl_group)  # right behind the header
         with ch.posting():  # a receive posted from the compute stream would start after the queued step
             meta = torch.empty(h[H_METALEN], dtype=torch.int64, device=ch.device)
             feats = torch.empty((t, width), dtype=CODE_DTYPES[h[H_DTYPE]], device=ch.device)
-            works = _batched(dist.irecv, (meta, feats), self.src, ch.data_group)
+            bufs = (meta, feats)
+            if h[H_LABEL_PROBS]:
+                bufs += (torch.empty((t, label_k), dtype=torch.float32, device=ch.device),)
+            works = _batched(dist.irecv, bufs, self.src, ch.data_group)
         if ch.store is not None:  # rendezvous: the sender posts this payload once it reads the new count
             ch.store.add(posted_key(self.src, self.rx.rank), 1)
-        self.payload = (h, meta, feats, works)
+        self.payload = (h, bufs, works)
 
     def complete(self):
         """Block until the whole message is here; returns Message or EndOfStream, raises RemoteError."""
@@ -495,7 +527,8 @@ class PendingMessage:
             self._on_header()
             if self.result is not None:
                 return self.result
-        h, meta, feats, works = self.payload
+        h, bufs, works = self.payload
+        meta, feats = bufs[:2]
         self.rx.ch.wait(self.cu_work, f"cu_seqlens of message {h[H_INDEX]} from rank {self.src}",
                         group=self.rx.ch.ctrl_group)
         for w in works:
@@ -504,12 +537,15 @@ class PendingMessage:
         if self.rx.ch.stream is not None:
             # allocated on the communication stream, read on this one: not reusable before this stream's reads
             compute = torch.cuda.current_stream(self.rx.ch.device)
-            meta.record_stream(compute)
-            feats.record_stream(compute)
+            for b in bufs:
+                b.record_stream(compute)
         n, t = h[H_NSAMPLES], h[H_NTOKENS]
         sample_ids, _, ids, mask = unpack_meta(meta, n, t)
-        self.result = Message(h[H_INDEX], sample_ids, self.cu_host, ids, mask, feats, self.src, h[H_STATS:])
-        self.rx.bytes_received += meta.numel() * 8 + feats.numel() * feats.element_size()
+        labels = unpack_labels(meta, n, t, h[H_LABEL_K])
+        probs = bufs[2] if len(bufs) > 2 else None
+        self.result = Message(h[H_INDEX], sample_ids, self.cu_host, ids, mask, feats, self.src,
+                              h[H_STATS:H_STATS + N_STATS], target_ids=labels, target_probs=probs)
+        self.rx.bytes_received += sum(b.numel() * b.element_size() for b in bufs)
         return self.result
 
 

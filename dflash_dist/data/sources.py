@@ -35,6 +35,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Iterable, Iterator, Optional
 
 from dflash_dist.data.conversations import (
+    PACKAGED_SOURCES,
     BadDataStats,
     DataError,
     builtin_conversations,
@@ -207,8 +208,8 @@ def _kind(path: str) -> Optional[str]:
 def iter_conversations(source: str, stats: BadDataStats) -> Iterator[dict]:
     """Valid conversations of ``source`` one at a time (each with ``source = "<location>"``, except builtin);
     bad rows counted in ``stats``. Raises DataError for a source that does not exist or cannot be read."""
-    if source == "builtin":
-        yield from builtin_conversations()
+    if source in PACKAGED_SOURCES:
+        yield from builtin_conversations(source)
         return
     if not os.path.exists(source):
         raise DataError(f"data.source={source!r}: no such file or directory (builtin, a .jsonl/.json/.parquet/"
@@ -323,7 +324,7 @@ def parse_template_kwargs(value: Optional[str]) -> Optional[dict]:
 
 def no_usable_data(source: str, stats: BadDataStats) -> DataError:
     """The one message of a source without a single usable conversation: the file, its rows and why."""
-    what = "the packaged corpus" if source == "builtin" else f"data.source={source}"
+    what = "the packaged corpus" if source in PACKAGED_SOURCES else f"data.source={source}"
     return DataError(f"{what}: no usable conversation in {stats.total} row(s); fix the file or point data.source "
                      f"at another one\n{stats.summary()}")
 

@@ -30,7 +30,7 @@ from dflash_dist.drafter.compile_guard import (
     plan_step_lengths,
     precompile_steps,
 )
-from dflash_dist.model.blocks import make_batch, split_anchors
+from dflash_dist.model.blocks import make_batch, split_anchors, target_labels
 from dflash_dist.model.hf import load_head_from_checkpoint, resolve_dtype, resolve_source, text_config
 from dflash_dist.model.loss import LossParts
 from dflash_dist.model.masks import dense_mask, flex_block_mask, layer_masks, visible_pairs
@@ -105,6 +105,7 @@ class DrafterTrainer:
         # objective's, the variant's loss terms, and the step's own
         slots = dict(self.objective.stat_slots())
         slots.update({name: 1 for name in self._loss_term_names()})
+        slots.update(self.model.stat_slots())
         slots.update({"grad_norm": 1, "steps": 1, "model_flops": 1, "nonfinite_by_target": self.topo.num_replicas})
         self.stats = StepStats(slots, self.device)
         self.nonfinite_by_target = [0] * self.topo.num_replicas
@@ -159,7 +160,8 @@ class DrafterTrainer:
         else:
             ids, mask, cu, feats = msg.input_ids, msg.loss_mask, msg.cu_seqlens, msg.features
         batch = make_batch(ids, mask, cu, feats, num_anchors=cfg.num_anchors, block_size=self.block_size,
-                           mask_token_id=self.job.mask_token_id, ctx_bucket=cfg.tuning.ctx_bucket, generator=gen)
+                           mask_token_id=self.job.mask_token_id, ctx_bucket=cfg.tuning.ctx_bucket, generator=gen,
+                           **target_labels(self.spec.loss, msg, ids.numel()))
         bad = ~torch.isfinite(batch.features).flatten(1).all(1)                        # [b]
         batch.features = torch.nan_to_num(batch.features, nan=0.0, posinf=0.0, neginf=0.0)
         batch.labels = batch.labels.masked_fill(bad[:, None], -100)
@@ -215,13 +217,21 @@ class DrafterTrainer:
                             out.append(self.heads.request(batch.src, batch.index, hidden, group.labels))
                     else:
                         with phase(f"group{i} loss"):
-                            out.append(self.objective.loss(hidden, self.lm_head, group.labels))
+                            soft = () if group.soft is None else (group.soft,)  # drafter.loss.kind=kl
+                            out.append(self.objective.loss(hidden, self.lm_head, group.labels, *soft))
                     self.model.set_context(group=group, embed=self.embed, objective=self.objective, step=self.step,
                                            total_steps=self.cfg.train.max_steps)
-                    terms = self.model.loss_terms(hidden, group.labels, self.lm_head)
+                    terms = self.model.loss_terms(hidden, group.labels, self.lm_head, block_ids=group.block_ids,
+                                                  row_weights=self._row_weights(hidden, group.labels))
                     if terms:  # a variant's own losses, named; a served group's are added once its reply is in
                         out[-1] = (out[-1], terms)
         return out
+
+    def _row_weights(self, hidden, labels):
+        """The objective's detached weights of the loss rows, for a variant's own terms (None: it has none)."""
+        if not self._loss_term_names():
+            return None
+        return self.objective.rows(hidden.detach(), labels)[2].detach()
 
     def _loss_term_names(self) -> list:
         """The names of the variant's loss terms (``DFlashDrafter.loss_terms``), declared by the model class."""
@@ -237,7 +247,7 @@ class DrafterTrainer:
         group, terms = group if isinstance(group, tuple) else (group, {})
         part = group if isinstance(group, LossParts) else self.heads.complete(group, src)
         if terms:
-            part.loss_sum = part.loss_sum + sum(terms.values())
+            part.loss_sum = part.loss_sum + sum(terms[name] for name in self._loss_term_names())
             part.extra = dict(terms)
         return part
 
@@ -284,7 +294,8 @@ class DrafterTrainer:
             sup = torch.ones(t, dtype=torch.bool, device=self.device)
             feats = torch.zeros(t, self.feature_width, dtype=self.lm_head.dtype, device=self.device)
             batch = make_batch(ids, sup, cu, feats, num_anchors=dc.num_anchors, block_size=self.block_size,
-                               mask_token_id=self.job.mask_token_id, ctx_bucket=dc.tuning.ctx_bucket, generator=gen)
+                               mask_token_id=self.job.mask_token_id, ctx_bucket=dc.tuning.ctx_bucket, generator=gen,
+                               **target_labels(self.spec.loss, None, t, ids))
             no_sync = self.ddp.no_sync() if self.ddp is not self.model else contextlib.nullcontext()
             guard = self.guard.step(batch_shape(batch)) if self.guard is not None else contextlib.nullcontext()
             with guard, no_sync:
@@ -298,6 +309,11 @@ class DrafterTrainer:
         return self.precompile_s
 
     def _train_step(self, batch) -> None:
+        """Forward of every group, one all-reduce of the step's weight sum over the drafter ranks, then backward
+        with each loss sum scaled num_drafters / that sum (DDP averages over the ranks): every objective is
+        normalised by the weight sum of the whole step, so the update does not depend on how its samples are split
+        over ranks and micro-batches. An objective whose weights come from its own forward (D-PACE) knows them when
+        the group's loss is computed, so the order costs it nothing more."""
         cfg = self.cfg
         mult = cosine_lr(self.cursor, self.job.total_messages, cfg.train.warmup_ratio, cfg.train.min_lr_ratio)
         for g in self.opt.param_groups:
@@ -367,6 +383,7 @@ class DrafterTrainer:
         wsum = max(v["weight_sum"][0], 1e-9) if "weight_sum" in v else 1.0
         for name in self._loss_term_names():
             out[f"loss_{name}"] = v[name][0] / wsum
+        out.update(self.model.window_metrics(v))
         out["skipped_nonfinite"] = sum(bad)
         return out
 

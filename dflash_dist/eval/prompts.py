@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence
 
 from dflash_dist.config import ConfigError, DataConfig, TargetConfig
 from dflash_dist.data.batching import holdout_size, split_holdout
-from dflash_dist.data.conversations import BadDataStats, builtin_conversations
+from dflash_dist.data.conversations import PACKAGED_SOURCES, BadDataStats, builtin_conversations
 from dflash_dist.data.sources import read_conversations
 
 log = logging.getLogger("dflash_dist")
@@ -119,8 +119,8 @@ def holdout_conversations(data_cfg: DataConfig) -> list[dict]:
     """The held-out conversations of a training run with this data section (same source, same split)."""
     if data_cfg.holdout <= 0:
         raise ConfigError("the run kept no held-out conversations (data.holdout=0): pass --prompts FILE")
-    if data_cfg.source == "builtin":
-        convs = builtin_conversations()
+    if data_cfg.source in PACKAGED_SOURCES:
+        convs = builtin_conversations(data_cfg.source)
     else:
         if not os.path.exists(data_cfg.source):
             raise ConfigError(f"data.source={data_cfg.source!r} of the run is not here: pass --prompts FILE")

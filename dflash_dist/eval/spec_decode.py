@@ -88,7 +88,8 @@ def make_dflash_draft_fn(drafter: nn.Module, embed: Tensor, lm_head: Tensor) -> 
         finally:
             model.backend = saved
         model.set_context(block_ids=block_ids, embed=embed)
-        return model.propose(hidden, lm_head)[0]  # the variant's proposal step (DFlash: argmax of the logits)
+        # the variant's proposal step (DFlash: argmax of the logits; DFlash2: the selector's walk from the anchor)
+        return model.propose(hidden, lm_head, block_ids[:, 0])[0]
 
     return draft
 

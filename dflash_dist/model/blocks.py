@@ -5,6 +5,11 @@ predicts ``input_ids[a+k]`` at its own position (no shift: the block is denoised
 where the drafter proposes tokens a+1..a+B-1 after the verified token a). Slot 0 is the known anchor token
 and never carries a loss.
 
+With the target's own labels (``drafter.loss.labels=target``) slot k is supervised with the target's greedy next
+token after position a+k-1 given the true prefix, ``target_ids[a+k-1]``, in place of ``input_ids[a+k]`` (the same
+slots carry a loss: those whose token a+k is supervised). ``drafter.loss.kind=kl`` also gathers the target's
+top-k distribution there (``soft_ids`` / ``soft_probs``).
+
 Shapes are static (N blocks per sample, context padded to a multiple of ``ctx_bucket``) so compiled kernels
 see few distinct shapes; samples with fewer candidate anchors get padding blocks (valid=False, anchor 0).
 """
@@ -18,7 +23,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["DrafterBatch", "sample_anchors", "make_batch", "split_anchors", "IGNORE_INDEX"]
+__all__ = ["DrafterBatch", "sample_anchors", "make_batch", "split_anchors", "target_labels", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
 
@@ -39,6 +44,13 @@ class DrafterBatch:
     num_tokens: int          # real (unpadded) context tokens in the step, sum of sample lengths
     src: Optional[int] = None  # the target rank whose message this is (None: a dry step); loss_on_target asks it
     index: int = -1            # that message's plan index
+    soft_ids: Optional[Tensor] = None    # [b, Q, k] long: the target's top-k next tokens at each slot (kind=kl)
+    soft_probs: Optional[Tensor] = None  # [b, Q, k] fp32: their probabilities, renormalised over the k
+
+    @property
+    def soft(self) -> Optional[tuple[Tensor, Tensor]]:
+        """(soft_ids, soft_probs), or None without a target distribution."""
+        return None if self.soft_ids is None else (self.soft_ids, self.soft_probs)
 
     @property
     def ctx_len(self) -> int:
@@ -61,11 +73,32 @@ def split_anchors(batch: DrafterBatch, groups: int) -> list[DrafterBatch]:
         rows, blocks = slice(i * q, (i + 1) * q), slice(i * nb, (i + 1) * nb)
         part = {name: getattr(batch, name)[:, rows].contiguous() for name in ("block_ids", "block_positions", "labels",
                                                                       "block_tokens")}
+        if batch.soft_ids is not None:
+            part.update({name: getattr(batch, name)[:, rows].contiguous() for name in ("soft_ids", "soft_probs")})
         part.update({name: getattr(batch, name)[:, blocks].contiguous() for name in ("anchors", "valid")})
         out.append(DrafterBatch(features=batch.features, ctx_positions=batch.ctx_positions, **part,
                                 num_samples=batch.num_samples,
                                 num_tokens=batch.num_tokens, src=batch.src, index=batch.index))
     return out
+
+
+def target_labels(loss, msg, tokens: int, dry_ids: Optional[Tensor] = None) -> dict:
+    """``make_batch``'s target_ids / target_probs for a step under the loss settings ``loss`` (model/spec.LossSpec):
+    nothing with the data's labels; else the message's (``msg`` None: an empty batch of ``tokens`` = 0 rows, or a
+    dry step whose ``dry_ids`` [T] stand for the target's tokens, with a uniform distribution for kind=kl)."""
+    if loss.labels != "target":
+        return {}
+    kl = loss.kind == "kl"
+    k = loss.kl_top_k if kl else 1
+    if msg is not None:
+        if msg.target_ids is None or (kl and msg.target_probs is None) or msg.target_ids.shape[1] != k:
+            raise RuntimeError(f"message {msg.index} from rank {msg.src} carries no target labels of {k} token(s) "
+                               f"per position, but drafter.loss.labels=target, kind={loss.kind}")
+        return {"target_ids": msg.target_ids, "target_probs": msg.target_probs}
+    ids = torch.stack([dry_ids.roll(j) for j in range(k)], 1) if dry_ids is not None else \
+        torch.zeros(tokens, k, dtype=torch.long)
+    probs = torch.full(ids.shape, 1.0 / k, device=ids.device) if kl else None
+    return {"target_ids": ids, "target_probs": probs}
 
 
 def to_device_async(t: Tensor, dev: torch.device) -> Tensor:
@@ -109,8 +142,8 @@ def sample_anchors(loss_mask: Tensor, num_anchors: int, generator: Optional[torc
 
 
 def make_batch(input_ids: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, features: Tensor, *, num_anchors: int,
-               block_size: int, mask_token_id: int, ctx_bucket: int, generator: Optional[torch.Generator]
-               ) -> DrafterBatch:
+               block_size: int, mask_token_id: int, ctx_bucket: int, generator: Optional[torch.Generator],
+               target_ids: Optional[Tensor] = None, target_probs: Optional[Tensor] = None) -> DrafterBatch:
     """Build one step from packed samples.
 
     input_ids [T] long, loss_mask [T] bool (True on supervised tokens), cu_seqlens [b+1] long (sample i is
@@ -118,6 +151,8 @@ def make_batch(input_ids: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, feature
     One host read of cu_seqlens; the per-sample loop only copies slices, everything else is batched. No host
     sync on CUDA: the anchors' random keys (drawn on a CPU generator, as on CPU) and the lengths reach the
     device in one pinned, non-blocking copy each.
+    ``target_ids`` [T, k] (column 0 the target's greedy next token at each position): the labels are the
+    target's (module docstring); with ``target_probs`` [T, k] the batch carries the top-k distribution per slot.
     """
     dev = features.device
     bsz = block_size
@@ -133,6 +168,8 @@ def make_batch(input_ids: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, feature
     loss_mask = loss_mask.to(dev).bool()
 
     feats = features.new_zeros(b, s_pad, features.shape[-1])
+    nxt = None if target_ids is None else _per_sample(target_ids.to(dev), cu, s_pad)              # [b, s_pad, k]
+    nxt_p = None if target_probs is None else _per_sample(target_probs.to(dev).float(), cu, s_pad)
     ids = torch.zeros(b, s_pad, dtype=torch.long, device=dev)
     sup = torch.zeros(b, s_pad, dtype=torch.bool, device=dev)
     anchors = torch.empty(b, num_anchors, dtype=torch.long, device=dev)
@@ -156,7 +193,17 @@ def make_batch(input_ids: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, feature
     tok_sup = sup.gather(1, flat).view_as(pos)
     in_sample = pos < to_device_async(torch.tensor(lens), dev)[:, None, None]
     has_label = in_sample & tok_sup & valid[:, :, None] & (offs >= 1)
-    labels = torch.where(has_label, tok, torch.full_like(tok, IGNORE_INDEX))
+    soft_ids = soft_probs = None
+    target = tok  # what each slot is supervised with; block_tokens stay the sequence's (teacher forcing)
+    if nxt is not None:
+        # slot k >= 1 at position a+k: the target's prediction made at a+k-1 (slot 0 is never supervised)
+        prev = (flat - 1).clamp(min=0)[:, :, None].expand(-1, -1, nxt.shape[-1])
+        tops = nxt.gather(1, prev).view(*pos.shape, -1)                                  # [b, N, B, k]
+        target = torch.where(offs >= 1, tops[..., 0], tok)
+        if nxt_p is not None:
+            soft_ids = tops.reshape(b, -1, tops.shape[-1])
+            soft_probs = nxt_p.gather(1, prev).reshape(b, -1, tops.shape[-1])
+    labels = torch.where(has_label, target, torch.full_like(tok, IGNORE_INDEX))
 
     block_ids = torch.full_like(tok, int(mask_token_id))
     block_ids[:, :, 0] = torch.where(valid, tok[:, :, 0], block_ids[:, :, 0])
@@ -172,4 +219,14 @@ def make_batch(input_ids: Tensor, loss_mask: Tensor, cu_seqlens: Tensor, feature
         valid=valid,
         num_samples=b,
         num_tokens=cu[-1] - cu[0],
+        soft_ids=soft_ids,
+        soft_probs=soft_probs,
     )
+
+
+def _per_sample(rows: Tensor, cu: list, s_pad: int) -> Tensor:
+    """Packed per-token rows [T, k] -> [b, s_pad, k], zero past each sample's length."""
+    out = rows.new_zeros(len(cu) - 1, s_pad, rows.shape[-1])
+    for i, (lo, hi) in enumerate(zip(cu[:-1], cu[1:])):
+        out[i, :hi - lo] = rows[lo:hi]
+    return out

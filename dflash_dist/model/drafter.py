@@ -82,8 +82,7 @@ class DrafterModelConfig:
     # transformers 5 rope_parameters of the drafter (rope_type, rope_theta, scaling fields; model/rope.py);
     # None: default RoPE with rope_theta (checkpoints written before RoPE scaling was supported)
     rope_parameters: Optional[dict] = None
-    # a variant's own settings (the drafter.* section its class names in ``settings_key``, e.g. drafter.domino);
-    # None: the variant has none, or takes its defaults
+    # a variant's own settings (its ``model_settings``: e.g. drafter.domino, drafter.dflash2); None: it has none
     variant_settings: Optional[dict] = None
 
     def __post_init__(self) -> None:
@@ -309,9 +308,9 @@ class DFlashDrafter(nn.Module):
         """Final hidden states [b, Q, H] from the last layer's output."""
         return self.norm(h)
 
-    def propose(self, hidden: Tensor, lm_head: Tensor) -> Tensor:
-        """A block's proposals [b, B-1] from its final hidden states [b, B, H] and the target head [V, H]:
-        DFlash proposes the argmax of the unary logits of slots 1..B-1."""
+    def propose(self, hidden: Tensor, lm_head: Tensor, anchor_ids: Optional[Tensor] = None) -> Tensor:
+        """A block's proposals [b, B-1] from its final hidden states [b, B, H], the target head [V, H] and the
+        anchor tokens [b]: DFlash proposes the argmax of the unary logits of slots 1..B-1."""
         head = lm_head.to(hidden.device)
         return F.linear(hidden[:, 1:].to(head.dtype), head).argmax(-1)
 
@@ -321,9 +320,20 @@ class DFlashDrafter(nn.Module):
         ``step`` (optimizer steps taken) and ``total_steps``; evaluation passes ``block_ids`` and ``embed``."""
         self.context = context
 
-    def loss_terms(self, hidden: Tensor, labels: Tensor, lm_head: Tensor) -> dict:
-        """A variant's own loss sums {name: fp32 scalar with its graph} for a group (hidden [b, N*B, H], labels
-        [b, N*B]); added to the objective's loss sum and normalised with it, each a named statistic. DFlash: none."""
+    def loss_terms(self, hidden: Tensor, labels: Tensor, lm_head: Tensor, block_ids: Optional[Tensor] = None,
+                   row_weights: Optional[Tensor] = None) -> dict:
+        """A variant's own loss sums {name: fp32 scalar with its graph} for a group (hidden [b, N*B, H], labels and
+        block_ids [b, N*B], row_weights: the objective's detached weights of slots 1..B-1 in block order); those
+        named in ``loss_term_names`` are added to the objective's loss sum and normalised with it, the others are
+        statistics of ``stat_slots``. DFlash: none."""
+        return {}
+
+    def stat_slots(self) -> dict:
+        """Named statistics (name -> size) of ``loss_terms`` beyond the loss terms; DFlash: none."""
+        return {}
+
+    def window_metrics(self, sums: dict) -> dict:
+        """Logged metrics from a window's all-reduced sums of the statistics; DFlash: none."""
         return {}
 
     def configure_compile(self, flex_dynamic: bool = False, compile_layers: bool = False,

@@ -21,6 +21,7 @@ chunks and at most one chunk of logits is alive at a time. Two ways, same number
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -45,13 +46,18 @@ def slot_weights(block_size: int, gamma: float, device=None) -> Tensor:
 @dataclass
 class LossParts:
     """Weighted CE sum (carries grad), weight sum, per-slot correct / label counts [B] (int64, no grad);
-    ``extra``: a variant's own loss terms by name (sums, already included in ``loss_sum``), for its statistics."""
+    ``extra``: a variant's own loss terms by name (sums, already included in ``loss_sum``), for its statistics;
+    ``stats``: the objective's own statistics by name (sums, device tensors; ``Objective.stats`` reads them);
+    ``row_weights``: the detached weight of each loss row of one group (``weighted_rows`` order), for a variant's
+    loss term weighted like the base loss (None once several groups are summed)."""
 
     loss_sum: Tensor
     weight_sum: Tensor
     slot_correct: Tensor
     slot_count: Tensor
     extra: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)
+    row_weights: Optional[Tensor] = None
 
     @staticmethod
     def total(parts: list["LossParts"]) -> "LossParts":
@@ -59,8 +65,10 @@ class LossParts:
         if len(parts) == 1:
             return parts[0]
         extra = {k: sum(p.extra[k] for p in parts) for k in parts[0].extra}
+        stats = {k: sum(p.stats[k] for p in parts) for k in parts[0].stats}
         return LossParts(*(sum(getattr(p, f) for p in parts)
-                           for f in ("loss_sum", "weight_sum", "slot_correct", "slot_count")), extra=extra)
+                           for f in ("loss_sum", "weight_sum", "slot_correct", "slot_count")), extra=extra,
+                         stats=stats)
 
     def loss(self) -> Tensor:
         """Local normalisation, sum(w*CE)/sum(w) (0 when nothing is supervised)."""
@@ -77,16 +85,16 @@ def _chunk_ce(h: Tensor, weight: Tensor, labels: Tensor, w: Tensor) -> tuple[Ten
 
 
 def _ce_stats(lf: Tensor, y: Tensor, wt: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """fp32 logits [r, V] -> (weighted CE sum, argmax, logsumexp, labels with ignored rows at 0)."""
+    """fp32 logits [r, V] -> (weighted CE of each row [r], argmax, logsumexp, labels with ignored rows at 0)."""
     pred = lf.argmax(-1)
     lse = torch.logsumexp(lf, dim=-1)
     y_safe = y.clamp_min(0)
     picked = lf.gather(1, y_safe[:, None]).squeeze(1)
-    return ((lse - picked) * wt).sum(), pred, lse, y_safe                    # wt is 0 where y is ignored
+    return (lse - picked) * wt, pred, lse, y_safe                    # wt is 0 where y is ignored
 
 
 def _ce_and_logit_grad_eager(logits: Tensor, y: Tensor, wt: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """One chunk's (weighted CE sum, argmax, d(sum w*CE)/d logits = w * (softmax - onehot) in the logits' dtype).
+    """One chunk's (weighted CE of each row, argmax, d(sum w*CE)/d logits = w * (softmax - onehot) in the logits' dtype).
     Eager: fp32 copy of the logits, then in place over it (one [r, V] fp32 buffer alive)."""
     lf = logits.float()                                                         # [r, V]
     loss, pred, lse, y_safe = _ce_stats(lf, y, wt)
@@ -118,11 +126,13 @@ def _chunks(rows: int, chunk_rows: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def frozen_head_ce(h: Tensor, weight: Tensor, labels: Tensor, w: Tensor, chunk_rows: int, compiled: bool
-                   ) -> tuple[Tensor, Tensor, Tensor]:
+def frozen_head_ce(h: Tensor, weight: Tensor, labels: Tensor, w: Tensor, chunk_rows: int, compiled: bool,
+                   per_row: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Weighted CE sum of rows ``h`` [R, H] through a frozen head [V, H], chunk by chunk: (loss sum fp32 [],
     argmax [R], d(loss sum)/dh [R, H] in the head's dtype). No autograd; what the drafter's fused loss runs,
-    and what a target rank runs for it with ``drafter.tuning.loss_on_target`` (head_offload.py)."""
+    and what a target rank runs for it with ``drafter.tuning.loss_on_target`` (head_offload.py). ``per_row``:
+    the weighted CE of each row [R] instead of their sum (an objective whose weights depend on the CE,
+    D-PACE, weights the rows afterwards: the gradient of each row is linear in its weight)."""
     hc = h.to(weight.dtype)
     grad_h = torch.empty_like(hc)
     sums, preds = [], []
@@ -130,11 +140,14 @@ def frozen_head_ce(h: Tensor, weight: Tensor, labels: Tensor, w: Tensor, chunk_r
     for lo, hi in _chunks(hc.shape[0], chunk_rows):
         logits = hc[lo:hi] @ weight.t()                                         # [r, V], the head's dtype
         loss, pred, g = chunk_fn(logits, labels[lo:hi], w[lo:hi])
-        sums.append(loss)
+        sums.append(loss if per_row else loss.sum())
         preds.append(pred)
         grad_h[lo:hi] = g @ weight
         del logits, g
-    loss_sum = torch.stack(sums).sum() if sums else h.new_zeros((), dtype=torch.float32)
+    if per_row:
+        loss_sum = torch.cat(sums) if sums else h.new_zeros((0,), dtype=torch.float32)
+    else:
+        loss_sum = torch.stack(sums).sum() if sums else h.new_zeros((), dtype=torch.float32)
     pred = torch.cat(preds) if preds else labels.clone()
     return loss_sum, pred, grad_h
 
@@ -164,7 +177,7 @@ def decayed_ce(hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, block_siz
 
 
 def weighted_ce(hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, slot_w: Tensor, chunk_rows: int,
-                mode: str = "auto", compiled: bool = False) -> LossParts:
+                mode: str = "auto", compiled: bool = False, rows_w: Optional[Tensor] = None) -> LossParts:
     """Slot-weighted cross-entropy of drafter outputs through the (frozen) target lm_head; ``slot_w`` [B] fp32 on
     the labels' device (slot 0 is never supervised).
 
@@ -174,9 +187,11 @@ def weighted_ce(hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, slot_w: 
     ``mode``: fused, checkpoint, or auto (fused when the head is frozen and hidden needs
     a gradient; see the module docstring). ``compiled``: the fused path's per-chunk softmax/CE/gradient runs
     through torch.compile (``drafter.tuning.compile_loss``; same math as the eager chain, fewer passes over the logits).
+    ``rows_w``: the weight of each loss row (``weighted_rows`` order) instead of its slot's.
     """
     block_size = slot_w.numel()
-    rows_h, rows_y, rows_w = weighted_rows(hidden, labels, slot_w)
+    rows_h, rows_y, slot_rows_w = weighted_rows(hidden, labels, slot_w)
+    rows_w = slot_rows_w if rows_w is None else rows_w
     if mode not in ("auto", "fused", "checkpoint"):
         raise ValueError(f"mode={mode!r}: use auto, fused or checkpoint")
     grad = torch.is_grad_enabled() and (hidden.requires_grad or lm_head_weight.requires_grad)
@@ -249,4 +264,5 @@ def slot_stats(loss_sum: Tensor, pred: Tensor, rows_y: Tensor, rows_w: Tensor, b
         slot_correct = torch.cat([zero, correct.long()])
         slot_count = torch.cat([zero, count.long()])
         weight_sum = rows_w.sum()
-    return LossParts(loss_sum=loss_sum, weight_sum=weight_sum, slot_correct=slot_correct, slot_count=slot_count)
+    return LossParts(loss_sum=loss_sum, weight_sum=weight_sum, slot_correct=slot_correct, slot_count=slot_count,
+                     row_weights=rows_w.detach())

@@ -27,6 +27,16 @@ class LossSpec:
     """Rows of the vocab projection at once (``drafter.tuning.loss_chunk_rows``)."""
     compiled: bool
     """The fused loss's chunk math through torch.compile (``drafter.tuning.compile_loss``; None meant flex)."""
+    labels: str = "data"
+    """``drafter.loss.labels``: data or target (a checkpoint written before it: data)."""
+    kind: str = "ce"
+    """``drafter.loss.kind``: ce or kl."""
+    kl_top_k: int = 20
+    """``drafter.loss.kl_top_k``."""
+    weighting: str = "decay"
+    """``drafter.loss.weighting``: decay or dpace."""
+    dpace_alpha: float = 0.5
+    """``drafter.loss.dpace_alpha``."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +71,11 @@ class DrafterSpec:
     def make_objective(self):
         """The objective object (model/objectives/), built for this drafter."""
         from dflash_dist.model.objectives import objective_class
-        return objective_class(self.loss.objective)(self)
+        objective = objective_class(self.loss.objective)(self)
+        if self.loss.kind == "kl":  # the objective's slot weights, KL to the target's distribution in place of CE
+            from dflash_dist.model.objectives.distill import DistillKL
+            return DistillKL(self, objective)
+        return objective
 
     def build_model(self, backend: Optional[str] = None):
         """The variant's module on the CPU, for ``backend`` (default: the training backend), compile flags not
@@ -87,8 +101,7 @@ def resolve_drafter(dc: DrafterConfig, hf_config: Any, num_feature_layers: int, 
                                            block_size=dc.block_size, intermediate_size=dc.intermediate_size,
                                            layer_types=dc.layer_types, sliding_window=dc.sliding_window)
     from dflash_dist.model.variants import variant_class
-    key = getattr(variant_class(str(dc.variant)), "settings_key", None)   # e.g. drafter.domino
-    model.variant_settings = asdict(getattr(dc, key)) if key else None
+    model.variant_settings = variant_class(str(dc.variant))().model_settings(dc, model)
     backend = drafter_backend(dc, device_type)
     flex = backend == "flex"
     t = dc.tuning
@@ -98,7 +111,9 @@ def resolve_drafter(dc: DrafterConfig, hf_config: Any, num_feature_layers: int, 
         compile_layers=flex if t.compile_layers is None else bool(t.compile_layers),
         flex_kernel_options=dict(t.flex_kernel_options) if t.flex_kernel_options else None,
         loss=LossSpec(objective=str(dc.loss.objective), gamma=dc.loss.gamma, chunk_rows=int(t.loss_chunk_rows),
-                      compiled=flex if t.compile_loss is None else bool(t.compile_loss)))
+                      compiled=flex if t.compile_loss is None else bool(t.compile_loss),
+                      labels=str(dc.loss.labels), kind=str(dc.loss.kind), kl_top_k=int(dc.loss.kl_top_k),
+                      weighting=str(dc.loss.weighting), dpace_alpha=float(dc.loss.dpace_alpha)))
     spec.variant_impl()   # an unknown variant or objective is refused here, before any model loads
     spec.make_objective()
     return spec

@@ -259,6 +259,7 @@ class FeatureCapture:
         self.packing, self.compile = bool(packing), bool(compile)
         run = list(self.layers)[: self.last + 1]
         self.attention_layers_run = sum(1 for layer in run if hasattr(layer, "self_attn"))
+        self.attention_layers_total = sum(1 for layer in self.layers if hasattr(layer, "self_attn"))
         family = family_for(model.config)  # its sliding windows and sink logits, as the attention layers pass them
         self.windows = family.sliding_windows(text_config(model.config), list(self.layers))
         self.sinks = family.attention_sinks(list(self.layers))
@@ -282,6 +283,7 @@ class FeatureCapture:
         # HF's last hidden state is taken after the final norm; keep that convention for id L-1.
         self.norm_last = (self.last == self.num_layers - 1)
         self._buf: Optional[torch.Tensor] = None
+        self._full = False  # the forward runs every layer (the target's own labels need its logits)
         self._handles = [self.layers[i].register_forward_hook(self._hook(slot, i))
                          for slot, i in enumerate(self.layer_ids)]
         self.layers_run = 0
@@ -305,7 +307,7 @@ class FeatureCapture:
                 out = self.base.norm(out)
             h = self.hidden
             self._buf[:, :, slot * h:(slot + 1) * h].copy_(out)
-            if layer_id == self.last:
+            if layer_id == self.last and not self._full:
                 self.layers_run = layer_id + 1
                 raise StopForward
         return hook
@@ -328,13 +330,27 @@ class FeatureCapture:
                 else:
                     layer.forward = own
 
-    @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Returns features [sum(lengths), n*H] of the real tokens, samples in order.
 
         Padded: input_ids [b, S] right-padded. That needs no attention mask: every model here is causal, so the
         real tokens never see the padding after them (this keeps SDPA on its fast causal path).
         Packed: input_ids [1, T] (or [T]), the samples concatenated; the buffer row is the result."""
+        return self._run(input_ids, lengths, full=False)[0]
+
+    def with_labels(self, input_ids: torch.Tensor, lengths: torch.Tensor, top_k: int = 1,
+                    probs: bool = False) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """(features, ids [T, top_k] int64, probabilities [T, top_k] fp32 or None): the features as ``__call__``
+        and, at every real token, the target's ``top_k`` most likely next tokens given the true prefix (column 0
+        its greedy token) from the full forward (every layer, final norm, lm_head in row chunks); ``probs``: their
+        probabilities renormalised over those k (what ``drafter.loss.kind=kl`` distils)."""
+        feats, last = self._run(input_ids, lengths, full=True)
+        ids, p = top_next_tokens(last, self.model.get_output_embeddings(), top_k, probs)
+        return feats, ids, p
+
+    @torch.inference_mode()
+    def _run(self, input_ids: torch.Tensor, lengths: torch.Tensor, full: bool):
+        """(features [T, n*H], the final normed hidden state [T, H] of the real tokens with ``full``, else None)."""
         kwargs = {}
         if self.packing:
             input_ids = input_ids.reshape(1, -1)
@@ -360,29 +376,52 @@ class FeatureCapture:
         dtype = next(self.model.parameters()).dtype
         buf = self._buf = torch.empty(b, s, len(self.layer_ids) * self.hidden, dtype=dtype, device=input_ids.device)
         flex_calls = packed_stats["flex_calls"]
+        self._full, last = full, None
         try:
             with self._capture_mode():
-                self.base(input_ids=input_ids, use_cache=False, **kwargs)
+                out = self.base(input_ids=input_ids, use_cache=False, **kwargs)
+            if not full:
+                raise RuntimeError("the target forward finished without reaching the last capture layer")
+            last = out.last_hidden_state  # after the final norm (HF's convention)
         except StopForward:
             pass
-        else:
-            raise RuntimeError("the target forward finished without reaching the last capture layer")
         finally:
-            self._buf = None
+            self._buf, self._full = None, False
         if self.packing:
             # proof that the model really attended through PACKED_ATTN (a model that ignored it would attend
             # across samples); inside compiled layers the call is part of the graph and is not counted
             ran = packed_stats["flex_calls"] - flex_calls
-            if not self.compile and ran != self.attention_layers_run:
-                raise RuntimeError(f"packed capture: {ran} of {self.attention_layers_run} attention layers went "
-                                   f"through {PACKED_ATTN}")
-            return buf[0, :total]
+            expected = self.attention_layers_total if full else self.attention_layers_run
+            if not self.compile and ran != expected:
+                raise RuntimeError(f"packed capture: {ran} of {expected} attention layers went through {PACKED_ATTN}")
+            return buf[0, :total], None if last is None else last[0, :total]
         keep = torch.arange(s, device=input_ids.device)[None, :] < lengths.to(input_ids.device)[:, None]
-        return buf[keep]
+        return buf[keep], None if last is None else last[keep]
 
     def close(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+LABEL_CHUNK_ROWS = 4096
+"""Rows of the target's lm_head at once when it forms its labels: [rows, V] logits, never [T, V]."""
+
+
+@torch.inference_mode()
+def top_next_tokens(hidden: torch.Tensor, head: torch.nn.Module, k: int, probs: bool
+                    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """hidden [T, H] (final-normed) -> (the ``k`` most likely next tokens [T, k] int64, most likely first;
+    with ``probs`` their softmax probabilities renormalised over the k, fp32 [T, k], else None)."""
+    ids, ps = [], []
+    for lo in range(0, hidden.shape[0], LABEL_CHUNK_ROWS):
+        logits = head(hidden[lo:lo + LABEL_CHUNK_ROWS]).float()
+        top, idx = logits.topk(k, dim=-1) if k > 1 else logits.max(-1, keepdim=True)
+        ids.append(idx)
+        if probs:
+            ps.append(torch.softmax(top, -1))  # softmax over the k = the full softmax renormalised on them
+    ids_t = torch.cat(ids) if ids else hidden.new_zeros(0, k, dtype=torch.long)
+    probs_t = (torch.cat(ps) if ps else hidden.new_zeros(0, k, dtype=torch.float32)) if probs else None
+    return ids_t.long(), probs_t
 
 
 def build_capture(tcfg: TargetConfig, model, layer_ids: list[int], device_type: str) -> FeatureCapture:

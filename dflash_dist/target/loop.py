@@ -65,20 +65,24 @@ def send_head_weights(job, model) -> None:
         dist.send(head.detach().contiguous(), d, group=job.dist.data)
 
 
-def capture_flops_fn(model, job, packed: bool = False, pad_multiple: int = 1):
+def capture_flops_fn(model, job, packed: bool = False, pad_multiple: int = 1, own_labels: bool = False):
     """lengths [b] -> forward FLOPs of one capture batch (decoder layers up to the last captured one, no lm_head)
     as it runs: padded, b x max(lengths) tokens rounded up to ``pad_multiple``; packed, each sample on its own
     (attention stays inside a sample).
-    For the target's MFU in the metrics (``flops.target_forward_flops``)."""
+    For the target's MFU in the metrics (``flops.target_forward_flops``). ``own_labels`` (drafter.loss.labels=target):
+    every layer and the lm_head over the real tokens."""
     _, layers = decoder_layers(model)
-    run = list(layers)[: max(job.layer_ids) + 1]
+    run = list(layers) if own_labels else list(layers)[: max(job.layer_ids) + 1]
     tc = text_config(job.hf_config)
+    head = 2 * tc.hidden_size * tc.vocab_size if own_labels else 0
     # active experts only (MoE), linear-attention layers as they compute, sliding windows their window
     profile = target_layers_profile(run, tc)
     if packed:
-        return lambda lengths: target_capture_flops(profile, tc, [(1, int(n)) for n in lengths])
-    return lambda lengths: target_capture_flops(profile, tc,
-                                                [(len(lengths), -(-int(max(lengths)) // pad_multiple) * pad_multiple)])
+        return lambda lengths: (target_capture_flops(profile, tc, [(1, int(n)) for n in lengths])
+                                + head * sum(lengths))
+    return lambda lengths: (target_capture_flops(profile, tc, [(len(lengths),
+                                                                -(-int(max(lengths)) // pad_multiple) * pad_multiple)])
+                            + head * sum(lengths))
 
 
 def head_server(job, model, tx):
@@ -268,7 +272,8 @@ class TargetRun:
         self.feature_capture = build_capture(self.cfg.target, model, job.layer_ids, self.d.device.type)
         log.info("target capture: %s", self.feature_capture.describe())
         self.flops_per_batch = capture_flops_fn(model, job, self.feature_capture.packing,
-                                                self.feature_capture.pad_multiple)
+                                                self.feature_capture.pad_multiple,
+                                                own_labels=job.drafter.loss.labels == "target")
         self.dataset = TokenizedDataset.load(job.dataset_path)
         self._connect(model)
         self.run_messages = job.total_messages - job.start_cursor
@@ -355,7 +360,8 @@ class TargetRun:
         stall_if_due(self.fault, self.sent)
         with phase("capture"):
             ids, lengths, packed_ids, packed_mask = pad_batch(batch, d.device, self.feature_capture.packing)
-            feats = apply_target_fault(self.fault, self.sent, self.feature_capture(ids, lengths))
+            feats, label_ids, label_probs = self.forward(ids, lengths)
+            feats = apply_target_fault(self.fault, self.sent, feats)
             if cuda:  # busy time = real forward time; ready payloads are posted meanwhile
                 tx.wait_event(torch.cuda.current_stream().record_event())
         capture_msg = time.monotonic() - t_busy
@@ -363,11 +369,21 @@ class TargetRun:
         k = self.job.start_cursor + j
         cu = torch.zeros(len(batch) + 1, dtype=torch.long)
         cu[1:] = lengths.cumsum(0)
-        msg = Message(k, torch.tensor(self.job.plan[k], dtype=torch.long), cu, packed_ids, packed_mask, feats)
+        msg = Message(k, torch.tensor(self.job.plan[k], dtype=torch.long), cu, packed_ids, packed_mask, feats,
+                      target_ids=label_ids, target_probs=label_probs)
         self.tokens += int(lengths.sum())
         self.samples += len(batch)
         self.flops += self.flops_per_batch(lengths.tolist())
         return msg, MessageTimes(stall_msg, capture_msg)
+
+    def forward(self, ids, lengths) -> tuple:
+        """(features, the target's label ids or None, their probabilities or None): drafter.loss.labels=target
+        runs the whole model and its lm_head; kind=kl keeps its top kl_top_k tokens and their probabilities."""
+        loss = self.job.drafter.loss
+        if loss.labels != "target":
+            return self.feature_capture(ids, lengths), None, None
+        kl = loss.kind == "kl"
+        return self.feature_capture.with_labels(ids, lengths, top_k=loss.kl_top_k if kl else 1, probs=kl)
 
     def send(self, j: int, msg: Message, times: MessageTimes) -> None:
         """Posts message j to its drafter, headed by the stats up to now; the head server then awaits its requests."""

@@ -290,3 +290,24 @@ def test_profiler_gloo_window_runs_its_safe_modes(tmp_path):
     rows = json.load(open(out))["rows"]
     assert [(x["mode"], x["runs"], x["finished"]) for x in rows] == [("send", 1, 1), ("drain", 1, 1)]
     assert (tmp_path / "w" / "drain_rank0.json").exists()
+
+
+def test_drafter_step_times_variants_side_by_side(tmp_path):
+    """--drafters: DFlash and DFlash2 at two block sizes in one run, each row its own drafter and FLOPs."""
+    out = tmp_path / "variants.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="disabled", PYTHONPATH=REPO)
+    r = subprocess.run(_cmd("drafter_step.py", "--tiny", "--configs", "40x8", "--repeats", 1, "--peak-n", 128,
+                            "--backends", "sdpa", "--drafters", "dflash@8,dflash2@8,dflash2@16", "--out", out),
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    d = json.load(open(out))
+    rows = {x["drafter"]: x for x in d["rows"]}
+    assert set(rows) == {"dflash@8", "dflash2@8", "dflash2@16"}
+    assert all("error" not in x and x["mode"] == "train" and x["ms_per_step"] > 0 for x in rows.values())
+    assert (rows["dflash2@16"]["variant"], rows["dflash2@16"]["block_size"]) == ("dflash2", 16)
+    f, plain = rows["dflash2@8"]["flops"], rows["dflash@8"]["flops"]
+    assert plain["variant"] == 0 and f["variant"] > 0
+    assert f["model"] == pytest.approx(f["matmul"] + f["attention"] + f["lm_head"] + f["variant"])
+    params = {x["drafter"]: x["trainable_params"] for x in d["drafters"]}
+    assert params["dflash2@8"] > params["dflash@8"]  # the convs and the selector's codebooks
+    assert "| dflash2@8 | sdpa |" in r.stdout

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from dflash_dist.model import loss as L
+from dflash_dist.model.objectives.dpace import dpace_ce
 
 __all__ = ["Objective", "SlotWeightedCE"]
 
@@ -82,15 +83,50 @@ class Objective:
 
 class SlotWeightedCE(Objective):
     """Cross-entropy on the data's labels, row weight = its slot's weight (``slot_weights``), vocab projection in
-    chunks (``loss.weighted_ce``: fused when the head is frozen). A subclass gives ``slot_weights`` only."""
+    chunks (``loss.weighted_ce``: fused when the head is frozen). A subclass gives ``slot_weights`` only.
+    ``drafter.loss.weighting=dpace`` replaces the slot weights by D-PACE's (objectives/dpace.py), computed from
+    the group's own CEs in its forward, so the step's weight sum is still known before any backward; its
+    statistics (mean weight and mean confidence per slot) join the window's metrics."""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.weighting = getattr(spec.loss, "weighting", "decay")
+        self.dpace_alpha = float(getattr(spec.loss, "dpace_alpha", 0.5))
 
     def slot_weights(self, device: Optional[torch.device] = None) -> Tensor:
         """[B] fp32 weights of the slots (slot 0 must be 0: it is the anchor)."""
         raise NotImplementedError
 
     def loss(self, hidden, lm_head, labels):
+        if self.weighting == "dpace":
+            return dpace_ce(hidden, lm_head, labels, self.block_size, self.dpace_alpha, self.chunk_rows,
+                            compiled=self.compiled)
         return L.weighted_ce(hidden, lm_head, labels, self.slot_weights(labels.device), self.chunk_rows,
                              compiled=self.compiled)
+
+    def stat_slots(self):
+        out = super().stat_slots()
+        if self.weighting == "dpace":
+            out.update({"dpace_weight": self.block_size, "dpace_q": self.block_size})
+        return out
+
+    def stats(self, parts):
+        out = super().stats(parts)
+        if self.weighting == "dpace":
+            out.update({k: parts.stats[k] for k in ("dpace_weight", "dpace_q")})
+        return out
+
+    def window_metrics(self, sums):
+        out = super().window_metrics(sums)
+        if self.weighting == "dpace":
+            count = sums["slot_count"]
+            for k in range(1, self.block_size):
+                out[f"dpace_weight_slot_{k}"] = sums["dpace_weight"][k] / max(count[k], 1)
+            out["dpace_q"] = sum(sums["dpace_q"][1:]) / max(sum(count[1:]), 1)
+        return out
+
+    def describe(self) -> str:
+        return f"{self.name} (D-PACE weights, alpha {self.dpace_alpha:g})" if self.weighting == "dpace" else self.name
 
     def rows(self, hidden, labels):
         return L.weighted_rows(hidden, labels, self.slot_weights(labels.device))

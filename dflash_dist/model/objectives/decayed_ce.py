@@ -40,4 +40,4 @@ class DecayedCE(SlotWeightedCE):
         return L.slot_weights(self.block_size, self.gamma, device=device)
 
     def describe(self) -> str:
-        return f"decayed_ce (gamma {self.gamma:g})"
+        return super().describe() if self.weighting == "dpace" else f"decayed_ce (gamma {self.gamma:g})"

@@ -10,10 +10,11 @@ docs/design.md, "Adding a drafter variant", lists what a new one touches.
 from __future__ import annotations
 
 from dflash_dist.model.variants.dflash import DFlash
+from dflash_dist.model.variants.dflash2 import DFlash2
 from dflash_dist.model.variants.domino import Domino
 from dflash_dist.model.variants.registry import VARIANTS
 
-__all__ = ["VARIANTS", "DFlash", "Domino", "variant_class", "variant_of_export"]
+__all__ = ["VARIANTS", "DFlash", "DFlash2", "Domino", "variant_class", "variant_of_export"]
 
 
 def variant_class(name: str) -> type:

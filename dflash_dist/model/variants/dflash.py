@@ -7,6 +7,7 @@ resolved drafter description (``model/spec.DrafterSpec``) or its model config, n
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Optional
 
@@ -32,6 +33,13 @@ class DFlash:
     """The standalone transformers module copied into the export (its ``auto_map`` class serves this variant)."""
     auto_model = "modeling_dflash.DFlashDraftModel"
     """config.json ``auto_map.AutoModel`` of the export: the class of ``modeling_source`` that serves it."""
+
+    def model_settings(self, drafter_config, model_config: DrafterModelConfig) -> Optional[dict]:
+        """The variant's own settings from ``drafter.*`` (checked against the shape), recorded in the model config
+        as ``variant_settings`` (so a checkpoint or export rebuilds the same module): the section ``settings_key``
+        names (e.g. ``drafter.domino``), as it is; DFlash: none."""
+        key = getattr(self, "settings_key", None)
+        return dataclasses.asdict(getattr(drafter_config, key)) if key else None
 
     def build(self, model_config: DrafterModelConfig, backend: str) -> nn.Module:
         """The variant's module on the CPU, initialised (the trainer moves it and applies the compile flags)."""

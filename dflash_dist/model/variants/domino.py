@@ -14,7 +14,7 @@ target's embedding, which the trainer hands over through ``set_context``; evalua
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -76,7 +76,8 @@ class DominoDrafter(DFlashDrafter):
             raise RuntimeError(f"the Domino drafter needs {key!r} from set_context before this call")
         return self.context[key]
 
-    def loss_terms(self, hidden: Tensor, labels: Tensor, lm_head: Tensor) -> dict:
+    def loss_terms(self, hidden: Tensor, labels: Tensor, lm_head: Tensor, block_ids: Optional[Tensor] = None,
+                   row_weights: Optional[Tensor] = None) -> dict:
         group, embed, objective = self._need("group"), self._need("embed"), self._need("objective")
         lam = D.lambda_base(int(self._need("step")), int(self._need("total_steps")), self.settings)
         B = self.config.block_size
@@ -90,7 +91,7 @@ class DominoDrafter(DFlashDrafter):
                              objective.chunk_rows)
         return {"domino": term}
 
-    def propose(self, hidden: Tensor, lm_head: Tensor) -> Tensor:
+    def propose(self, hidden: Tensor, lm_head: Tensor, anchor_ids: Optional[Tensor] = None) -> Tensor:
         """The head's sequential greedy decode (``domino.propose``) of the block whose ids were set."""
         block_ids, embed = self._need("block_ids"), self._need("embed")
         dev = hidden.device

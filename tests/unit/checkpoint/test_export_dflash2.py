@@ -193,3 +193,49 @@ def test_load_export_refuses_a_dflash2_config_an_engine_would_misread(tmp_path):
     from dflash_dist.checkpoint.export_load import load_export
     with pytest.raises(ExportError, match="conv_group_size"):
         load_export(write_export(tmp_path / "bad", cfg))
+
+
+def test_automodel_of_a_dflash2_export_equals_load_export(tmp_path):
+    """A trained-shape DFlash2 checkpoint (the dflash2 variant, every weight random) through dflash-export:
+    load_export rebuilds the variant, AutoModel(trust_remote_code) builds modeling_dflash.DFlash2DraftModel, and
+    both give the same hidden states and the same selector proposals."""
+    from transformers import AutoModel
+
+    from dflash_dist.checkpoint.export import export_checkpoint
+    from dflash_dist.checkpoint.export_load import load_export
+    from dflash_dist.checkpoint.store import save_checkpoint
+    from dflash_dist.config import DrafterConfig, JobConfig, TargetConfig
+    from dflash_dist.model.hf import TINY_DIR
+    from dflash_dist.model.spec import resolve_drafter
+    from tests.unit.checkpoint.test_export import TARGET_HF, multi_block_inputs
+
+    dc = DrafterConfig(num_layers=2, block_size=BLOCK, variant="dflash2",
+                       dflash2={"conv_group_size": 8, "selector_rank": 6, "selector_top_k": 5,
+                                "output_multiplier": 0.7, "final_logit_softcapping": 3.0})
+    spec = resolve_drafter(dc, target_config_dict(), len(LAYER_IDS), "cpu")
+    model = spec.build_model().eval()
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1 + (1.0 if name.endswith("norm.weight") else 0.0))
+    settings = spec.to_meta()
+    job = JobConfig(target=TargetConfig(hf_config=dict(TARGET_HF), tokenizer=TINY_DIR, layer_ids=LAYER_IDS))
+    meta = {"cursor": 5, "total_messages": 10, "layer_ids": LAYER_IDS, "mask_token_id": MASK,
+            "drafter_config": settings.pop("model"), "drafter": settings, "target_config": target_config_dict(),
+            "tokenizer": TINY_DIR, "job_config": job.to_dict(), "final": False}
+    ckpt = save_checkpoint(str(tmp_path / "run"), 3, model.state_dict(), None, meta)
+    out = export_checkpoint(ckpt, unique_dir(tmp_path, "d2real"), dtype="float32", tokenizer=False)
+    back, info = load_export(out)
+    auto = AutoModel.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    assert type(auto).__name__ == "DFlash2DraftModel" and set(auto.state_dict()) == set(back.state_dict())
+    feats, embeds, cpos, bpos, mask = multi_block_inputs()
+    with torch.no_grad():
+        ref = back(embeds, feats, cpos, bpos, mask)
+        got = auto(position_ids=torch.cat([cpos, bpos], 1), noise_embedding=embeds, target_hidden=feats,
+                   attention_mask=mask)
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+        assert torch.equal(ref, model(embeds, feats, cpos, bpos, mask))
+        head = torch.randn(V, H, generator=g)
+        blocks = got[0].unflatten(0, (-1, BLOCK))                    # [n, B, H], one row per block
+        anchors = torch.tensor([5, 17, 900])
+        assert torch.equal(auto.propose(blocks, anchors, head)[0], back.propose(blocks, head, anchors))

@@ -33,3 +33,36 @@ def test_checkpoint_identity_part_of_the_wrong_shape_is_refused(tmp_path):
     json.dump(meta, open(path, "w"))
     problem = checkpoint_problem(ckpt)
     assert problem is not None and "meta.json" in problem and "identity.data" in problem
+
+
+def test_drafter_identity_records_a_loss_weighting_other_than_the_default(tmp_path):
+    from types import SimpleNamespace
+
+    from dflash_dist.config import DrafterConfig
+
+    def drafter(**loss):
+        return ident.drafter_identity(SimpleNamespace(drafter=DrafterConfig(loss=loss)), [1, 2], 7, 32)
+
+    dc = DrafterConfig()  # the default: the hash of the shape alone, as runs from before record it
+    shape = {"num_layers": dc.num_layers, "block_size": dc.block_size, "intermediate_size": dc.intermediate_size,
+             "layer_ids": [1, 2], "mask_token_id": 7, "hidden_size": 32}
+    assert drafter()["hash"] == ident._sha(json.dumps(shape, sort_keys=True).encode())[:16]
+    assert drafter(weighting="decay", dpace_alpha=0.3) == drafter()
+    dpace = drafter(weighting="dpace")
+    assert dpace["hash"] != drafter()["hash"] and "D-PACE" in dpace["label"]
+    assert drafter(weighting="dpace", dpace_alpha=0.3)["hash"] != dpace["hash"]
+    diff = ident.differences({"drafter": drafter()}, {"drafter": dpace})
+    assert len(diff) == 1 and "loss.weighting" in diff[0] and "D-PACE" in diff[0]
+
+
+def test_checkpoint_with_an_unknown_loss_weighting_is_refused(tmp_path):
+    ckpt, _ = make_checkpoint(tmp_path)
+    path = f"{ckpt}/meta.json"
+    meta = json.load(open(path))
+    meta["drafter"] = {"variant": "dflash", "loss": {"objective": "decayed_ce", "weighting": "uniform"}}
+    json.dump(meta, open(path, "w"))
+    problem = checkpoint_problem(ckpt)
+    assert problem is not None and "drafter.loss.weighting" in problem
+    meta["drafter"]["loss"].update(weighting="dpace", dpace_alpha=2.0)
+    json.dump(meta, open(path, "w"))
+    assert "drafter.loss.dpace_alpha" in (checkpoint_problem(ckpt) or "")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from launch_util import torchrun
 
-from dflash_dist.comm.transport import Message, TransportError, pack_meta, unpack_meta
+from dflash_dist.comm.transport import Message, TransportError, meta_len, pack_meta, unpack_labels, unpack_meta
 
 
 # one target to one drafter, several targets to one drafter (ENDs from each), one target round-robin over several
@@ -48,6 +48,29 @@ def test_meta_roundtrip():
     out = unpack_meta(pack_meta(sid, cu, ids, mask), 2, 7)
     for a, b in zip(out, (sid, cu, ids, mask)):
         assert torch.equal(a, b)
+
+
+def test_meta_carries_the_target_labels_after_the_rest():
+    ids, mask, cu, sid = torch.arange(7), torch.ones(7, dtype=torch.bool), torch.tensor([0, 3, 7]), torch.tensor([1, 2])
+    labels = torch.randint(0, 100, (7, 3))
+    meta = pack_meta(sid, cu, ids, mask, labels)
+    assert meta.numel() == meta_len(2, 7, 3) == meta_len(2, 7) + 21
+    assert torch.equal(unpack_labels(meta, 2, 7, 3), labels)
+    assert unpack_labels(pack_meta(sid, cu, ids, mask), 2, 7, 0) is None
+    for a, b in zip(unpack_meta(meta, 2, 7), (sid, cu, ids, mask)):
+        assert torch.equal(a, b)
+
+
+def test_message_validate_rejects_bad_label_shapes():
+    m = Message(0, torch.arange(1), torch.tensor([0, 5]), torch.zeros(5, dtype=torch.long),
+                torch.zeros(5, dtype=torch.bool), torch.zeros(5, 8), target_ids=torch.zeros(4, 1, dtype=torch.long))
+    with pytest.raises(TransportError):
+        m.validate()
+    m.target_ids = torch.zeros(5, 2, dtype=torch.long)
+    m.validate()
+    m.target_probs = torch.zeros(5, 3)
+    with pytest.raises(TransportError):
+        m.validate()
 
 
 def test_message_validate_rejects_bad_shapes():

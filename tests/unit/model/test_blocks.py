@@ -137,3 +137,26 @@ def test_make_batch_draws_the_keys_sample_anchors_would():
         a, v = sample_anchors(mask[cu[i]:cu[i + 1]], 8, ref)
         assert torch.equal(batch.anchors[i], a) and torch.equal(batch.valid[i], v), f"sample {i}"
     assert batch.valid[0].sum() > 0 and batch.valid[3].sum() > 0
+
+
+def test_anchors_and_labels_are_per_document_not_per_packed_row():
+    """The loss's weight sum counts each document's own anchors: two packed documents give two samples of up to
+    num_anchors anchors each (the same as each alone), and no label of a block crosses its document's end."""
+    B, n = 4, 6
+    lens = [5, 9]
+    ids = torch.arange(1, sum(lens) + 1)
+    mask = torch.ones(sum(lens), dtype=torch.bool)
+    feats = torch.zeros(sum(lens), 2)
+
+    def batch(cu, gen_seed=0):
+        return make_batch(ids[cu[0]:cu[-1]], mask[cu[0]:cu[-1]], torch.tensor(cu) - cu[0], feats[cu[0]:cu[-1]],
+                          num_anchors=n, block_size=B, mask_token_id=0, ctx_bucket=8,
+                          generator=torch.Generator().manual_seed(gen_seed))
+
+    packed = batch([0, 5, 14])
+    assert packed.anchors.shape == (2, n)
+    assert packed.valid.sum(1).tolist() == [4, 6]            # 4 candidates in the 5-token document, 6 of 8 in the other
+    assert packed.valid[0].sum() == batch([0, 5]).valid.sum()
+    lab = packed.labels.view(2, n, B)
+    assert int(lab[0].max()) <= 5 and int(lab[1][lab[1] >= 0].min()) >= 6  # document 0's labels stay in it
+    assert (lab[0, :, 1:] != -100).sum() == sum(min(B - 1, 4 - int(a)) for a in packed.anchors[0][packed.valid[0]])

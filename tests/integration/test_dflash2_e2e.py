@@ -1,0 +1,45 @@
+"""DFlash2 trains in a real job (1 target + 2 drafters, CPU, gloo): the loss and the selector loss fall, the
+variant's statistics and the in-training tau (the selector's walk) are logged, the checkpoint records the
+settings; a DFlash checkpoint is never resumed as DFlash2."""
+
+import json
+import os
+
+from launch_util import torchrun
+
+QUICK = ["-m", "dflash_dist.train", "logging.progress_bar=false", "logging.wandb.mode=disabled"]
+
+
+def test_dflash2_trains_logs_its_statistics_and_refuses_a_dflash_checkpoint(tmp_path):
+    run = tmp_path / "d2"
+    r = torchrun(3, QUICK + [f"train.output_dir={run}", "drafter=tiny_dflash2", "train.max_steps=30",
+                             "train.eval_every=30", "train.eval_prompts=2", "logging.log_every=10"], timeout=400)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    rows = [json.loads(x) for x in open(run / "metrics.jsonl")]
+    train = [x for x in rows if x.get("kind") == "train"]
+    assert train[-1]["step"] == 30
+    first, last = train[0], train[-1]
+    assert last["loss"] < 0.7 * first["loss"]
+    # the selector's mean CE over its supervised rows (selector_gold=exclude: the rows grow as the gold tokens
+    # enter the top-K, so loss_selector, normalised by the base weights, starts near 0)
+    assert last["selector_ce"] < 0.8 * first["selector_ce"] and last["loss_selector"] > 0
+    assert last["gold_in_topk"] > first["gold_in_topk"] and last["acc_selected"] > 0
+    assert {"acc_unary_slot_1", "acc_selected_slot_7", "tau_selector"} <= set(last)
+    (ev,) = [x for x in rows if x.get("kind") == "eval"]
+    assert ev["step"] == 30 and ev["tau"] > 1.0
+    ck = run / "checkpoints" / sorted(os.listdir(run / "checkpoints"))[-1]
+    meta = json.load(open(ck / "meta.json"))
+    assert meta["drafter"]["variant"] == "dflash2"
+    assert meta["drafter_config"]["variant_settings"]["selector_top_k"] == 8
+
+    # a DFlash run's checkpoint, resumed as DFlash2: refused before any model loads, naming the variant
+    plain = tmp_path / "dflash"
+    r = torchrun(3, QUICK + [f"train.output_dir={plain}", "train.max_steps=2", "train.eval_prompts=0"], timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    r = torchrun(3, QUICK + [f"train.output_dir={plain}", "drafter=tiny_dflash2", "train.resume=auto",
+                             "train.max_steps=4", "train.eval_prompts=0"], timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0
+    assert "already holds a run" in out and "dflash2 drafter" in out and "dflash drafter" in out, out[-4000:]
+    assert "target loaded" not in out
