@@ -69,8 +69,7 @@ def make_job(cfg, world_size: int, device: torch.device, run_dir: str):
     from dflash_dist.config import validate_job
     from dflash_dist.data.batching import build_plan
     from dflash_dist.data.synthetic import synthetic_dataset
-    from dflash_dist.job import resolve_mask_token_id
-    from dflash_dist.model.hf import load_hf_config, text_config, tokenizer_path
+    from dflash_dist.model.hf import load_hf_config, resolve_mask_token_id, text_config, tokenizer_path
     if not cfg.data.source.startswith("synthetic:"):
         raise SystemExit("the standalone drafter needs data.source=synthetic:...")
     hf_config = load_hf_config(cfg.target)

@@ -4,11 +4,9 @@ the split of ranks, identical on every rank except ``dist``. A role loop gets on
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import tempfile
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -27,8 +25,8 @@ from dflash_dist.comm.distributed import Dist, init_distributed, make_ctrl_group
 from dflash_dist.comm.topology import TopologyError, make_topology
 from dflash_dist.config import ConfigError, JobConfig, resolve_device, validate_job
 from dflash_dist.data.batching import build_plan
-from dflash_dist.data.conversations import PACKAGED_SOURCES, BadDataStats, DataError, check_bad_fraction
-from dflash_dist.data.sources import no_usable_data, prepare_conversations
+from dflash_dist.data.conversations import PACKAGED_SOURCES, DataError
+from dflash_dist.data.prepare import build_dataset, cache_paths
 from dflash_dist.data.tokenize import TokenizedDataset, cache_key
 
 log = logging.getLogger("dflash_dist")
@@ -93,83 +91,10 @@ def on_rank0(ctrl, rank: int, fn):
 
 def prepare_data(cfg: JobConfig, rank: int, ctrl, cache: str, tok_path: str, vocab: int,
                  key: str) -> tuple[str, str]:
-    """Rank 0 tokenizes once (worker processes) into a cache; everyone else waits for it (``ctrl``) and reads it.
+    """Rank 0 tokenizes once (data/prepare.py) into a cache; everyone else waits for it (``ctrl``) and reads it.
     A data error is raised on every rank (on_rank0). ``ctrl`` None: a single process (dflash-plan)."""
-    ds_path = os.path.join(cache, f"train-{key}.pt")
-    ho_path = os.path.join(cache, f"holdout-{key}.jsonl")
-    info_path = os.path.join(cache, f"info-{key}.json")  # what the build logged: a cache hit says it again
-
-    def build() -> None:
-        if cfg.data.source.startswith("synthetic:"):
-            if not os.path.exists(ds_path):
-                from dflash_dist.data.synthetic import synthetic_dataset
-                os.makedirs(cache, exist_ok=True)
-                synthetic_dataset(cfg.data.source, vocab, cfg.data.max_length, cfg.data.shuffle_seed).save(ds_path)
-                with open(ho_path, "w"):
-                    pass
-            return
-        if all(os.path.exists(p) for p in (ds_path, ho_path, info_path)):
-            cached_data_report(info_path, ds_path, cfg.data.max_bad_fraction)
-            return
-        os.makedirs(cache, exist_ok=True)
-        stats = BadDataStats()
-        t0 = time.time()
-        # streamed (two passes: count, then tokenize): the corpus is never in memory, only its tokens; an empty
-        # source (no usable conversation) is one DataError naming it, its rows and why (data.sources)
-        ds, held = prepare_conversations(cfg.data.source, cfg.data.holdout, cfg.data.shuffle_seed, tok_path,
-                                         cfg.data.max_length, cfg.data.overlong, cfg.data.num_workers, stats,
-                                         vocab_size=vocab, chat_template_kwargs=cfg.data.chat_template_kwargs)
-        if len(ds) == 0:
-            raise no_usable_data(cfg.data.source, stats)
-        stats.check(cfg.data.max_bad_fraction)
-        if stats.bad_rows or stats.notes:
-            log.warning("data: %s", stats.summary())
-        log.info("data: %d training samples, %d tokens (tokenized in %.1f s)", len(ds), int(ds.lengths.sum()),
-                 time.time() - t0)
-        ds.save(ds_path)
-        tmp = ho_path + ".tmp"
-        with open(tmp, "w") as f:
-            for conv in held:
-                f.write(json.dumps(conv) + "\n")
-        os.replace(tmp, ho_path)
-        info = {"conversations": int(ds.meta["num_conversations"]) + len(held), "held_out": len(held),
-                "samples": len(ds), "tokens": int(ds.lengths.sum()), "bad_fraction": stats.bad_fraction,
-                "summary": stats.summary() if stats.bad_rows or stats.notes else ""}
-        with open(info_path + ".tmp", "w") as f:
-            json.dump(info, f)
-        os.replace(info_path + ".tmp", info_path)  # last: a cache is complete once its info is there
-
-    on_rank0(ctrl, rank, build)
-    return ds_path, ho_path
-
-
-def cached_data_report(info_path: str, ds_path: str, max_bad_fraction: float) -> None:
-    """A cache hit: the counts and bad-row summary its build logged, and ``data.max_bad_fraction`` applied to
-    the cached data as to fresh data (the limit is not part of the cache key)."""
-    with open(info_path) as f:
-        info = json.load(f)
-    log.info("data: %d conversations, %d held out for evaluation; %d training samples, %d tokens (tokenized "
-             "earlier: the cache %s)", info["conversations"], info["held_out"], info["samples"], info["tokens"],
-             ds_path)
-    if info["summary"]:
-        log.warning("data: %s", info["summary"])
-    check_bad_fraction(info["bad_fraction"], max_bad_fraction, info["summary"])
-
-
-def looks_like_path(s: str) -> bool:
-    """A local path rather than a hub id ("org/name"): absolute, ./ ../ ~, or more than one '/'."""
-    return s.startswith(("/", ".", "~")) or s.count("/") > 1 or s.endswith("/") or os.sep != "/" and os.sep in s
-
-
-def check_target_paths(cfg: JobConfig) -> None:
-    """A target or tokenizer that looks like a local path and is not there: say so (before transformers reads it
-    as a hub id and answers "Repo id must be in the form 'repo_name'...")."""
-    for key, value in (("target.name_or_path", cfg.target.name_or_path), ("target.tokenizer", cfg.target.tokenizer)):
-        if value and looks_like_path(str(value)) and not os.path.isdir(os.path.expanduser(str(value))):
-            what = "is a file, not a model directory" if os.path.exists(os.path.expanduser(str(value))) \
-                else "no such directory"
-            raise ConfigError(f"{key}={value}: {what} (a local model directory with config.json, or a hub id "
-                              f"such as Qwen/Qwen3-8B)")
+    on_rank0(ctrl, rank, lambda: build_dataset(cfg.data, cache, tok_path, vocab, key))
+    return cache_paths(cache, key)[:2]
 
 
 def plan_for(lengths: list, cfg: JobConfig, epochs: int) -> list:
@@ -186,7 +111,15 @@ def check_job_config(cfg: JobConfig, world_size: Optional[int], device_type: str
     from transformers import AutoTokenizer
 
     from dflash_dist.model.fast_path import check_fast_path_for_config
-    from dflash_dist.model.hf import attn_note, load_hf_config, resolve_attn_implementation, text_config, tokenizer_path
+    from dflash_dist.model.hf import (
+        attn_note,
+        check_target_paths,
+        load_hf_config,
+        resolve_attn_implementation,
+        resolve_mask_token_id,
+        text_config,
+        tokenizer_path,
+    )
     from dflash_dist.model.spec import resolve_drafter
     from dflash_dist.target.capture import check_packing_config
     check_target_paths(cfg)
@@ -370,16 +303,3 @@ def setup(cfg: JobConfig) -> Job:
     if rank == 0:
         log.info("topology: %s", topo.describe())
     return job
-
-
-def resolve_mask_token_id(cfg: JobConfig, tok, vocab_size: int) -> int:
-    if cfg.drafter.mask_token_id is not None:
-        return int(cfg.drafter.mask_token_id)
-    if getattr(tok, "mask_token_id", None) is not None:
-        return int(tok.mask_token_id)
-    mid = tok.convert_tokens_to_ids("<|MASK|>")
-    if isinstance(mid, int) and mid != tok.unk_token_id and mid is not None and mid >= 0:
-        return int(mid)
-    if len(tok) < vocab_size:  # first embedding row no token uses (Qwen3: 151669)
-        return len(tok)
-    raise ConfigError("no mask token: set drafter.mask_token_id to an id in the target vocabulary")

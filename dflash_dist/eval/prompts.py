@@ -125,7 +125,7 @@ def holdout_conversations(data_cfg: DataConfig) -> list[dict]:
         if not os.path.exists(data_cfg.source):
             raise ConfigError(f"data.source={data_cfg.source!r} of the run is not here: pass --prompts FILE")
         convs = read_conversations(data_cfg.source, BadDataStats())
-    n_hold = holdout_size(len(convs), data_cfg.holdout)  # as the training run split it (job.prepare_data)
+    n_hold = holdout_size(len(convs), data_cfg.holdout)  # as the training run split it (data/prepare.py)
     if n_hold == 0:
         raise ConfigError(f"the run kept no held-out conversations ({len(convs)} conversations: the holdout is at "
                           f"most 10%): pass --prompts FILE")

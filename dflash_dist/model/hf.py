@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from dflash_dist.config import ConfigError, TargetConfig
+from dflash_dist.config import ConfigError, JobConfig, TargetConfig
 from dflash_dist.model.families import text_config  # noqa: F401  (the family registry's; imported from here by many)
 
 log = logging.getLogger(__name__)
@@ -285,3 +285,32 @@ def build_target_replica(tcfg: TargetConfig, device: str, group, random_dir: Opt
         raise RuntimeError(f"tensor-parallel load of {path}: this rank holds all {full} parameter bytes (the plan "
                            "sharded nothing)")
     return model
+
+
+def looks_like_path(s: str) -> bool:
+    """A local path rather than a hub id ("org/name"): absolute, ./ ../ ~, or more than one '/'."""
+    return s.startswith(("/", ".", "~")) or s.count("/") > 1 or s.endswith("/") or os.sep != "/" and os.sep in s
+
+
+def check_target_paths(cfg: JobConfig) -> None:
+    """A target or tokenizer that looks like a local path and is not there: say so (before transformers reads it
+    as a hub id and answers "Repo id must be in the form 'repo_name'...")."""
+    for key, value in (("target.name_or_path", cfg.target.name_or_path), ("target.tokenizer", cfg.target.tokenizer)):
+        if value and looks_like_path(str(value)) and not os.path.isdir(os.path.expanduser(str(value))):
+            what = "is a file, not a model directory" if os.path.exists(os.path.expanduser(str(value))) \
+                else "no such directory"
+            raise ConfigError(f"{key}={value}: {what} (a local model directory with config.json, or a hub id "
+                              f"such as Qwen/Qwen3-8B)")
+
+
+def resolve_mask_token_id(cfg: JobConfig, tok, vocab_size: int) -> int:
+    if cfg.drafter.mask_token_id is not None:
+        return int(cfg.drafter.mask_token_id)
+    if getattr(tok, "mask_token_id", None) is not None:
+        return int(tok.mask_token_id)
+    mid = tok.convert_tokens_to_ids("<|MASK|>")
+    if isinstance(mid, int) and mid != tok.unk_token_id and mid is not None and mid >= 0:
+        return int(mid)
+    if len(tok) < vocab_size:  # first embedding row no token uses (Qwen3: 151669)
+        return len(tok)
+    raise ConfigError("no mask token: set drafter.mask_token_id to an id in the target vocabulary")

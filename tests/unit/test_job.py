@@ -13,7 +13,7 @@ from dflash_dist import job as jobmod
 from dflash_dist.checkpoint import identity as ident
 from dflash_dist.config import ConfigError, JobConfig
 from dflash_dist.data.conversations import REGENERATED_JSONL, DataError
-from dflash_dist.model.hf import TINY_DIR
+from dflash_dist.model.hf import TINY_DIR, check_target_paths
 
 
 def cfg(**train):
@@ -169,10 +169,10 @@ def test_target_paths_that_do_not_exist_are_named():
         c = cfg()
         c.target.name_or_path = p
         with pytest.raises(ConfigError, match="no such directory"):
-            jobmod.check_target_paths(c)
+            check_target_paths(c)
     c = cfg()
     c.target.name_or_path = "Qwen/Qwen3-8B"  # a hub id: left to transformers
-    jobmod.check_target_paths(c)
+    check_target_paths(c)
 
 
 def _prepare(tmp_path, rows, holdout=16):
