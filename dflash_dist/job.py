@@ -21,6 +21,7 @@ from dflash_dist.checkpoint.resume import (  # noqa: F401  (resolve_run: the pur
     resolve_run,
     write_run_files,
 )
+from dflash_dist.checkpoint.store import CheckpointError
 from dflash_dist.comm.distributed import Dist, init_distributed, make_ctrl_group, make_groups, setup_logging
 from dflash_dist.comm.topology import TopologyError, make_topology
 from dflash_dist.config import ConfigError, JobConfig, resolve_device, validate_job
@@ -63,7 +64,7 @@ class Job:
 
 def on_rank0(ctrl, rank: int, fn):
     """Run ``fn`` on rank 0 and hand its result to every rank (``ctrl``: gloo group of all ranks; None: one process).
-    A ConfigError or DataError of rank 0 is raised on every rank with the same message, so that every rank stops
+    A ConfigError, DataError or CheckpointError of rank 0 is raised on every rank with the same message, so that every rank stops
     at the same point with the same exit status and none is left waiting in a collective on a dead peer."""
     if ctrl is None:
         return fn()
@@ -72,7 +73,7 @@ def on_rank0(ctrl, rank: int, fn):
     if rank == 0:
         try:
             payload = [("ok", fn())]
-        except (ConfigError, DataError) as e:
+        except (ConfigError, DataError, CheckpointError) as e:
             err, payload = e, [(type(e).__name__, str(e))]
         except BaseException as e:
             err, payload = e, [("failed", f"rank 0 failed: {type(e).__name__}: {e}")]
@@ -86,6 +87,8 @@ def on_rank0(ctrl, rank: int, fn):
         raise ConfigError(value)
     if kind == "DataError":
         raise DataError(value)
+    if kind == "CheckpointError":
+        raise CheckpointError(value)
     raise RuntimeError(value)
 
 

@@ -7,7 +7,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("WANDB_MODE", "offline")
 
-from compile_settings import compile_settings_restored  # noqa: E402  (tests/ on sys.path above)
+from helpers.compile_settings import compile_settings_restored  # noqa: E402  (tests/ on sys.path above)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -22,6 +22,6 @@ def _one_thread():
 @pytest.fixture(autouse=True)
 def _compile_settings():
     """configure_compile and install_guard set dynamo/inductor config process-wide: each test leaves it as found
-    (the configs' own patch(), tests/compile_settings.py)."""
+    (the configs' own patch(), tests/helpers/compile_settings.py)."""
     with compile_settings_restored():
         yield

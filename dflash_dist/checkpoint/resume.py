@@ -78,7 +78,7 @@ def _explicit_checkpoint(cfg) -> Optional[str]:
                               f"<run>/checkpoints/step_N directory)")
         problem = usable_problem(ckpt_path)
         if problem:
-            raise ConfigError(f"train.resume={ckpt_path}: {problem}")
+            raise CheckpointError(f"{problem} (train.resume={ckpt_path})")
     return ckpt_path
 
 

@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from launch_util import REPO as REPO_ROOT
+from helpers.launch_util import REPO as REPO_ROOT
 
 REPO = REPO_ROOT
 BENCH = os.path.join(REPO, "bench")

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from launch_util import REPO
+from helpers.launch_util import REPO
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WANDB_MODE="disabled",
            TOKENIZERS_PARALLELISM="false", PYTHONPATH=REPO)

@@ -5,7 +5,7 @@ import os
 import sys
 
 import torch
-from launch_util import REPO as REPO_ROOT
+from helpers.launch_util import REPO as REPO_ROOT
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "bench"))
 import flex_tune  # noqa: E402

@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from launch_util import REPO
+from helpers.launch_util import REPO
 
 
 def test_regenerate_bench_tiny(tmp_path):

@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from launch_util import REPO
+from helpers.launch_util import REPO
 
 
 def test_tokenize_workers_bench_writes_its_table(tmp_path):

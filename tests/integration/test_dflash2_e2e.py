@@ -5,7 +5,7 @@ settings; a DFlash checkpoint is never resumed as DFlash2."""
 import json
 import os
 
-from launch_util import torchrun
+from helpers.launch_util import torchrun
 
 QUICK = ["-m", "dflash_dist.train", "logging.progress_bar=false", "logging.wandb.mode=disabled"]
 

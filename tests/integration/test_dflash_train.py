@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from launch_util import REPO, shared_data_cache
+from helpers.launch_util import REPO, shared_data_cache
 
 QUICK = ["train.eval_every=0", "train.eval_prompts=0", "logging.wandb.mode=disabled", "logging.progress_bar=false"]
 

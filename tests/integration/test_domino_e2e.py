@@ -7,7 +7,7 @@ import os
 
 import torch
 import torch.nn.functional as F
-from launch_util import torchrun
+from helpers.launch_util import torchrun
 from safetensors import safe_open
 
 from dflash_dist.checkpoint.export import export_checkpoint

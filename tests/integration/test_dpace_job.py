@@ -4,7 +4,7 @@ window metrics carry D-PACE's statistics, and a resume with the other weighting 
 import json
 import os
 
-from launch_util import torchrun
+from helpers.launch_util import torchrun
 
 
 def _train_records(run_dir):

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from launch_util import REPO, torchrun
+from helpers.launch_util import REPO, torchrun
 
 from dflash_dist.checkpoint.store import find_latest, save_checkpoint
 

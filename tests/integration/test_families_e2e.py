@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 import yaml
-from launch_util import REPO, torchrun
+from helpers.launch_util import REPO, torchrun
 
 # family -> (conf/target name, rope_type exported, what the fast-path line must say)
 FAMILIES = {

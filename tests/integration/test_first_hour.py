@@ -6,7 +6,7 @@ import os
 import re
 import time
 
-from launch_util import torchrun
+from helpers.launch_util import torchrun
 
 from dflash_dist.data.conversations import REGENERATED_JSONL
 

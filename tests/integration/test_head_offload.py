@@ -7,7 +7,7 @@ import json
 import os
 
 import torch
-from launch_util import torchrun
+from helpers.launch_util import torchrun
 from safetensors.torch import load_file
 
 from dflash_dist.comm.head_offload import _ReceivedGrad, head_flops, request_key

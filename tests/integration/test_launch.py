@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from launch_util import REPO, free_port, shared_data_cache, torchrun
+from helpers.launch_util import REPO, free_port, shared_data_cache, torchrun
 
 JOB_TIMEOUT = 300  # one tiny torchrun job takes ~20-40 s on a 2-core machine; leave room for a busy one
 

@@ -4,7 +4,7 @@ import json
 import os
 
 import pytest
-from launch_util import torchrun
+from helpers.launch_util import torchrun
 from test_train_e2e import accounting, train_records
 
 FEATURE_TOL = 1e-4  # fp32, hidden size 128: the sharded sums reorder the reductions (measured ~5e-6)
@@ -16,7 +16,7 @@ def test_replica_features_equal_one_rank(tmp_path, random_init):
     both ranks of the replica hold the same features, and each holds about half the parameter bytes."""
     out = tmp_path / "rep"
     flag = {False: [], True: ["--random"], "moe": ["--moe"]}[random_init]
-    r = torchrun(2, ["tests/tp_features_worker.py", "--out", str(out)] + flag, timeout=300)
+    r = torchrun(2, ["tests/helpers/tp_features_worker.py", "--out", str(out)] + flag, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     reps = [json.load(open(f"{out}.rank{i}.json")) for i in range(2)]
     assert reps[0]["max_abs_diff"] < FEATURE_TOL, reps[0]

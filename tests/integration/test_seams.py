@@ -1,4 +1,4 @@
-"""A drafter variant and an objective registered from test code alone (tests/toy_seams.py) train in a
+"""A drafter variant and an objective registered from test code alone (tests/helpers/toy_seams.py) train in a
 real job: drafter.variant / drafter.loss.objective name them as module:Class, every rank imports them, and the
 trainer, the statistics, the checkpoint and the export take what they declare."""
 
@@ -6,13 +6,13 @@ import json
 import os
 
 import torch
-from launch_util import REPO, torchrun
+from helpers.launch_util import REPO, torchrun
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from dflash_dist.checkpoint.export import export_checkpoint
 
-TOY_DIR = os.path.join(REPO, "tests")
+TOY_DIR = os.path.join(REPO, "tests", "helpers")
 VARIANT, OBJECTIVE = "toy_seams:ScaledDFlash", "toy_seams:UniformCE"
 
 

@@ -4,9 +4,9 @@ every loss sum is divided by the step's weight sum over all ranks and micro-batc
 (the weight sum's all-reduce skipped) breaks it: the test's third case shows the difference is seen."""
 
 import torch
-from launch_util import torchrun
+from helpers.launch_util import torchrun
 
-WORKER = "tests/split_invariance_worker.py"
+WORKER = "tests/helpers/split_invariance_worker.py"
 
 
 def _max_diff(a: dict, b: dict) -> float:

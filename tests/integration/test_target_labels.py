@@ -5,7 +5,7 @@ import json
 import math
 import os
 
-from launch_util import torchrun
+from helpers.launch_util import torchrun
 
 QUICK = ["train.eval_prompts=0", "logging.log_every=3", "logging.progress_bar=false", "logging.wandb.mode=disabled",
          "data.source=builtin_original"]

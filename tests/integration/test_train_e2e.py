@@ -8,7 +8,7 @@ import subprocess
 import time
 
 import pytest
-from launch_util import torchrun
+from helpers.launch_util import torchrun
 
 
 def metrics(run_dir):

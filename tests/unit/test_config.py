@@ -1,7 +1,7 @@
 """Every configuration error is refused before any model loads, with a message that says what to change."""
 
 import pytest
-from launch_util import torchrun
+from helpers.launch_util import torchrun
 
 from dflash_dist.config import ConfigError, JobConfig, default_layer_ids, validate_job
 from dflash_dist.drafter.trainer import cosine_lr

@@ -4,7 +4,7 @@ import glob
 import os
 import re
 
-from launch_util import REPO
+from helpers.launch_util import REPO
 
 DOCS = [os.path.join(REPO, "README.md")] + sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))
 

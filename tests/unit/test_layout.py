@@ -6,7 +6,7 @@ import glob
 import os
 
 import yaml
-from launch_util import REPO
+from helpers.launch_util import REPO
 
 from dflash_dist import config as C
 
@@ -197,3 +197,22 @@ def test_communication_computes_no_loss():
 
 def test_call_finder_finds_calls():
     assert _calls("resolve_drafter") and not _calls("no_function_is_named_like_this")
+
+
+def test_job_module_builds_the_job_only():
+    """job.py builds the job: data preparation (data/prepare.py), run resolution and resume (checkpoint/resume.py)
+    and the target's lookups (model/hf.py) live beside what they are about."""
+    with open(os.path.join(PKG, "job.py")) as f:
+        n = len(f.read().splitlines())
+    assert n <= 320, f"dflash_dist/job.py has {n} lines"
+
+
+def test_test_files_live_in_their_folders():
+    """Every test-side Python file is under tests/unit, tests/integration, tests/bench or tests/helpers (only
+    conftest.py at the top)."""
+    top = sorted(os.path.basename(p) for p in glob.glob(os.path.join(REPO, "tests", "*.py")))
+    assert top == ["conftest.py"], top
+    allowed = {"unit", "integration", "bench", "helpers"}
+    for p in glob.glob(os.path.join(REPO, "tests", "**", "*.py"), recursive=True):
+        rel = os.path.relpath(p, os.path.join(REPO, "tests"))
+        assert rel == "conftest.py" or rel.split(os.sep)[0] in allowed, rel

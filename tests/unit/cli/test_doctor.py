@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from launch_util import REPO as REPO_ROOT
+from helpers.launch_util import REPO as REPO_ROOT
 
 from dflash_dist.cli import doctor
 

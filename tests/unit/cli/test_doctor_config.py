@@ -6,7 +6,7 @@ import re
 import subprocess
 import sys
 
-from launch_util import REPO, torchrun
+from helpers.launch_util import REPO, torchrun
 
 from dflash_dist.cli import doctor
 

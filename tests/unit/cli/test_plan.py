@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
+from helpers.launch_util import REPO, free_port, torchrun
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from launch_util import REPO, free_port, torchrun
 
 from dflash_dist.cli.plan import format_best
 from dflash_dist.config import ConfigError, JobConfig, validate_job

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from launch_util import torchrun
+from helpers.launch_util import torchrun
 
 from dflash_dist.cli.regenerate import load_target_config, prepare_row, regenerate_rows
 from dflash_dist.model.hf import TINY_DIR, build_target_model

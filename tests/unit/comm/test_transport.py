@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from launch_util import torchrun
+from helpers.launch_util import torchrun
 
 from dflash_dist.comm.transport import Message, TransportError, meta_len, pack_meta, unpack_labels, unpack_meta
 
@@ -16,7 +16,7 @@ from dflash_dist.comm.transport import Message, TransportError, meta_len, pack_m
 def test_stream_every_split(tmp_path, targets, drafters, rendezvous):
     world = targets + drafters
     messages = 1000
-    r = torchrun(world, ["tests/transport_worker.py", "--targets", targets, "--messages", messages,
+    r = torchrun(world, ["tests/helpers/transport_worker.py", "--targets", targets, "--messages", messages,
                          "--max-in-flight", 2, "--out", tmp_path] + (["--rendezvous"] if rendezvous else []),
                  timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

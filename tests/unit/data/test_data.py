@@ -11,9 +11,9 @@ import sys
 import hypothesis  # noqa: E402  (dev extra)
 import pytest
 import torch
+from helpers.launch_util import REPO as REPO_ROOT
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from launch_util import REPO as REPO_ROOT
 
 from dflash_dist.data import batching as data_plan
 from dflash_dist.data import conversations, tokenize

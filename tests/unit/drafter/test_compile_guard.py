@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch._dynamo
 import torch.nn.functional as F
-from compile_settings import compile_settings_restored
+from helpers.compile_settings import compile_settings_restored
 
 from dflash_dist.drafter import compile_guard as cg
 from dflash_dist.drafter.startup_report import dense_attention_bytes, startup_report
@@ -25,7 +25,7 @@ from dflash_dist.model.masks import dense_mask
 @pytest.fixture(autouse=True)
 def _restore_dynamo():
     """install_guard changes process-wide dynamo settings and warning filters: put them back after each test
-    (dynamo's config through its own patch(), tests/compile_settings.py)."""
+    (dynamo's config through its own patch(), tests/helpers/compile_settings.py)."""
     with compile_settings_restored(), warnings.catch_warnings():
         yield
     torch.compiler.set_stance("default")

@@ -5,7 +5,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from launch_util import REPO as REPO_ROOT
+from helpers.launch_util import REPO as REPO_ROOT
 
 from dflash_dist.drafter.compile_guard import plan_step_lengths, precompile_steps
 
@@ -50,7 +50,7 @@ def test_precompile_makes_no_collective_under_ddp(tmp_path):
     import json
 
     from launch_util import torchrun
-    r = torchrun(2, ["tests/precompile_ddp_worker.py", "--out", tmp_path], timeout=240)
+    r = torchrun(2, ["tests/helpers/precompile_ddp_worker.py", "--out", tmp_path], timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     reps = [json.load(open(tmp_path / f"rank{i}.json")) for i in range(2)]
     assert [x["dry_steps"] for x in reps] == [2, 1]

@@ -10,7 +10,7 @@ output multiplier or soft cap: its selector gets the already transformed logits.
 import pytest
 import torch
 import torch.nn.functional as F
-from ref_packages import install
+from helpers.ref_packages import install
 from test_dflash2 import BS, HEADS, INTER, KV, D, H, V, cfg, layer_inputs, randomize
 
 from dflash_dist.model.dflash2 import DFlash2DecoderLayer, DFlash2Settings, GroupedDynamicConv

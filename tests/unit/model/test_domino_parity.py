@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from ref_packages import install
+from helpers.ref_packages import install
 from test_domino import BS, E, G, H, N, V, crossing_corrected, inputs, make_head
 from torch import nn
 

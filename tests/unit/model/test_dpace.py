@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from ref_packages import install
+from helpers.ref_packages import install
 from test_spec import TARGET
 
 from dflash_dist.config import ConfigError, DrafterConfig

@@ -300,7 +300,7 @@ def test_mix_order_reduction_off_only_where_inductor_miscompiles_it(monkeypatch)
 
     import dflash_dist.model.drafter as drafter_mod
     # configure_compile sets dynamo/inductor config process-wide: config.patch puts it back on exit (never
-    # monkeypatch: its undo deletes config keys, tests/compile_settings.py says why)
+    # monkeypatch: its undo deletes config keys, tests/helpers/compile_settings.py says why)
     with compile_settings_restored(), ic.patch("triton.mix_order_reduction", True):
         monkeypatch.setattr(drafter_mod, "_torch_version", lambda: (2, 13))
         make_model("flex").configure_compile(compile_layers=True)
