@@ -8,6 +8,7 @@ import random
 import shutil
 
 import pytest
+from helpers.fake_run import fake_run
 
 from dflash_dist import job as jobmod
 from dflash_dist.checkpoint import identity as ident
@@ -28,22 +29,6 @@ def identity(source="builtin", tok=TINY_DIR, **train):
     out["target"] = {"hash": "t" * 16, "label": "tiny"}
     out["drafter"] = {"hash": "d" * 16, "label": "2 layers"}
     return out
-
-
-def fake_run(run_dir, identity_, step=4, total=8):
-    """A run directory as a finished job leaves it: run.json, metrics.jsonl, one complete checkpoint."""
-    os.makedirs(run_dir / "checkpoints" / f"step_{step:08d}")
-    ident.write_run_json(str(run_dir), identity_)
-    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
-    ck = run_dir / "checkpoints" / f"step_{step:08d}"
-    import torch
-    from safetensors.torch import save_file
-    save_file({"w": torch.zeros(1)}, str(ck / "model.safetensors"))  # a real header: checkpoint_problem reads it
-    meta = {"step": step, "cursor": total, "total_messages": total,
-            "files": {"model.safetensors": os.path.getsize(ck / "model.safetensors")},
-            "identity": dict(identity_, plan={"hash": "p" * 16, "label": "plan"})}
-    (ck / "meta.json").write_text(json.dumps(meta))
-    return str(ck)
 
 
 def test_identity_is_content_not_paths(tmp_path):

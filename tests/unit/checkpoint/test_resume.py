@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers.fake_run import fake_run
 
 from dflash_dist.checkpoint import claim as claimmod
 from dflash_dist.checkpoint import identity as ident
@@ -33,22 +34,6 @@ def identity():
     return dict(out, target={"hash": "t" * 16, "label": "tiny"}, drafter={"hash": "d" * 16, "label": "2 layers"})
 
 
-def fake_run(run_dir, identity_, step=4, total=8):
-    """A run directory as a finished job leaves it: run.json, metrics.jsonl, one complete checkpoint."""
-    ck = run_dir / "checkpoints" / f"step_{step:08d}"
-    os.makedirs(ck)
-    ident.write_run_json(str(run_dir), identity_)
-    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
-    import torch
-    from safetensors.torch import save_file
-    save_file({"w": torch.zeros(1)}, str(ck / "model.safetensors"))  # a real header: checkpoint_problem reads it
-    meta = {"step": step, "cursor": total, "total_messages": total,
-            "files": {"model.safetensors": os.path.getsize(ck / "model.safetensors")},
-            "identity": dict(identity_, plan={"hash": "p" * 16, "label": "plan"})}
-    (ck / "meta.json").write_text(json.dumps(meta))
-    return str(ck)
-
-
 @pytest.fixture(autouse=True)
 def _release():
     yield
@@ -62,11 +47,12 @@ def test_the_run_directory_is_claimed_before_it_is_looked_into(tmp_path):
     holder = json.load(open(run / CLAIM_FILE))
     assert holder["pid"] == os.getpid()
     # another process on the same directory is refused naming this one, before it reads anything there
-    code = ("import sys; sys.path.insert(0, sys.argv[2]);"
+    code = ("import sys; sys.path[:0] = [sys.argv[2], sys.argv[3]];"
             "from test_resume import cfg, identity; from dflash_dist.checkpoint.resume import claim_and_resolve\n"
             "try: claim_and_resolve(cfg(output_dir=sys.argv[1]), identity())\n"
             "except Exception as e: print(type(e).__name__, e)")
-    r = subprocess.run([sys.executable, "-c", code, str(run), os.path.dirname(__file__)],
+    tests_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", code, str(run), os.path.dirname(__file__), tests_dir],
                        capture_output=True, text=True, timeout=120)
     assert r.stdout.startswith("ConfigError") and "is in use by another job" in r.stdout, r.stdout + r.stderr
     assert f"pid {os.getpid()}" in r.stdout
