@@ -2,7 +2,7 @@
 
 Used by bench/pipeline.py (drafter alone, synthetic features) and bench/threaded_baseline.py (features from a
 target thread). The job is composed from the same Hydra overrides as the real ``python -m dflash_dist.train``
-run, the dataset and batching plan are the ones ``train.setup`` builds (same synthetic source, seed, token
+run, the dataset and batching plan are the ones ``job.setup`` builds (same synthetic source, seed, token
 budget), and every message has the sizes the transport would deliver (sample ids, cu_seqlens, token ids, loss
 mask on the device, features [tokens, 5*H] in the target dtype). The only stand-ins: a world-size-1 process group
 for DDP, and the frozen embedding / lm_head of a random-init target made locally instead of received from the
@@ -62,7 +62,7 @@ def init_single_process_group(device: torch.device) -> None:
 
 
 def make_job(cfg, world_size: int, device: torch.device, run_dir: str):
-    """(job, dataset) as train.setup would make them for the first drafter rank (global rank 0)."""
+    """(job, dataset) as job.setup would make them for the first drafter rank (global rank 0)."""
     from transformers import AutoTokenizer
 
     from dflash_dist.comm.topology import Topology

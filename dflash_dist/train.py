@@ -73,7 +73,8 @@ def run(cfg: JobConfig) -> int:
             log.error("stopping without a checkpoint because %s (here: %s: %s)", root, type(e).__name__,
                       (str(e).splitlines() or [""])[0][:200])
             release_claims()
-            os._exit(1)
+            # a save that failed (disk, quota) is the user's to fix, like a setting: the whole job exits 2
+            os._exit(2 if "failed: CheckpointSaveError: " in root else 1)
         job.life.report_failure(f"rank {topo.rank} ({topo.role}) failed: {type(e).__name__}: {e}")
         raise
     dist.barrier(group=job.dist.ctrl)

@@ -30,7 +30,7 @@ def compose_config(overrides: list[str]):
 
 
 def plan_offline(cfg, world_sizes: list[int], replica_supply: Optional[float] = None) -> dict:
-    """dflash-plan: the job's data plan (as train.setup builds it), both measurements on one device, one after
+    """dflash-plan: the job's data plan (as job.setup builds it), both measurements on one device, one after
     the other, and the best split for each world size."""
     import torch
 

@@ -326,7 +326,7 @@ def format_startup_report(r: dict) -> str:
 def sync_warnings_recorded():
     """Collect the "synchronizing CUDA operation" warnings of CUDA's sync debug mode raised inside the block:
     yields a list that gets one entry per sync, where it happened and the innermost project frame that led
-    there, e.g. ``clip_grad.py:101 <- drafter_loop.py:189``."""
+    there, e.g. ``clip_grad.py:101 <- trainer.py:189``."""
     where: list[str] = []
     show = warnings.showwarning
 
