@@ -861,13 +861,10 @@ def resolve_layer_ids(cfg: JobConfig, num_target_layers: int) -> list[int]:
     return layer_ids
 
 
-def validate_job(cfg: JobConfig, world_size: Optional[int], num_target_layers: int, vocab_size: int,
-                 mask_token_id: int) -> list[int]:
-    """Checks that need the world size and the target's config. Returns the resolved layer ids.
-    ``world_size`` None (dflash-plan: no job yet) skips the checks of the split."""
-    if world_size is None:
-        pass
-    elif cfg.topology.target_ranks != "auto":
+def check_split(cfg: JobConfig, world_size: int) -> None:
+    """``topology.target_ranks`` leaves at least one drafter in a world of ``world_size`` ranks (the one rule: the
+    job's setup and its full validation both ask it)."""
+    if cfg.topology.target_ranks != "auto":
         t = int(cfg.topology.target_ranks)
         _require(t < world_size,
                  f"topology.target_ranks={t} leaves no drafter rank in a world of {world_size}: "
@@ -875,6 +872,14 @@ def validate_job(cfg: JobConfig, world_size: Optional[int], num_target_layers: i
     else:
         _require(world_size >= 2, f"topology.target_ranks=auto needs at least 2 processes (one target, one "
                                   f"drafter), got a world of {world_size}: start more processes")
+
+
+def validate_job(cfg: JobConfig, world_size: Optional[int], num_target_layers: int, vocab_size: int,
+                 mask_token_id: int) -> list[int]:
+    """Checks that need the world size and the target's config. Returns the resolved layer ids.
+    ``world_size`` None (dflash-plan: no job yet) skips the checks of the split."""
+    if world_size is not None:
+        check_split(cfg, world_size)
     k = cfg.target.tensor_parallel
     if k > 1 and world_size is not None:  # dflash-plan (no job) measures the drafter only
         if cfg.topology.target_ranks != "auto":
@@ -902,9 +907,8 @@ def validate_job(cfg: JobConfig, world_size: Optional[int], num_target_layers: i
              f"drafter.mask_token_id={mask_token_id} is outside the target vocabulary (size {vocab_size})")
     _require(cfg.drafter.num_anchors * cfg.drafter.block_size <= 1 << 20,
              "drafter.num_anchors * drafter.block_size is unreasonably large (> 1M query rows)")
-    if cfg.drafter.attention_backend == "flex" and cfg.train.device == "cpu":
-        raise ConfigError("drafter.attention_backend=flex cannot train on CPU: torch's flex_attention has no CPU "
-                          "backward. Use drafter.attention_backend=sdpa (or auto) on CPU.")
+    if cfg.train.device == "cpu":
+        drafter_backend(cfg.drafter, "cpu")  # flex cannot train on CPU: the backend's own rule
     return layer_ids
 
 
@@ -927,8 +931,8 @@ def drafter_backend(dc: "DrafterConfig", device: str) -> str:
     if b == "auto":
         return "flex" if device == "cuda" else "sdpa"
     if b == "flex" and device == "cpu":
-        raise ConfigError("drafter.attention_backend=flex cannot train on CPU (no flex_attention backward on CPU): "
-                          "use drafter.attention_backend=sdpa")
+        raise ConfigError("drafter.attention_backend=flex cannot train on CPU: torch's flex_attention has no CPU "
+                          "backward. Use drafter.attention_backend=sdpa (or auto) on CPU.")
     return b
 
 
