@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 
 from dflash_dist.checkpoint.export import export_checkpoint
 
-TOY_DIR = os.path.join(REPO, "tests", "helpers")
-VARIANT, OBJECTIVE = "toy_seams:ScaledDFlash", "toy_seams:UniformCE"
+TOY_DIR = os.path.join(REPO, "tests")
+VARIANT, OBJECTIVE = "helpers.toy_seams:ScaledDFlash", "helpers.toy_seams:UniformCE"
 
 
 def test_toy_variant_and_objective_train_checkpoint_and_export(tmp_path, monkeypatch):
@@ -41,7 +41,7 @@ def test_toy_variant_and_objective_train_checkpoint_and_export(tmp_path, monkeyp
     assert VARIANT in meta["identity"]["drafter"]["label"]
     scale = load_file(ck / "model.safetensors")["out_scale"]
     assert not torch.equal(scale, torch.ones_like(scale))
-    import toy_seams  # noqa: F401  (a file never imports the code it names: the program does)
+    import helpers.toy_seams  # noqa: F401  (a file never imports the code it names: the program does)
     exp = export_checkpoint(str(ck), str(tmp_path / "export"), dtype="float32", tokenizer=False)
     cfg = json.load(open(os.path.join(exp, "config.json")))
     assert cfg["architectures"] == ["ScaledDFlashDraftModel"] and cfg["dflash_config"]["output_scale"] is True

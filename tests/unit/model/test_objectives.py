@@ -2,8 +2,8 @@
 
 import pytest
 import torch
+from helpers.toy_seams import UniformCE
 from test_spec import TARGET
-from toy_seams import UniformCE
 
 from dflash_dist.config import DrafterConfig
 from dflash_dist.model.loss import decayed_ce, loss_rows, row_weights

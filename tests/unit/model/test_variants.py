@@ -1,8 +1,8 @@
 """model/variants: the registry, DFlash's declarations, and a toy variant registered from test code alone."""
 
 import torch
+from helpers.toy_seams import ScaledDFlash, ScaledDrafter
 from test_spec import TARGET
-from toy_seams import ScaledDFlash, ScaledDrafter
 
 from dflash_dist.checkpoint.export import build_export_config
 from dflash_dist.checkpoint.identity import differences, drafter_identity
@@ -12,7 +12,7 @@ from dflash_dist.model.masks import dense_mask
 from dflash_dist.model.spec import resolve_drafter
 from dflash_dist.model.variants import DFlash, variant_class
 
-TOY = "toy_seams:ScaledDFlash"
+TOY = "helpers.toy_seams:ScaledDFlash"
 
 
 def _spec(variant="dflash"):

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from toy_seams import ScaledDFlash
+from helpers.toy_seams import ScaledDFlash
 
 from dflash_dist.drafter.trainer import DrafterTrainer
 from dflash_dist.model.blocks import make_batch
