@@ -124,7 +124,7 @@ def test_two_agents_as_two_nodes_keep_every_message_on_its_node(tmp_path):
     the job's own records (targets' per-message trace, drafters' sample log) no message crossed nodes, both nodes'
     drafters trained, and after every step the two drafters' weights are equal (their data-parallel steps in
     lockstep)."""
-    from launch_util import free_port
+    from helpers.launch_util import free_port
     from test_launch import _report, _wait_all
     out = tmp_path / "run"
     rdzv = f"127.0.0.1:{free_port()}"

@@ -251,7 +251,7 @@ def test_chat_template_kwargs_in_the_job_config_reach_the_dataset_and_key(qwen3_
     assert data_identity(off, qwen3_tok_dir, 2048)["data"] != data_identity(on, qwen3_tok_dir, 2048)["data"]
     with pytest.raises(Exception, match="chat_template_kwargs"):
         DataConfig(chat_template_kwargs=["enable_thinking"])
-    from launch_util import REPO
+    from helpers.launch_util import REPO
 
     from dflash_dist.config import compose_config
     cfg = compose_config(["data.chat_template_kwargs={enable_thinking:false}"], os.path.join(REPO, "conf"))

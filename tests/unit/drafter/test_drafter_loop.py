@@ -49,7 +49,7 @@ def test_precompile_makes_no_collective_under_ddp(tmp_path):
     and the same weights on both after the step (its all-reduce paired up: the dry steps made none)."""
     import json
 
-    from launch_util import torchrun
+    from helpers.launch_util import torchrun
     r = torchrun(2, ["tests/helpers/precompile_ddp_worker.py", "--out", tmp_path], timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     reps = [json.load(open(tmp_path / f"rank{i}.json")) for i in range(2)]

@@ -296,7 +296,7 @@ def test_compiled_layers_run_under_ddp(tmp_path):
 def test_mix_order_reduction_off_only_where_inductor_miscompiles_it(monkeypatch):
     """torch < 2.13 generates a wrong workspace slice for the RMSNorm weight gradient (seen on torch 2.11 GPUs)."""
     import torch._inductor.config as ic
-    from compile_settings import compile_settings_restored
+    from helpers.compile_settings import compile_settings_restored
 
     import dflash_dist.model.drafter as drafter_mod
     # configure_compile sets dynamo/inductor config process-wide: config.patch puts it back on exit (never
