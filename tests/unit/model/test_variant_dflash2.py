@@ -227,7 +227,7 @@ def test_dflash2_layers_compile_whole_without_recompiles():
     """drafter.tuning.compile_layers traces each layer fullgraph: the convs add no graph break, and steps of one
     shape compile once (dynamo's guards and recompiles; backend eager: no codegen on CPU, and flex has no CPU
     backward, so the forward only)."""
-    from compile_settings import compile_settings_restored
+    from helpers.compile_settings import compile_settings_restored
 
     from dflash_dist.drafter import compile_guard as cg
     from dflash_dist.model.masks import flex_block_mask
