@@ -326,7 +326,8 @@ class TargetEval:
             res.update({"tau": r["tau"], "tau_pooled": r["tau_pooled"], "tau_stderr": r.get("tau_stderr"),
                         "n_prompts": r["n_prompts"], "max_new_tokens": r["max_new_tokens"],
                         "prompts_one_step": r.get("prompts_one_step"),
-                        "per_position_acceptance": r["per_position_acceptance"]})
+                        "per_position_acceptance": r["per_position_acceptance"],
+                        "acceptance_lengths": [p["acceptance_lengths"] for p in r["per_prompt"]]})
         self.store.set(f"{RES}{n}", json.dumps(res))
         log.info("evaluation at step %d: tau %.3f (z-lab: mean over prompts), pooled %.3f, on %d held-out prompts "
                  "(%s ended in their first block; max %s new tokens; %.1f s of target time%s; weights "
@@ -340,7 +341,8 @@ def eval_record(result: dict, train_window: dict | None) -> dict:
            "n_prompts": result.get("n_prompts"), "max_new_tokens": result.get("max_new_tokens"),
            "prompts_one_step": result.get("prompts_one_step"), "eval_seconds": result.get("seconds"),
            "eval_span_s": result.get("span_s"), "eval_slices": result.get("slices"),
-           "eval_weights_s": result.get("weights_s")}
+           "eval_weights_s": result.get("weights_s"),
+           "acceptance_lengths": result.get("acceptance_lengths")}  # per prompt, as dflash-eval's per_prompt
     for k, v in enumerate(result.get("per_position_acceptance") or [], start=1):
         rec[f"accept_pos_{k}"] = v
     if train_window:

@@ -1,11 +1,17 @@
 """DFlash2 trains in a real job (1 target + 2 drafters, CPU, gloo): the loss and the selector loss fall, the
 variant's statistics and the in-training tau (the selector's walk) are logged, the checkpoint records the
-settings; a DFlash checkpoint is never resumed as DFlash2."""
+settings; the export of the final checkpoint, under dflash-eval on the same held-out prompts, reproduces the
+in-training evaluation's acceptance; a DFlash checkpoint is never resumed as DFlash2."""
 
+import glob
 import json
 import os
 
+import pytest
 from helpers.launch_util import torchrun
+
+from dflash_dist.checkpoint.export import export_checkpoint
+from dflash_dist.cli.eval import main as eval_main
 
 QUICK = ["-m", "dflash_dist.train", "logging.progress_bar=false", "logging.wandb.mode=disabled"]
 
@@ -13,7 +19,8 @@ QUICK = ["-m", "dflash_dist.train", "logging.progress_bar=false", "logging.wandb
 def test_dflash2_trains_logs_its_statistics_and_refuses_a_dflash_checkpoint(tmp_path):
     run = tmp_path / "d2"
     r = torchrun(3, QUICK + [f"train.output_dir={run}", "drafter=tiny_dflash2", "train.max_steps=30",
-                             "train.eval_every=30", "train.eval_prompts=2", "logging.log_every=10"], timeout=400)
+                             "train.eval_every=30", "train.eval_prompts=2", "logging.log_every=10",
+                             f"data.cache_dir={run / 'data_cache'}"], timeout=400)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     rows = [json.loads(x) for x in open(run / "metrics.jsonl")]
@@ -32,6 +39,22 @@ def test_dflash2_trains_logs_its_statistics_and_refuses_a_dflash_checkpoint(tmp_
     meta = json.load(open(ck / "meta.json"))
     assert meta["drafter"]["variant"] == "dflash2"
     assert meta["drafter_config"]["variant_settings"]["selector_top_k"] == 8
+
+    # dflash-eval of the step-30 checkpoint's export on the prompts the in-training evaluation took (the same
+    # held-out file, the same spread subset and max new tokens): the selector's greedy walk gives the same acceptance
+    assert meta["step"] == 30
+    (holdout,) = glob.glob(str(run / "data_cache" / "holdout-*.jsonl"))
+    exp = export_checkpoint(str(ck), str(tmp_path / "export"), dtype="float32")
+    assert eval_main(["--export", exp, "--prompts", holdout, "--num-prompts", str(ev["n_prompts"]),
+                      "--max-new-tokens", str(ev["max_new_tokens"]), "--out", str(tmp_path / "e.json")]) == 0
+    e = json.load(open(tmp_path / "e.json"))
+    assert e["n_prompts"] == ev["n_prompts"] == 2 and e["lossless_fraction"] == 1.0
+    assert e["tau"] == pytest.approx(ev["tau"], abs=1e-9)
+    assert e["tau_pooled"] == pytest.approx(ev["tau_pooled"], abs=1e-9)
+    assert e["prompts_one_step"] == ev["prompts_one_step"]
+    pos = [ev[k] for k in sorted((k for k in ev if k.startswith("accept_pos_")), key=lambda k: int(k.split("_")[-1]))]
+    assert pos and e["per_position_acceptance"] == pytest.approx(pos, abs=1e-9)
+    assert [r["acceptance_lengths"] for r in e["per_prompt"]] == ev["acceptance_lengths"]
 
     # a DFlash run's checkpoint, resumed as DFlash2: refused before any model loads, naming the variant
     plain = tmp_path / "dflash"
