@@ -118,10 +118,10 @@ class TargetConfig:
     packing: Literal["auto", "on", "off"] = "auto"
     """Feature capture over packed batches: on | off | auto. on: the batch's samples run as one row without padding
     (per-sample positions, document-causal attention through compiled flex_attention); off: right-padded rows
-    through ``attn_implementation``. Same features either way. auto = on for CUDA and attention-only targets
-    (dense Qwen3/LLaMA), off on CPU and for hybrids. on with linear-attention (GatedDeltaNet) layers is refused:
-    their recurrent state would run across sample boundaries. Other users of the model (evaluation) keep
-    ``attn_implementation``."""
+    through ``attn_implementation``. Same features either way. auto = on for CUDA, off on CPU. Hybrids
+    (GatedDeltaNet layers) pack only through fla's and causal-conv1d's varlen kernels, which restart the recurrent
+    and convolution state at each sample: without both, auto runs them padded and on is refused. Other users of
+    the model (evaluation) keep ``attn_implementation``."""
 
     compile: Optional[bool] = None
     """torch.compile (dynamic shapes) the forward of each decoder layer the capture runs (up to the last captured

@@ -15,7 +15,9 @@ window (document-causal and ``q - kv < window``, transformers' ``sliding_window_
 function picks it by the ``sliding_window`` the layer passes; and for attention sinks (gpt-oss ``s_aux``): the
 flex output is renormalised with the sink logit through flex's log-sum-exp, as transformers' flex path does.
 MoE attention-only targets pack like dense ones (the experts see tokens, not rows). Linear-attention (hybrid)
-layers are refused: their recurrent state would run from one packed sample into the next.
+layers pack through the varlen forms of their fast kernels (``model/families/hybrid_packing.py``: the row's sample
+boundaries as fla's ``cu_seqlens`` and causal-conv1d's ``seq_idx``), so their recurrent and convolution state restart
+at every sample; without those kernels packing is refused and such targets run padded.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ except ImportError:  # pragma: no cover
     AuxRequest = None
 
 from dflash_dist.config import ConfigError, TargetConfig
-from dflash_dist.model.families import family_for, text_config
+from dflash_dist.model.families import family_for, hybrid_packing, text_config
 from dflash_dist.model.hf import decoder_layers
 from dflash_dist.model.lazy_compile import lazy_compile
 
@@ -213,7 +215,8 @@ def resolve_compile(tcfg: TargetConfig, model, device_type: str) -> bool:
     (measured there); hybrids (fla / causal-conv1d kernels inside the layers) only when asked for."""
     if tcfg.compile is not None:
         return bool(tcfg.compile)
-    return device_type == "cuda" and packing_problem(model) is None
+    hybrid = bool(hybrid_packing.linear_layers(list(decoder_layers(model)[1])))
+    return device_type == "cuda" and not hybrid and packing_problem(model) is None
 
 
 def resolve_pad_multiple(tcfg: TargetConfig, model, device_type: str, packed: bool) -> int:
@@ -260,6 +263,11 @@ class FeatureCapture:
         run = list(self.layers)[: self.last + 1]
         self.attention_layers_run = sum(1 for layer in run if hasattr(layer, "self_attn"))
         self.attention_layers_total = sum(1 for layer in self.layers if hasattr(layer, "self_attn"))
+        # GatedDeltaNet layers (hybrids): packed rows hand them the samples' boundaries (hybrid_packing)
+        self.linear_layers_run = len(hybrid_packing.linear_layers(run))
+        self.linear_layers_total = len(hybrid_packing.linear_layers(list(self.layers)))
+        # why this model is not packed (the padded fallback's reason, for the capture report), or None
+        self.unpacked_reason = None if self.packing else packing_problem(model)
         family = family_for(model.config)  # its sliding windows and sink logits, as the attention layers pass them
         self.windows = family.sliding_windows(text_config(model.config), list(self.layers))
         self.sinks = family.attention_sinks(list(self.layers))
@@ -294,9 +302,12 @@ class FeatureCapture:
             attn += f", sliding window {'/'.join(map(str, self.windows))}"
         if self.packing and self.sinks:
             attn += ", attention sinks"
+        if self.packing and self.linear_layers_total:
+            attn += ", GatedDeltaNet varlen: fla cu_seqlens, causal-conv1d seq_idx"
         rows = "packed" if self.packing else ("padded" + (f" to a multiple of {self.pad_multiple}"
                                                             if self.pad_multiple > 1 else ""))
-        return f"{rows} ({attn}), compiled layers: {'yes' if self.compile else 'no'}"
+        why = f"; not packed: {self.unpacked_reason}" if self.unpacked_reason and self.linear_layers_total else ""
+        return f"{rows} ({attn}), compiled layers: {'yes' if self.compile else 'no'}{why}"
 
     def _hook(self, slot: int, layer_id: int):
         def hook(module, args, output):
@@ -368,6 +379,10 @@ class FeatureCapture:
             kwargs = {"attention_mask": mask, "position_ids": positions[None]}
             if len(built) == 3:
                 kwargs[WINDOW_MASKS_KWARG] = built[2]
+            if self.linear_layers_total:
+                # hybrids: the mask per layer kind (no padding mask for the linear layers), the boundaries
+                kwargs["attention_mask"] = {"full_attention": mask, "linear_attention": None}
+                kwargs.update(hybrid_packing.varlen_kwargs(lengths, input_ids.device))
         elif input_ids.shape[1] % self.pad_multiple:
             # more right padding: as invisible to the real tokens as the rest (causal, see above)
             extra = -input_ids.shape[1] % self.pad_multiple
@@ -376,9 +391,12 @@ class FeatureCapture:
         dtype = next(self.model.parameters()).dtype
         buf = self._buf = torch.empty(b, s, len(self.layer_ids) * self.hidden, dtype=dtype, device=input_ids.device)
         flex_calls = packed_stats["flex_calls"]
+        linear_calls = dict(hybrid_packing.varlen_calls)
+        checked = (hybrid_packing.checked_kernels(list(self.layers), kwargs) if self.packing and self.linear_layers_total
+                   else contextlib.nullcontext())
         self._full, last = full, None
         try:
-            with self._capture_mode():
+            with self._capture_mode(), checked:
                 out = self.base(input_ids=input_ids, use_cache=False, **kwargs)
             if not full:
                 raise RuntimeError("the target forward finished without reaching the last capture layer")
@@ -394,9 +412,19 @@ class FeatureCapture:
             expected = self.attention_layers_total if full else self.attention_layers_run
             if not self.compile and ran != expected:
                 raise RuntimeError(f"packed capture: {ran} of {expected} attention layers went through {PACKED_ATTN}")
+            self._check_linear_calls(linear_calls, full)
             return buf[0, :total], None if last is None else last[0, :total]
         keep = torch.arange(s, device=input_ids.device)[None, :] < lengths.to(input_ids.device)[:, None]
         return buf[keep], None if last is None else last[keep]
+
+    def _check_linear_calls(self, before: dict, full: bool) -> None:
+        """Proof that every GatedDeltaNet layer that ran handed the packed row's boundaries to both kernels."""
+        expected = self.linear_layers_total if full else self.linear_layers_run
+        for name, n in hybrid_packing.varlen_calls.items():
+            ran = n - before[name]
+            if not self.compile and ran != expected:
+                raise RuntimeError(f"packed capture: {ran} of {expected} linear-attention layers called {name} with "
+                                   "the packed row's sample boundaries")
 
     def close(self) -> None:
         for h in self._handles:

@@ -20,21 +20,24 @@ def mlp_width(tc: Any) -> Optional[int]:
     return cfg_get(tc, "intermediate_size")
 
 
-def layer_types_problem(tc: Any) -> Optional[str]:
+def layer_types_problem(tc: Any, packable: tuple = PACKABLE_LAYER_TYPES) -> Optional[str]:
     """Why the packed capture cannot run these ``layer_types`` (from the config alone), or None."""
     for i, kind in enumerate(cfg_get(tc, "layer_types") or []):
-        if kind not in PACKABLE_LAYER_TYPES:
+        if kind not in packable:
             return (f"decoder layer {i} is {kind}"
                     + (" (GatedDeltaNet): its recurrent state would run from one packed sample into the next"
                        if kind == "linear_attention" else ""))
     return None
 
 
-def packing_problem(tc: Any, layers: Optional[list]) -> Optional[str]:
+def packing_problem(tc: Any, layers: Optional[list], packable: tuple = PACKABLE_LAYER_TYPES) -> Optional[str]:
     """Every decoder layer must be softmax attention (``self_attn``; full or sliding-window, sinks allowed: exact
     in the packed path); linear-attention layers (``linear_attn``) carry a recurrent state along the row, so packed
-    samples would see each other; softcapped and chunked attention are not implemented by the packed function."""
+    samples would see each other (unless ``packable`` names ``linear_attention``: the hybrid rule, which checks
+    their varlen kernels); softcapped and chunked attention are not implemented by the packed function."""
     for i, layer in enumerate(layers or []):
+        if hasattr(layer, "linear_attn") and "linear_attention" in packable:
+            continue  # the hybrid rule checks its kernels (model/families/hybrid_packing.py)
         if hasattr(layer, "linear_attn"):
             return (f"decoder layer {i} ({type(layer).__name__}) has linear attention (GatedDeltaNet): its "
                     "recurrent state would run from one packed sample into the next")
@@ -45,7 +48,7 @@ def packing_problem(tc: Any, layers: Optional[list]) -> Optional[str]:
             return "the attention layers softcap their logits (not implemented by the packed flex function)"
         if cfg_get(tc, "attention_chunk_size"):
             return "chunked attention (attention_chunk_size) is not implemented by the packed flex function"
-    return layer_types_problem(tc)
+    return layer_types_problem(tc, packable)
 
 
 def sliding_windows(tc: Any, layers: Optional[list]) -> tuple:

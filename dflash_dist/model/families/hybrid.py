@@ -1,8 +1,10 @@
 """Hybrid decoders (Qwen3-Next, Qwen3.5, Qwen3.5-MoE): full-attention layers mixed with GatedDeltaNet
 linear-attention layers.
 
-A linear-attention layer carries a recurrent state along the row, so these targets never run packed (the default
-packing rule refuses ``linear_attention`` layers by name). Their prefill needs two external kernels, and
+A linear-attention layer carries a recurrent state (and a short convolution's window) along the row: these targets
+run packed only through the fast kernels' varlen forms, which restart both at every sample (``hybrid_packing``:
+fla's ``cu_seqlens``, causal-conv1d's ``seq_idx``); without them packing is refused and rows run padded. Their
+prefill needs the same two external kernels, and
 transformers falls back to slow PyTorch code when either is missing: the kernel roles and install hints below are
 what ``model/fast_path.py`` checks and prints. Qwen3.5-MoE has no dense ``intermediate_size``: the drafter's MLP
 takes its active width (``moe.mlp_width``)."""
@@ -10,8 +12,10 @@ takes its active width (``moe.mlp_width``)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any, Optional
 
-from dflash_dist.model.families import moe
+from dflash_dist.model.families import dense, hybrid_packing, moe
+from dflash_dist.model.families.base import cfg_get
 from dflash_dist.model.families.dense import DEFAULT
 
 # class-name markers of linear-attention layers that need external kernels
@@ -40,7 +44,30 @@ INSTALL_HINTS = {
                       "Measured: 1.16x faster prefill of a Qwen3-Next-shaped target with it."),
 }
 
-_HYBRID = replace(DEFAULT, linear_layer_markers=LINEAR_LAYER_MARKERS, mlp_width=moe.mlp_width)
+# layer kinds a hybrid runs packed: softmax attention as dense targets, GatedDeltaNet through the varlen kernels
+PACKABLE_LAYER_TYPES = (*dense.PACKABLE_LAYER_TYPES, "linear_attention")
+
+
+def packing_problem(tc: Any, layers: Optional[list]) -> Optional[str]:
+    """The dense rule for the attention layers; the linear-attention layers need the fast kernels' varlen forms:
+    importable (config only, before weights load), then bound and taking the boundaries (built layers)."""
+    problem = dense.packing_problem(tc, layers, PACKABLE_LAYER_TYPES)
+    if problem:
+        return problem
+    if layers is None:
+        kinds = cfg_get(tc, "layer_types") or []
+        problem = hybrid_packing.config_problem() if "linear_attention" in kinds else None
+        first = kinds.index("linear_attention") if problem else 0
+        return f"decoder layer {first} is linear_attention (GatedDeltaNet): {problem}" if problem else None
+    problem = hybrid_packing.varlen_problem(layers)
+    if problem:
+        first = next(i for i, layer in enumerate(layers) if hasattr(layer, "linear_attn"))
+        return f"decoder layer {first} ({type(layers[first]).__name__}) has linear attention (GatedDeltaNet): {problem}"
+    return None
+
+
+_HYBRID = replace(DEFAULT, linear_layer_markers=LINEAR_LAYER_MARKERS, mlp_width=moe.mlp_width,
+                  packing_problem=packing_problem)
 
 FAMILIES = (
     replace(_HYBRID, name="qwen3_next", model_types=("qwen3_next",)),
