@@ -1,0 +1,135 @@
+"""Packed capture of hybrid targets (GatedDeltaNet + gated attention) against per-sample rows, and the test that
+the recurrent / convolution state never crosses from one packed sample into the next.
+
+CPU: transformers' PyTorch kernels run once per sample behind transformers' own kernel wrapper, posing as fla's
+and causal-conv1d's (``helpers.varlen_kernels``): the capture's plumbing (masks per layer kind, positions, the
+boundaries reaching both kernels of every layer) is checked exactly in fp32. CUDA with fla and causal-conv1d
+installed: the real varlen kernels in bf16."""
+
+import contextlib
+import importlib.util
+
+import pytest
+import torch
+
+import dflash_dist.model.families.hybrid_packing as HP
+from dflash_dist.config import TargetConfig
+from dflash_dist.model.hf import build_target_model
+from dflash_dist.target.capture import FeatureCapture, packing_problem
+
+HAVE_KERNELS = all(importlib.util.find_spec(p) for p in ("fla", "causal_conv1d"))
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not (torch.cuda.is_available() and HAVE_KERNELS), reason="CUDA with fla and causal-conv1d installed"))]
+LAYERS = [0, 2, 3, 5]  # linear, linear, full, linear: the last capture stops the forward at layer 5
+
+
+def _hf(family: str, device: str) -> dict:
+    small = device == "cpu"  # CUDA: head dims the fla / causal-conv1d kernels take (64)
+    d = dict(vocab_size=1024, hidden_size=64 if small else 256, intermediate_size=128 if small else 512,
+             num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16 if small else 64,
+             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16 if small else 64,
+             linear_value_head_dim=16 if small else 64, linear_conv_kernel_dim=4, max_position_embeddings=4096,
+             tie_word_embeddings=False,
+             layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(8)])
+    if family == "qwen3_next":
+        return dict(d, model_type="qwen3_next", mlp_only_layers=list(range(8)), num_experts=0)
+    d["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                            "mrope_section": [1, 1, 0] if small else [4, 2, 2], "mrope_interleaved": True}
+    return {"model_type": "qwen3_5_text", **d}
+
+
+def _model(family: str, device: str):
+    model = build_target_model(TargetConfig(hf_config=_hf(family, device), fast_path="allow"), device)
+    return model.eval()
+
+
+def _kernels(model, device, honor=True):
+    if device == "cuda":
+        return contextlib.nullcontext()
+    from helpers.varlen_kernels import bound_varlen_kernels
+    return bound_varlen_kernels(model, honor)
+
+
+def _samples(lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, 1000, (n,), generator=g) for n in lengths]
+
+
+def _packed(model, samples, device):
+    cap = FeatureCapture(model, LAYERS, packing=True)
+    try:
+        return cap(torch.cat(samples).to(device), torch.tensor([len(s) for s in samples])), cap.describe()
+    finally:
+        cap.close()
+
+
+def _per_sample(model, samples, device):
+    cap = FeatureCapture(model, LAYERS)
+    try:
+        return torch.cat([cap(s[None].to(device), torch.tensor([len(s)])) for s in samples])
+    finally:
+        cap.close()
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_packed_equals_per_sample(family, device):
+    """Three samples in one packed row (lengths not multiples of the kernels' 64-token chunks; 227 tokens, one
+    256-token row on CPU, so one compiled flex kernel serves every test here) give each sample's features as its
+    own row does."""
+    model = _model(family, device)
+    samples = _samples([100, 37, 90], seed=1)
+    with _kernels(model, device):
+        assert packing_problem(model) is None
+        got, path = _packed(model, samples, device)
+        ref = _per_sample(model, samples, device)
+    assert "GatedDeltaNet varlen" in path
+    if device == "cpu":
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    else:  # bf16, varlen vs fixed-length kernels
+        assert _rel(got, ref) < 2e-2, _rel(got, ref)
+
+
+def _second_sample_shift(model, device, n_first=70):
+    """How much the packed row's second sample's features change when only the first sample changes."""
+    a, a2 = _samples([n_first], seed=2)[0], _samples([n_first], seed=3)[0]
+    b = _samples([120], seed=4)[0]
+    one, _ = _packed(model, [a, b], device)
+    two, _ = _packed(model, [a2, b], device)
+    return (one[n_first:].float() - two[n_first:].float()).abs().max().item(), one[n_first:].abs().max().item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_state_never_crosses_samples(device, monkeypatch):
+    """The packed pair's second sample does not change when the first one does; the control runs the same rows
+    with the boundaries withheld from the kernels (the check and the proof switched off), and there it changes."""
+    model = _model("qwen3_next", device)
+    with _kernels(model, device):
+        shift, scale = _second_sample_shift(model, device)
+    assert shift <= (1e-6 if device == "cpu" else 1e-3 * scale), (shift, scale)
+    monkeypatch.setattr(HP, "varlen_kwargs", lambda lengths, device: {})
+    monkeypatch.setattr(HP, "checked_kernels", lambda layers, kwargs: contextlib.nullcontext())
+    monkeypatch.setattr(FeatureCapture, "_check_linear_calls", lambda self, before, full: None)
+    with _kernels(model, device, honor=device == "cuda"):  # CPU: stand-ins that ignore boundaries, as without
+        crossed, _ = _second_sample_shift(model, device)
+    assert crossed > 100 * max(shift, 1e-4 * scale), (crossed, shift)
+
+
+def test_boundaries_not_forwarded_are_refused(monkeypatch):
+    """A linear-attention layer that does not pass the boundaries on (an older transformers) fails the packed
+    forward by name instead of letting the state cross samples."""
+    model = _model("qwen3_next", "cpu")
+    for layer in model.model.layers:
+        if hasattr(layer, "linear_attn"):
+            own = layer.linear_attn.forward
+
+            def dropping(*args, own=own, **kwargs):
+                kwargs.pop("seq_idx", None)
+                return own(*args, **kwargs)
+            monkeypatch.setattr(layer.linear_attn, "forward", dropping)
+    with _kernels(model, "cpu"), pytest.raises(RuntimeError, match="causal_conv1d_fn was called without the packed"):
+        _packed(model, _samples([40, 30], seed=5), "cpu")
