@@ -26,6 +26,12 @@ once with and once without causal-conv1d importable to get the fast-path ratio (
     python bench/target_capture.py --variants padded,packed_compiled --out tc.json
     python bench/target_capture.py --tiny --out /tmp/tc.json          # CPU smoke (packaged tiny target)
 
+Hybrid shape ``--shape qwen3_5_9b`` (Qwen3.5-9B's text model, random init): padded rows vs packed rows, whose
+GatedDeltaNet layers take the samples' boundaries through fla's ``cu_seqlens`` and causal-conv1d's ``seq_idx``
+(each row's ``capture_path`` says which ran; packing is refused without both kernels):
+
+    python bench/target_capture.py --shape qwen3_5_9b --variants padded,packed --out q35.json
+
 MoE shapes (``--shape``): random-init bf16 targets of a real MoE model's shape, the bound experts implementation
 reported (``fast_path.experts_report``: grouped_mm / eager / grouped_mm->fallback_loop, what really runs) with
 the fast-path summary (attention, SDPA backend), FLOPs counting active experts only (``flops.target_capture_flops``):
@@ -141,6 +147,16 @@ SHAPES = {
                                          "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                          "original_max_position_embeddings": 4096},
                      "rms_norm_eps": 1e-5, "tie_word_embeddings": False}, "tiny_gpt_oss"),
+    # Qwen3.5-9B's text model (hybrid: [3 GatedDeltaNet + 1 gated attention] x 8); the capture builds no vision tower
+    "qwen3_5_9b": ({"model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 4096,
+                    "intermediate_size": 12288, "num_hidden_layers": 32, "num_attention_heads": 16,
+                    "num_key_value_heads": 4, "head_dim": 256, "linear_conv_kernel_dim": 4,
+                    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+                    "linear_num_value_heads": 32, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+                    "tie_word_embeddings": False,
+                    "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(32)],
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                        "mrope_section": [11, 11, 10], "mrope_interleaved": True}}, "tiny_qwen3_5"),
 }
 
 
