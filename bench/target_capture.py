@@ -260,7 +260,7 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default=None,
                    help=f"capture variants, comma list of {', '.join(VARIANTS)}; default padded,packed,packed_compiled "
                         "(--tiny: padded,packed: compiling the layers on a 2-core CPU takes longer than the smoke "
-                        "test allows; --hybrid: padded, packing is refused for linear-attention layers)")
+                        "test allows; --hybrid: padded; packed rows of hybrids need fla and causal-conv1d)")
     args = p.parse_args(argv)
     tiny = args.tiny
     dev = C.pick_device(args.device)

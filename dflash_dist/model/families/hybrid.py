@@ -4,9 +4,8 @@ linear-attention layers.
 A linear-attention layer carries a recurrent state (and a short convolution's window) along the row: these targets
 run packed only through the fast kernels' varlen forms, which restart both at every sample (``hybrid_packing``:
 fla's ``cu_seqlens``, causal-conv1d's ``seq_idx``); without them packing is refused and rows run padded. Their
-prefill needs the same two external kernels, and
-transformers falls back to slow PyTorch code when either is missing: the kernel roles and install hints below are
-what ``model/fast_path.py`` checks and prints. Qwen3.5-MoE has no dense ``intermediate_size``: the drafter's MLP
+prefill needs the same two external kernels, and transformers falls back to slow PyTorch code when either is
+missing: the kernel roles and install hints below are what ``model/fast_path.py`` checks and prints. Qwen3.5-MoE has no dense ``intermediate_size``: the drafter's MLP
 takes its active width (``moe.mlp_width``)."""
 
 from __future__ import annotations
