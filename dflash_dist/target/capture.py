@@ -392,8 +392,9 @@ class FeatureCapture:
         buf = self._buf = torch.empty(b, s, len(self.layer_ids) * self.hidden, dtype=dtype, device=input_ids.device)
         flex_calls = packed_stats["flex_calls"]
         linear_calls = dict(hybrid_packing.varlen_calls)
-        checked = (hybrid_packing.checked_kernels(list(self.layers), kwargs) if self.packing and self.linear_layers_total
-                   else contextlib.nullcontext())
+        # compiled layers: no per-forward wrappers (dynamo would guard on them and recompile every forward)
+        checked = (hybrid_packing.checked_kernels(list(self.layers), kwargs)
+                   if self.packing and self.linear_layers_total and not self.compile else contextlib.nullcontext())
         self._full, last = full, None
         try:
             with self._capture_mode(), checked:

@@ -119,6 +119,21 @@ def test_state_never_crosses_samples(device, monkeypatch):
     assert crossed > 100 * max(shift, 1e-4 * scale), (crossed, shift)
 
 
+def test_auto_packs_a_hybrid_with_its_kernels_bound():
+    """With both kernels bound, target.packing=auto packs a hybrid on CUDA (still not on CPU) and its layers stay
+    uncompiled unless target.compile asks for it."""
+    from dflash_dist.target.capture import build_capture, resolve_compile, resolve_packing
+    model = _model("qwen3_5", "cpu")
+    tcfg = TargetConfig(hf_config=_hf("qwen3_5", "cpu"), fast_path="allow")
+    assert resolve_packing(tcfg, model, "cuda") is False  # transformers' PyTorch fallback bound
+    with _kernels(model, "cpu"):
+        assert resolve_packing(tcfg, model, "cuda") is True and resolve_packing(tcfg, model, "cpu") is False
+        assert resolve_compile(tcfg, model, "cuda") is False
+        cap = build_capture(tcfg, model, LAYERS, "cuda")
+        assert cap.packing and not cap.compile and cap.pad_multiple == 1
+        cap.close()
+
+
 def test_boundaries_not_forwarded_are_refused(monkeypatch):
     """A linear-attention layer that does not pass the boundaries on (an older transformers) fails the packed
     forward by name instead of letting the state cross samples."""
