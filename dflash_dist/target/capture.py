@@ -199,12 +199,13 @@ def _refuse_packing_on(tcfg: TargetConfig, problem: Optional[str]) -> None:
 
 
 def check_packing_config(tcfg: TargetConfig, hf_config) -> None:
-    """Refuse target.packing=on for a hybrid (or sliding-window) target from its config, before weights load."""
+    """Refuse target.packing=on from the config, before weights load (e.g. a hybrid whose kernels are missing)."""
     _refuse_packing_on(tcfg, family_for(hf_config).packing_problem(text_config(hf_config), None))
 
 
 def resolve_packing(tcfg: TargetConfig, model, device_type: str) -> bool:
-    """target.packing -> whether the capture runs packed: auto = on CUDA for attention-only models."""
+    """target.packing -> whether the capture runs packed: auto = on CUDA for every model it runs exactly
+    (attention-only models; hybrids with fla and causal-conv1d bound)."""
     problem = packing_problem(model)
     _refuse_packing_on(tcfg, problem)
     return tcfg.packing == "on" or (tcfg.packing == "auto" and device_type == "cuda" and problem is None)
