@@ -119,6 +119,22 @@ def test_state_never_crosses_samples(device, monkeypatch):
     assert crossed > 100 * max(shift, 1e-4 * scale), (crossed, shift)
 
 
+def test_packed_labels_run_every_layer():
+    """The target's own labels (the full forward: every GatedDeltaNet layer, final norm, lm_head) from a packed row
+    equal those of per-sample rows; the proof then counts every linear-attention layer, not only those captured."""
+    model = _model("qwen3_next", "cpu")
+    samples = _samples([100, 37, 90], seed=6)
+    with _kernels(model, "cpu"):
+        cap = FeatureCapture(model, LAYERS, packing=True)
+        feats, ids, _ = cap.with_labels(torch.cat(samples), torch.tensor([len(x) for x in samples]), top_k=2)
+        cap.close()
+        ref = FeatureCapture(model, LAYERS)
+        per = [ref.with_labels(x[None], torch.tensor([len(x)]), top_k=2) for x in samples]
+        ref.close()
+    torch.testing.assert_close(feats, torch.cat([p[0] for p in per]), rtol=1e-4, atol=1e-4)
+    assert torch.equal(ids, torch.cat([p[1] for p in per]))
+
+
 def test_auto_packs_a_hybrid_with_its_kernels_bound():
     """With both kernels bound, target.packing=auto packs a hybrid on CUDA (still not on CPU) and its layers stay
     uncompiled unless target.compile asks for it."""
