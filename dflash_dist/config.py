@@ -430,9 +430,6 @@ class DrafterConfig:
                      f"drafter.sliding_window={self.sliding_window}: must be >= drafter.block_size="
                      f"{self.block_size} (a block sees itself whole)")
             self.sliding_window = int(self.sliding_window)
-        if self.tuning.compile_layers and self.attention_backend == "sdpa":
-            raise ConfigError("drafter.tuning.compile_layers=true needs the flex backend: with attention_backend=sdpa "
-                              "set drafter.tuning.compile_layers=false (or null)")
         if self.attention_backend == "flex" and not self.compile:
             raise ConfigError("drafter.attention_backend=flex needs drafter.compile=true: uncompiled flex_attention "
                               "runs the dense fallback (43x slower, 200x the memory). Use sdpa to run without compile.")
@@ -862,13 +859,16 @@ def resolve_layer_ids(cfg: JobConfig, num_target_layers: int) -> list[int]:
 
 
 def check_split(cfg: JobConfig, world_size: int) -> None:
-    """``topology.target_ranks`` leaves at least one drafter in a world of ``world_size`` ranks (the one rule: the
-    job's setup and its full validation both ask it)."""
+    """``topology.target_ranks`` leaves at least one drafter in a world of ``world_size`` ranks and forms whole
+    replicas of ``target.tensor_parallel`` ranks (the one place of these rules: the job's setup and its full
+    validation both ask it before any topology is built; ``comm.topology.Topology`` only asserts them)."""
     if cfg.topology.target_ranks != "auto":
-        t = int(cfg.topology.target_ranks)
+        t, k = int(cfg.topology.target_ranks), cfg.target.tensor_parallel
         _require(t < world_size,
                  f"topology.target_ranks={t} leaves no drafter rank in a world of {world_size}: "
                  f"set topology.target_ranks to at most {world_size - 1} or start more processes")
+        _require(t % k == 0, f"topology.target_ranks={t} is not a multiple of target.tensor_parallel={k}: "
+                             f"the target ranks form replicas of {k} ranks (use {max(k, t - t % k)})")
     else:
         _require(world_size >= 2, f"topology.target_ranks=auto needs at least 2 processes (one target, one "
                                   f"drafter), got a world of {world_size}: start more processes")
@@ -880,12 +880,7 @@ def validate_job(cfg: JobConfig, world_size: Optional[int], num_target_layers: i
     ``world_size`` None (dflash-plan: no job yet) skips the checks of the split."""
     if world_size is not None:
         check_split(cfg, world_size)
-    k = cfg.target.tensor_parallel
-    if k > 1 and world_size is not None:  # dflash-plan (no job) measures the drafter only
-        if cfg.topology.target_ranks != "auto":
-            t = int(cfg.topology.target_ranks)
-            _require(t % k == 0, f"topology.target_ranks={t} is not a multiple of target.tensor_parallel={k}: "
-                                 f"the target ranks form replicas of {k} ranks (use {max(k, t - t % k)})")
+    if cfg.target.tensor_parallel > 1 and world_size is not None:  # dflash-plan (no job) measures the drafter only
         _require(not cfg.drafter.tuning.loss_on_target,
                  "drafter.loss_on_target with target.tensor_parallel > 1 is not supported: the lm_head of a "
                  "replica is sharded; set drafter.tuning.loss_on_target=false")
@@ -926,13 +921,19 @@ def resolve_backend(cfg: JobConfig, device: str) -> str:
 
 
 def drafter_backend(dc: "DrafterConfig", device: str) -> str:
-    """The attention backend drafter.attention_backend resolves to on a ``device`` ("cuda" / "cpu")."""
+    """The attention backend drafter.attention_backend resolves to on a ``device`` ("cuda" / "cpu"), and the one
+    place of the rules that depend on it: flex cannot train on CPU, compiled layers need flex
+    (``DFlashDrafter.configure_compile`` only asserts the latter)."""
     b = dc.attention_backend
     if b == "auto":
-        return "flex" if device == "cuda" else "sdpa"
-    if b == "flex" and device == "cpu":
+        b = "flex" if device == "cuda" else "sdpa"
+    elif b == "flex" and device == "cpu":
         raise ConfigError("drafter.attention_backend=flex cannot train on CPU: torch's flex_attention has no CPU "
                           "backward. Use drafter.attention_backend=sdpa (or auto) on CPU.")
+    if dc.tuning.compile_layers and b == "sdpa":
+        raise ConfigError(f"drafter.tuning.compile_layers=true needs the flex backend, but drafter.attention_backend="
+                          f"{dc.attention_backend} is sdpa on {device}: set drafter.tuning.compile_layers=false "
+                          "(or null)")
     return b
 
 
