@@ -122,11 +122,9 @@ def measure_drafter_demand(job, device: torch.device, steps: Optional[int] = Non
     def message(k: int) -> Message:
         """What the transport delivers for message k: ids / loss mask / features on the device, cu on the host."""
         _, lengths, ids, mask = pad_batch([ds[i] for i in job.plan[k]], "cpu")
-        cu = torch.zeros(len(lengths) + 1, dtype=torch.long)
-        cu[1:] = lengths.cumsum(0)
-        feats = torch.randn(int(cu[-1]), width, generator=fg, device=device).to(dtype)
-        return Message(k, torch.tensor(job.plan[k], dtype=torch.long), cu, ids.to(device), mask.to(device), feats,
-                       src=alone.topo.target_ranks[0])
+        feats = torch.randn(int(lengths.sum()), width, generator=fg, device=device).to(dtype)
+        return Message.build(k, job.plan[k], Message.cu_of(lengths), ids.to(device), mask.to(device), feats,
+                             src=alone.topo.target_ranks[0])
 
     trainer = msgs = None
     try:

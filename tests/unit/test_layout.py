@@ -195,6 +195,14 @@ def test_communication_computes_no_loss():
     assert reaching == []
 
 
+def test_one_constructor_builds_a_message():
+    """A ``Message`` is made by ``Message.build`` only (the target's capture, the receiver, the drafter's
+    measurement), never by calling the dataclass directly in the package."""
+    assert _calls("Message") == []
+    builders = {c.rsplit(":", 1)[0] for c in _calls("build")}
+    assert {"dflash_dist/comm/transport.py", "dflash_dist/target/loop.py", "dflash_dist/planning/measure.py"} <= builders
+
+
 def test_call_finder_finds_calls():
     assert _calls("resolve_drafter") and not _calls("no_function_is_named_like_this")
 
