@@ -57,9 +57,9 @@ class TargetTuning:
     pad_multiple: Optional[int] = None
     """Padded capture (packing off: hybrids, CPU): each message's rows run right-padded to a multiple of this many
     tokens, so the target meets a few dozen row lengths instead of one per message. The extra padding is invisible
-    to the real tokens (causal). Why: SDPA's cuDNN attention builds a plan for every new [b, S], 45-70 ms of host
-    time per new length on an H200 (a 550-token hybrid capture 100 ms on a new length, 30 ms on a seen
-    one). None: 64 on CUDA, 1 on CPU. Packed rows have their own rounding."""
+    to the real tokens (causal). Why: SDPA's cuDNN attention builds a plan for every new [b, S], tens of ms of host
+    time per new length on an H200, a few times a capture on a seen length (measured:
+    docs/benchmarks.md#new-shapes). None: 64 on CUDA, 1 on CPU. Packed rows have their own rounding."""
 
     def __post_init__(self) -> None:
         _require(self.pad_multiple is None or (type(self.pad_multiple) is int and self.pad_multiple >= 1),
@@ -126,7 +126,8 @@ class TargetConfig:
     compile: Optional[bool] = None
     """torch.compile (dynamic shapes) the forward of each decoder layer the capture runs (up to the last captured
     one), with packing or without; the capture hooks stay outside the compiled graphs. Evaluation runs uncompiled.
-    None: on CUDA (Qwen3-8B shapes on an H200: 1.31x the packed capture, ~10 s of compile), off on CPU."""
+    None: on CUDA (faster than the uncompiled packed capture for seconds of compile; measured:
+    docs/benchmarks.md#target-capture), off on CPU."""
 
     tuning: TargetTuning = field(default_factory=TargetTuning)
     """Performance knobs (``target.tuning.*``); the defaults are the measured best."""
@@ -169,9 +170,8 @@ class DrafterTuning:
 
     compile_layers: Optional[bool] = None
     """torch.compile each drafter layer (fullgraph; norms, RoPE, SiLU-gate and residuals fuse around the flex
-    kernel). None: on with the flex backend, off with sdpa (true with sdpa is an error). Measured on an H200 at
-    Qwen3-8B shapes: 17% faster steps (bench/drafter_step.py, backend flex_layers); one more compile at startup
-    (~20 s). Needs two inductor/dynamo settings that DFlashDrafter.configure_compile applies and explains."""
+    kernel). None: on with the flex backend, off with sdpa (true with sdpa is an error). Faster steps at Qwen3-8B shapes for
+    one more compile at startup (measured: docs/benchmarks.md#drafter-step, backend flex_layers). Needs two inductor/dynamo settings that DFlashDrafter.configure_compile applies and explains."""
 
     compile_loss: Optional[bool] = None
     """torch.compile the per-chunk softmax / CE / logit gradient of the fused loss (one fused pass over the
@@ -199,8 +199,8 @@ class DrafterTuning:
     the numbers do not change, each block sees what it saw), then each group's backward in order, one optimizer
     step. With ``loss_on_target`` the target computes a group's loss while the drafter runs the next group's
     forward or the earlier groups' backward. Costs one more pass of the context through fc and k/v_proj per extra
-    group and smaller kernels (drafter alone, 2x H200, 8B shapes, 256 anchors, traced step: 1 group 243 ms, 2 groups
-    247, 4 groups 271, 8 groups 313). num_anchors must divide."""
+    group and smaller kernels (the drafter alone, per group count, measured: docs/benchmarks.md#head-on-target).
+    num_anchors must divide."""
 
     loss_on_target: bool = False
     """Run the frozen lm_head and the decayed CE of each training step on the target rank that sent its message
@@ -208,8 +208,8 @@ class DrafterTuning:
     loss sum, the argmax and the gradient with respect to those rows. Moves ~28% of a drafter step's FLOPs (550
     tokens, 256 anchors) onto targets that would otherwise idle in a drafter-bound job. Use micro_batches >= 2 so
     the drafter does not wait for the reply. Needs target ranks that can serve while they wait: rendezvous sends
-    (forced on). Measured on 2x H200 (8B shapes, 256 anchors, drafter-bound 1 + 1 job): 2 groups 1.18x the local
-    loss (18.22 vs 15.39 samples/s), 4 groups 1.10x, same loss curve. ``topology.target_ranks=auto`` and
+    (forced on). Faster than the local loss with 2 or 4 groups in a drafter-bound
+    job, the same loss curve (measured: docs/benchmarks.md#head-on-target). ``topology.target_ranks=auto`` and
     dflash-plan still measure the drafter with its loss local."""
 
     local_loss_groups: int = 0
