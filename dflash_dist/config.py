@@ -170,8 +170,9 @@ class DrafterTuning:
 
     compile_layers: Optional[bool] = None
     """torch.compile each drafter layer (fullgraph; norms, RoPE, SiLU-gate and residuals fuse around the flex
-    kernel). None: on with the flex backend, off with sdpa (true with sdpa is an error). Faster steps at Qwen3-8B shapes for
-    one more compile at startup (measured: docs/benchmarks.md#drafter-step, backend flex_layers). Needs two inductor/dynamo settings that DFlashDrafter.configure_compile applies and explains."""
+    kernel). None: on with the flex backend, off with sdpa (true with sdpa is an error). Faster steps at Qwen3-8B
+    shapes for one more compile at startup (measured: docs/benchmarks.md#drafter-step, backend flex_layers). Needs
+    two inductor/dynamo settings that DFlashDrafter.configure_compile applies and explains."""
 
     compile_loss: Optional[bool] = None
     """torch.compile the per-chunk softmax / CE / logit gradient of the fused loss (one fused pass over the

@@ -16,22 +16,24 @@ the oldest before sending more. Receivers post the next header ahead of the curr
 payload as soon as that header lands, so transfer overlaps compute. No Python threads: gloo and NCCL
 progress on their own C++ threads; we only poll ``Work.is_completed``.
 
-Rendezvous (``Channel.store`` set): the sender posts a payload only once the receiver has posted the matching
-receive. An NCCL send posted earlier runs as a kernel that spins on the sender's GPU until the receive comes;
-on an H200 that made the target's capture slower (measured: docs/benchmarks.md#rendezvous-sends), and a 1 + 1
-job's target spent most of each drafter step in a slowed capture. So the header goes at once (gloo), the payload is staged,
-the receiver adds 1 to a per-link counter in the rendezvous store after posting its receive, and the sender
-posts staged payloads up to that count whenever it polls (``Sender.pump``: between captures, while it waits
-for its GPU, while it waits on backpressure). NCCL matches the two sides' point-to-point operations per
-pair in posting order, and both sides count the same payloads, so the counter is all they share.
+Rendezvous (``Channel.store`` set): the sender posts a payload only once the receiver has posted the matching receive.
+An NCCL send posted earlier runs as a kernel that spins on the sender's GPU until the receive comes; on an H200 that
+made the target's capture slower (measured: docs/benchmarks.md#rendezvous-sends), and a 1 + 1 job's target spent most
+of each drafter step in a slowed capture. So the header goes at once (gloo), the payload is staged, the receiver adds
+1 to a per-link counter in the rendezvous store after posting its receive, and the sender posts staged payloads up to
+that count whenever it polls (``Sender.pump``: between captures, while it waits for its GPU, while it waits on
+backpressure). NCCL matches the two sides' point-to-point operations per pair in posting order, and both sides count
+the same payloads, so the counter is all they share.
 
 Communication streams (``Channel(comm_stream=True)``, CUDA): an experiment that measured no gain in a job (measured:
-docs/benchmarks.md#rendezvous-sends), so no job setting reaches it; ``bench/transport_check.py`` exercises it. NCCL starts an operation only after the work queued on the stream it is posted from. Posted from the compute stream, a drafter's receive began on its GPU only after the
-training step queued before it (a send waiting for it spun on the target's GPU meanwhile), and a staged send
-posted while the target's next capture was queued waited for that capture. So payloads are posted from a stream
-of their own: a send waits only for the event recorded when its features were ready, a receive for nothing;
-received buffers are allocated on that stream and marked used by the compute stream that consumes them
-(``record_stream``), so the allocator does not hand them to the next receive while a step still reads them.
+docs/benchmarks.md#rendezvous-sends), so no job setting reaches it; ``bench/transport_check.py`` exercises it. NCCL
+starts an operation only after the work queued on the stream it is posted from. Posted from the compute stream, a
+drafter's receive began on its GPU only after the training step queued before it (a send waiting for it spun on the
+target's GPU meanwhile), and a staged send posted while the target's next capture was queued waited for that capture.
+So payloads are posted from a stream of their own: a send waits only for the event recorded when its features were
+ready, a receive for nothing; received buffers are allocated on that stream and marked used by the compute stream that
+consumes them (``record_stream``), so the allocator does not hand them to the next receive while a step still reads
+them.
 """
 
 from __future__ import annotations
