@@ -133,11 +133,9 @@ def main(argv=None) -> int:
                 C.sync(dev_t)
                 state["target_busy_s"] += time.monotonic() - t0
                 t_first = t_first or time.monotonic()
-                cu = torch.zeros(len(samples) + 1, dtype=torch.long)
-                cu[1:] = lengths.cumsum(0)
-                msg = Message(k, torch.tensor(job.plan[k], dtype=torch.long, device=dev_d), cu.to(dev_d),
-                              packed_ids.to(dev_d), packed_mask.to(dev_d), feats.to(dev_d),
-                              src=topo.target_for(j))
+                msg = Message.build(k, torch.tensor(job.plan[k], dtype=torch.long, device=dev_d),
+                                    Message.cu_of(lengths).to(dev_d), packed_ids.to(dev_d), packed_mask.to(dev_d),
+                                    feats.to(dev_d), src=topo.target_for(j))
                 if not put(msg):
                     break
             put(None)

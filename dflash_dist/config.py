@@ -57,9 +57,9 @@ class TargetTuning:
     pad_multiple: Optional[int] = None
     """Padded capture (packing off: hybrids, CPU): each message's rows run right-padded to a multiple of this many
     tokens, so the target meets a few dozen row lengths instead of one per message. The extra padding is invisible
-    to the real tokens (causal). Why: SDPA's cuDNN attention builds a plan for every new [b, S], 45-70 ms of host
-    time per new length on an H200 (a 550-token hybrid capture 100 ms on a new length, 30 ms on a seen
-    one). None: 64 on CUDA, 1 on CPU. Packed rows have their own rounding."""
+    to the real tokens (causal). Why: SDPA's cuDNN attention builds a plan for every new [b, S], tens of ms of host
+    time per new length on an H200, a few times a capture on a seen length (measured:
+    docs/benchmarks.md#new-shapes). None: 64 on CUDA, 1 on CPU. Packed rows have their own rounding."""
 
     def __post_init__(self) -> None:
         _require(self.pad_multiple is None or (type(self.pad_multiple) is int and self.pad_multiple >= 1),
@@ -126,7 +126,8 @@ class TargetConfig:
     compile: Optional[bool] = None
     """torch.compile (dynamic shapes) the forward of each decoder layer the capture runs (up to the last captured
     one), with packing or without; the capture hooks stay outside the compiled graphs. Evaluation runs uncompiled.
-    None: on CUDA (Qwen3-8B shapes on an H200: 1.31x the packed capture, ~10 s of compile), off on CPU."""
+    None: on CUDA (faster than the uncompiled packed capture for seconds of compile; measured:
+    docs/benchmarks.md#target-capture), off on CPU."""
 
     tuning: TargetTuning = field(default_factory=TargetTuning)
     """Performance knobs (``target.tuning.*``); the defaults are the measured best."""
@@ -169,9 +170,9 @@ class DrafterTuning:
 
     compile_layers: Optional[bool] = None
     """torch.compile each drafter layer (fullgraph; norms, RoPE, SiLU-gate and residuals fuse around the flex
-    kernel). None: on with the flex backend, off with sdpa (true with sdpa is an error). Measured on an H200 at
-    Qwen3-8B shapes: 17% faster steps (bench/drafter_step.py, backend flex_layers); one more compile at startup
-    (~20 s). Needs two inductor/dynamo settings that DFlashDrafter.configure_compile applies and explains."""
+    kernel). None: on with the flex backend, off with sdpa (true with sdpa is an error). Faster steps at Qwen3-8B
+    shapes for one more compile at startup (measured: docs/benchmarks.md#drafter-step, backend flex_layers). Needs
+    two inductor/dynamo settings that DFlashDrafter.configure_compile applies and explains."""
 
     compile_loss: Optional[bool] = None
     """torch.compile the per-chunk softmax / CE / logit gradient of the fused loss (one fused pass over the
@@ -199,8 +200,8 @@ class DrafterTuning:
     the numbers do not change, each block sees what it saw), then each group's backward in order, one optimizer
     step. With ``loss_on_target`` the target computes a group's loss while the drafter runs the next group's
     forward or the earlier groups' backward. Costs one more pass of the context through fc and k/v_proj per extra
-    group and smaller kernels (drafter alone, 2x H200, 8B shapes, 256 anchors, traced step: 1 group 243 ms, 2 groups
-    247, 4 groups 271, 8 groups 313). num_anchors must divide."""
+    group and smaller kernels (the drafter alone, per group count, measured: docs/benchmarks.md#head-on-target).
+    num_anchors must divide."""
 
     loss_on_target: bool = False
     """Run the frozen lm_head and the decayed CE of each training step on the target rank that sent its message
@@ -208,8 +209,8 @@ class DrafterTuning:
     loss sum, the argmax and the gradient with respect to those rows. Moves ~28% of a drafter step's FLOPs (550
     tokens, 256 anchors) onto targets that would otherwise idle in a drafter-bound job. Use micro_batches >= 2 so
     the drafter does not wait for the reply. Needs target ranks that can serve while they wait: rendezvous sends
-    (forced on). Measured on 2x H200 (8B shapes, 256 anchors, drafter-bound 1 + 1 job): 2 groups 1.18x the local
-    loss (18.22 vs 15.39 samples/s), 4 groups 1.10x, same loss curve. ``topology.target_ranks=auto`` and
+    (forced on). Faster than the local loss with 2 or 4 groups in a drafter-bound
+    job, the same loss curve (measured: docs/benchmarks.md#head-on-target). ``topology.target_ranks=auto`` and
     dflash-plan still measure the drafter with its loss local."""
 
     local_loss_groups: int = 0
@@ -430,9 +431,6 @@ class DrafterConfig:
                      f"drafter.sliding_window={self.sliding_window}: must be >= drafter.block_size="
                      f"{self.block_size} (a block sees itself whole)")
             self.sliding_window = int(self.sliding_window)
-        if self.tuning.compile_layers and self.attention_backend == "sdpa":
-            raise ConfigError("drafter.tuning.compile_layers=true needs the flex backend: with attention_backend=sdpa "
-                              "set drafter.tuning.compile_layers=false (or null)")
         if self.attention_backend == "flex" and not self.compile:
             raise ConfigError("drafter.attention_backend=flex needs drafter.compile=true: uncompiled flex_attention "
                               "runs the dense fallback (43x slower, 200x the memory). Use sdpa to run without compile.")
@@ -862,13 +860,16 @@ def resolve_layer_ids(cfg: JobConfig, num_target_layers: int) -> list[int]:
 
 
 def check_split(cfg: JobConfig, world_size: int) -> None:
-    """``topology.target_ranks`` leaves at least one drafter in a world of ``world_size`` ranks (the one rule: the
-    job's setup and its full validation both ask it)."""
+    """``topology.target_ranks`` leaves at least one drafter in a world of ``world_size`` ranks and forms whole
+    replicas of ``target.tensor_parallel`` ranks (the one place of these rules: the job's setup and its full
+    validation both ask it before any topology is built; ``comm.topology.Topology`` only asserts them)."""
     if cfg.topology.target_ranks != "auto":
-        t = int(cfg.topology.target_ranks)
+        t, k = int(cfg.topology.target_ranks), cfg.target.tensor_parallel
         _require(t < world_size,
                  f"topology.target_ranks={t} leaves no drafter rank in a world of {world_size}: "
                  f"set topology.target_ranks to at most {world_size - 1} or start more processes")
+        _require(t % k == 0, f"topology.target_ranks={t} is not a multiple of target.tensor_parallel={k}: "
+                             f"the target ranks form replicas of {k} ranks (use {max(k, t - t % k)})")
     else:
         _require(world_size >= 2, f"topology.target_ranks=auto needs at least 2 processes (one target, one "
                                   f"drafter), got a world of {world_size}: start more processes")
@@ -880,12 +881,7 @@ def validate_job(cfg: JobConfig, world_size: Optional[int], num_target_layers: i
     ``world_size`` None (dflash-plan: no job yet) skips the checks of the split."""
     if world_size is not None:
         check_split(cfg, world_size)
-    k = cfg.target.tensor_parallel
-    if k > 1 and world_size is not None:  # dflash-plan (no job) measures the drafter only
-        if cfg.topology.target_ranks != "auto":
-            t = int(cfg.topology.target_ranks)
-            _require(t % k == 0, f"topology.target_ranks={t} is not a multiple of target.tensor_parallel={k}: "
-                                 f"the target ranks form replicas of {k} ranks (use {max(k, t - t % k)})")
+    if cfg.target.tensor_parallel > 1 and world_size is not None:  # dflash-plan (no job) measures the drafter only
         _require(not cfg.drafter.tuning.loss_on_target,
                  "drafter.loss_on_target with target.tensor_parallel > 1 is not supported: the lm_head of a "
                  "replica is sharded; set drafter.tuning.loss_on_target=false")
@@ -926,13 +922,19 @@ def resolve_backend(cfg: JobConfig, device: str) -> str:
 
 
 def drafter_backend(dc: "DrafterConfig", device: str) -> str:
-    """The attention backend drafter.attention_backend resolves to on a ``device`` ("cuda" / "cpu")."""
+    """The attention backend drafter.attention_backend resolves to on a ``device`` ("cuda" / "cpu"), and the one
+    place of the rules that depend on it: flex cannot train on CPU, compiled layers need flex
+    (``DFlashDrafter.configure_compile`` only asserts the latter)."""
     b = dc.attention_backend
     if b == "auto":
-        return "flex" if device == "cuda" else "sdpa"
-    if b == "flex" and device == "cpu":
+        b = "flex" if device == "cuda" else "sdpa"
+    elif b == "flex" and device == "cpu":
         raise ConfigError("drafter.attention_backend=flex cannot train on CPU: torch's flex_attention has no CPU "
                           "backward. Use drafter.attention_backend=sdpa (or auto) on CPU.")
+    if dc.tuning.compile_layers and b == "sdpa":
+        raise ConfigError(f"drafter.tuning.compile_layers=true needs the flex backend, but drafter.attention_backend="
+                          f"{dc.attention_backend} is sdpa on {device}: set drafter.tuning.compile_layers=false "
+                          "(or null)")
     return b
 
 

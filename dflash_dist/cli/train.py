@@ -72,20 +72,13 @@ def check(overrides: list[str], world_size: int):
     """The job's config (Hydra's ``DictConfig``) after the checks training runs before any model loads: the
     overrides, every field, the device, the split for ``world_size`` ranks on one node, the target's HF config
     and tokenizer, layer ids, drafter shape, fast paths, the data source (job.check_job_config). Raises ConfigError."""
-    from dflash_dist.comm.topology import TopologyError, make_topology
     from dflash_dist.config import JobConfig, check_overrides, compose_config, resolve_device
     from dflash_dist.job import check_job_config
     check_overrides(overrides, CONF_DIR)
     dcfg = compose_config(overrides, CONF_DIR)
     cfg = JobConfig.from_omegaconf(dcfg)
     device_type = resolve_device(cfg)
-    check_job_config(cfg, world_size, device_type)
-    if cfg.topology.target_ranks != "auto":
-        t = int(cfg.topology.target_ranks)
-        try:
-            make_topology(world_size, 0, t, cfg.target.tensor_parallel, cfg.topology.cross_node, nodes=1)
-        except TopologyError as e:
-            raise ConfigError(f"topology.target_ranks={t}: {e}") from None
+    check_job_config(cfg, world_size, device_type)  # the split of one node included (config.check_split)
     return dcfg
 
 

@@ -9,17 +9,16 @@ the loss sum, the argmax (accuracy) and the gradient with respect to its final h
 A step on the drafter (``drafter.tuning.micro_batches`` = M groups of anchors): for each group, the forward, then its
 rows and labels are posted to the target that sent the message; the next group's forward runs while the target
 computes. Then each group's backward in order, each once its own reply is in: the drafter posts the reply's
-receives right before that backward (a receive pending on the GPU holds 16 SMs spinning: on an H200 the second
-group's forward took 33.8 ms of kernel time beside one, the first 28.4) and its stream waits for them there (the
-host does not), the rows taking their received gradient (``_ReceivedGrad``); the last reply arrives while the
+receives right before that backward (a receive pending on the GPU holds 16 SMs spinning and slows the next group's
+forward beside it; measured: docs/benchmarks.md#head-on-target) and its stream waits for them there (the host does
+not), the rows taking their received gradient (``_ReceivedGrad``); the last reply arrives while the
 earlier groups' backward runs.
 ``drafter.tuning.local_loss_groups``: the last groups' loss stays on the drafter. This module only moves tensors:
 both sides call the objective object they are handed (model/objectives/: ``rows`` and ``parts`` on the drafter,
 ``serve`` on the target), so the numbers are those of the local fused loss (bit for bit on CPU,
-``tests/integration/test_head_offload.py``). Measured
-on 2x H200 (docs/benchmarks.md, drafter-bound 1 + 1 job, 8B shapes): 2 groups 1.18x the local loss, 4
-groups 1.10x. With one backward for all groups waiting for every reply, and the receives posted with the requests
-(one group kept local): 1.06x.
+``tests/integration/test_head_offload.py``). Faster than the local loss in a
+drafter-bound job with 2 or 4 groups, less so with one backward for all groups waiting for every reply (measured:
+docs/benchmarks.md#head-on-target).
 
 On a target (``HeadLossServer``): it serves the requests of the messages it sent, in the order it sent them,
 between captures and whenever it waits on its drafters, and captures its message j only once the requests of
@@ -159,7 +158,7 @@ class HeadLossClient:
         """Post the reply's receives (on the reply group) and make the compute stream wait for them (CUDA; CPU:
         the host waits); returns the group's LossParts. Posted this late, right before the group's backward, a
         receive never sits on the GPU while the target computes: a pending NCCL receive holds 16 SMs spinning
-        (the second group's forward took 33.8 ms beside one, the first 28.4)."""
+        and slows the forward beside it (measured: docs/benchmarks.md#head-on-target)."""
         g = self.replies.data_group
         p.works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, p.loss, target, g),
                                           dist.P2POp(dist.irecv, p.pred, target, g),

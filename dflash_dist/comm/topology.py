@@ -37,11 +37,9 @@ class Topology:
     cross_node: bool = False
 
     def __post_init__(self) -> None:
-        if not 1 <= self.num_targets < self.world_size:
-            raise TopologyError(f"need 1 <= targets < world size, got {self.num_targets} targets of {self.world_size}")
-        if self.tp < 1 or self.num_targets % self.tp:
-            raise TopologyError(f"{self.num_targets} target ranks do not form replicas of target.tensor_parallel="
-                                f"{self.tp} ranks: use a multiple of {self.tp}")
+        # a split the config refuses (config.check_split, before any topology is built) never gets here
+        assert 1 <= self.num_targets < self.world_size, (self.num_targets, self.world_size)
+        assert self.tp >= 1 and self.num_targets % self.tp == 0, (self.num_targets, self.tp)
         if self.nodes < 1 or self.world_size % self.nodes:
             raise TopologyError(f"{self.world_size} ranks on {self.nodes} nodes: every node needs the same number "
                                 "of ranks")

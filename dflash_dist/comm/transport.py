@@ -1,7 +1,7 @@
 """Rank-to-rank streaming of target hidden states.
 
-A message is a micro-batch of whole samples, packed: sample ids, cu_seqlens, token ids, loss mask and the
-selected features [tokens, n_layers*H]. On the wire it is three point-to-point sends:
+A message (``comm/message.py``) is a micro-batch of whole samples, packed: sample ids, cu_seqlens, token ids, loss
+mask and the selected features [tokens, n_layers*H]. On the wire it is three point-to-point sends:
 
 1. a fixed-size int64 header over a gloo *control* group (CPU), followed there by the cu_seqlens. The
    receiver learns shape, dtype and kind (and the sample boundaries it needs to build a step) on the host
@@ -16,23 +16,24 @@ the oldest before sending more. Receivers post the next header ahead of the curr
 payload as soon as that header lands, so transfer overlaps compute. No Python threads: gloo and NCCL
 progress on their own C++ threads; we only poll ``Work.is_completed``.
 
-Rendezvous (``Channel.store`` set): the sender posts a payload only once the receiver has posted the matching
-receive. An NCCL send posted earlier runs as a kernel that spins on the sender's GPU until the receive comes;
-on an H200 that made the target's capture 1.4-1.5x slower (bench/send_overlap.py), and a 1 + 1 job's target
-spent most of each drafter step in a slowed capture. So the header goes at once (gloo), the payload is staged,
-the receiver adds 1 to a per-link counter in the rendezvous store after posting its receive, and the sender
-posts staged payloads up to that count whenever it polls (``Sender.pump``: between captures, while it waits
-for its GPU, while it waits on backpressure). NCCL matches the two sides' point-to-point operations per
-pair in posting order, and both sides count the same payloads, so the counter is all they share.
+Rendezvous (``Channel.store`` set): the sender posts a payload only once the receiver has posted the matching receive.
+An NCCL send posted earlier runs as a kernel that spins on the sender's GPU until the receive comes; on an H200 that
+made the target's capture slower (measured: docs/benchmarks.md#rendezvous-sends), and a 1 + 1 job's target spent most
+of each drafter step in a slowed capture. So the header goes at once (gloo), the payload is staged, the receiver adds
+1 to a per-link counter in the rendezvous store after posting its receive, and the sender posts staged payloads up to
+that count whenever it polls (``Sender.pump``: between captures, while it waits for its GPU, while it waits on
+backpressure). NCCL matches the two sides' point-to-point operations per pair in posting order, and both sides count
+the same payloads, so the counter is all they share.
 
-Communication streams (``Channel(comm_stream=True)``, CUDA): an experiment that measured no gain in a job (2x H200,
-target-bound 1 + 1 job: 30.51 vs 31.42 samples/s), so no job setting reaches it; ``bench/transport_check.py`` exercises
-it. NCCL starts an operation only after the work queued on the stream it is posted from. Posted from the compute stream, a drafter's receive began on its GPU only after the
-training step queued before it (a send waiting for it spun on the target's GPU meanwhile), and a staged send
-posted while the target's next capture was queued waited for that capture. So payloads are posted from a stream
-of their own: a send waits only for the event recorded when its features were ready, a receive for nothing;
-received buffers are allocated on that stream and marked used by the compute stream that consumes them
-(``record_stream``), so the allocator does not hand them to the next receive while a step still reads them.
+Communication streams (``Channel(comm_stream=True)``, CUDA): an experiment that measured no gain in a job (measured:
+docs/benchmarks.md#rendezvous-sends), so no job setting reaches it; ``bench/transport_check.py`` exercises it. NCCL
+starts an operation only after the work queued on the stream it is posted from. Posted from the compute stream, a
+drafter's receive began on its GPU only after the training step queued before it (a send waiting for it spun on the
+target's GPU meanwhile), and a staged send posted while the target's next capture was queued waited for that capture.
+So payloads are posted from a stream of their own: a send waits only for the event recorded when its features were
+ready, a receive for nothing; received buffers are allocated on that stream and marked used by the compute stream that
+consumes them (``record_stream``), so the allocator does not hand them to the next receive while a step still reads
+them.
 """
 
 from __future__ import annotations
@@ -40,79 +41,44 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-MAGIC = 0x44464C53  # "DFLS"
-HEADER_LEN = 19
-KIND_DATA, KIND_END, KIND_ERROR = 1, 2, 3
-
-# header slots
-H_MAGIC, H_KIND, H_INDEX, H_NSAMPLES, H_NTOKENS, H_WIDTH, H_DTYPE, H_METALEN, H_SRC, H_ERRLEN = range(10)
-H_STATS = 10  # 10..16: sender statistics (cumulative busy us, wait us, tokens, samples, wall us, MFLOP,
-#              idle-work us: the in-training evaluation run while waiting)
-N_STATS = 7
-H_LABEL_K, H_LABEL_PROBS = 17, 18  # the target's labels: k ids per token (0: none), whether probabilities follow
-
-DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
-CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
-
-
-class TransportError(RuntimeError):
-    """The stream broke: wrong header, a peer that stopped answering, or a peer that reported an error."""
-
-
-class RemoteError(TransportError):
-    """A peer rank failed and said why (an ERROR message)."""
-
-    def __init__(self, src: int, text: str):
-        super().__init__(f"rank {src} failed: {text}")
-        self.src, self.text = src, text
-
-
-@dataclass
-class Message:
-    index: int                  # plan index k of this micro-batch
-    sample_ids: torch.Tensor    # [n] int64
-    cu_seqlens: torch.Tensor    # [n+1] int64
-    input_ids: torch.Tensor     # [T] int64
-    loss_mask: torch.Tensor     # [T] bool
-    features: torch.Tensor      # [T, F]
-    src: int = -1
-    sender_stats: list = field(default_factory=list)
-    target_ids: Optional[torch.Tensor] = None    # [T, k] int64: the target's k likeliest next tokens, greedy first
-    target_probs: Optional[torch.Tensor] = None  # [T, k] fp32: their probabilities renormalised over the k
-
-    @property
-    def num_samples(self) -> int:
-        return int(self.sample_ids.numel())
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.numel())
-
-    @property
-    def label_k(self) -> int:
-        return 0 if self.target_ids is None else int(self.target_ids.shape[1])
-
-    def validate(self) -> None:
-        n, t = self.sample_ids.numel(), self.input_ids.numel()
-        if self.cu_seqlens.numel() != n + 1 or self.loss_mask.numel() != t or self.features.shape[0] != t:
-            raise TransportError(f"message {self.index}: inconsistent shapes")
-        ids, probs = self.target_ids, self.target_probs
-        if (ids is not None and (ids.dim() != 2 or ids.shape[0] != t or ids.shape[1] < 1)) or (
-                probs is not None and (ids is None or probs.shape != ids.shape)):
-            raise TransportError(f"message {self.index}: target labels of inconsistent shape")
-
-
-@dataclass
-class EndOfStream:
-    src: int
-    sender_stats: list = field(default_factory=list)
+from dflash_dist.comm.message import (  # noqa: F401  (the wire's names, re-exported: callers import them here)
+    CODE_DTYPES,
+    DTYPE_CODES,
+    H_DTYPE,
+    H_ERRLEN,
+    H_INDEX,
+    H_KIND,
+    H_LABEL_K,
+    H_LABEL_PROBS,
+    H_MAGIC,
+    H_METALEN,
+    H_NSAMPLES,
+    H_NTOKENS,
+    H_SRC,
+    H_STATS,
+    H_WIDTH,
+    HEADER_LEN,
+    KIND_DATA,
+    KIND_END,
+    KIND_ERROR,
+    MAGIC,
+    N_STATS,
+    EndOfStream,
+    Message,
+    RemoteError,
+    TransportError,
+    meta_len,
+    pack_meta,
+    unpack_labels,
+    unpack_meta,
+)
 
 
 def _wait(work, what: str, timeout_s: float, check: Optional[Callable[[], None]], pollable: bool = True,
@@ -161,30 +127,6 @@ def _batched(op, tensors, peer: int, group) -> list:
     initialised group as collectives serialised with everything else on it (the compute stream then
     stalls behind a send the peer has not taken yet)."""
     return dist.batch_isend_irecv([dist.P2POp(op, t, peer, group) for t in tensors])
-
-
-def meta_len(n: int, t: int, label_k: int = 0) -> int:
-    """Elements of the meta tensor: sample ids, cu_seqlens, token ids, loss mask, the target's label ids."""
-    return 2 * n + 1 + 2 * t + t * label_k
-
-
-def pack_meta(sample_ids, cu_seqlens, input_ids, loss_mask, target_ids=None) -> torch.Tensor:
-    labels = [] if target_ids is None else [target_ids.to(input_ids.device).long().reshape(-1)]
-    return torch.cat([sample_ids.long(), cu_seqlens.long(), input_ids.long(), loss_mask.long()] + labels)
-
-
-def unpack_meta(meta: torch.Tensor, n: int, t: int):
-    """(sample ids, cu_seqlens, token ids, loss mask); the target's label ids after them: ``unpack_labels``."""
-    sample_ids = meta[:n]
-    cu = meta[n:2 * n + 1]
-    ids = meta[2 * n + 1:2 * n + 1 + t]
-    mask = meta[2 * n + 1 + t:2 * n + 1 + 2 * t].bool()
-    return sample_ids, cu, ids, mask
-
-
-def unpack_labels(meta: torch.Tensor, n: int, t: int, label_k: int) -> Optional[torch.Tensor]:
-    """The target's label ids [t, label_k] at the end of the meta tensor (None when label_k is 0)."""
-    return meta[meta_len(n, t):].view(t, label_k) if label_k else None
 
 
 RENDEZVOUS_GRACE_S = 0.005  # how long a sender waits, right after a header, for the drafter to post its receive
@@ -543,8 +485,8 @@ class PendingMessage:
         sample_ids, _, ids, mask = unpack_meta(meta, n, t)
         labels = unpack_labels(meta, n, t, h[H_LABEL_K])
         probs = bufs[2] if len(bufs) > 2 else None
-        self.result = Message(h[H_INDEX], sample_ids, self.cu_host, ids, mask, feats, self.src,
-                              h[H_STATS:H_STATS + N_STATS], target_ids=labels, target_probs=probs)
+        self.result = Message.build(h[H_INDEX], sample_ids, self.cu_host, ids, mask, feats, self.src,
+                                    h[H_STATS:H_STATS + N_STATS], target_ids=labels, target_probs=probs)
         self.rx.bytes_received += sum(b.numel() * b.element_size() for b in bufs)
         return self.result
 

@@ -363,10 +363,10 @@ def _worker_run(conv: dict):
     return _pack(_tokenize(_WORKER_TOK, conv, *_WORKER_ARGS))
 
 
-# Rows per tokenizing worker before a pool pays for itself. Measured with bench/tokenize_workers.py on a 2-core
-# machine (the packaged tiny corpus): in-process 0.15 ms a row; 2 workers 0.075 ms a row after ~2.4 s of start-up
-# (spawned interpreters importing transformers, loading the tokenizer), so 2 workers win from ~32k rows, and 4
-# workers never on 2 cores. Longer conversations than the tiny corpus' cross over earlier.
+# Rows per tokenizing worker before a pool pays for itself: 2 workers halve the time per row but cost seconds of
+# start-up (spawned interpreters importing transformers, loading the tokenizer), so on a 2-core machine 2 workers
+# win from ~32k rows of the packaged tiny corpus, and 4 workers never (measured with bench/tokenize_workers.py:
+# docs/benchmarks.md#tokenize-workers). Longer conversations than the tiny corpus' cross over earlier.
 ROWS_PER_WORKER = 16384
 
 

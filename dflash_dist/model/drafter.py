@@ -342,9 +342,8 @@ class DFlashDrafter(nn.Module):
         through torch.compile (fullgraph; the flex call is traced into the layer's graph), so the norms, RoPE and
         the SiLU gate fuse. All layers share one code object, so they share the compiled graph. kernel_options:
         flex_attention tile options (drafter.tuning.flex_kernel_options), None = inductor's defaults."""
-        if compile_layers and self.backend != "flex":
-            raise ConfigError("drafter.tuning.compile_layers=true needs the flex backend (the sdpa backend is the "
-                              "uncompiled reference path)")
+        # the config refuses compiled layers on sdpa (config.drafter_backend); sdpa is the uncompiled reference
+        assert not compile_layers or self.backend == "flex", "compiled layers need the flex backend"
         self.flex_dynamic = bool(flex_dynamic)
         self.flex_kernel_options = dict(kernel_options) if kernel_options else None
         for layer in self.layers:

@@ -33,8 +33,8 @@ Every target, hybrid or not, also gets in the same report:
   (``get_correct_experts_implementation`` swallows the error), and per call when ``_can_use_grouped_mm`` says no
   (it then runs ``transformers::grouped_mm_fallback``, a loop over experts). Both are read off the built model:
   the experts module's ``config._experts_implementation`` and ``_can_use_grouped_mm`` on its own weights.
-  ``require`` refuses a MoE target whose experts run eager (or the grouped_mm loop) on CUDA (11x slower
-  measured on a Qwen3-30B-A3B shape).
+  ``require`` refuses a MoE target whose experts run eager (or the grouped_mm loop) on CUDA (a loop over the
+  experts instead of one grouped matmul).
 
 What is family-specific (the linear-attention class markers, kernel roles and install hints; the experts' report)
 lives with its family in ``model/families/`` (``hybrid``, ``moe``); this module reports it and applies the policy.

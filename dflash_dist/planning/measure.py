@@ -88,6 +88,31 @@ def measure_target_supply(job, device: torch.device, batches: Optional[int] = No
             "messages": ks, "capture": path}
 
 
+def random_head_weights(job, device: torch.device) -> tuple:
+    """A frozen embedding and lm_head of the target's shape and dtype, random (seeded by target.init_seed): what a
+    drafter alone trains with in place of the target's (the step's cost is the same)."""
+    import torch
+
+    from dflash_dist.model.hf import resolve_dtype, text_config
+    tc = text_config(job.hf_config)
+    dtype = resolve_dtype(job.cfg.target.dtype, device.type)
+    g = torch.Generator(device=device).manual_seed(job.cfg.target.init_seed)
+    return tuple((torch.randn(tc.vocab_size, tc.hidden_size, generator=g, device=device) * 0.02).to(dtype)
+                 for _ in range(2))
+
+
+def plan_message(job, ds, k: int, features, src: int):
+    """Message k of the plan as the transport delivers it to a drafter: token ids, loss mask and features on the
+    features' device, cu_seqlens on the host. ``features``: a callable from the message's token count to the
+    features [tokens, n_layers * H]."""
+    from dflash_dist.comm.transport import Message
+    from dflash_dist.target.batch import pad_batch
+    _, lengths, ids, mask = pad_batch([ds[i] for i in job.plan[k]], "cpu")
+    feats = features(int(lengths.sum()))
+    return Message.build(k, job.plan[k], Message.cu_of(lengths), ids.to(feats.device), mask.to(feats.device),
+                         feats, src=src)
+
+
 def measure_drafter_demand(job, device: torch.device, steps: Optional[int] = None) -> dict:
     """Samples/s of one drafter rank: ``DrafterTrainer`` built as the drafter role builds it (model config,
     backend, optimizer, compile settings and guard), alone (no DDP), with a random frozen embedding / lm_head of
@@ -100,33 +125,23 @@ def measure_drafter_demand(job, device: torch.device, steps: Optional[int] = Non
 
     from dflash_dist.comm.distributed import Dist
     from dflash_dist.comm.topology import Topology
-    from dflash_dist.comm.transport import Message
     from dflash_dist.config import resolve_backend
     from dflash_dist.data.tokenize import TokenizedDataset
     from dflash_dist.drafter.trainer import DrafterTrainer
-    from dflash_dist.model.hf import resolve_dtype, text_config
-    from dflash_dist.target.batch import pad_batch
+    from dflash_dist.model.hf import text_config
     cfg = job.cfg
     ks = calibration_messages(job, steps or cfg.topology.plan_drafter_steps)
-    tc = text_config(job.hf_config)
-    dtype = resolve_dtype(cfg.target.dtype, device.type)
-    g = torch.Generator(device=device).manual_seed(cfg.target.init_seed)
-    embed, head = ((torch.randn(tc.vocab_size, tc.hidden_size, generator=g, device=device) * 0.02).to(dtype)
-                   for _ in range(2))
+    embed, head = random_head_weights(job, device)
+    dtype = embed.dtype
     # one drafter fed by one target, in this process: drafters=None is the trainer's "alone" mode
     alone = Dist(topo=Topology(2, 0, 1), device=device, ctrl=None, data=None, drafters=None, store=None)
     ds = TokenizedDataset.load(job.dataset_path)
-    width = len(job.layer_ids) * tc.hidden_size
+    width = len(job.layer_ids) * text_config(job.hf_config).hidden_size
     fg = torch.Generator(device=device).manual_seed(0)
 
-    def message(k: int) -> Message:
-        """What the transport delivers for message k: ids / loss mask / features on the device, cu on the host."""
-        _, lengths, ids, mask = pad_batch([ds[i] for i in job.plan[k]], "cpu")
-        cu = torch.zeros(len(lengths) + 1, dtype=torch.long)
-        cu[1:] = lengths.cumsum(0)
-        feats = torch.randn(int(cu[-1]), width, generator=fg, device=device).to(dtype)
-        return Message(k, torch.tensor(job.plan[k], dtype=torch.long), cu, ids.to(device), mask.to(device), feats,
-                       src=alone.topo.target_ranks[0])
+    def message(k: int):
+        return plan_message(job, ds, k, lambda t: torch.randn(t, width, generator=fg, device=device).to(dtype),
+                            src=alone.topo.target_ranks[0])
 
     trainer = msgs = None
     try:

@@ -222,7 +222,8 @@ def resolve_compile(tcfg: TargetConfig, model, device_type: str) -> bool:
 
 def resolve_pad_multiple(tcfg: TargetConfig, model, device_type: str, packed: bool) -> int:
     """target.tuning.pad_multiple -> the padded capture's row-length multiple: None = 64 on CUDA (SDPA's cuDNN kernel
-    plans each new [b, S] once, ~45-70 ms, measured on an H200), 1 on CPU; packed rows: 1 (rounded on their own)."""
+    plans each new [b, S] once, tens of ms; measured: docs/benchmarks.md#new-shapes), 1 on CPU; packed rows: 1
+    (rounded on their own)."""
     if packed:
         return 1
     if tcfg.tuning.pad_multiple is not None:

@@ -367,10 +367,8 @@ class TargetRun:
         capture_msg = time.monotonic() - t_busy
         self.busy_s += capture_msg
         k = self.job.start_cursor + j
-        cu = torch.zeros(len(batch) + 1, dtype=torch.long)
-        cu[1:] = lengths.cumsum(0)
-        msg = Message(k, torch.tensor(self.job.plan[k], dtype=torch.long), cu, packed_ids, packed_mask, feats,
-                      target_ids=label_ids, target_probs=label_probs)
+        msg = Message.build(k, self.job.plan[k], Message.cu_of(lengths), packed_ids, packed_mask, feats,
+                            target_ids=label_ids, target_probs=label_probs)
         self.tokens += int(lengths.sum())
         self.samples += len(batch)
         self.flops += self.flops_per_batch(lengths.tolist())

@@ -33,7 +33,7 @@ def nominal_peak_tflops(device) -> Optional[float]:
 
 def attention_flops_per_pair(mc, train: bool = True) -> float:
     """FLOPs per visible (query, key) pair over all heads and layers: QK^T (2d) + PV (2d) per query head, x3.5
-    with the backward (which costs 2.5x the forward)."""
+    with the backward (counted as 2.5 forwards: docs/benchmarks.md#flop-accounting)."""
     return 4.0 * mc.head_dim * mc.num_attention_heads * mc.num_layers * (3.5 if train else 1.0)
 
 

@@ -11,8 +11,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench"))
-import _standalone as S  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the helpers package
+import helpers.standalone_drafter as S  # noqa: E402
 
 from dflash_dist.comm.topology import Topology  # noqa: E402
 

@@ -102,6 +102,32 @@ def test_job_level_validation():
         validate_job(job(drafter={"attention_backend": "flex"}, train={"device": "cpu"}), 3, 8, 2048, 3)
 
 
+def test_split_rules_are_checked_before_any_topology():
+    """target_ranks a multiple of target.tensor_parallel: refused by check_split, which setup and validate_job
+    both ask before building a topology; the topology itself only asserts it."""
+    from dflash_dist.comm.topology import Topology
+    from dflash_dist.config import check_split
+    three = job(topology={"target_ranks": 3}, target={"hf_config": {"builtin": "tiny"}, "tensor_parallel": 2})
+    with pytest.raises(ConfigError, match="target_ranks=3 is not a multiple of target.tensor_parallel=2.*use 2"):
+        check_split(three, 7)
+    check_split(job(topology={"target_ranks": 4}, target={"hf_config": {"builtin": "tiny"}, "tensor_parallel": 2}), 7)
+    with pytest.raises(AssertionError):
+        Topology(7, 0, 3, tp=2)
+
+
+def test_compiled_layers_need_flex_however_the_backend_resolves():
+    """drafter.tuning.compile_layers=true with a backend that resolves to sdpa is refused by the backend's rule
+    (config.drafter_backend, asked by check_job_config): given as sdpa, or auto on CPU."""
+    from dflash_dist.config import drafter_backend
+    for backend in ("sdpa", "auto"):
+        cfg = job(drafter={"attention_backend": backend, "tuning": {"compile_layers": True}})
+        with pytest.raises(ConfigError, match="drafter.tuning.compile_layers=true needs the flex backend"):
+            drafter_backend(cfg.drafter, "cpu")
+    auto = job(drafter={"tuning": {"compile_layers": True}}).drafter
+    assert drafter_backend(auto, "cuda") == "flex"
+    assert drafter_backend(job(drafter={"tuning": {"compile_layers": None}}).drafter, "cpu") == "sdpa"
+
+
 def test_cosine_schedule():
     assert cosine_lr(0, 100, 0.04) == pytest.approx(0.25)
     assert cosine_lr(3, 100, 0.04) == pytest.approx(1.0)

@@ -4,6 +4,7 @@ import ast
 import dataclasses
 import glob
 import os
+import re
 
 import yaml
 from helpers.launch_util import REPO
@@ -195,6 +196,14 @@ def test_communication_computes_no_loss():
     assert reaching == []
 
 
+def test_one_constructor_builds_a_message():
+    """A ``Message`` is made by ``Message.build`` only (the target's capture, the receiver, the drafter's
+    measurement), never by calling the dataclass directly in the package."""
+    assert _calls("Message") == []
+    builders = {c.rsplit(":", 1)[0] for c in _calls("build")}
+    assert {"dflash_dist/comm/transport.py", "dflash_dist/target/loop.py", "dflash_dist/planning/measure.py"} <= builders
+
+
 def test_call_finder_finds_calls():
     assert _calls("resolve_drafter") and not _calls("no_function_is_named_like_this")
 
@@ -216,3 +225,64 @@ def test_test_files_live_in_their_folders():
     for p in glob.glob(os.path.join(REPO, "tests", "**", "*.py"), recursive=True):
         rel = os.path.relpath(p, os.path.join(REPO, "tests"))
         assert rel == "conftest.py" or rel.split(os.sep)[0] in allowed, rel
+
+
+def test_tests_do_not_reach_into_bench():
+    """Only the bench scripts' own tests (tests/bench) import bench/: the harness the other tests train with is
+    tests/helpers/standalone_drafter.py, which bench/_standalone.py imports in turn."""
+    import re
+    reaching = []
+    for folder in ("unit", "integration", "helpers"):
+        for p in glob.glob(os.path.join(REPO, "tests", folder, "**", "*.py"), recursive=True):
+            src = open(p).read()
+            if re.search(r"sys\.path\.\w+\([^\n]*bench|^\s*import _standalone|^\s*import _common", src, re.M):
+                reaching.append(os.path.relpath(p, REPO))
+    assert reaching == []
+
+
+# a measured figure: a time, a rate, a speed-up or a percentage faster/slower
+FIGURE = re.compile(r"\d[\d.,]*\s?(?:ms|µs)\b|\d[\d.,]*K?\s?(?:tok|tokens|samples)/s\b|\d[\d.,]*\s?(?:TFLOP/s|GB/s)"
+                    r"|\d[\d.]*x (?:faster|slower|the)\b|\d+(?:\.\d+)?% (?:faster|slower)\b")
+
+
+def _prose(src: str) -> list:
+    """(line, text) of every docstring paragraph and every block of consecutive comment lines of a module."""
+    import io
+    import tokenize
+    out = []
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            out += [(node.lineno, para) for para in re.split(r"\n\s*\n", node.value.value)]
+    block, start, last = [], 0, -2
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.COMMENT:
+            if tok.start[0] != last + 1 and block:
+                out.append((start, " ".join(block)))
+                block = []
+            start = start if block else tok.start[0]
+            block.append(tok.string)
+            last = tok.start[0]
+    return out + ([(start, " ".join(block))] if block else [])
+
+
+def test_measured_figures_in_the_code_link_their_result():
+    """A benchmark figure in a docstring or comment of the package sits in a paragraph that links where it was
+    measured (docs/benchmarks.md#<anchor>, an anchor that exists), so the code never quotes a number the
+    benchmarks do not hold."""
+    bench = open(os.path.join(REPO, "docs", "benchmarks.md")).read()
+    anchors = set(re.findall(r'<a id="([^"]+)"></a>', bench))
+    loose, dangling = [], []
+    for path in glob.glob(os.path.join(PKG, "**", "*.py"), recursive=True):
+        for line, text in _prose(open(path).read()):
+            links = re.findall(r"docs/benchmarks\.md#([\w-]+)", text)
+            if FIGURE.search(text) and not links:
+                loose.append(f"{os.path.relpath(path, REPO)}:{line}: {FIGURE.findall(text)}")
+            dangling += [f"{os.path.relpath(path, REPO)}:{line}: #{a}" for a in links if a not in anchors]
+    assert loose == [] and dangling == []
+
+
+def test_figure_finder_finds_figures():
+    assert FIGURE.search("took 33.8 ms") and FIGURE.search("1.18x the local loss") and FIGURE.search("41.0K tok/s")
+    assert not FIGURE.search("at most 10% of the data") and not FIGURE.search("sleeping 10 us")
+    assert _prose('"""Doc.\n\nSecond 5 ms."""\n# a\n# b\nx = 1\n\ny = 2  # c\n') == [
+        (1, "Doc."), (1, "Second 5 ms."), (4, "# a # b"), (8, "# c")]

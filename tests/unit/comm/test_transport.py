@@ -80,6 +80,22 @@ def test_message_validate_rejects_bad_shapes():
         m.validate()
 
 
+def test_message_build_is_checked_where_it_is_made():
+    """Message.build: sample ids from a plan's list, cu_seqlens from the lengths, and a malformed message refused
+    at construction (not at its send)."""
+    cu = Message.cu_of(torch.tensor([3, 2]))
+    assert cu.tolist() == [0, 3, 5] and cu.dtype == torch.long
+    m = Message.build(7, [4, 9], cu, torch.zeros(5, dtype=torch.long), torch.ones(5, dtype=torch.bool),
+                      torch.zeros(5, 8), src=2, sender_stats=(1, 2))
+    assert (m.index, m.sample_ids.tolist(), m.src, m.sender_stats, m.num_tokens) == (7, [4, 9], 2, [1, 2], 5)
+    with pytest.raises(TransportError, match="message 7: inconsistent shapes"):
+        Message.build(7, [4, 9], cu, torch.zeros(5, dtype=torch.long), torch.ones(5, dtype=torch.bool),
+                      torch.zeros(4, 8))
+    with pytest.raises(TransportError, match="target labels"):
+        Message.build(7, [4, 9], cu, torch.zeros(5, dtype=torch.long), torch.ones(5, dtype=torch.bool),
+                      torch.zeros(5, 8), target_ids=torch.zeros(4, 1, dtype=torch.long))
+
+
 def test_rendezvous_setting(monkeypatch):
     """topology.tuning.rendezvous_sends: null is on exactly over NCCL; true/false win over the backend."""
     from dflash_dist.comm import transport

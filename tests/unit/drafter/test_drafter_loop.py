@@ -1,22 +1,15 @@
 """DrafterTrainer pieces that run without a pipeline: the dry steps of precompile (CPU, sdpa backend)."""
 
-import os
-import sys
-
+import helpers.standalone_drafter as S
 import torch
 import torch.distributed as dist
-from helpers.launch_util import REPO as REPO_ROOT
 
 from dflash_dist.drafter.compile_guard import plan_step_lengths, precompile_steps
-
-BENCH = os.path.join(REPO_ROOT, "bench")
 
 
 def test_precompile_dry_steps_update_nothing(tmp_path):
     """precompile runs forward and backward of each planned shape it was given (the attention ran), and leaves
     the weights, the gradients, the optimizer and the step counters as they were."""
-    sys.path.insert(0, BENCH)
-    import _standalone as S
     cpu = torch.device("cpu")
     S.init_single_process_group(cpu)
     try:
