@@ -24,8 +24,8 @@ Prints one row per check with PASS / WARN / FAIL / N/A and exits non-zero if any
   under trust_remote_code).
 
 * with ``--compare-quantization`` and an FP8 target: the cosine of its captured features against the bf16
-  reference's (``--bf16-reference PATH``, or see ``check_quantization``), per captured layer, on a few samples
-  (WARN below 0.99).
+  reference's (``--bf16-reference PATH``, else see ``doctor_quant.compare_quantization``), per captured layer, on a
+  few samples (WARN below 0.99).
 
 Usage: ``dflash-doctor [--json PATH] [--no-flex] [--export DIR] [--world-size N] [--compare-quantization
 [--bf16-reference PATH]] [hydra overrides ...]``.
@@ -507,59 +507,10 @@ def _export_warnings(doc: Doctor, path: str, cfg: dict, dcfg) -> None:
 
 # ---------------------------------------------------------------------------------------------- main
 
-def _capture(model, layer_ids, samples, device):
-    import torch
-
-    from dflash_dist.target.batch import pad_batch
-    from dflash_dist.target.capture import FeatureCapture
-    cap = FeatureCapture(model, layer_ids, packing=False, compile=False)
-    try:
-        with torch.inference_mode():
-            return cap(*pad_batch(samples, torch.device(device), False)[:2]).float().cpu()
-    finally:
-        cap.close()
-
-
-def check_quantization(doc: Doctor, reference: Optional[str], n_samples: int = 4, length: int = 256) -> None:
-    """Per captured layer, the cosine of the FP8 target's features against its bf16 reference on a few random-token
-    samples: ``reference`` (a bf16 checkpoint) when given; else the same target unquantized (target.quantization=
-    fp8) or, for a pre-quantized checkpoint, its FP8 weights dequantized (so only the FP8 GEMM differs). The FP8
-    side runs ``torch._scaled_mm`` (on CPU too, where torch has it), as the GPU does. WARN below 0.99."""
-    from dataclasses import replace
-
-    from dflash_dist.config import default_layer_ids, resolve_device
-    from dflash_dist.data.synthetic import synthetic_dataset
-    from dflash_dist.model.hf import build_target_model, load_hf_config, text_config
-    from dflash_dist.model.quant import FP8Linear, checkpoint_format, quantization_report, target_is_fp8
-    from dflash_dist.model.quant.compare import layer_cosines
-    t = doc.cfg.target
-    hf_config = doc.hf_config or load_hf_config(t)
-    if not target_is_fp8(t, hf_config):
-        doc.add("FP8 vs bf16 features", NA, "the target is not FP8 (target.quantization=fp8 or an FP8 checkpoint)")
-        return
-    tc, device = text_config(hf_config), resolve_device(doc.cfg)
-    layer_ids = t.layer_ids or default_layer_ids(tc.num_hidden_layers, t.num_feature_layers)
-    ds = synthetic_dataset(f"synthetic:{length}:{n_samples}", tc.vocab_size, length, seed=0)
-    samples = [ds[i] for i in range(len(ds))]
-    fp8 = build_target_model(t, device)
-    mods = [m for m in fp8.modules() if isinstance(m, FP8Linear)]
-    prequantized = t.name_or_path is not None and checkpoint_format(hf_config) is not None
-    if reference or not prequantized:
-        what = reference or "the same target unquantized"
-        ref = _capture(build_target_model(replace(t, quantization=None, name_or_path=reference or t.name_or_path),
-                                          device), layer_ids, samples, device)
-    else:
-        what = "its FP8 weights dequantized (bf16 activations)"
-        for m in mods:
-            m.kernel = "dequantize"
-        ref = _capture(fp8, layer_ids, samples, device)
-    for m in mods:
-        m.kernel = "scaled_mm"
-    cos = layer_cosines(ref, _capture(fp8, layer_ids, samples, device), len(layer_ids))
-    worst = min(c["mean"] for c in cos)
-    detail = (f"{quantization_report(fp8)['source']}, FP8 GEMM vs {what}, {n_samples} samples of {length} tokens: "
-              + ", ".join(f"layer {i}: {c['mean']:.4f}" for i, c in zip(layer_ids, cos)))
-    doc.add("FP8 vs bf16 features", PASS if worst >= 0.99 else WARN, detail, cosines=cos, layer_ids=layer_ids)
+def check_quantization(doc: Doctor, reference: Optional[str], **kw) -> None:
+    from dflash_dist.cli.doctor_quant import compare_quantization
+    status, detail, data = compare_quantization(doc.cfg, doc.hf_config, reference, **kw)
+    doc.add("FP8 vs bf16 features", status, detail, **data)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
