@@ -320,3 +320,18 @@ def check_fast_path_for_config(hf_config: Any, policy: str, device_type: str,
         cls = classes[0] if classes else f"{model_type} linear_attention"
         kinds[cls] = _kind_entry(cls, linear, _bindings(None, modeling), modeling)
     return _finish(kinds, _attn_impl(hf_config) or attn_implementation, policy, device_type, attn_note=attn_note)
+
+
+def check_quantization_for_config(tcfg: Any, hf_config: Any, device_type: str) -> Optional[str]:
+    """Before any weights load: the FP8 GEMM kernel an FP8 target (``target.quantization=fp8`` or a pre-quantized
+    checkpoint) will bind on ``device_type``, None for a target that is not FP8; the dequantize reference is refused
+    here under ``target.fast_path=require``, as the built model's check would refuse it."""
+    from dflash_dist.model.quant import target_is_fp8
+    from dflash_dist.model.quant.fp8 import default_kernel
+    if not target_is_fp8(tcfg, hf_config):
+        return None
+    kernel = default_kernel(device_type)
+    if kernel != "scaled_mm" and resolve_policy(tcfg.fast_path, device_type) == "require":
+        raise FastPathError(f"target fast path: an FP8 target on {device_type}.\n  - {FP8_FALLBACK}\n  (target.fast_path="
+                            f"{tcfg.fast_path}; set target.fast_path=warn or allow to run on the fallback anyway)")
+    return kernel

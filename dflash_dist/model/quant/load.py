@@ -21,6 +21,7 @@ fused MoE experts) is refused: it would otherwise run unscaled.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -31,6 +32,7 @@ from torch import nn
 from dflash_dist.config import ConfigError
 from dflash_dist.model.quant.fp8 import FP8_DTYPE, KERNEL_NAMES, FP8Linear, expand_block_scales, quantize_rows
 
+log = logging.getLogger(__name__)
 ATTR = "_dflash_quantization"  # the model attribute holding what was asked for and done (read by the report)
 FORMATS_HELP = ("fine-grained FP8 (quant_method: fp8) or compressed-tensors float8 (format: float-quantized); "
                 "or load the bf16 checkpoint with target.quantization=fp8")
@@ -203,6 +205,8 @@ def load_fp8_linears(model: nn.Module, path: str, fmt: CheckpointFormat, kernel:
                           "checkpoint with target.quantization=fp8, which keeps experts bf16")
     if done == 0:
         raise ConfigError(f"{path}: config.json declares {fmt.detail} but no *{suffix} tensors are in the checkpoint")
+    log.info("FP8 checkpoint %s: %d linears loaded as FP8 (%s) with their *%s tensors (the ones transformers' load "
+             "report lists as UNEXPECTED)", path, done, fmt.detail, suffix)
     info = {"method": "fp8", "source": f"checkpoint ({fmt.detail})", "kernel": kernel,
             "kernel_name": KERNEL_NAMES[kernel], "fp8_linears": done,
             "requantized_per_channel": requantized}

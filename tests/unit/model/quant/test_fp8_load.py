@@ -152,3 +152,15 @@ def test_flops_count_fp8_linears_and_the_peak_is_the_fp8_one(bf16):
     cfg = SimpleNamespace(target=TargetConfig(hf_config={"builtin": "tiny"}, quantization="fp8"),
                           logging=SimpleNamespace(peak_tflops=None))
     assert target_peak_tflops(cfg, None, "cpu") is None  # no vendor figure on CPU
+
+
+def test_the_config_check_refuses_the_reference_before_any_weights_load():
+    from dflash_dist.model.fast_path import check_quantization_for_config
+    hf_config = load_hf_config(TargetConfig(hf_config={"builtin": "tiny"}))
+    fp8 = TargetConfig(hf_config={"builtin": "tiny"}, quantization="fp8", fast_path="require")
+    with pytest.raises(FastPathError, match="without an FP8 GEMM"):
+        check_quantization_for_config(fp8, hf_config, "cpu")
+    fp8.fast_path = "auto"  # allow on CPU
+    assert check_quantization_for_config(fp8, hf_config, "cpu") == "dequantize"
+    assert check_quantization_for_config(TargetConfig(hf_config={"builtin": "tiny"}, fast_path="require"),
+                                         hf_config, "cpu") is None
