@@ -127,11 +127,12 @@ def main(argv=None) -> int:
     ref = features(model, layer_ids, cos_samples, dev)
     # the bf16 target's own distance from fp32 weights and activations (buffers such as RoPE's stay as built): the
     # floor the FP8 cosine is read against on a random-init model
-    for prm in model.parameters():
+    built = {prm: prm.dtype for prm in model.parameters()}
+    for prm in built:
         prm.data = prm.data.float()
     ref32 = features(model, layer_ids, cos_samples, dev)
-    for prm in model.parameters():
-        prm.data = prm.data.to(torch.bfloat16)
+    for prm, dtype in built.items():  # back exactly (bf16 -> fp32 -> bf16 is lossless)
+        prm.data = prm.data.to(dtype)
     C.free_memory(dev)
     result["cosine_bf16_vs_fp32"] = layer_cosines(ref32, ref, len(layer_ids))
     C.log("per-layer cosine bf16 vs fp32: " + ", ".join(f"layer {i}: {c['mean']:.5f}"
