@@ -109,6 +109,12 @@ class TargetConfig:
     """MoE targets: transformers' ``experts_implementation`` (grouped_mm, batched_mm, eager, ...); None:
     transformers' default (grouped_mm where the class supports it). What really runs is reported at startup."""
 
+    quantization: Optional[Literal["fp8"]] = None
+    """fp8: quantize the decoder layers' linears of a bf16 target on load (float8 e4m3 weights, one scale per
+    output channel, activations scaled per token; ``torch._scaled_mm`` on CUDA with compute capability >= 8.9).
+    None: the checkpoint as it is; a pre-quantized FP8 checkpoint (``quantization_config`` fine-grained ``fp8``
+    or ``compressed-tensors`` float8) always runs FP8. The kernel bound is reported in the fast-path line."""
+
     max_batch_tokens: int = 8192
     """Token budget of one target forward (= one message). Samples of similar length are grouped up to it."""
 
@@ -715,7 +721,8 @@ class LoggingConfig:
     peak_tflops: Optional[float] = None
     """bf16 peak of one GPU (TFLOP/s) for the MFU metrics (drafter_mfu, target<r>_mfu). None: the vendor figure
     for known GPUs (H100/H200 989.4, A100 312, ...); no MFU on CPU or unknown devices. Set it to a measured
-    matmul rate to report MFU against that instead."""
+    matmul rate to report MFU against that instead. An FP8 target's target<r>_mfu counts against the FP8 peak
+    (the vendor figure, H100/H200 1978.9; or twice this value when set)."""
 
     debug: LoggingDebug = field(default_factory=LoggingDebug)
     """Audits, traces and profiles (``logging.debug.*``); all off by default."""

@@ -113,7 +113,7 @@ def check_job_config(cfg: JobConfig, world_size: Optional[int], device_type: str
     skips the checks of the split. Returns what they resolved."""
     from transformers import AutoTokenizer
 
-    from dflash_dist.model.fast_path import check_fast_path_for_config
+    from dflash_dist.model.fast_path import check_fast_path_for_config, check_quantization_for_config
     from dflash_dist.model.hf import (
         attn_note,
         check_target_paths,
@@ -137,6 +137,10 @@ def check_job_config(cfg: JobConfig, world_size: Optional[int], device_type: str
     fast_path = check_fast_path_for_config(hf_config, cfg.target.fast_path, device_type, attn,
                                            attn_note(cfg.target, hf_config, device_type))
     check_packing_config(cfg.target, hf_config)  # target.packing=on for a hybrid: refused before weights load
+    check_quantization_for_config(cfg.target, hf_config, device_type)  # an FP8 target without an FP8 GEMM
+    if cfg.target.tensor_parallel > 1:  # FP8 targets run on one rank per replica: refused before weights load
+        from dflash_dist.model.quant import refuse_replica
+        refuse_replica(cfg.target, hf_config)
     src = cfg.data.source
     if src not in PACKAGED_SOURCES and not src.startswith("synthetic:") and not os.path.exists(src):
         raise ConfigError(f"data.source={src!r}: no such file or directory (builtin, builtin_original, a .jsonl/.json/.parquet/.arrow "

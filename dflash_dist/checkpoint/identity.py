@@ -101,14 +101,16 @@ def target_identity(cfg, hf_config) -> dict:
     cfg_dict = {k: v for k, v in hf_config.to_dict().items() if k not in _HF_NON_IDENTITY}
     t = cfg.target
     random_init = not t.name_or_path and not (t.hf_config or {}).get("builtin")
-    blob = json.dumps([cfg_dict, t.init_seed if random_init else None], sort_keys=True, default=repr)
+    # an FP8 target (target.quantization) computes other features: in the hash only when set, bf16 runs keep theirs
+    quant = [t.quantization] if getattr(t, "quantization", None) else []
+    blob = json.dumps([cfg_dict, t.init_seed if random_init else None] + quant, sort_keys=True, default=repr)
     if t.name_or_path:
         label = os.path.basename(os.path.normpath(str(t.name_or_path)))
     elif (t.hf_config or {}).get("builtin"):
         label = f"builtin {t.hf_config['builtin']}"
     else:
         label = f"random-init {cfg_dict.get('model_type', '?')} (seed {t.init_seed})"
-    return {"hash": _sha(blob.encode())[:16], "label": label}
+    return {"hash": _sha(blob.encode())[:16], "label": label + (f", quantized {quant[0]} on load" if quant else "")}
 
 
 def drafter_identity(cfg, layer_ids: list, mask_token_id: int, hidden_size: int) -> dict:

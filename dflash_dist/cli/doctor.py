@@ -23,7 +23,12 @@ Prints one row per check with PASS / WARN / FAIL / N/A and exits non-zero if any
   dflash-export warns about and for a ``modeling_dflash.py`` that differs from this version's (it runs as code
   under trust_remote_code).
 
-Usage: ``dflash-doctor [--json PATH] [--no-flex] [--export DIR] [--world-size N] [hydra overrides ...]``.
+* with ``--compare-quantization`` and an FP8 target: the cosine of its captured features against the bf16
+  reference's (``--bf16-reference PATH``, else see ``doctor_quant.compare_quantization``), per captured layer, on a
+  few samples (WARN below 0.99).
+
+Usage: ``dflash-doctor [--json PATH] [--no-flex] [--export DIR] [--world-size N] [--compare-quantization
+[--bf16-reference PATH]] [hydra overrides ...]``.
 """
 
 from __future__ import annotations
@@ -502,6 +507,12 @@ def _export_warnings(doc: Doctor, path: str, cfg: dict, dcfg) -> None:
 
 # ---------------------------------------------------------------------------------------------- main
 
+def check_quantization(doc: Doctor, reference: Optional[str], **kw) -> None:
+    from dflash_dist.cli.doctor_quant import compare_quantization
+    status, detail, data = compare_quantization(doc.cfg, doc.hf_config, reference, **kw)
+    doc.add("FP8 vs bf16 features", status, detail, **data)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="dflash-doctor", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -509,6 +520,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--export", metavar="DIR", help="also check a dflash-export directory for every loader")
     ap.add_argument("--world-size", type=int, default=None, metavar="N",
                     help="the processes dflash-train will run (also check the target/drafter split)")
+    ap.add_argument("--compare-quantization", action="store_true",
+                    help="an FP8 target's per-layer feature cosine against bf16")
+    ap.add_argument("--bf16-reference", metavar="PATH", default=None,
+                    help="with --compare-quantization: the bf16 checkpoint to compare against")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for dflash-train (e.g. target=qwen3_8b_random)")
     args = ap.parse_args(argv)
     doc = Doctor()
@@ -526,6 +541,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     doc.run("wandb", check_wandb)
     if args.export:
         doc.run("export", lambda d: check_export(d, args.export))
+    if args.compare_quantization and doc.cfg is not None:
+        doc.run("FP8 vs bf16 features", lambda d: check_quantization(d, args.bf16_reference))
     print(doc.table())
     print(f"({time.time() - t0:.1f} s)")
     if args.json:

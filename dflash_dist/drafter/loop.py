@@ -25,7 +25,7 @@ from dflash_dist.drafter.startup_report import host_syncs, startup_report
 from dflash_dist.drafter.trainer import LEAKY_MASK_ENV, DrafterTrainer
 from dflash_dist.eval.in_training import LeaderEval, eval_enabled, eval_record, eval_steps
 from dflash_dist.role_jobs import DrafterJob
-from dflash_dist.telemetry.flops import nominal_peak_tflops
+from dflash_dist.telemetry.flops import nominal_peak_tflops, target_peak_tflops
 from dflash_dist.telemetry.metrics import MetricsWriter, RateMeter, StreamWaitMeter, run_summary, target_window_metrics
 from dflash_dist.telemetry.step_trace import format_timeline, traced_step
 
@@ -128,6 +128,7 @@ class DrafterRun:
         self.rate = RateMeter()
         self.bytes_seen = 0
         self.peak = self.cfg.logging.peak_tflops or nominal_peak_tflops(self.d.device)  # None on CPU: no MFU
+        self.target_peak = target_peak_tflops(self.cfg, job.hf_config, self.d.device)  # FP8 targets: the FP8 peak
         self.target_stats, self.prev_target_stats = {}, {}
         self.ends_seen: set = set()
         self.wait_s = self.busy_s = 0.0
@@ -322,7 +323,7 @@ class DrafterRun:
                        "epoch_progress": self.trainer.cursor / max(self.job.total_messages, 1)})
         if self.peak:  # model FLOPs of all drafters over the window / (drafters x window x peak)
             window["drafter_mfu"] = window["model_flops"] / (topo.num_drafters * r["window_s"] * self.peak * 1e12)
-        window.update(target_window_metrics(self.target_stats, self.prev_target_stats, self.peak))
+        window.update(target_window_metrics(self.target_stats, self.prev_target_stats, self.target_peak))
         self.prev_target_stats = dict(self.target_stats)
         self.seen_time = (self.wait_s, self.busy_s, wall, stream_wait_s)
         return window

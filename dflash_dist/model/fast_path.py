@@ -35,6 +35,9 @@ Every target, hybrid or not, also gets in the same report:
   the experts module's ``config._experts_implementation`` and ``_can_use_grouped_mm`` on its own weights.
   ``require`` refuses a MoE target whose experts run eager (or the grouped_mm loop) on CUDA (a loop over the
   experts instead of one grouped matmul).
+* for FP8 targets (``target.quantization=fp8`` or a pre-quantized checkpoint, ``model/quant/``), the format and
+  the GEMM kernel its FP8 linears run (``torch._scaled_mm`` rowwise, or the dequantize-then-matmul reference).
+  ``require`` refuses the reference (CPU, GPUs without FP8 tensor cores) and an FP8 target with no FP8 linear.
 
 What is family-specific (the linear-attention class markers, kernel roles and install hints; the experts' report)
 lives with its family in ``model/families/`` (``hybrid``, ``moe``); this module reports it and applies the policy.
@@ -53,6 +56,7 @@ from dflash_dist.config import ConfigError
 from dflash_dist.model.families import family_for, linear_layer_markers, text_config
 from dflash_dist.model.families.hybrid import INSTALL_HINTS, KERNEL_ROLES, PREFILL_ROLES
 from dflash_dist.model.families.moe import EXPERTS_FIX, SLOW_EXPERTS, experts_report
+from dflash_dist.model.quant import quantization_report
 
 __all__ = ["FastPathError", "check_target_fast_path", "check_fast_path_for_config", "resolve_policy",
            "INSTALL_HINTS", "HYBRID_LAYER_MARKERS", "experts_report", "attention_report", "SLOW_EXPERTS"]
@@ -62,6 +66,9 @@ log = logging.getLogger("dflash_dist")
 # the hybrid families' layer markers, kernel roles and install hints and the MoE experts' report live with their
 # families (model/families/); this module reports them and enforces target.fast_path
 HYBRID_LAYER_MARKERS = linear_layer_markers()
+FP8_FALLBACK = ("the FP8 target's linears run without an FP8 GEMM (the dequantize-then-matmul reference: FP8 GEMMs "
+                "need CUDA with compute capability >= 8.9); run on such a GPU, or set target.quantization=null and "
+                "load a bf16 checkpoint")
 
 
 class FastPathError(ConfigError):
@@ -198,7 +205,7 @@ def sdpa_backend(config: Any, seq_len: int = 1024) -> Optional[str]:
 
 def _finish(kinds: dict, attn_impl: Optional[str], policy: str, device_type: str, kernelized: bool = False,
             experts: Optional[dict] = None, attention: Optional[dict] = None, built: bool = False,
-            attn_note: Optional[str] = None) -> dict:
+            attn_note: Optional[str] = None, quantization: Optional[dict] = None) -> dict:
     eff = resolve_policy(policy, device_type)
     missing = sorted({pkg for k in kinds.values() for pkg in PREFILL_ROLES if not k[pkg]})
     if kernelized:  # transformers' kernels hub replaced whole layers: the per-function view does not apply
@@ -221,6 +228,9 @@ def _finish(kinds: dict, attn_impl: Optional[str], policy: str, device_type: str
         summary += f"; MoE experts: {experts['implementation']} ({experts['detail']})"
     elif built:  # the config-only check cannot know: reported again once the model is built
         summary += "; MoE experts: none (dense MLP)"
+    if quantization:
+        summary += f"; {quantization['summary']}"
+    fp8_fallback = bool(quantization) and quantization["fallback"]
     try:
         import transformers
         tf_version = transformers.__version__
@@ -228,11 +238,14 @@ def _finish(kinds: dict, attn_impl: Optional[str], policy: str, device_type: str
         tf_version = None
     result = {"policy": policy, "effective_policy": eff, "device_type": device_type, "hybrid": bool(kinds),
               "kinds": kinds, "attn_implementation": attn_impl, "missing": missing, "kernelized": kernelized,
-              "transformers": tf_version, "summary": summary, "experts": experts, "attention": attention}
+              "transformers": tf_version, "summary": summary, "experts": experts, "attention": attention,
+              "quantization": quantization}
     # experts on the eager path are a GPU problem only (on CPU grouped_mm is no faster)
     slow_experts = slow_experts and device_type == "cuda"
-    if missing or slow_experts:
+    if missing or slow_experts or fp8_fallback:
         lines = [f"  - {INSTALL_HINTS[p]}" for p in missing]
+        if fp8_fallback:
+            lines.append(f"  - {FP8_FALLBACK}")
         if slow_experts:
             lines.append(f"  - the MoE experts run {experts['implementation']} on CUDA ({experts['detail']}), the "
                          "slow path (11x slower than grouped_mm measured on a Qwen3-30B-A3B shape): " + EXPERTS_FIX)
@@ -269,7 +282,8 @@ def check_target_fast_path(model: Any, policy: str, device_type: str) -> dict:
         kinds[cls] = _kind_entry(cls, layers, _bindings(layer, modeling), modeling)
     return _finish(kinds, _attn_impl(getattr(model, "config", None)), policy, device_type,
                    kernelized=bool(getattr(model, "_use_kernels", False)), experts=experts_report(model),
-                   attention=attention_report(model, device_type), built=True)
+                   attention=attention_report(model, device_type), built=True,
+                   quantization=quantization_report(model))
 
 
 def _modeling_module(model_type: str) -> Optional[ModuleType]:
@@ -306,3 +320,18 @@ def check_fast_path_for_config(hf_config: Any, policy: str, device_type: str,
         cls = classes[0] if classes else f"{model_type} linear_attention"
         kinds[cls] = _kind_entry(cls, linear, _bindings(None, modeling), modeling)
     return _finish(kinds, _attn_impl(hf_config) or attn_implementation, policy, device_type, attn_note=attn_note)
+
+
+def check_quantization_for_config(tcfg: Any, hf_config: Any, device_type: str) -> Optional[str]:
+    """Before any weights load: the FP8 GEMM kernel an FP8 target (``target.quantization=fp8`` or a pre-quantized
+    checkpoint) will bind on ``device_type``, None for a target that is not FP8; the dequantize reference is refused
+    here under ``target.fast_path=require``, as the built model's check would refuse it."""
+    from dflash_dist.model.quant import target_is_fp8
+    from dflash_dist.model.quant.fp8 import default_kernel
+    if not target_is_fp8(tcfg, hf_config):
+        return None
+    kernel = default_kernel(device_type)
+    if kernel != "scaled_mm" and resolve_policy(tcfg.fast_path, device_type) == "require":
+        raise FastPathError(f"target fast path: an FP8 target on {device_type}.\n  - {FP8_FALLBACK}\n  (target.fast_path="
+                            f"{tcfg.fast_path}; set target.fast_path=warn or allow to run on the fallback anyway)")
+    return kernel

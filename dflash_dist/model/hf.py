@@ -146,11 +146,17 @@ def build_target_model(tcfg: TargetConfig, device: str, local_files_only: bool =
     """Load or random-init the frozen target (eval mode, no grad). ``local_files_only``: a location read from a
     file (a checkpoint's job section) is loaded from a local directory or the local HF cache, never the network."""
     from transformers import AutoModelForCausalLM
+
+    from dflash_dist.model.quant import apply_quantization, checkpoint_format, strip_quantization
     dtype = resolve_dtype(tcfg.dtype, device)
     path, _ = resolve_source(tcfg)
-    kw = {"attn_implementation": resolve_attn_implementation(tcfg, load_hf_config(tcfg), device)}
+    hf_config = load_hf_config(tcfg)
+    fmt = checkpoint_format(hf_config) if path is not None else None
+    kw = {"attn_implementation": resolve_attn_implementation(tcfg, hf_config, device)}
     if getattr(tcfg, "experts_implementation", None):
         kw["experts_implementation"] = tcfg.experts_implementation
+    if fmt is not None:  # a pre-quantized FP8 checkpoint: plain modules first, its FP8 linears swapped in below
+        kw["config"] = strip_quantization(hf_config)
     if path is not None:
         # a multimodal checkpoint (Qwen3.5 ...ForConditionalGeneration): AutoModelForCausalLM maps it to the text
         # model (transformers drops the vision tower's weights), which is all the capture runs
@@ -166,6 +172,7 @@ def build_target_model(tcfg: TargetConfig, device: str, local_files_only: bool =
                 torch.cuda.manual_seed(tcfg.init_seed)
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, **kw)
     model.to(device).eval().requires_grad_(False)
+    apply_quantization(model, decoder_layers(model)[1], tcfg, fmt, path, device)  # FP8 targets (model/quant)
     return model
 
 
@@ -266,6 +273,8 @@ def build_target_replica(tcfg: TargetConfig, device: str, group, random_dir: Opt
     ``build_random`` into ``random_dir`` as a safetensors checkpoint, then loaded sharded like a real one. That one
     rank holds the whole random model while it writes it; the ranks of a real checkpoint never do. ``ready``:
     (announce, wait) callables around the write."""
+    from dflash_dist.model.quant import refuse_replica
+    refuse_replica(tcfg, load_hf_config(tcfg))
     dtype = resolve_dtype(tcfg.dtype, device)
     path, _ = resolve_source(tcfg)
     if path is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-__all__ = ["NOMINAL_BF16_TFLOPS", "nominal_peak_tflops", "drafter_step_flops", "attention_flops_per_pair",
+__all__ = ["NOMINAL_BF16_TFLOPS", "NOMINAL_FP8_TFLOPS", "nominal_peak_tflops", "drafter_step_flops", "attention_flops_per_pair",
            "target_forward_flops", "target_layers_profile", "target_capture_flops", "causal_pairs"]
 
 # Dense bf16 tensor-core peaks from the vendors' data sheets (TFLOP/s), matched as substrings of the device name
@@ -18,14 +18,19 @@ NOMINAL_BF16_TFLOPS = (("H200", 989.4), ("H100 SXM", 989.4), ("H100 80GB HBM3", 
                        ("H100", 989.4), ("H20", 148.0), ("A100", 312.0), ("L40S", 362.0), ("B200", 2250.0))
 
 
-def nominal_peak_tflops(device) -> Optional[float]:
-    """The vendor's dense bf16 peak of a CUDA device, or None (CPU, unknown GPU)."""
+# Dense FP8 (e4m3) tensor-core peaks, the same data sheets: 2x bf16 where the GPU has FP8 tensor cores (no A100)
+NOMINAL_FP8_TFLOPS = (("H200", 1978.9), ("H100 SXM", 1978.9), ("H100 80GB HBM3", 1978.9), ("H100 PCIe", 1513.0),
+                      ("H100", 1978.9), ("H20", 296.0), ("L40S", 733.0), ("B200", 4500.0))
+
+
+def nominal_peak_tflops(device, fp8: bool = False) -> Optional[float]:
+    """The vendor's dense bf16 (``fp8``: FP8) peak of a CUDA device, or None (CPU, unknown GPU, no FP8 cores)."""
     import torch
     device = torch.device(device)
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    for key, val in NOMINAL_BF16_TFLOPS:
+    for key, val in (NOMINAL_FP8_TFLOPS if fp8 else NOMINAL_BF16_TFLOPS):
         if key in name:
             return val
     return None
@@ -120,6 +125,8 @@ def target_layers_profile(layers, tc) -> dict:
             routed += sum(p.numel() for p in params) * (k / max(n_exp, 1))
             expert_params.update(id(p) for p in mod.parameters())
         dense += sum(p.numel() for p in layer.parameters() if p.dim() >= 2 and id(p) not in expert_params)
+        # FP8 linears (model/quant) hold their weights as 2-D buffers: the same matmuls
+        dense += sum(b.numel() for n, b in layer.named_buffers() if b.dim() == 2 and n.endswith("weight"))
         attn = getattr(layer, "self_attn", None)
         if attn is not None:
             w = getattr(attn, "sliding_window", None)
@@ -161,3 +168,14 @@ def target_capture_flops(profile: dict, tc, batches: Iterable[tuple[int, int]], 
         if lm_head:
             total += 2.0 * tokens * tc.hidden_size * tc.vocab_size
     return total
+
+
+def target_peak_tflops(cfg, hf_config, device) -> Optional[float]:
+    """The peak the target's capture MFU is counted against: the bf16 peak (``logging.peak_tflops`` or the vendor
+    figure), or for an FP8 target (``target.quantization=fp8`` or a pre-quantized checkpoint) the FP8 one (twice
+    ``logging.peak_tflops`` when that is set: dense FP8 runs at 2x bf16 on every GPU with FP8 tensor cores)."""
+    from dflash_dist.model.quant import target_is_fp8
+    fp8 = target_is_fp8(cfg.target, hf_config)
+    if cfg.logging.peak_tflops:
+        return cfg.logging.peak_tflops * (2 if fp8 else 1)
+    return nominal_peak_tflops(device, fp8=fp8)

@@ -66,3 +66,16 @@ def test_checkpoint_with_an_unknown_loss_weighting_is_refused(tmp_path):
     meta["drafter"]["loss"].update(weighting="dpace", dpace_alpha=2.0)
     json.dump(meta, open(path, "w"))
     assert "drafter.loss.dpace_alpha" in (checkpoint_problem(ckpt) or "")
+
+
+def test_target_identity_tells_an_fp8_target_from_its_bf16_source():
+    from types import SimpleNamespace
+
+    from dflash_dist.config import TargetConfig
+    from dflash_dist.model.hf import load_hf_config
+    bf16 = TargetConfig(hf_config={"builtin": "tiny"})
+    fp8 = TargetConfig(hf_config={"builtin": "tiny"}, quantization="fp8")
+    hf = load_hf_config(bf16)
+    a, b = (ident.target_identity(SimpleNamespace(target=t), hf) for t in (bf16, fp8))
+    assert a["hash"] != b["hash"] and b["label"] == "builtin tiny, quantized fp8 on load"
+    assert a == ident.target_identity(SimpleNamespace(target=TargetConfig(hf_config={"builtin": "tiny"})), hf)

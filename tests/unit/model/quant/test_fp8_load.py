@@ -1,0 +1,166 @@
+"""FP8 targets on CPU: the packaged tiny target saved in each pre-quantized format loads into FP8 linears and
+captures; target.quantization=fp8 quantizes on load; the fast-path check names the kernel and require refuses the
+dequantize reference; other quantizations, stray FP8 tensors and FP8 replicas are refused; FLOPs and peaks."""
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers.fp8_checkpoints import write_fp8_checkpoint
+from torch import nn
+
+from dflash_dist.config import ConfigError, TargetConfig
+from dflash_dist.model.fast_path import FastPathError, check_target_fast_path
+from dflash_dist.model.hf import build_target_model, build_target_replica, decoder_layers, load_hf_config
+from dflash_dist.model.quant import quantization_report
+from dflash_dist.model.quant.compare import layer_cosines
+from dflash_dist.model.quant.fp8 import FP8Linear
+from dflash_dist.target.capture import FeatureCapture
+from dflash_dist.telemetry.flops import target_layers_profile, target_peak_tflops
+
+LAYERS = [1, 3, 6]
+N_LINEARS = 8 * 7  # tiny: 8 layers x (q, k, v, o, gate, up, down)
+
+
+@pytest.fixture(scope="module")
+def bf16():
+    return build_target_model(TargetConfig(hf_config={"builtin": "tiny"}), "cpu")
+
+
+@pytest.fixture(scope="module")
+def ids():
+    torch.manual_seed(0)
+    return torch.randint(0, 2048, (2, 48)), torch.tensor([48, 30])
+
+
+def _features(model, ids):
+    cap = FeatureCapture(model, LAYERS, packing=False, compile=False)
+    try:
+        with torch.inference_mode():
+            return cap(*ids).clone()
+    finally:
+        cap.close()
+
+
+def _fp8_modules(model):
+    return [m for m in model.modules() if isinstance(m, FP8Linear)]
+
+
+@pytest.mark.parametrize("fmt,detail", [("fine_grained", "fine-grained FP8 e4m3, 128x128 weight blocks"),
+                                        ("compressed", "compressed-tensors float8, channel weight scales")])
+def test_each_prequantized_format_loads_into_fp8_linears_and_captures(tmp_path, bf16, ids, fmt, detail):
+    path = write_fp8_checkpoint(str(tmp_path / fmt), fmt)
+    model = build_target_model(TargetConfig(name_or_path=path), "cpu")
+    mods = _fp8_modules(model)
+    assert len(mods) == N_LINEARS and {m.source for m in mods} == {detail}
+    rep = quantization_report(model)
+    assert rep["fp8_linears"] == N_LINEARS and rep["kernels"] == ["dequantize"] and rep["fallback"]
+    assert detail in rep["summary"] and "dequantize-then-matmul" in rep["summary"]
+    # the checkpoint's scales are applied: the dequantized weight is the original to FP8 precision
+    q = model.model.layers[2].mlp.down_proj.dequantized_weight(torch.float32)
+    w = bf16.model.layers[2].mlp.down_proj.weight
+    assert (q - w).abs().max() <= 2 ** -4 * w.abs().max()
+    assert not isinstance(model.lm_head, FP8Linear) and torch.equal(model.lm_head.weight, bf16.lm_head.weight)
+    cos = layer_cosines(_features(bf16, ids), _features(model, ids), len(LAYERS))
+    assert min(c["mean"] for c in cos) > 0.99
+    if fmt == "compressed":  # per-channel scales load exactly: the module holds the checkpoint's own tensors
+        from safetensors.torch import load_file
+        t = load_file(os.path.join(path, "model.safetensors"))
+        mod = model.model.layers[0].self_attn.q_proj
+        assert torch.equal(mod.weight.view(torch.uint8), t["model.layers.0.self_attn.q_proj.weight"].view(torch.uint8))
+        assert torch.equal(mod.scale.flatten(), t["model.layers.0.self_attn.q_proj.weight_scale"].flatten())
+    else:
+        # one 128x128 block per weight (q, k, v, o: 128 wide) is a per-tensor scale, loaded exactly; the MLP's
+        # 384-wide weights have 3 blocks and are requantized per output channel
+        assert rep["requantized_per_channel"] == 8 * 3
+
+
+def test_quantization_fp8_quantizes_a_bf16_target_on_load(bf16, ids):
+    model = build_target_model(TargetConfig(hf_config={"builtin": "tiny"}, quantization="fp8"), "cpu")
+    assert len(_fp8_modules(model)) == N_LINEARS
+    assert isinstance(model.lm_head, nn.Linear) and isinstance(model.model.embed_tokens, nn.Embedding)
+    assert "quantized on load" in quantization_report(model)["summary"]
+    cos = layer_cosines(_features(bf16, ids), _features(model, ids), len(LAYERS))
+    assert min(c["mean"] for c in cos) > 0.99
+    assert quantization_report(bf16) is None
+    with pytest.raises(ConfigError, match="target.quantization"):
+        TargetConfig(hf_config={"builtin": "tiny"}, quantization="int4")
+
+
+def test_fast_path_names_the_kernel_and_require_refuses_the_reference():
+    model = build_target_model(TargetConfig(hf_config={"builtin": "tiny"}, quantization="fp8"), "cpu")
+    res = check_target_fast_path(model, "allow", "cpu")
+    assert "GEMM: reference: dequantize-then-matmul" in res["summary"] and res["quantization"]["fallback"]
+    with pytest.raises(FastPathError, match="without an FP8 GEMM"):
+        check_target_fast_path(model, "require", "cpu")
+    for m in _fp8_modules(model):  # what CUDA >= 8.9 binds: accepted
+        m.kernel = "scaled_mm"
+    res = check_target_fast_path(model, "require", "cpu")
+    assert "GEMM: torch._scaled_mm (FP8 e4m3, rowwise scales)" in res["summary"]
+    _, layers = decoder_layers(model)
+    for layer in layers:  # asked for FP8, no FP8 linear left: refused as a fallback to bf16
+        layer.mlp.down_proj = nn.Linear(384, 128)
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(layer.self_attn, name, nn.Linear(8, 8))
+        for name in ("gate_proj", "up_proj"):
+            setattr(layer.mlp, name, nn.Linear(8, 8))
+    assert quantization_report(model)["fallback"]
+    with pytest.raises(FastPathError, match="without an FP8 GEMM"):
+        check_target_fast_path(model, "require", "cpu")
+
+
+def _set_quant(path, qc):
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = qc
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
+def test_other_quantizations_and_stray_fp8_tensors_are_refused(tmp_path):
+    path = write_fp8_checkpoint(str(tmp_path / "ct"), "compressed")
+    _set_quant(path, {"quant_method": "gptq", "bits": 4})
+    with pytest.raises(ConfigError, match="quant_method='gptq'"):
+        build_target_model(TargetConfig(name_or_path=path), "cpu")
+    _set_quant(path, {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+        "g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}})
+    with pytest.raises(ConfigError, match="only 8-bit float weights"):
+        build_target_model(TargetConfig(name_or_path=path), "cpu")
+    stray = write_fp8_checkpoint(str(tmp_path / "stray"), "fine_grained", extra_fp8=("model.embed_tokens.weight",))
+    with pytest.raises(ConfigError, match="model.embed_tokens"):
+        build_target_model(TargetConfig(name_or_path=stray), "cpu")
+
+
+def test_fp8_replicas_are_refused_before_loading(tmp_path):
+    path = write_fp8_checkpoint(str(tmp_path / "fg"), "fine_grained")
+    for tcfg in (TargetConfig(name_or_path=path, tensor_parallel=2),
+                 TargetConfig(hf_config={"builtin": "tiny"}, quantization="fp8", tensor_parallel=2)):
+        with pytest.raises(ConfigError, match="target.tensor_parallel=1"):
+            build_target_replica(tcfg, "cpu", group=None)
+
+
+def test_flops_count_fp8_linears_and_the_peak_is_the_fp8_one(bf16):
+    model = build_target_model(TargetConfig(hf_config={"builtin": "tiny"}, quantization="fp8"), "cpu")
+    tc = model.config
+    assert target_layers_profile(decoder_layers(model)[1], tc) == target_layers_profile(decoder_layers(bf16)[1], tc)
+    for quant, want in ((None, 500.0), ("fp8", 1000.0)):
+        tcfg = TargetConfig(hf_config={"builtin": "tiny"}, quantization=quant)
+        cfg = SimpleNamespace(target=tcfg, logging=SimpleNamespace(peak_tflops=500.0))
+        assert target_peak_tflops(cfg, load_hf_config(tcfg), "cpu") == want
+    cfg = SimpleNamespace(target=TargetConfig(hf_config={"builtin": "tiny"}, quantization="fp8"),
+                          logging=SimpleNamespace(peak_tflops=None))
+    assert target_peak_tflops(cfg, None, "cpu") is None  # no vendor figure on CPU
+
+
+def test_the_config_check_refuses_the_reference_before_any_weights_load():
+    from dflash_dist.model.fast_path import check_quantization_for_config
+    hf_config = load_hf_config(TargetConfig(hf_config={"builtin": "tiny"}))
+    fp8 = TargetConfig(hf_config={"builtin": "tiny"}, quantization="fp8", fast_path="require")
+    with pytest.raises(FastPathError, match="without an FP8 GEMM"):
+        check_quantization_for_config(fp8, hf_config, "cpu")
+    fp8.fast_path = "auto"  # allow on CPU
+    assert check_quantization_for_config(fp8, hf_config, "cpu") == "dequantize"
+    assert check_quantization_for_config(TargetConfig(hf_config={"builtin": "tiny"}, fast_path="require"),
+                                         hf_config, "cpu") is None
