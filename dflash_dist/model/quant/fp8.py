@@ -5,7 +5,8 @@ Two kernels, chosen once per module and reported by the fast-path check (``model
 
 * ``scaled_mm``: ``torch._scaled_mm`` with rowwise scales and fast accumulation, FP8 tensor cores (CUDA, compute
   capability >= 8.9: Ada, Hopper, Blackwell). Measured on an H200 at Qwen3-8B capture shapes (M = 16384): 1.4-1.6x
-  the bf16 GEMM with the activation quantization included, 1.50x the packed + compiled bf16 capture.
+  the bf16 GEMM with the activation quantization included, 1.50x the packed + compiled bf16 capture
+  (measured: docs/benchmarks.md#fp8-targets).
 * ``dequantize``: the reference path, weights dequantized to the activation dtype then ``F.linear`` (CPU, older
   GPUs). It runs the FP8 weights' values but no FP8 GEMM: ``target.fast_path=require`` refuses it.
 
