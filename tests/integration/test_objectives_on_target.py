@@ -1,11 +1,13 @@
 """D-PACE and KL with drafter.tuning.loss_on_target: CPU jobs on the tiny default (1 target + 1 drafter, 6 steps,
 anchors in 2 groups) train the same weights as the same job with the loss on the drafter. The served loss runs the
-objective's own function on the same rows (tests/unit/model/test_served_objectives.py), so on CPU the weights agree
-to rounding; D-PACE's weight sum comes with the target's reply."""
+objective's own function on the same rows (tests/unit/model/test_served_objectives.py), so on CPU the weights are
+bit for bit the local run's; D-PACE's weight sum comes with the target's reply (taken from the rows' slot weights
+instead, the update moves: Adam hides most of a per-step scale, so only equality sees it)."""
 
 import json
 import os
 
+import torch
 from helpers.launch_util import torchrun
 from safetensors.torch import load_file
 
@@ -27,8 +29,7 @@ def _same_training(tmp_path, name, objective, served):
     offload, rec_off, out = _job(tmp_path / f"{name}_offload", *objective, "drafter.tuning.loss_on_target=true", *served)
     assert "head requests served" in out and "lm_head and loss of the drafters' steps run here" in out, out[-3000:]
     assert local.keys() == offload.keys() and local
-    for k in local:
-        assert (local[k] - offload[k]).norm() <= 1e-6 * local[k].norm(), k
+    assert [k for k in local if not torch.equal(local[k], offload[k])] == []
     assert rec_off[-1]["step"] == rec_local[-1]["step"] == 6
     for key in ("loss", "acc"):
         assert abs(rec_off[-1][key] - rec_local[-1][key]) <= 1e-5 * max(1.0, abs(rec_local[-1][key])), key

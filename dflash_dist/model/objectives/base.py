@@ -170,7 +170,9 @@ class SlotWeightedCE(Objective):
     def parts(self, loss_sum, pred, rows_y, rows_w, extra=None):
         if self.weighting != "dpace":
             return super().parts(loss_sum, pred, rows_y, rows_w)
-        w, q = extra[:, 0], extra[:, 1]  # the served D-PACE weights replace the slot weights of ``rows``
+        # the served D-PACE weights replace the slot weights of ``rows``; contiguous: a strided column sums in
+        # another order (the weight sum would differ from the local loss's in its last bits)
+        w, q = extra[:, 0].contiguous(), extra[:, 1].contiguous()
         parts = L.slot_stats(loss_sum, pred, rows_y, w, self.block_size)
         parts.stats = slot_sums(w, q, self.block_size)
         return parts

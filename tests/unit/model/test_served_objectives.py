@@ -59,7 +59,7 @@ def test_served_loss_equals_the_drafters(loss):
     served = _served(obj, hidden, head, labels, soft)
     (0.37 * served.loss_sum).backward()
     torch.testing.assert_close(served.loss_sum, local.loss_sum.detach(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(served.weight_sum, local.weight_sum, rtol=1e-5, atol=1e-6)
+    assert torch.equal(served.weight_sum, local.weight_sum)  # the step's normaliser: bit for bit
     torch.testing.assert_close(hidden.grad, g_local, rtol=1e-5, atol=1e-6)
     assert hidden.grad.abs().sum() > 0
     assert torch.equal(served.slot_correct, local.slot_correct) and torch.equal(served.slot_count, local.slot_count)
@@ -113,3 +113,23 @@ def test_fused_kl_equals_the_checkpointed_chunks_and_never_recomputes_logits():
 def test_kl_with_dpace_weights_is_refused():
     with pytest.raises(ConfigError, match="drafter.loss.weighting=decay"):
         _objective(labels="target", kind="kl", weighting="dpace")
+
+
+def test_compiled_kl_chunks_equal_the_eager_ones(monkeypatch):
+    """drafter.tuning.compile_loss (the default with flex): the KL's chunk math through torch.compile gives the
+    eager numbers; the eager function must not be what runs."""
+    from dflash_dist.model.objectives import distill
+    hidden, head, labels, soft = _case()
+    obj = _objective(labels="target", kind="kl", kl_top_k=5)
+    rows, rows_y, rows_w = obj.rows(hidden.detach(), labels)
+    ids, probs = obj.request_inputs(labels, soft)
+    want = distill.frozen_head_kl(rows, head, ids, probs, rows_w, 16, compiled=False)
+    monkeypatch.setattr(distill, "_kl_and_logit_grad", _must_not_run)  # the compiled wrapper holds the original
+    got = distill.frozen_head_kl(rows, head, ids, probs, rows_w, 16, compiled=True)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-6)
+
+
+def _must_not_run(*args):
+    raise AssertionError("the eager chunk function ran although compiled=True")
