@@ -117,10 +117,15 @@ class Runner:
     def __init__(self, spec, dc, device, lr: float, dynamic: bool = False):
         mc = spec.model
         self.spec, self.mc, self.dc, self.device = spec, mc, dc, device
-        self.gamma = spec.make_objective().gamma
+        objective = spec.make_objective()
+        self.gamma = getattr(getattr(objective, "base", objective), "gamma", None)  # kind=kl: its base's
         self.dynamic = dynamic  # drafter.tuning.compile_dynamic: dynamic-shape flex kernel and mask builder
         self.loss_mode = "auto"  # loss.decayed_ce: auto = fused (frozen head), or checkpoint
         self.kernel_options: Optional[dict] = None  # --kernel-options, used by the "+ko" backends
+        # bench/objectives.py: the loss through the objective object (drafter.loss.*), as DrafterTrainer runs it, and
+        # the message's target labels (make_batch's target_ids / target_probs) for labels=target
+        self.use_objective = False
+        self.target_inputs: dict = {}
         torch.manual_seed(0)
         self.variant = spec.variant_impl()
         self.objective = spec.make_objective()
@@ -144,7 +149,7 @@ class Runner:
         ids, loss_mask, cu, feats = inputs
         batch = make_batch(ids, loss_mask, cu, feats, num_anchors=num_anchors, block_size=B,
                            mask_token_id=self.mc.vocab_size - 1, ctx_bucket=dc.tuning.ctx_bucket,
-                           generator=torch.Generator().manual_seed(1_000_003 + k))
+                           generator=torch.Generator().manual_seed(1_000_003 + k), **self.target_inputs)
         # flex_layers = flex + drafter.tuning.compile_layers (each decoder layer through torch.compile); a "+ko" suffix
         # adds --kernel-options (drafter.tuning.flex_kernel_options)
         # "+eagerloss": the fused loss's chunk math eager (drafter.tuning.compile_loss=false; compiled by default with flex)
@@ -166,9 +171,14 @@ class Runner:
             block_embeds = F.embedding(batch.block_ids, self.embed)
             with self.autocast:
                 hidden = self.model(block_embeds, batch.features, batch.ctx_positions, batch.block_positions, mask)
-                parts = decayed_ce(hidden, self.lm_head, batch.labels, B, self.gamma, self.spec.loss.chunk_rows,
-                                   mode=self.loss_mode, compiled=compiled_loss)
+                if self.use_objective:
+                    soft = () if batch.soft is None else (batch.soft,)
+                    parts = self.objective.loss(hidden, self.lm_head, batch.labels, *soft)
+                else:
+                    parts = decayed_ce(hidden, self.lm_head, batch.labels, B, self.gamma, self.spec.loss.chunk_rows,
+                                       mode=self.loss_mode, compiled=compiled_loss)
                 loss_sum = parts.loss_sum + self.variant_loss(hidden, batch)
+                self.last_loss_sum = parts.loss_sum.detach()  # the objective's, read after the timed steps
             if train:
                 loss = loss_sum / parts.weight_sum.clamp_min(1e-6)
                 loss.backward()

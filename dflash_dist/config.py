@@ -210,9 +210,10 @@ class DrafterTuning:
     num_anchors must divide."""
 
     loss_on_target: bool = False
-    """Run the frozen lm_head and the decayed CE of each training step on the target rank that sent its message
-    (dflash_dist/comm/head_offload.py): the drafter sends its final hidden rows and labels [rows, H] and gets back the
-    loss sum, the argmax and the gradient with respect to those rows. Moves ~28% of a drafter step's FLOPs (550
+    """Run the frozen lm_head and the loss (any ``drafter.loss``) of each training step on the target rank that sent
+    its message (dflash_dist/comm/head_offload.py): the drafter sends its final hidden rows and labels [rows, H] (kind=kl:
+    and their top-k) and gets back the loss sum, the argmax and the gradient with respect to those rows (D-PACE: and
+    their weights, which the step's weight sum then waits for). Moves ~28% of a drafter step's FLOPs (550
     tokens, 256 anchors) onto targets that would otherwise idle in a drafter-bound job. Use micro_batches >= 2 so
     the drafter does not wait for the reply. Needs target ranks that can serve while they wait: rendezvous sends
     (forced on). Faster than the local loss with 2 or 4 groups in a drafter-bound
@@ -413,9 +414,6 @@ class DrafterConfig:
         self.domino = _sub(self.domino, DrafterDomino, "drafter.domino")
         self.dflash2 = _sub(self.dflash2, DrafterDFlash2, "drafter.dflash2")
         _require(bool(self.variant), "drafter.variant: name a variant (dflash)")
-        _require(not (self.loss.weighting == "dpace" and self.tuning.loss_on_target),
-                 "drafter.loss.weighting=dpace with drafter.tuning.loss_on_target is not supported yet (the weight "
-                 "sum would come with the target's reply); set drafter.tuning.loss_on_target=false")
         _require(self.num_anchors % self.tuning.micro_batches == 0,
                  f"drafter.tuning.micro_batches={self.tuning.micro_batches}: must divide drafter.num_anchors="
                  f"{self.num_anchors}")
@@ -899,9 +897,6 @@ def validate_job(cfg: JobConfig, world_size: Optional[int], num_target_layers: i
         _require(cfg.drafter.loss.labels == "data",
                  "drafter.loss.labels=target with target.tensor_parallel > 1 is not supported: the lm_head of a "
                  "replica is sharded; set drafter.loss.labels=data")
-    _require(not (cfg.drafter.loss.kind == "kl" and cfg.drafter.tuning.loss_on_target),
-             "drafter.loss.kind=kl with drafter.tuning.loss_on_target is not supported: the target would have to "
-             "keep every message's top-k distribution until its head requests come; set one of them back")
     _require(not (cfg.drafter.tuning.loss_on_target and cfg.topology.tuning.rendezvous_sends is False),
              "drafter.loss_on_target needs rendezvous sends (a target serves head requests while it waits for its "
              "drafters): remove topology.tuning.rendezvous_sends=false")

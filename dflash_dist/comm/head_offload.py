@@ -1,4 +1,4 @@
-"""The frozen lm_head and the decayed CE of a drafter step, run on a target rank (``drafter.tuning.loss_on_target``).
+"""The frozen lm_head and the loss of a drafter step, run on a target rank (``drafter.tuning.loss_on_target``).
 
 Why: in a drafter-bound job the target GPUs idle part of the time (at SpecForge's config the best 8-GPU split
 leaves 43% of two target GPUs unused), while the frozen vocab projection is ~28% of a drafter step's FLOPs (550
@@ -110,12 +110,19 @@ class _Pending:
     loss: Tensor           # [1] fp32, received
     pred: Tensor           # [R] int64, received
     grad: Tensor           # [R, H] received: what ``surrogate``'s backward hands the rows
+    extra: Optional[Tensor]  # [R, objective.reply_columns] fp32 received, or None
     works: list            # the receives of the reply, once posted (complete)
-    sends: tuple           # (works, rows, labels) of the request: kept alive until the reply is in
+    sends: tuple           # (works, rows, labels, inputs...) of the request: kept alive until the reply is in
+    target: int = -1
+    client: Optional["HeadLossClient"] = None
+    parts: Optional[object] = None  # the LossParts, once the reply is in (complete)
 
     @property
     def weight_sum(self) -> Tensor:
-        """The group's loss weight sum: local, known before the reply (the step's normalisation needs it first)."""
+        """The group's loss weight sum (the step's normalisation needs it before any backward): local, known
+        before the reply, unless the objective's weights come with it (``weights_served``: the reply is taken)."""
+        if self.client is not None and self.client.objective.weights_served:
+            return self.client.complete(self, self.target).weight_sum
         return self.rows_w.sum()
 
 
@@ -131,10 +138,12 @@ class HeadLossClient:
         self.sent: dict[int, int] = {}   # requests posted per target
         self.requests = 0
 
-    def request(self, target: int, index: int, hidden: Tensor, labels: Tensor) -> _Pending:
-        """Post the loss rows of one group (hidden [b, N*B, H] with its graph, labels [b, N*B]) to ``target`` for
-        plan message ``index``; returns without waiting. The reply's receives are posted by ``complete``."""
+    def request(self, target: int, index: int, hidden: Tensor, labels: Tensor, soft=None) -> _Pending:
+        """Post the loss rows of one group (hidden [b, N*B, H] with its graph, labels [b, N*B], the batch's
+        ``soft`` for kind=kl) to ``target`` for plan message ``index``; returns without waiting. The reply's
+        receives are posted by ``complete``."""
         rows_h, rows_y, rows_w = self.objective.rows(hidden, labels)
+        inputs = [t.contiguous() for t in self.objective.request_inputs(labels, soft)]
         send_h = rows_h.detach().to(self.dtype).contiguous()
         send_y = rows_y.contiguous()
         r, h = send_h.shape
@@ -142,9 +151,10 @@ class HeadLossClient:
         loss = torch.zeros(1, dtype=torch.float32, device=dev)
         pred = torch.empty(r, dtype=torch.int64, device=dev)
         grad = torch.empty(r, h, dtype=self.dtype, device=dev)
+        cols = self.objective.reply_columns
+        extra = torch.empty(r, cols, dtype=torch.float32, device=dev) if cols else None
         g = self.ch.data_group
-        sends = dist.batch_isend_irecv([dist.P2POp(dist.isend, send_h, target, g),
-                                        dist.P2POp(dist.isend, send_y, target, g)])
+        sends = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, target, g) for t in (send_h, send_y, *inputs)])
         n = self.sent.get(target, 0)
         self.ch.store.set(request_key(self.rank, target, n), f"{index},{r},{h},{DTYPE_CODES[self.dtype]}")
         self.sent[target] = n + 1
@@ -152,22 +162,26 @@ class HeadLossClient:
         if self.requests <= FIRST_LOGGED:
             log.info("head request %d posted to target rank %d: message %d, %d rows", self.requests, target, index, r)
         surrogate = _ReceivedGrad.apply(rows_h, grad)
-        return _Pending(rows_y, rows_w, surrogate, loss, pred, grad, [], (sends, send_h, send_y))
+        return _Pending(rows_y, rows_w, surrogate, loss, pred, grad, extra, [], (sends, send_h, send_y, *inputs),
+                        target, self)
 
     def complete(self, p: _Pending, target: int):
         """Post the reply's receives (on the reply group) and make the compute stream wait for them (CUDA; CPU:
         the host waits); returns the group's LossParts. Posted this late, right before the group's backward, a
         receive never sits on the GPU while the target computes: a pending NCCL receive holds 16 SMs spinning
-        and slows the forward beside it (measured: docs/benchmarks.md#head-on-target)."""
+        and slows the forward beside it (measured: docs/benchmarks.md#head-on-target). Once per request (the
+        step's weight sum may have taken it already)."""
+        if p.parts is not None:
+            return p.parts
         g = self.replies.data_group
-        p.works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, p.loss, target, g),
-                                          dist.P2POp(dist.irecv, p.pred, target, g),
-                                          dist.P2POp(dist.irecv, p.grad, target, g)])
+        bufs = (p.loss, p.pred, p.grad) + (() if p.extra is None else (p.extra,))
+        p.works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, target, g) for t in bufs])
         for w in p.works:
             self.replies.wait(w, f"the head reply of target rank {target}", host=False, group=g)
         for w in p.sends[0]:
             self.ch.wait(w, f"target rank {target} to take head rows", host=False, group=self.ch.data_group)
-        return self.objective.parts(p.surrogate + p.loss[0], p.pred, p.rows_y, p.rows_w)
+        p.parts = self.objective.parts(p.surrogate + p.loss[0], p.pred, p.rows_y, p.rows_w, p.extra)
+        return p.parts
 
 
 class HeadLossServer:
@@ -241,21 +255,20 @@ class HeadLossServer:
         dev = self.weight.device
         rows = torch.empty(r, h, dtype=CODE_DTYPES[code], device=dev)
         labels = torch.empty(r, dtype=torch.int64, device=dev)
+        inputs = [torch.empty(r, c, dtype=dt, device=dev) for c, dt in self.objective.request_specs()]
         g = self.ch.data_group
-        works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, rows, drafter, g),
-                                        dist.P2POp(dist.irecv, labels, drafter, g)])
+        works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, drafter, g) for t in (rows, labels, *inputs)])
         for w in works:  # CUDA: the stream waits for the rows (the drafter's GPU may still be computing them)
             self.ch.wait(w, f"head rows of message {k} from drafter rank {drafter}", host=False, group=g)
         start = torch.cuda.current_stream(dev).record_event(torch.cuda.Event(enable_timing=True)) if cuda else None
         with torch.no_grad():
-            loss_sum, pred, grad = self.objective.serve(rows, self.weight, labels)
+            loss_sum, pred, grad, extra = self.objective.serve(rows, self.weight, labels, *inputs)
             loss = loss_sum.float().reshape(1)
             grad = grad.to(rows.dtype)
+        out = (loss, pred, grad) + (() if extra is None else (extra.float().contiguous(),))
         gr = self.replies.data_group  # the drafter posts their receives right before that group's backward
-        replies = dist.batch_isend_irecv([dist.P2POp(dist.isend, loss, drafter, gr),
-                                          dist.P2POp(dist.isend, pred, drafter, gr),
-                                          dist.P2POp(dist.isend, grad, drafter, gr)])
-        self._replies.append((replies, (loss, pred, grad, rows, labels)))
+        replies = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, drafter, gr) for t in out])
+        self._replies.append((replies, (*out, rows, labels, *inputs)))
         if cuda:  # busy = the GPU's time on it, read once done (never a host wait here)
             self._timing.append((start, torch.cuda.current_stream(dev).record_event(
                 torch.cuda.Event(enable_timing=True))))

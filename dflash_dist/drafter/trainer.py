@@ -214,7 +214,7 @@ class DrafterTrainer:
                 with self.autocast:
                     if remote and i < len(groups) - dc.tuning.local_loss_groups:
                         with phase(f"group{i} head request"):
-                            out.append(self.heads.request(batch.src, batch.index, hidden, group.labels))
+                            out.append(self.heads.request(batch.src, batch.index, hidden, group.labels, group.soft))
                     else:
                         with phase(f"group{i} loss"):
                             soft = () if group.soft is None else (group.soft,)  # drafter.loss.kind=kl

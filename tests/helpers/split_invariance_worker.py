@@ -1,9 +1,10 @@
 """Worker for tests/integration/test_split_invariance.py, run under torchrun (gloo) with 1 or 2 processes, each a
 drafter rank of one DDP group. The same blocks train 5 steps: with one rank, each step's whole batch in 2
 micro-batches (``drafter.tuning.micro_batches=2``); with two ranks, each rank one half of the batch's anchors
-(one micro-batch). For each weighting (decay, dpace) the weights after the steps are written; ``dpace-per-rank``
-is D-PACE with the step's weight sum left unreduced (each rank normalised by its own), the denominator the
-invariance needs the all-reduce for."""
+(one micro-batch). For each objective of ``CASES`` (decay, dpace; the target's labels with each, labels=target
+with the target's greedy tokens given in the message, and kind=kl with its top-k) the weights after the steps are
+written; ``*-per-rank`` is the objective with the step's weight sum left unreduced (each rank normalised by its
+own), the denominator the invariance needs the all-reduce for."""
 
 import argparse
 import os
@@ -21,12 +22,32 @@ from dflash_dist.drafter import trainer as trainer_mod  # noqa: E402
 from dflash_dist.model.blocks import split_anchors  # noqa: E402
 
 STEPS = 5
+TARGET_LABELS = ["drafter.loss.labels=target"]
+KL = TARGET_LABELS + ["drafter.loss.kind=kl", "drafter.loss.kl_top_k=4"]
+CASES = {"decay": ["drafter.loss.weighting=decay"], "dpace": ["drafter.loss.weighting=dpace"],
+         "target": TARGET_LABELS, "target-dpace": TARGET_LABELS + ["drafter.loss.weighting=dpace"], "kl": KL}
+PER_RANK = ("dpace", "target", "kl")  # also trained with the broken denominator
 
 
-def train(args, rank: int, world: int, weighting: str, per_rank: bool) -> dict:
+def with_target_labels(msg, loss, vocab: int, step: int):
+    """The message as a target sends it under labels=target: its top-k next tokens per position (k = 1 for ce),
+    and their renormalised probabilities for kind=kl, drawn from the step's seed (the same for either split)."""
+    if loss.labels != "target":
+        return msg
+    k = loss.kl_top_k if loss.kind == "kl" else 1
+    g = torch.Generator().manual_seed(2000 + step)
+    logits = torch.randn(msg.input_ids.numel(), vocab, generator=g)
+    top = logits.topk(k, dim=-1)
+    msg.target_ids = top.indices
+    msg.target_probs = torch.softmax(top.values, -1) if loss.kind == "kl" else None
+    msg.validate()
+    return msg
+
+
+def train(args, rank: int, world: int, name: str, per_rank: bool) -> dict:
     micro = 2 if world == 1 else 1
-    run_dir = os.path.join(args.out, f"run{world}_{rank}_{weighting}{'_pr' if per_rank else ''}")
-    extra = [f"drafter.loss.weighting={weighting}", f"drafter.tuning.micro_batches={micro}", "train.warmup_ratio=0"]
+    run_dir = os.path.join(args.out, f"run{world}_{rank}_{name}{'_pr' if per_rank else ''}")
+    extra = CASES[name] + [f"drafter.tuning.micro_batches={micro}", "train.warmup_ratio=0"]
     cfg = S.compose_job_config(S.job_overrides(True, None, None, 48, 64, 256, 4, STEPS, STEPS, run_dir, extra))
     job, ds = S.make_job(cfg, world + 1, torch.device("cpu"), run_dir)   # + 1 target (not started)
     job.dist.topo = Topology(world + 1, rank, 1)
@@ -38,7 +59,9 @@ def train(args, rank: int, world: int, weighting: str, per_rank: bool) -> dict:
         for s in range(STEPS):
             g = torch.Generator().manual_seed(1000 + s)
             feats = torch.randn(S.message_tokens(job, ds, s), trainer.feature_width, generator=g)
-            batch = trainer.build(S.make_message(job, ds, s, torch.device("cpu"), feats.to(trainer.lm_head.dtype)), s)
+            msg = S.make_message(job, ds, s, torch.device("cpu"), feats.to(trainer.lm_head.dtype))
+            msg = with_target_labels(msg, trainer.spec.loss, trainer.lm_head.shape[0], s)
+            batch = trainer.build(msg, s)
             if world == 2:
                 batch = split_anchors(batch, 2)[rank]
             trainer.cursor = s
@@ -55,8 +78,10 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
-    for name in ("decay", "dpace", "dpace-per-rank"):
-        out[name] = train(args, rank, world, name.split("-")[0], name.endswith("per-rank"))
+    for name in CASES:
+        out[name] = train(args, rank, world, name, False)
+    for name in PER_RANK:
+        out[f"{name}-per-rank"] = train(args, rank, world, name, True)
     torch.save(out, os.path.join(args.out, f"world{world}_rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from dflash_dist.model import loss as L
-from dflash_dist.model.objectives.dpace import dpace_ce
+from dflash_dist.model.objectives.dpace import dpace_ce, dpace_serve, slot_sums
 
 __all__ = ["Objective", "SlotWeightedCE"]
 
@@ -36,17 +36,36 @@ class Objective:
         labels [b, N*B] (-100: no loss)."""
         raise NotImplementedError
 
+    # ---- the loss served on a target (drafter.tuning.loss_on_target; comm/head_offload.py moves the tensors)
     def rows(self, hidden: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(rows [R, H], labels [R], weights [R]) of a group, as sent to a target that computes the loss."""
         raise NotImplementedError
 
-    def serve(self, rows: Tensor, head: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """On a target: (loss sum fp32 [], argmax [R], d(loss sum)/d rows [R, H]) of rows it was sent (no
-        autograd)."""
+    def request_inputs(self, labels: Tensor, soft=None) -> tuple[Tensor, ...]:
+        """What else a target needs of a group's rows, one tensor row per loss row (``request_specs``; the batch's
+        ``soft``: the target's top-k distribution, kind=kl). Default: nothing."""
+        return ()
+
+    def request_specs(self) -> tuple[tuple[int, torch.dtype], ...]:
+        """(columns, dtype) of each of ``request_inputs``: what a target allocates to receive them."""
+        return ()
+
+    reply_columns = 0
+    """fp32 columns per row of ``serve``'s fourth output (0: it returns None)."""
+
+    weights_served = False
+    """True when the rows' weights come with the reply (they depend on the loss: D-PACE), so a drafter takes the
+    reply before the step's weight sum; False: ``rows``' weights are the loss's, known before any reply."""
+
+    def serve(self, rows: Tensor, head: Tensor, labels: Tensor, *inputs: Tensor
+              ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+        """On a target: (loss sum fp32 [], argmax [R], d(loss sum)/d rows [R, H], per-row extras [R,
+        reply_columns] fp32 or None) of rows it was sent with ``inputs`` (``request_inputs``); no autograd."""
         raise NotImplementedError
 
-    def parts(self, loss_sum: Tensor, pred: Tensor, rows_y: Tensor, rows_w: Tensor) -> L.LossParts:
-        """The LossParts of a served group from its reply (loss sum tied to the rows' graph, argmax)."""
+    def parts(self, loss_sum: Tensor, pred: Tensor, rows_y: Tensor, rows_w: Tensor,
+              extra: Optional[Tensor] = None) -> L.LossParts:
+        """The LossParts of a served group from its reply (loss sum tied to the rows' graph, argmax, extras)."""
         return L.slot_stats(loss_sum, pred, rows_y, rows_w, self.block_size)
 
     # ---- statistics
@@ -86,7 +105,8 @@ class SlotWeightedCE(Objective):
     chunks (``loss.weighted_ce``: fused when the head is frozen). A subclass gives ``slot_weights`` only.
     ``drafter.loss.weighting=dpace`` replaces the slot weights by D-PACE's (objectives/dpace.py), computed from
     the group's own CEs in its forward, so the step's weight sum is still known before any backward; its
-    statistics (mean weight and mean confidence per slot) join the window's metrics."""
+    statistics (mean weight and mean confidence per slot) join the window's metrics. Served on a target, D-PACE's
+    weights and confidences come back with the reply (``reply_columns``, ``weights_served``)."""
 
     def __init__(self, spec):
         super().__init__(spec)
@@ -128,9 +148,31 @@ class SlotWeightedCE(Objective):
     def describe(self) -> str:
         return f"{self.name} (D-PACE weights, alpha {self.dpace_alpha:g})" if self.weighting == "dpace" else self.name
 
+    @property
+    def weights_served(self) -> bool:
+        return self.weighting == "dpace"
+
+    @property
+    def reply_columns(self) -> int:
+        return 2 if self.weighting == "dpace" else 0   # D-PACE: each row's weight and confidence q
+
     def rows(self, hidden, labels):
         return L.weighted_rows(hidden, labels, self.slot_weights(labels.device))
 
-    def serve(self, rows, head, labels):
+    def serve(self, rows, head, labels, *inputs):
+        if self.weighting == "dpace":
+            loss_sum, pred, grad, w, q = dpace_serve(rows, head, labels, self.block_size, self.dpace_alpha,
+                                                     self.chunk_rows, self.compiled)
+            return loss_sum, pred, grad, torch.stack([w, q], 1)
         w = L.slot_row_weights(labels, self.slot_weights(labels.device))
-        return L.frozen_head_ce(rows, head, labels, w, self.chunk_rows, self.compiled)
+        return (*L.frozen_head_ce(rows, head, labels, w, self.chunk_rows, self.compiled), None)
+
+    def parts(self, loss_sum, pred, rows_y, rows_w, extra=None):
+        if self.weighting != "dpace":
+            return super().parts(loss_sum, pred, rows_y, rows_w)
+        # the served D-PACE weights replace the slot weights of ``rows``; contiguous: a strided column sums in
+        # another order (the weight sum would differ from the local loss's in its last bits)
+        w, q = extra[:, 0].contiguous(), extra[:, 1].contiguous()
+        parts = L.slot_stats(loss_sum, pred, rows_y, w, self.block_size)
+        parts.stats = slot_sums(w, q, self.block_size)
+        return parts

@@ -46,8 +46,8 @@ def test_decayed_ce_objective_is_the_loss_functions_bit_for_bit():
     want = loss_rows(hidden, labels, 4, 3.0)
     assert torch.equal(rows, want[0]) and torch.equal(rows_w, want[2])
     assert torch.equal(rows_w, row_weights(rows_y, 4, 3.0))
-    loss_sum, pred, grad = obj.serve(rows.detach(), head, rows_y)
-    assert torch.equal(loss_sum, ref.loss_sum.detach())
+    loss_sum, pred, grad, extra = obj.serve(rows.detach(), head, rows_y)
+    assert torch.equal(loss_sum, ref.loss_sum.detach()) and extra is None and obj.reply_columns == 0
     parts = obj.parts(loss_sum, pred, rows_y, rows_w)
     m = obj.window_metrics({k: (v.reshape(-1).double().tolist()) for k, v in obj.stats(parts).items()})
     assert m["loss"] == pytest.approx(float(ref.loss_sum.detach() / ref.weight_sum))
