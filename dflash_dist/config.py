@@ -126,7 +126,8 @@ class TargetConfig:
     (per-sample positions, document-causal attention through compiled flex_attention); off: right-padded rows
     through ``attn_implementation``. Same features either way. auto = on for CUDA, off on CPU. Hybrids
     (GatedDeltaNet layers) pack only through fla's and causal-conv1d's varlen kernels, which restart the recurrent
-    and convolution state at each sample: without both, auto runs them padded and on is refused. Other users of
+    and convolution state at each sample: without both, on is refused; auto runs hybrids padded (their packed
+    speed is not measured yet), on packs them. Other users of
     the model (evaluation) keep ``attn_implementation``."""
 
     compile: Optional[bool] = None

@@ -204,11 +204,14 @@ def check_packing_config(tcfg: TargetConfig, hf_config) -> None:
 
 
 def resolve_packing(tcfg: TargetConfig, model, device_type: str) -> bool:
-    """target.packing -> whether the capture runs packed: auto = on CUDA for every model it runs exactly
-    (attention-only models; hybrids with fla and causal-conv1d bound)."""
+    """target.packing -> whether the capture runs packed: auto = on CUDA for attention-only models (measured
+    1.23-1.97x padded: docs/benchmarks.md#target-capture). Hybrids pack exactly with fla and causal-conv1d bound,
+    but only when asked (``on``): their packed speed is not measured yet (docs/benchmarks.md#hybrid-packing)."""
     problem = packing_problem(model)
     _refuse_packing_on(tcfg, problem)
-    return tcfg.packing == "on" or (tcfg.packing == "auto" and device_type == "cuda" and problem is None)
+    hybrid = bool(hybrid_packing.linear_layers(list(decoder_layers(model)[1])))
+    auto = tcfg.packing == "auto" and device_type == "cuda" and problem is None and not hybrid
+    return tcfg.packing == "on" or auto
 
 
 def resolve_compile(tcfg: TargetConfig, model, device_type: str) -> bool:

@@ -135,15 +135,17 @@ def test_packed_labels_run_every_layer():
     assert torch.equal(ids, torch.cat([p[1] for p in per]))
 
 
-def test_auto_packs_a_hybrid_with_its_kernels_bound():
-    """With both kernels bound, target.packing=auto packs a hybrid on CUDA (still not on CPU) and its layers stay
-    uncompiled unless target.compile asks for it."""
+def test_on_packs_a_hybrid_with_its_kernels_bound_and_auto_stays_padded():
+    """With both kernels bound, target.packing=on packs a hybrid (its layers uncompiled unless target.compile asks
+    for it); auto keeps it padded, on CUDA too, until its packed speed is measured."""
     from dflash_dist.target.capture import build_capture, resolve_compile, resolve_packing
     model = _model("qwen3_5", "cpu")
     tcfg = TargetConfig(hf_config=_hf("qwen3_5", "cpu"), fast_path="allow")
     assert resolve_packing(tcfg, model, "cuda") is False  # transformers' PyTorch fallback bound
     with _kernels(model, "cpu"):
-        assert resolve_packing(tcfg, model, "cuda") is True and resolve_packing(tcfg, model, "cpu") is False
+        assert resolve_packing(tcfg, model, "cuda") is False and resolve_packing(tcfg, model, "cpu") is False
+        tcfg.packing = "on"
+        assert resolve_packing(tcfg, model, "cuda") is True
         assert resolve_compile(tcfg, model, "cuda") is False
         cap = build_capture(tcfg, model, LAYERS, "cuda")
         assert cap.packing and not cap.compile and cap.pad_multiple == 1
