@@ -80,11 +80,13 @@ def rehearse(cfg, overrides: list[str], world: int, targets: int, cache_dir: str
     out = tempfile.mkdtemp(prefix=f"dflash-plan-{targets}+{world - targets}-")
     env = dict(os.environ, OMP_NUM_THREADS=str(job_threads(world)), PYTHONUNBUFFERED="1")
     env.setdefault("WANDB_MODE", "disabled")
+    ours = [f"topology.target_ranks={targets}", f"train.max_steps={steps}", f"logging.log_every={window}",
+            f"train.output_dir={out}", f"data.cache_dir={cache_dir}", "train.resume=none", "train.eval_prompts=0",
+            "train.checkpoint_every=0", "logging.progress_bar=false", "logging.wandb.mode=disabled"]
+    keys = {o.split("=", 1)[0] for o in ours}
+    theirs = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in keys]  # the rehearsal's own win
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-           "-m", "dflash_dist.train", *overrides, f"topology.target_ranks={targets}", f"train.max_steps={steps}",
-           f"logging.log_every={window}", f"train.output_dir={out}", f"data.cache_dir={cache_dir}",
-           "train.resume=none", "train.eval_prompts=0", "train.checkpoint_every=0", "logging.progress_bar=false",
-           "logging.wandb.mode=disabled"]
+           "-m", "dflash_dist.train", *theirs, *ours]
     try:
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
         if r.returncode != 0:

@@ -1,6 +1,8 @@
 """The CPU plan's rehearsal arithmetic: which metrics windows are steady, their summary, the choice among rehearsed
 splits, and the threads a rehearsal's ranks get (planning/rehearse.py)."""
 
+import json
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -65,5 +67,39 @@ def test_job_threads_are_dflash_trains(monkeypatch):
     for world in (1, 2, 3, 8):
         expected = rh.job_threads(world)
         rank_environment(world)  # what the ranks of a dflash-train job get
-        assert int(__import__("os").environ.pop("OMP_NUM_THREADS")) == expected
+        assert int(os.environ.pop("OMP_NUM_THREADS")) == expected
     assert rh.job_threads(3, {"OMP_NUM_THREADS": "4"}) == 4
+
+
+def test_rehearse_runs_the_job_with_the_splits_threads_and_reads_its_windows(monkeypatch):
+    seen = {}
+
+    def fake_run(cmd, env, capture_output, text, timeout):
+        seen["cmd"], seen["env"] = cmd, env
+        out = next(a.split("=", 1)[1] for a in cmd if a.startswith("train.output_dir="))
+        with open(f"{out}/metrics.jsonl", "w") as f:
+            for step, sps in [(1, 3.0), (2, 9.0), (4, 20.0), (6, 22.0), (8, 21.0)]:
+                f.write(json.dumps(window(step, sps, 50.0, 22.0)) + "\n")
+        return SimpleNamespace(returncode=0, stdout="", stderr="")
+
+    monkeypatch.setattr(rh.subprocess, "run", fake_run)
+    monkeypatch.delenv(rh.FIRST_STEPS_ENV, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    cfg = SimpleNamespace(topology=SimpleNamespace(plan_drafter_steps=2, plan_rounds=3))
+    res = rh.rehearse(cfg, ["drafter.num_layers=1", "train.output_dir=/elsewhere", "train.max_steps=9"], 3, 1,
+                      "/cache", 60)
+    cmd = seen["cmd"]
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "3" and "drafter.num_layers=1" in cmd
+    assert "train.output_dir=/elsewhere" not in cmd and "train.max_steps=9" not in cmd  # the rehearsal's own win
+    for o in ("topology.target_ranks=1", "train.max_steps=8", "logging.log_every=2", "data.cache_dir=/cache",
+              "train.eval_prompts=0"):
+        assert o in cmd
+    assert seen["env"]["OMP_NUM_THREADS"] == "3" and res["threads_per_rank"] == 3
+    assert res["window_rates"] == [20.0, 21.0, 22.0] and res["samples_per_s"] == 21.0  # steps 4, 6, 8
+    assert (res["targets"], res["drafters"], res["warmup_steps"], res["steps"]) == (1, 2, 2, 8)
+    assert res["demand_per_rank"] == 11.0 and res["supply_per_rank"] == 50.0
+
+    monkeypatch.setattr(rh.subprocess, "run", lambda *a, **k: SimpleNamespace(returncode=1, stdout="boom",
+                                                                             stderr=""))
+    with pytest.raises(RuntimeError, match="rehearsal of 1 target \\+ 2 drafter ranks exited 1:\nboom"):
+        rh.rehearse(cfg, [], 3, 1, "/cache", 60)
