@@ -283,6 +283,11 @@ def test_auto_split_job(tmp_path, data_cache):
     assert rec["supply_samples_per_s_min"] == plan["supply"]["samples_per_s_min"]
     assert rec["demand_samples_per_s_max"] == plan["demand"]["samples_per_s_max"]
     assert rec["near_tie"] == plan["near_tie"]
+    # the job states the plan's prediction next to what it measured (windows after logging.log_every=2 steps)
+    (check,) = [x for x in recs if x["kind"] == "plan_check"]
+    assert check["planned_samples_per_s"] == plan["predicted_samples_per_s"] and check["measured_windows"] == 1
+    assert (f"planned {check['planned_samples_per_s']:.1f} samples/s, measured "
+            f"{check['measured_samples_per_s']:.1f} samples/s" in out)
     assert out.count("rounds; min ") == 2 and "spread (min..max)" in out  # the spread is printed
     # the job ran with the roles plan.json names
     targets = list(range(3 - t, 3))
