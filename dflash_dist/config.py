@@ -519,6 +519,10 @@ class TopologyConfig:
     measure on this job's ranks (rank 0 times drafter steps, rank W-1 target batches) and take the split with
     the highest predicted samples/s (``dflash_dist.cli.plan``; W = 2 is always 1 + 1, without measuring)."""
 
+    plan: Optional[str] = None
+    """With ``target_ranks=auto``: a dflash-plan plan.json. The job takes the split the plan chose for its world
+    size instead of measuring, and logs the plan's predicted samples/s next to the samples/s it measures."""
+
     cross_node: bool = False
     """Multi-node jobs: let features cross nodes. False (default): every node runs the same split (its own target
     replicas and the drafters they feed) and a split that cannot be node-local is refused; True: a split that
@@ -535,15 +539,17 @@ class TopologyConfig:
 
     plan_target_batches: int = 8
     """``target_ranks=auto`` and dflash-plan: target batches (the first messages of the plan) timed to measure
-    target supply, after one untimed warm-up batch."""
+    target supply, after an untimed warm-up pass over them (steady state)."""
 
     plan_drafter_steps: int = 8
     """``target_ranks=auto`` and dflash-plan: drafter training steps (on the same first messages, random
-    features) timed to measure drafter demand, after warm-up (one step; with flex, one per new batch shape)."""
+    features) timed to measure drafter demand, after an untimed warm-up pass over them. dflash-plan on CPU
+    rehearses each split instead: windows of this many steps of the real job, after one warm-up window."""
 
     plan_rounds: int = 5
     """``target_ranks=auto`` and dflash-plan: each side times its batches (steps) this many times over; its rate is
-    the median round's, and the spread of the rounds (min..max) makes near-ties, which go to fewer targets."""
+    the median round's, and the spread of the rounds (min..max) makes near-ties, which go to fewer targets.
+    dflash-plan on CPU: the rehearsal's steady windows."""
 
     plan_min_seconds: float = 2.0
     """``target_ranks=auto`` and dflash-plan: more rounds (up to 10 x plan_rounds) until each side has timed at
@@ -562,6 +568,8 @@ class TopologyConfig:
         _require(t == "auto" or (isinstance(t, int) and not isinstance(t, bool) and t >= 1),
                  f"topology.target_ranks={self.target_ranks!r}: give a positive integer (>= 1 target rank) or auto")
         self.target_ranks = t
+        _require(self.plan is None or t == "auto", f"topology.plan={self.plan}: set topology.target_ranks=auto "
+                 f"to take the split from the plan (or drop topology.plan)")
         _require(self.max_in_flight >= 1, "topology.max_in_flight must be >= 1")
         _require(self.timeout_s > 0 and self.warmup_timeout_s > 0, "topology timeouts must be > 0")
         _require(self.plan_target_batches >= 1, "topology.plan_target_batches must be >= 1")

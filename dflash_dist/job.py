@@ -292,9 +292,10 @@ def setup(cfg: JobConfig) -> Job:
         return job  # train.run says so and every rank exits 0, before any model loads
     if rank == 0:
         write_run_files(job)
-    if auto:
-        from dflash_dist.planning.startup import auto_split
-        job.auto_split = auto_split(job, rank, world, device)
+    if auto:  # from a dflash-plan plan.json (topology.plan), or measured now
+        from dflash_dist.planning.startup import auto_split, split_from_plan_file
+        job.auto_split = (split_from_plan_file(cfg.topology.plan, world) if cfg.topology.plan
+                          else auto_split(job, rank, world, device))
         t = int(job.auto_split["target_ranks"])
     topo = topology(t)
     setup_logging(rank, topo.role)

@@ -1,11 +1,13 @@
 """``dflash-plan [--gpus 2,4,8] [--out plan.json] [hydra overrides]``: the job's data plan, target supply and
 drafter demand measured one after the other on one device (``dflash_dist.planning``), and the best split for each world
-size; ``--replica-supply`` plans target replicas from a replica's rate measured elsewhere."""
+size; ``--replica-supply`` plans target replicas from a replica's rate measured elsewhere. On CPU the ranks share
+the machine, so each split is rehearsed as a short real job instead (``planning/rehearse.py``)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING, Optional
 
@@ -18,7 +20,8 @@ log = logging.getLogger("dflash_dist")
 
 from dflash_dist.paths import CONF_DIR
 from dflash_dist.planning.measure import measure_drafter_demand, measure_target_supply
-from dflash_dist.planning.split import choose_split, format_rates, measured_range
+from dflash_dist.planning.rehearse import rehearsal_steps, rehearse, split_from_rehearsals
+from dflash_dist.planning.split import choose_split, format_rates, format_splits, measured_range
 from dflash_dist.planning.startup import write_plan_json
 
 
@@ -29,9 +32,35 @@ def compose_config(overrides: list[str]):
     return JobConfig.from_omegaconf(compose(overrides, CONF_DIR))
 
 
-def plan_offline(cfg, world_sizes: list[int], replica_supply: Optional[float] = None) -> dict:
+def best_rows(splits: list[dict]) -> list[dict]:
+    return [{"world_size": s["world_size"], "target_ranks": s["target_ranks"], "drafter_ranks": s["drafter_ranks"],
+             "predicted_samples_per_s": s["predicted_samples_per_s"], "per_gpu": s["best"]["per_gpu"],
+             "target_util": s["best"]["target_util"], "drafter_util": s["best"]["drafter_util"],
+             "bottleneck": s["bottleneck"], "near_tie": s["near_tie"], "fastest_targets": s["fastest_targets"]}
+            for s in splits]
+
+
+def plan_rehearsed(cfg, job, world_sizes: list[int], overrides: list[str], targets: Optional[int]) -> dict:
+    """dflash-plan on CPU: every split (or only those of ``targets`` target ranks) of each world size rehearsed as
+    a short real job on this machine (planning/rehearse.py), the best by its measured median rate."""
+    cache = cfg.data.cache_dir or os.path.join(job.run_dir, "data_cache")  # tokenized by build_job: shared
+    window, warmup, steps = rehearsal_steps(cfg.topology)
+    splits = []
+    for w in world_sizes:
+        runs = []
+        for t in ([targets] if targets else range(1, w)):
+            log.info("rehearsing %d target + %d drafter ranks: %d steps, windows of %d after %d warm-up", t, w - t,
+                     steps, window, warmup)
+            runs.append(rehearse(cfg, overrides, w, t, cache, cfg.topology.warmup_timeout_s))
+        splits.append(split_from_rehearsals(w, runs))
+    return {"tool": "dflash-plan", "device": "cpu", "mode": "rehearsal", "splits": splits,
+            "best": best_rows(splits)}
+
+
+def plan_offline(cfg, world_sizes: list[int], replica_supply: Optional[float] = None,
+                 overrides: Optional[list[str]] = None, targets: Optional[int] = None, alone: bool = False) -> dict:
     """dflash-plan: the job's data plan (as job.setup builds it), both measurements on one device, one after
-    the other, and the best split for each world size."""
+    the other, and the best split for each world size; on CPU, rehearsals (``plan_rehearsed``)."""
     import torch
 
     from dflash_dist.config import resolve_device
@@ -40,6 +69,8 @@ def plan_offline(cfg, world_sizes: list[int], replica_supply: Optional[float] = 
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     job = build_job(cfg, rank=0, world_size=None, ctrl=None, device_type=device_type)
     k = cfg.target.tensor_parallel
+    if device_type == "cpu" and k == 1 and replica_supply is None and not alone:
+        return plan_rehearsed(cfg, job, world_sizes, list(overrides or []), targets)
     if replica_supply is not None:  # measured elsewhere (a replica of k > 1 ranks needs k processes)
         supply = {"samples_per_s": replica_supply / k, "replica_samples_per_s": replica_supply,
                   "tensor_parallel": k, "measured": False, "source": "--replica-supply"}
@@ -56,11 +87,7 @@ def plan_offline(cfg, world_sizes: list[int], replica_supply: Optional[float] = 
     splits = [choose_split(w, supply["samples_per_s"], demand["samples_per_s"], measured_range(supply),
                            measured_range(demand), tensor_parallel=k) for w in world_sizes if w > k]
     return {"tool": "dflash-plan", "device": str(device), "supply": supply, "demand": demand, "splits": splits,
-            "best": [{"world_size": s["world_size"], "target_ranks": s["target_ranks"],
-                      "drafter_ranks": s["drafter_ranks"], "predicted_samples_per_s": s["predicted_samples_per_s"],
-                      "per_gpu": s["best"]["per_gpu"], "target_util": s["best"]["target_util"],
-                      "drafter_util": s["best"]["drafter_util"], "bottleneck": s["bottleneck"],
-                      "near_tie": s["near_tie"], "fastest_targets": s["fastest_targets"]} for s in splits]}
+            "best": best_rows(splits)}
 
 
 def format_best(res: dict) -> str:
@@ -84,8 +111,10 @@ def _world_sizes(arg: Optional[str]) -> list[int]:
             raise ValueError(f"--gpus {arg!r}: give a comma list of integers, e.g. 2,4,8") from None
     elif torch.cuda.is_available() and torch.cuda.device_count() >= 2:
         ws = [torch.cuda.device_count()]
-    else:
+    elif torch.cuda.is_available():
         ws = list(range(2, 9))
+    else:  # CPU: each split is a rehearsal job of its own
+        ws = [2, 3]
     if not ws or min(ws) < 2:
         raise ValueError(f"--gpus {arg!r}: every world size must be >= 2 (one target and one drafter rank)")
     return sorted(set(ws))
@@ -95,12 +124,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="dflash-plan", description="Measure target supply and drafter demand on one "
                                  "device and print the best target/drafter split for each GPU count.")
     ap.add_argument("--gpus", default=None, help="comma list of world sizes (default: the visible GPU count, or "
-                                                 "2..8 without 2 GPUs)")
+                                                 "2..8 without 2 GPUs; 2,3 on CPU)")
     ap.add_argument("--out", default="plan.json", help="JSON output (default plan.json)")
     ap.add_argument("--replica-supply", type=float, default=None,
                     help="samples/s of one target replica, measured elsewhere (required with "
                          "target.tensor_parallel > 1: one process cannot run a multi-rank replica); splits are then "
                          "whole replicas")
+    ap.add_argument("--targets", type=int, default=None,
+                    help="CPU: rehearse only the splits with this many target ranks (default: every split)")
+    ap.add_argument("--alone", action="store_true",
+                    help="CPU: time each role alone in this process, one after the other (as on GPUs), instead of "
+                         "rehearsing the splits; quick, but the job's ranks share the CPU and run slower")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for dflash-train (e.g. target=qwen3_8b_random)")
     args = ap.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s dflash-plan %(levelname)s %(message)s",
@@ -111,12 +145,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         try:
             world_sizes = _world_sizes(args.gpus)
+            bad = [w for w in world_sizes if args.targets is not None and not 1 <= args.targets < w]
+            if bad:
+                raise ValueError(f"--targets {args.targets}: a split of {bad[0]} ranks has 1..{bad[0] - 1} targets")
             cfg = compose_config(args.overrides)
         except ConfigError:
             raise
         except Exception as e:  # --gpus, or Hydra: unknown group or key, unparsable override
             raise ConfigError(f"{type(e).__name__}: {e}") from e
-        res = plan_offline(cfg, world_sizes, args.replica_supply)
+        res = plan_offline(cfg, world_sizes, args.replica_supply, args.overrides, args.targets, args.alone)
     except ConfigError as e:
         print(f"dflash-plan: configuration error: {e}", file=sys.stderr)
         return 2
@@ -126,9 +163,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"dflash-plan: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     res["overrides"] = list(args.overrides)
-    print("\nmeasured (one device, one process):")
-    print(format_rates(res["supply"], res["demand"]))
-    print(f"\nbest split per GPU count (job samples/s = min(T x supply, (W - T) x demand)):\n{format_best(res)}")
+    if res.get("mode") == "rehearsal":
+        for split in res["splits"]:
+            print(f"\n{split['world_size']} ranks, each split rehearsed as a job on this machine (median window "
+                  f"samples/s; supply / demand: each side's measured capacity):\n{format_splits(split)}")
+    else:
+        print("\nmeasured (one device, one process):")
+        print(format_rates(res["supply"], res["demand"]))
+    how = ("the rehearsed job's median samples/s" if res.get("mode") == "rehearsal"
+           else "job samples/s = min(T x supply, (W - T) x demand)")
+    print(f"\nbest split per GPU count ({how}):\n{format_best(res)}")
+    print(f"start the job from it with: topology.target_ranks=auto topology.plan={args.out}")
     write_plan_json(args.out, res)
     print(f"\nwrote {args.out}")
     return 0

@@ -27,6 +27,7 @@ from dflash_dist.eval.in_training import LeaderEval, eval_enabled, eval_record, 
 from dflash_dist.role_jobs import DrafterJob
 from dflash_dist.telemetry.flops import nominal_peak_tflops, target_peak_tflops
 from dflash_dist.telemetry.metrics import MetricsWriter, RateMeter, StreamWaitMeter, run_summary, target_window_metrics
+from dflash_dist.telemetry.plan_check import plan_check_for, plan_line
 from dflash_dist.telemetry.step_trace import format_timeline, traced_step
 
 log = logging.getLogger("dflash_dist")
@@ -142,6 +143,7 @@ class DrafterRun:
         self.eval_at = set(eval_steps(job)) if self.leader_eval is not None else set()
         self.last_window = None
         self.last_tau = None  # (step, tau) of the newest in-training evaluation
+        self.plan_check = plan_check_for(job) if self.topo.is_leader else None  # planned vs measured samples/s
         self.first_step_s = None
         self.t_start = time.monotonic()
 
@@ -294,6 +296,8 @@ class DrafterRun:
         if self.topo.is_leader:
             trainer = self.trainer
             self.writer.log(trainer.step, window)
+            if self.plan_check is not None:
+                self.plan_check.add(trainer.step, window["samples_per_s"])
             self.writer.progress(trainer.step, {"loss": f"{window['loss']:.3f}", "acc": f"{window['acc']:.3f}",
                                                 "samples/s": f"{window['samples_per_s']:.1f}"})
             if self.writer.bar is None:  # no bar (logging.progress_bar=false, or not a terminal): a line
@@ -391,6 +395,9 @@ class DrafterRun:
                      {k: int(v) for k, v in accounting.items()})
             if self.stopped:
                 record_dropped(job.run_dir, trainer.last_checkpoint, int(accounting["samples_dropped_after_stop"]))
+            plan = None if self.plan_check is None else self.plan_check.record()
+            if plan is not None:
+                self.writer.log(trainer.step, plan, kind="plan_check")
         self.writer.close()
         if self.topo.is_leader:
             log.info("%s", run_summary(
@@ -398,7 +405,8 @@ class DrafterRun:
                 samples=int(accounting["samples_trained"]), wall_s=time.monotonic() - self.t_start,
                 loss=None if self.last_window is None else self.last_window.get("loss"), tau=self.last_tau,
                 checkpoint=trainer.last_checkpoint, metrics_path=self.writer.path, wandb_dir=self.writer.wandb_run_dir,
-                wandb_mode=self.writer.wandb_mode, totals=totals, launch=accounting))
+                wandb_mode=self.writer.wandb_mode, totals=totals, launch=accounting,
+                plan=None if self.plan_check is None else plan_line(plan)))
 
 
 def account(trainer, d, target_stats: dict, stopped: bool) -> dict:

@@ -8,11 +8,13 @@ and ``DrafterTrainer``'s step (alone: no DDP) on the same messages with random f
 
 * ``topology.target_ranks=auto`` (``job.setup``; ``planning/startup.py``): rank 0 is a drafter and rank W-1 a target for every
   split, so both measure at the same time on their own devices, without spending a rank on a role it will
-  not have; the other ranks wait. The results meet in the rendezvous store (keys ``dflash/plan/*``), rank 0
+  not have; the other ranks wait (on CPU they train drafter steps meanwhile: the ranks share the cores). The results meet in the rendezvous store (keys ``dflash/plan/*``), rank 0
   picks the split and publishes it, and every rank then builds its role groups. W = 2 has one split (1 + 1)
   and measures nothing.
 * ``dflash-plan [--gpus 2,4,8] [--out plan.json] [hydra overrides]``: one process, both measurements one
-  after the other on one device, the best split for each W.
+  after the other on one device, the best split for each W. On CPU (where a job's ranks share the cores) each
+  split is rehearsed as a short real job instead (``planning/rehearse.py``); ``topology.plan=plan.json`` starts a
+  job from the plan, which then logs planned vs measured samples/s (``telemetry/plan_check.py``).
 
 Each side times its batches (steps) ``topology.plan_rounds`` times over, and more rounds until it has timed
 ``topology.plan_min_seconds``; its rate is the median round's and the rounds' min..max is its spread. The

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-import math
 import time
 from typing import TYPE_CHECKING, Optional
 
@@ -42,8 +41,8 @@ def measure_target_supply(job, device: torch.device, batches: Optional[int] = No
     """Samples/s and tokens/s of one target rank: the target built as ``target.loop.run_target`` builds it
     (same loader / random init, fast-path policy, ``build_capture``: the same packing, compile and padding),
     run on the plan's messages exactly as the target loop batches them (pad_batch + capture + device sync, what it
-    counts as busy), after warm-up: 1 batch, or with anything compiled (packing, target.compile) one pass over
-    the measured batches, so no compile lands in the timed ones. The batches are timed in rounds
+    counts as busy), after a warm-up pass over the measured batches (allocator, kernels, caches, and every
+    compile of packing or target.compile), so the timed rounds are steady state. The batches are timed in rounds
     (``timed_rounds``: topology.plan_rounds, plan_min_seconds); ``samples``/``tokens`` are one round's.
     ``build``: a callable returning the model (a rank's shard of a replica: every rank of the replica runs this
     together, and the rate is the replica's)."""
@@ -60,9 +59,9 @@ def measure_target_supply(job, device: torch.device, batches: Optional[int] = No
     check_target_fast_path(model, cfg.target.fast_path, device.type)  # never time a refused fallback path
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     capture = build_capture(cfg.target, model, job.layer_ids, device.type)
-    packed, compiled = capture.packing, capture.compile
+    packed = capture.packing
     path = capture.describe()
-    warmup = ks if (packed or compiled) else ks[:1]  # allocator, kernels, caches; compiles: every shape
+    warmup = ks  # allocator, kernels, caches per shape; compiles: every shape
     ds = TokenizedDataset.load(job.dataset_path)
     counts = []
 
@@ -118,8 +117,8 @@ def measure_drafter_demand(job, device: torch.device, steps: Optional[int] = Non
     backend, optimizer, compile settings and guard), alone (no DDP), with a random frozen embedding / lm_head of
     the target's shape and dtype; its full step (``build``: make_batch; ``train_step``: mask, forward,
     decayed CE, backward, clip, AdamW) on the plan's messages (real lengths and loss masks, random features of
-    width n_layers * H in the target dtype), after warm-up: one step, or with flex one per batch shape timed
-    (so no compile lands in the timed steps). The steps are timed in rounds (``timed_rounds``:
+    width n_layers * H in the target dtype), after a warm-up pass over the same messages (every batch shape
+    once: no compile, first allocation or kernel choice lands in the timed steps). The steps are timed in rounds (``timed_rounds``:
     topology.plan_rounds, plan_min_seconds); ``samples``/``tokens`` are one round's."""
     import torch
 
@@ -148,13 +147,7 @@ def measure_drafter_demand(job, device: torch.device, steps: Optional[int] = Non
         trainer = DrafterTrainer(dataclasses.replace(job, dist=alone, resume_from=None, auto_split=None),
                                  head_weights=(embed, head))
         msgs = [message(k) for k in ks]  # built before the clock starts: the real drafter receives them ready
-        warm, shapes = [], set()
-        for k, m in zip(ks, msgs):
-            lens = [int(x) for x in (m.cu_seqlens[1:] - m.cu_seqlens[:-1])]
-            shape = (len(lens), max(1, math.ceil(max(lens) / cfg.drafter.tuning.ctx_bucket)))
-            if not warm or (trainer.backend == "flex" and shape not in shapes):
-                warm.append((k, m))
-                shapes.add(shape)
+        warm = list(zip(ks, msgs))  # steady state: the timed rounds repeat a pass the trainer has run
         if trainer.guard is not None:
             trainer.guard.warmup_steps = None  # compiling is allowed until every timed shape has run once
         for k, m in warm:

@@ -13,20 +13,23 @@ log = logging.getLogger("dflash_dist")
 
 
 def plan_record(res: dict) -> dict:
-    """The metrics.jsonl record (kind "plan"); its numbers go to wandb as plan/<key>."""
+    """The metrics.jsonl record (kind "plan"); its numbers go to wandb as plan/<key>. A plan from dflash-plan
+    (topology.plan) carries what it measured: rehearsed splits have no separate supply/demand measurement."""
     rec = {"world_size": res["world_size"], "target_ranks": res["target_ranks"],
            "drafter_ranks": res["drafter_ranks"], "measured": bool(res.get("measured"))}
+    if res.get("source"):
+        rec["source"] = res["source"]
     if res.get("measured"):
         rec.update({"predicted_samples_per_s": res["predicted_samples_per_s"], "bottleneck": res["bottleneck"],
-                    "supply_samples_per_s": res["supply"]["samples_per_s"],
-                    "supply_tokens_per_s": res["supply"]["tokens_per_s"],
-                    "demand_samples_per_s": res["demand"]["samples_per_s"],
-                    "demand_tokens_per_s": res["demand"]["tokens_per_s"], "calibration_s": res["calibration_s"],
-                    "supply_samples_per_s_min": res["supply"].get("samples_per_s_min"),
-                    "supply_samples_per_s_max": res["supply"].get("samples_per_s_max"),
-                    "demand_samples_per_s_min": res["demand"].get("samples_per_s_min"),
-                    "demand_samples_per_s_max": res["demand"].get("samples_per_s_max"),
                     "near_tie": bool(res.get("near_tie")),
                     "splits": [{k: r[k] for k in ("targets", "drafters", "samples_per_s", "bottleneck")}
                                for r in res["rows"]]})
+        if "calibration_s" in res:
+            rec["calibration_s"] = res["calibration_s"]
+        for side in ("supply", "demand"):
+            m = res.get(side)
+            if m:
+                rec.update({f"{side}_samples_per_s": m["samples_per_s"], f"{side}_tokens_per_s": m["tokens_per_s"],
+                            f"{side}_samples_per_s_min": m.get("samples_per_s_min"),
+                            f"{side}_samples_per_s_max": m.get("samples_per_s_max")})
     return rec

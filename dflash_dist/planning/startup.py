@@ -55,6 +55,29 @@ def write_plan_json(path: str, res: dict) -> None:
     os.replace(tmp, path)
 
 
+def split_from_plan_file(path: str, world: int) -> dict:
+    """``topology.plan=plan.json``: the split dflash-plan chose for a world of ``world`` ranks (read on every rank,
+    the same file), with the plan's measured rates; a ConfigError naming the key when it has none."""
+    from dflash_dist.config import ConfigError
+    try:
+        with open(path) as f:
+            plan = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"topology.plan={path}: cannot read a plan.json: {type(e).__name__}: {e}") from None
+    found = [s for s in plan.get("splits") or [] if s.get("world_size") == world]
+    if not found:
+        sizes = [s.get("world_size") for s in plan.get("splits") or []]
+        raise ConfigError(f"topology.plan={path}: no split for {world} ranks (the plan has {sizes}); run "
+                          f"dflash-plan --gpus {world}")
+    res = dict(found[0], source=f"topology.plan={path}", measured=True)
+    for side in ("supply", "demand"):
+        if side in plan:
+            res[side] = plan[side]
+    log.info("topology.plan=%s: %d target + %d drafter ranks, planned %.4g samples/s", path, res["target_ranks"],
+             res["drafter_ranks"], res["predicted_samples_per_s"])
+    return res
+
+
 def auto_split(job, rank: int, world: int, device: torch.device) -> dict:
     """``topology.target_ranks=auto`` on every rank of the job (after the data plan, before the role groups):
     returns the same dict on every rank (``target_ranks`` is the split); rank 0 logs it and writes plan.json."""
@@ -96,6 +119,12 @@ def auto_split(job, rank: int, world: int, device: torch.device) -> dict:
         log.info("topology.target_ranks=auto: measuring target supply on this rank%s",
                  f" (replica {members} of target.tensor_parallel={k})" if k > 1 else "")
         _report(store, "supply", lambda: measure_target_supply(job, device, build=build if k > 1 else None))
+    elif rank != 0 and rank not in members and device.type == "cpu":
+        # the ranks share the CPU: the others train drafter steps meanwhile (unreported), so rank 0 and rank W-1
+        # measure on a machine as busy as the job's, each with its rank's threads
+        log.info("topology.target_ranks=auto: drafter steps on this rank while ranks 0 and %d measure (the ranks "
+                 "share the CPU)", world - 1)
+        measure_drafter_demand(job, device)
     elif rank != 0 and rank not in members:
         log.info("topology.target_ranks=auto: waiting for the measurements of ranks 0 and %d", world - 1)
     if rank != 0:

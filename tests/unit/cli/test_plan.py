@@ -234,7 +234,7 @@ FEW_ROUNDS = ["topology.plan_rounds=3", "topology.plan_min_seconds=0.5"]
 def check_measured(res, world, n_target, n_drafter, rounds=3, min_seconds=0.5):
     s, d = res["supply"], res["demand"]
     assert s["batches"] == n_target and d["steps"] == n_drafter
-    assert s["warmup_batches"] == 1 and d["warmup_steps"] == 1 and d["backend"] == "sdpa"
+    assert s["warmup_batches"] == n_target and d["warmup_steps"] == n_drafter and d["backend"] == "sdpa"
     assert s["capture"] == "padded (sdpa), compiled layers: no"  # the path the job's target runs (CPU: auto = off)
     assert s["samples"] > 0 and d["samples"] > 0 and s["tokens"] > s["samples"]
     for m in (s, d):  # rounds of one pass each, more until min_seconds
@@ -283,6 +283,11 @@ def test_auto_split_job(tmp_path, data_cache):
     assert rec["supply_samples_per_s_min"] == plan["supply"]["samples_per_s_min"]
     assert rec["demand_samples_per_s_max"] == plan["demand"]["samples_per_s_max"]
     assert rec["near_tie"] == plan["near_tie"]
+    # the job states the plan's prediction next to what it measured (windows after logging.log_every=2 steps)
+    (check,) = [x for x in recs if x["kind"] == "plan_check"]
+    assert check["planned_samples_per_s"] == plan["predicted_samples_per_s"] and check["measured_windows"] == 1
+    assert (f"planned {check['planned_samples_per_s']:.1f} samples/s, measured "
+            f"{check['measured_samples_per_s']:.1f} samples/s" in out)
     assert out.count("rounds; min ") == 2 and "spread (min..max)" in out  # the spread is printed
     # the job ran with the roles plan.json names
     targets = list(range(3 - t, 3))
@@ -306,7 +311,7 @@ def _plan_cmd():
 def test_dflash_plan_cli(tmp_path, data_cache):
     out_json = tmp_path / "out" / "plan.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    r = subprocess.run(_plan_cmd() + ["--gpus", "2,3,8", "--out", str(out_json), f"train.output_dir={tmp_path}",
+    r = subprocess.run(_plan_cmd() + ["--alone", "--gpus", "2,3,8", "--out", str(out_json), f"train.output_dir={tmp_path}",
                                       f"data.cache_dir={data_cache}", "topology.plan_target_batches=3",
                                       "topology.plan_drafter_steps=3", *FEW_ROUNDS],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
