@@ -161,3 +161,34 @@ def test_auto_split_measures_a_replica(tmp_path):
     assert plan["supply"]["replica_samples_per_s"] == 2 * plan["supply"]["samples_per_s"]
     assert [row["targets"] for row in plan["rows"]] == [2]
     assert train_records(tmp_path)[-1]["step"] == 3
+
+
+def test_replica_evaluates_in_training_like_dflash_eval_on_one_rank(tmp_path):
+    """1 drafter + one replica of 2 with the default presets (in-training evaluation on: 16 held-out prompts, 64 new
+    tokens): exit 0, both ranks of the replica ran the evaluation's verify forwards, and dflash-eval of the final
+    checkpoint with a whole target on one process, on the same prompts, gives the same acceptance lengths prompt by
+    prompt (so the same tau). fp32 on CPU: the replica's logits differ from one rank's by ~1e-6 relative (its
+    sharded sums), far from the margin of any greedy choice here, so every token and acceptance length agrees
+    exactly; a proposal or verify step that differs shows up as a different length."""
+    from dflash_dist.cli.eval import main as eval_main
+    run, steps = tmp_path / "rep", 10
+    r = torchrun(3, ["-m", "dflash_dist.train", "logging.progress_bar=false", "logging.wandb.mode=disabled",
+                     f"train.output_dir={run}", f"train.max_steps={steps}", f"data.cache_dir={run / 'data_cache'}",
+                     "topology.target_ranks=2", "target.tensor_parallel=2"], timeout=500)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert "in-training evaluation: whole, between two messages, with every rank of replica [1, 2]" in out
+    assert "replica rank 2: ran the verify forwards of 1 evaluation(s) with its feeder" in out
+    (ev,) = [x for x in _jsonl(run / "metrics.jsonl") if x.get("kind") == "eval"]
+    assert ev["step"] == steps and ev["n_prompts"] == 16 and ev["max_new_tokens"] == 64
+    (holdout,) = [str(p) for p in (run / "data_cache").glob("holdout-*.jsonl")]
+    ck = run / "checkpoints" / f"step_{steps:08d}"
+    assert eval_main(["--checkpoint", str(ck), "--prompts", holdout, "--num-prompts", "16", "--max-new-tokens", "64",
+                      "--no-lossless-check", "--out", str(tmp_path / "e.json")]) == 0
+    e = json.load(open(tmp_path / "e.json"))
+    assert [p["acceptance_lengths"] for p in e["per_prompt"]] == ev["acceptance_lengths"]
+    assert e["tau"] == pytest.approx(ev["tau"], abs=1e-12) and e["tau_pooled"] == pytest.approx(ev["tau_pooled"],
+                                                                                                 abs=1e-12)
+    assert sum(a > 1 for p in ev["acceptance_lengths"] for a in p) > 0  # some proposals were accepted
+    print(f"in-training tau on the replica {ev['tau']:.4f} (pooled {ev['tau_pooled']:.4f}), dflash-eval on one rank "
+          f"{e['tau']:.4f} (pooled {e['tau_pooled']:.4f})")
