@@ -7,7 +7,8 @@ send waits on either GPU for a receive that is not there). The target then runs 
 on held-out prompts (spec_decode.evaluate_steps), a verify step at a time while it waits for its drafters
 (``train.tuning.eval_in_slices``) or whole, and posts the result as JSON under ``dflash/eval_res/<n>``; the leader logs it
 when it appears, next to the training accuracy and the tau that accuracy predicts, so the train/serve gap is on
-the dashboard. No extra engine, no extra GPU.
+the dashboard. No extra engine, no extra GPU. On a target replica (``target.tensor_parallel`` > 1) the first
+target's followers run every verify forward with it (``FollowerEval``, eval/replica.py), at message boundaries.
 """
 
 from __future__ import annotations
@@ -235,7 +236,8 @@ class TargetEval:
         # a replica of k ranks: its followers run every verify forward with this rank (eval/replica.py)
         self.link = ReplicaLink(job) if job.dist.topo.tp > 1 else None
         if self.link is not None and slices:
-            raise ValueError("a replica's evaluation runs whole between messages (its followers join it there)")
+            raise ValueError("a replica's evaluation runs between messages (its followers join it there)")
+        self._stream_since = time.monotonic()  # the end of the last message boundary (a replica's slices)
         connect(job, leader=False)
         # the job's variant and shape (model/spec.py), sdpa: the decode step's shapes change every block
         self.drafter = job.drafter.build_model("sdpa").to(job.dist.device).eval()
@@ -250,16 +252,37 @@ class TargetEval:
         took = self._take(wait_s)
         if whole:
             self.finish()
-        elif self.link is not None:  # a replica: its followers hear at this boundary whether one runs now
-            if self.link.boundary(self.receiving is not None and _completed(self.receiving.work, self.job.dist.device)):
-                self._start()
-                self.finish()
+        elif self.link is not None:  # a replica: its followers join in at this boundary
+            self._replica_slice()
         elif not self.slices:
             if self.receiving is not None and _completed(self.receiving.work, self.job.dist.device):
                 self._start()
             if self.running is not None:  # never waits here for weights: the leader may be waiting for a message
                 self.finish()
         return took
+
+    def _replica_slice(self) -> None:
+        """A replica's evaluation at a message boundary, its followers in step (each decision broadcast): it starts
+        here once its weights are in, then runs verify steps for as long as the stream's own work took since the
+        last boundary, at least one. So it takes about half the target's time while it runs, and a drafter waits
+        about one message longer for its next."""
+        budget = time.monotonic() - self._stream_since
+        start = self.receiving is not None and _completed(self.receiving.work, self.job.dist.device)
+        self.link.boundary(start)
+        if start:
+            self._start()
+        deadline, first = time.monotonic() + budget, True
+        while self.running is not None:
+            go = first or time.monotonic() < deadline
+            if not self.link.boundary(go):
+                break
+            first = False
+            self.running.slices += 1
+            try:
+                next(self.running.steps)
+            except StopIteration as e:
+                self._post(e.value)
+        self._stream_since = time.monotonic()
 
     def _take(self, wait_s: float) -> bool:
         """A skipped request is counted; for a real one the weights' receive is posted and announced (the leader
@@ -323,8 +346,9 @@ class TargetEval:
         from dflash_dist.eval.spec_decode import run_to_end
         if self.receiving is not None:
             self._await_weights()
-            if self.link is not None:  # after the stream the followers wait in the store (eval/replica.py)
-                self.link.post(RUN)
+        if self.link is not None and (self.receiving is not None or self.running is not None):
+            self.link.post(RUN)  # after the stream a replica's followers wait in the store (eval/replica.py)
+        if self.receiving is not None:
             self._start()
         if self.running is not None:
             self._post(run_to_end(self.running.steps))
@@ -373,31 +397,44 @@ class FollowerEval:
         self.job, self.model = job, model
         self.link = ReplicaLink(job)
         self.prompts, self.eos = load_eval_prompts(job)  # the feeder's prompts: the same file, the same subset
+        self.steps = None  # the evaluation under way (a generator of verify steps, as the feeder's)
         self.runs = 0
 
     def at_boundary(self) -> None:
-        """Where the feeder polls its evaluator between messages: join the evaluation it starts there, if any."""
+        """Where the feeder polls its evaluator between messages: start the evaluation it starts there, then run
+        as many verify steps as it does (TargetEval._replica_slice)."""
         if self.link.boundary():
-            self._run()
+            self.steps = self._steps()
+        while self.steps is not None and self.link.boundary():
+            self._advance()
 
     def after_stream(self) -> None:
-        """Join the evaluations the feeder runs after the stream until it says there are no more. Each wait is
-        bounded above the feeder's own (a first request: warmup_timeout_s; a later one: its patience; the weights:
-        timeout_s)."""
+        """Join the evaluations the feeder runs to their end after the stream until it says there are no more
+        (one it dropped, the job stopping early, is dropped here too). Each wait is bounded above the feeder's own
+        (a first request: warmup_timeout_s; a later one: its patience; the weights: timeout_s)."""
         t = self.job.cfg.topology
         while self.link.next_after_stream(t.warmup_timeout_s + EVAL_REQUEST_PATIENCE_S + t.timeout_s) == RUN:
-            self._run()
+            self.steps = self.steps or self._steps()
+            while self.steps is not None:
+                self._advance()
+        self.steps = None  # an evaluation the feeder dropped
         log.info("replica rank %d: ran the verify forwards of %d evaluation(s) with its feeder", self.job.dist.rank,
                  self.runs)
 
-    def _run(self) -> None:
-        from dflash_dist.eval.spec_decode import evaluate_steps, run_to_end
+    def _steps(self):
+        from dflash_dist.eval.spec_decode import evaluate_steps
         job = self.job
         b = job.drafter.block_size
-        run_to_end(evaluate_steps(self.model, self.link.receiving(b), None, None, self.prompts, job.layer_ids,
-                                  job.mask_token_id, b, job.cfg.train.eval_max_new_tokens, self.eos,
-                                  check_lossless=False))
-        self.runs += 1
+        return evaluate_steps(self.model, self.link.receiving(b), None, None, self.prompts, job.layer_ids,
+                              job.mask_token_id, b, job.cfg.train.eval_max_new_tokens, self.eos, check_lossless=False)
+
+    def _advance(self) -> None:
+        """One step of the evaluation under way, as the feeder's next(): its end is the feeder's end too."""
+        try:
+            next(self.steps)
+        except StopIteration:
+            self.steps = None
+            self.runs += 1
 
 
 def eval_record(result: dict, train_window: dict | None) -> dict:

@@ -7,11 +7,13 @@ same verify steps. Only the feeder (the replica's first rank) receives the draft
 it broadcasts each block's proposals over the replica's gloo group, so every rank verifies the same tokens (the
 target's greedy tokens then agree: the logits are gathered whole on every rank).
 
-When an evaluation starts, the feeder says so at a point its followers reach too:
-- during the stream, at each message boundary (after the replica's stop agreement, before the capture): one
-  broadcast of "run now" or "not now";
+What the feeder decides, its followers hear at a point they reach too:
+- during the stream, at each message boundary (after the replica's stop agreement, before the capture): whether
+  an evaluation starts now (its weights are in), then, while one runs, before each verify step whether to run it
+  (TargetEval._replica_slice: as long as the stream's own work took since the last boundary, at least one);
 - after the stream, where the feeder may wait for the leader's last request longer than a collective should
-  block: store keys ``dflash/replica_eval/<replica>/<i>`` (``run`` or ``done``), polled with the liveness check.
+  block: store keys ``dflash/replica_eval/<replica>/<i>`` (``run``: run the evaluation to its end; ``done``: no
+  more), polled with the liveness check.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class ReplicaLink:
         self.said = 0  # store keys posted (feeder) or read (follower)
 
     def boundary(self, run: bool = False) -> bool:
-        """At a message boundary: the feeder's ``run`` reaches every rank of the replica."""
+        """At a message boundary: the feeder's decision ``run`` reaches every rank of the replica."""
         flag = torch.tensor([int(run)])
         dist.broadcast(flag, self.src, group=self.group)
         return bool(flag.item())

@@ -27,6 +27,7 @@ from dflash_dist.comm.head_offload import HeadLossServer, head_channels
 from dflash_dist.comm.transport import Message, Sender, job_channel
 from dflash_dist.data.tokenize import TokenizedDataset
 from dflash_dist.eval.in_training import EVAL_REQUEST_PATIENCE_S, FollowerEval, TargetEval, eval_enabled, expected_evals
+from dflash_dist.eval.replica import whole_head
 from dflash_dist.model.fast_path import check_target_fast_path
 from dflash_dist.model.hf import (
     build_target_model,
@@ -95,7 +96,9 @@ def head_server(job, model, tx):
     ch, replies = head_channels(d, cfg.topology.warmup_timeout_s, job.life.check, d.topo.drafter_ranks, drafter=False)
     dc = cfg.drafter
     compiled = job.drafter.loss.compiled  # the drafter's objective, resolved once for the job (model/spec.py)
-    server = HeadLossServer(ch, replies, d.rank, head_weights(model)[1], job.drafter.make_objective(),
+    # a replica's lm_head is sharded: its feeder serves with the whole one, read by key from the checkpoint
+    head = whole_head(job, model)[1] if d.topo.tp > 1 else head_weights(model)[1]
+    server = HeadLossServer(ch, replies, d.rank, head, job.drafter.make_objective(),
                             dc.tuning.micro_batches - dc.tuning.local_loss_groups, before_serve=tx.pump)
     tx.serve = server.poll
     log.info("lm_head and loss of the drafters' steps run here (drafter.tuning.loss_on_target): %d request(s) per "
@@ -310,7 +313,8 @@ class TargetRun:
             self.tx.idle_work = evaluator.work
             how = "one verify step at a time while waiting for the drafters"
         elif self.topo.tp > 1:
-            how = f"whole, between two messages, with every rank of replica {self.topo.my_replica}"
+            how = (f"between two messages, verify steps for as long as the stream's work since the last, with every "
+                   f"rank of replica {self.topo.my_replica}")
         elif tuning.eval_in_slices:
             how = ("whole, between two messages (train.tuning.eval_in_slices needs waits this target can poll: NCCL or "
                    "rendezvous sends; gloo sends block)")
