@@ -886,9 +886,6 @@ def validate_job(cfg: JobConfig, world_size: Optional[int], num_target_layers: i
             t = int(cfg.topology.target_ranks)
             _require(t % k == 0, f"topology.target_ranks={t} is not a multiple of target.tensor_parallel={k}: "
                                  f"the target ranks form replicas of {k} ranks (use {max(k, t - t % k)})")
-        _require(not cfg.drafter.tuning.loss_on_target,
-                 "drafter.loss_on_target with target.tensor_parallel > 1 is not supported: the lm_head of a "
-                 "replica is sharded; set drafter.tuning.loss_on_target=false")
         _require(cfg.drafter.loss.labels == "data",
                  "drafter.loss.labels=target with target.tensor_parallel > 1 is not supported: the lm_head of a "
                  "replica is sharded; set drafter.loss.labels=data")
