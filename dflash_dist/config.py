@@ -896,13 +896,6 @@ def validate_job(cfg: JobConfig, world_size: Optional[int], num_target_layers: i
     if world_size is not None:
         check_split(cfg, world_size)
     if cfg.target.tensor_parallel > 1 and world_size is not None:  # dflash-plan (no job) measures the drafter only
-        _require(not cfg.drafter.tuning.loss_on_target,
-                 "drafter.loss_on_target with target.tensor_parallel > 1 is not supported: the lm_head of a "
-                 "replica is sharded; set drafter.tuning.loss_on_target=false")
-        _require(cfg.train.eval_prompts <= 0,
-                 "in-training evaluation (train.eval_prompts > 0) with target.tensor_parallel > 1 is not supported "
-                 "yet (every rank of the replica would have to run the verify steps): set train.eval_prompts=0 and "
-                 "evaluate the exported drafter with dflash-eval")
         _require(cfg.drafter.loss.labels == "data",
                  "drafter.loss.labels=target with target.tensor_parallel > 1 is not supported: the lm_head of a "
                  "replica is sharded; set drafter.loss.labels=data")

@@ -7,7 +7,8 @@ send waits on either GPU for a receive that is not there). The target then runs 
 on held-out prompts (spec_decode.evaluate_steps), a verify step at a time while it waits for its drafters
 (``train.tuning.eval_in_slices``) or whole, and posts the result as JSON under ``dflash/eval_res/<n>``; the leader logs it
 when it appears, next to the training accuracy and the tau that accuracy predicts, so the train/serve gap is on
-the dashboard. No extra engine, no extra GPU.
+the dashboard. No extra engine, no extra GPU. On a target replica (``target.tensor_parallel`` > 1) the first
+target's followers run every verify forward with it (``FollowerEval``, eval/replica.py), at message boundaries.
 """
 
 from __future__ import annotations
@@ -23,10 +24,14 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from dflash_dist.eval.replica import DONE, RUN, ReplicaLink, whole_head
+
 log = logging.getLogger("dflash_dist")
 REQ, READY, RES = "dflash/eval_req/", "dflash/eval_ready/", "dflash/eval_res/"
 CLOSED = "dflash/eval_closed"  # the target stopped early and takes no more requests
 SKIP = "skip"  # request value of an evaluation the leader skipped
+# how long the target waits for the leader's next evaluation request after its stream (each request restarts it)
+EVAL_REQUEST_PATIENCE_S = 120.0
 
 
 def wire_dtype(device: torch.device) -> torch.dtype:
@@ -198,35 +203,47 @@ class LeaderEval:
         self.pump()
 
 
+def load_eval_prompts(job) -> tuple[list, list]:
+    """(encoded held-out prompts, eos ids) of every in-training evaluation: train.eval_prompts of them spread over
+    the held-out file (empty, with a warning, if there are none)."""
+    from transformers import AutoTokenizer
+
+    from dflash_dist.data.conversations import DataError
+    from dflash_dist.eval.prompts import encode_prompts, eos_token_ids, prompts_from_jsonl, spread_subset
+    c = job.cfg
+    tok = AutoTokenizer.from_pretrained(job.tokenizer_path)
+    try:
+        convs = spread_subset(prompts_from_jsonl(job.holdout_path), c.train.eval_prompts)
+    except (DataError, OSError, ValueError):
+        convs = []
+    prompts = encode_prompts(tok, convs, c.data.chat_template_kwargs or None) if convs else []
+    if not prompts:
+        log.warning("evaluation requested but there are no held-out prompts (data.holdout=0?)")
+    return prompts, eos_token_ids(tok, job.hf_config)
+
+
 class TargetEval:
     """First target rank: serve evaluation requests. ``slices``: an evaluation is started between messages and
     advanced one verify step per :meth:`work` call (the Sender calls it while waiting for the drafters);
     otherwise each runs whole when :meth:`poll` finds it."""
 
     def __init__(self, job, model, slices: bool = False):
-        from transformers import AutoTokenizer
-
-        from dflash_dist.data.conversations import DataError
-        from dflash_dist.eval.prompts import encode_prompts, eos_token_ids, prompts_from_jsonl, spread_subset
         self.job, self.model, self.slices = job, model, slices
         self.store = job.dist.store
         self.n = 0  # requests taken
         self.receiving: Optional[_Receiving] = None
         self.running: Optional[_Running] = None
-        c = job.cfg
+        # a replica of k ranks: its followers run every verify forward with this rank (eval/replica.py)
+        self.link = ReplicaLink(job) if job.dist.topo.tp > 1 else None
+        if self.link is not None and slices:
+            raise ValueError("a replica's evaluation runs between messages (its followers join it there)")
+        self._stream_since = time.monotonic()  # the end of the last message boundary (a replica's slices)
         connect(job, leader=False)
         # the job's variant and shape (model/spec.py), sdpa: the decode step's shapes change every block
         self.drafter = job.drafter.build_model("sdpa").to(job.dist.device).eval()
+        self.embed, self.head = whole_head(job, model)
         self.numel = sum(v.numel() for v in self.drafter.state_dict().values())
-        tok = AutoTokenizer.from_pretrained(job.tokenizer_path)
-        try:
-            convs = spread_subset(prompts_from_jsonl(job.holdout_path), c.train.eval_prompts)
-        except (DataError, OSError, ValueError):
-            convs = []
-        self.prompts = encode_prompts(tok, convs, c.data.chat_template_kwargs or None) if convs else []
-        self.eos = eos_token_ids(tok, job.hf_config)
-        if not self.prompts:
-            log.warning("evaluation requested but there are no held-out prompts (data.holdout=0?)")
+        self.prompts, self.eos = load_eval_prompts(job)
 
     def poll(self, wait_s: float = 0.0, whole: bool = False) -> bool:
         """Between messages: take the next request if it is there (or arrives within wait_s; True if one was
@@ -235,12 +252,37 @@ class TargetEval:
         took = self._take(wait_s)
         if whole:
             self.finish()
+        elif self.link is not None:  # a replica: its followers join in at this boundary
+            self._replica_slice()
         elif not self.slices:
             if self.receiving is not None and _completed(self.receiving.work, self.job.dist.device):
                 self._start()
             if self.running is not None:  # never waits here for weights: the leader may be waiting for a message
                 self.finish()
         return took
+
+    def _replica_slice(self) -> None:
+        """A replica's evaluation at a message boundary, its followers in step (each decision broadcast): it starts
+        here once its weights are in, then runs verify steps for as long as the stream's own work took since the
+        last boundary, at least one. So it takes about half the target's time while it runs, and a drafter waits
+        about one message longer for its next."""
+        budget = time.monotonic() - self._stream_since
+        start = self.receiving is not None and _completed(self.receiving.work, self.job.dist.device)
+        self.link.boundary(start)
+        if start:
+            self._start()
+        deadline, first = time.monotonic() + budget, True
+        while self.running is not None:
+            go = first or time.monotonic() < deadline
+            if not self.link.boundary(go):
+                break
+            first = False
+            self.running.slices += 1
+            try:
+                next(self.running.steps)
+            except StopIteration as e:
+                self._post(e.value)
+        self._stream_since = time.monotonic()
 
     def _take(self, wait_s: float) -> bool:
         """A skipped request is counted; for a real one the weights' receive is posted and announced (the leader
@@ -267,13 +309,16 @@ class TargetEval:
         return True
 
     def _start(self) -> None:
-        from dflash_dist.eval.spec_decode import evaluate_steps, unpack_state_
+        from dflash_dist.eval.spec_decode import evaluate_steps, make_dflash_draft_fn, unpack_state_
         r, self.receiving = self.receiving, None
         if r.flat.device.type == "cuda":
             r.work.wait()  # the current stream waits for the receive (complete on the host's view; gloo: waited)
         unpack_state_(self.drafter, r.flat)
         c = self.job.cfg
-        steps = evaluate_steps(self.model, self.drafter, None, None, self.prompts, self.job.layer_ids,
+        drafter = self.drafter
+        if self.link is not None:  # the proposals reach the followers, which verify them with this rank
+            drafter = self.link.broadcasting(make_dflash_draft_fn(self.drafter, self.embed, self.head))
+        steps = evaluate_steps(self.model, drafter, self.embed, self.head, self.prompts, self.job.layer_ids,
                                self.job.mask_token_id, self.job.drafter.block_size, c.train.eval_max_new_tokens, self.eos,
                                check_lossless=False)
         self.running = _Running(r.n, r.step, steps, r.taken_at, time.monotonic() - r.taken_at)
@@ -301,9 +346,17 @@ class TargetEval:
         from dflash_dist.eval.spec_decode import run_to_end
         if self.receiving is not None:
             self._await_weights()
+        if self.link is not None and (self.receiving is not None or self.running is not None):
+            self.link.post(RUN)  # after the stream a replica's followers wait in the store (eval/replica.py)
+        if self.receiving is not None:
             self._start()
         if self.running is not None:
             self._post(run_to_end(self.running.steps))
+
+    def done(self) -> None:
+        """No more evaluations on this rank (after the stream): a replica's followers stop waiting for them."""
+        if self.link is not None:
+            self.link.post(DONE)
 
     def close(self) -> None:
         """The job stops early: take no more requests, and let a posted receive complete (its READY came before
@@ -334,6 +387,54 @@ class TargetEval:
                  "in after %.1f s)", step, res.get("tau") or float("nan"), res.get("tau_pooled") or float("nan"),
                  res["n_prompts"], res.get("prompts_one_step"), res.get("max_new_tokens"), res["seconds"],
                  f" in {slices} slices over {res['span_s']:.1f} s" if slices else "", recv_s)
+
+
+class FollowerEval:
+    """A follower rank of replica 0 (``target.tensor_parallel`` > 1): the verify forwards of every evaluation its
+    feeder runs, on the feeder's proposals; nothing reported (the feeder posts the result)."""
+
+    def __init__(self, job, model):
+        self.job, self.model = job, model
+        self.link = ReplicaLink(job)
+        self.prompts, self.eos = load_eval_prompts(job)  # the feeder's prompts: the same file, the same subset
+        self.steps = None  # the evaluation under way (a generator of verify steps, as the feeder's)
+        self.runs = 0
+
+    def at_boundary(self) -> None:
+        """Where the feeder polls its evaluator between messages: start the evaluation it starts there, then run
+        as many verify steps as it does (TargetEval._replica_slice)."""
+        if self.link.boundary():
+            self.steps = self._steps()
+        while self.steps is not None and self.link.boundary():
+            self._advance()
+
+    def after_stream(self) -> None:
+        """Join the evaluations the feeder runs to their end after the stream until it says there are no more
+        (one it dropped, the job stopping early, is dropped here too). Each wait is bounded above the feeder's own
+        (a first request: warmup_timeout_s; a later one: its patience; the weights: timeout_s)."""
+        t = self.job.cfg.topology
+        while self.link.next_after_stream(t.warmup_timeout_s + EVAL_REQUEST_PATIENCE_S + t.timeout_s) == RUN:
+            self.steps = self.steps or self._steps()
+            while self.steps is not None:
+                self._advance()
+        self.steps = None  # an evaluation the feeder dropped
+        log.info("replica rank %d: ran the verify forwards of %d evaluation(s) with its feeder", self.job.dist.rank,
+                 self.runs)
+
+    def _steps(self):
+        from dflash_dist.eval.spec_decode import evaluate_steps
+        job = self.job
+        b = job.drafter.block_size
+        return evaluate_steps(self.model, self.link.receiving(b), None, None, self.prompts, job.layer_ids,
+                              job.mask_token_id, b, job.cfg.train.eval_max_new_tokens, self.eos, check_lossless=False)
+
+    def _advance(self) -> None:
+        """One step of the evaluation under way, as the feeder's next(): its end is the feeder's end too."""
+        try:
+            next(self.steps)
+        except StopIteration:
+            self.steps = None
+            self.runs += 1
 
 
 def eval_record(result: dict, train_window: dict | None) -> dict:

@@ -26,7 +26,8 @@ from dflash_dist.comm.faults import apply_target_fault, fault_for, stall_if_due
 from dflash_dist.comm.head_offload import HeadLossServer, head_channels
 from dflash_dist.comm.transport import Message, Sender, job_channel
 from dflash_dist.data.tokenize import TokenizedDataset
-from dflash_dist.eval.in_training import TargetEval, eval_enabled, expected_evals
+from dflash_dist.eval.in_training import EVAL_REQUEST_PATIENCE_S, FollowerEval, TargetEval, eval_enabled, expected_evals
+from dflash_dist.eval.replica import whole_head
 from dflash_dist.model.fast_path import check_target_fast_path
 from dflash_dist.model.hf import (
     build_target_model,
@@ -95,7 +96,9 @@ def head_server(job, model, tx):
     ch, replies = head_channels(d, cfg.topology.warmup_timeout_s, job.life.check, d.topo.drafter_ranks, drafter=False)
     dc = cfg.drafter
     compiled = job.drafter.loss.compiled  # the drafter's objective, resolved once for the job (model/spec.py)
-    server = HeadLossServer(ch, replies, d.rank, head_weights(model)[1], job.drafter.make_objective(),
+    # a replica's lm_head is sharded: its feeder serves with the whole one, read by key from the checkpoint
+    head = whole_head(job, model)[1] if d.topo.tp > 1 else head_weights(model)[1]
+    server = HeadLossServer(ch, replies, d.rank, head, job.drafter.make_objective(),
                             dc.tuning.micro_batches - dc.tuning.local_loss_groups, before_serve=tx.pump)
     tx.serve = server.poll
     log.info("lm_head and loss of the drafters' steps run here (drafter.tuning.loss_on_target): %d request(s) per "
@@ -116,9 +119,6 @@ def open_trace(job):
 # to the steady-state timeout after them: until each of this target's drafters has taken that many, a slow drafter
 # is warming up, not dead (counting sends posted instead let a first compile over timeout_s kill the job).
 WARM_MESSAGES = 3
-
-# how long the target waits for the leader's next evaluation request after its stream (each request restarts it)
-EVAL_REQUEST_PATIENCE_S = 120.0
 
 
 class MessageTrace:
@@ -173,6 +173,7 @@ def serve_last_evaluations(job, evaluator, stopped: bool) -> None:
                 deadline = time.monotonic() + EVAL_REQUEST_PATIENCE_S
     if evaluator.n < expected_evals(job):
         evaluator.close()
+    evaluator.done()
 
 
 def load_target(job):
@@ -234,17 +235,22 @@ def run_replica_follower(job, model) -> None:
     capture = build_capture(cfg.target, model, job.layer_ids, d.device.type)
     dataset = TokenizedDataset.load(job.dataset_path)
     fault = fault_for(d.rank)
+    evals = FollowerEval(job, model) if eval_enabled(job) and topo.index == 0 else None  # its feeder's evaluations
     run_messages = job.total_messages - job.start_cursor
     done, t0 = 0, time.monotonic()
     for j in topo.target_messages(run_messages):
         if stream_stops(job, j):
             break
+        if evals is not None:  # where the feeder polls its evaluator
+            evals.at_boundary()
         k = job.start_cursor + j
         batch = [dataset[i] for i in job.plan[k]]
         stall_if_due(fault, done)
         ids, lengths, _, _ = pad_batch(batch, d.device, capture.packing)
         apply_target_fault(fault, done, capture(ids, lengths))
         done += 1
+    if evals is not None:
+        evals.after_stream()
     capture.close()
     log.info("replica %d rank %d: %d messages run in %.1f s (features sent by rank %d)", topo.index, d.rank, done,
              time.monotonic() - t0, topo.my_replica[0])
@@ -301,11 +307,14 @@ class TargetRun:
         """The in-training evaluation this target (replica 0's feeder) runs: in slices while the Sender waits, when
         its waits can be polled, else whole between two messages."""
         tuning = self.cfg.train.tuning
-        slices = tuning.eval_in_slices and self.channel.can_idle()
+        slices = tuning.eval_in_slices and self.channel.can_idle() and self.topo.tp == 1
         evaluator = TargetEval(self.job, model, slices=slices)
         if slices:
             self.tx.idle_work = evaluator.work
             how = "one verify step at a time while waiting for the drafters"
+        elif self.topo.tp > 1:
+            how = (f"between two messages, verify steps for as long as the stream's work since the last, with every "
+                   f"rank of replica {self.topo.my_replica}")
         elif tuning.eval_in_slices:
             how = ("whole, between two messages (train.tuning.eval_in_slices needs waits this target can poll: NCCL or "
                    "rendezvous sends; gloo sends block)")

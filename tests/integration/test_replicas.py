@@ -161,3 +161,64 @@ def test_auto_split_measures_a_replica(tmp_path):
     assert plan["supply"]["replica_samples_per_s"] == 2 * plan["supply"]["samples_per_s"]
     assert [row["targets"] for row in plan["rows"]] == [2]
     assert train_records(tmp_path)[-1]["step"] == 3
+
+
+def test_replica_evaluates_in_training_like_dflash_eval_on_one_rank(tmp_path):
+    """1 drafter + one replica of 2 with the default presets (in-training evaluation on: 16 held-out prompts, 64 new
+    tokens), evaluating and saving every 4 of 12 steps: exit 0; the first evaluation ran in slices between messages
+    and the last one after the stream, both ranks of the replica running their verify forwards; for both,
+    dflash-eval of that step's checkpoint with a whole target on one process, on the same prompts, gives the same
+    acceptance lengths prompt by prompt (so the same tau). fp32 on CPU: the replica's logits differ from one rank's
+    by ~1e-6 relative (its sharded sums), far from the margin of any greedy choice here, so every token and
+    acceptance length agrees exactly; a proposal or verify step that differs shows up as a different length."""
+    from dflash_dist.cli.eval import main as eval_main
+    run, steps = tmp_path / "rep", 12
+    r = torchrun(3, ["-m", "dflash_dist.train", "logging.progress_bar=false", "logging.wandb.mode=disabled",
+                     f"train.output_dir={run}", f"train.max_steps={steps}", "train.eval_every=4",
+                     "train.checkpoint_every=4", "train.keep_checkpoints=3", f"data.cache_dir={run / 'data_cache'}",
+                     "topology.target_ranks=2", "target.tensor_parallel=2"], timeout=500)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert "in-training evaluation: between two messages, verify steps for as long as the stream's work since the " \
+           "last, with every rank of replica [1, 2]" in out
+    evals = [x for x in _jsonl(run / "metrics.jsonl") if x.get("kind") == "eval"]
+    assert evals[0]["step"] == 4 and evals[-1]["step"] == steps
+    assert f"replica rank 2: ran the verify forwards of {len(evals)} evaluation(s) with its feeder" in out
+    assert evals[0]["eval_slices"] > 0  # between messages, during the stream
+    (holdout,) = [str(p) for p in (run / "data_cache").glob("holdout-*.jsonl")]
+    for ev in (evals[0], evals[-1]):
+        assert ev["n_prompts"] == 16 and ev["max_new_tokens"] == 64
+        ck, res = run / "checkpoints" / f"step_{ev['step']:08d}", tmp_path / f"e{ev['step']}.json"
+        assert eval_main(["--checkpoint", str(ck), "--prompts", holdout, "--num-prompts", "16", "--max-new-tokens",
+                          "64", "--no-lossless-check", "--out", str(res)]) == 0
+        e = json.load(open(res))
+        assert [p["acceptance_lengths"] for p in e["per_prompt"]] == ev["acceptance_lengths"], ev["step"]
+        assert e["tau"] == pytest.approx(ev["tau"], abs=1e-12)
+        assert e["tau_pooled"] == pytest.approx(ev["tau_pooled"], abs=1e-12)
+        assert sum(a > 1 for p in ev["acceptance_lengths"] for a in p) > 0  # some proposals were accepted
+        print(f"step {ev['step']} ({ev['eval_slices']} slices): in-training tau on the replica {ev['tau']:.4f} "
+              f"(pooled {ev['tau_pooled']:.4f}), dflash-eval on one rank {e['tau']:.4f} (pooled {e['tau_pooled']:.4f})")
+
+
+def test_loss_on_target_of_a_replica_equals_one_target_rank(tmp_path):
+    """drafter.tuning.loss_on_target with a replica of 2 (its lm_head sharded): the feeder serves every head request
+    with the whole lm_head, and the loss of every step equals that of the same job on a one-rank target to 1e-5
+    (relative; the replica's features differ from one rank's by ~1e-6 relative)."""
+    steps = 4
+    common = JOB + [f"train.max_steps={steps}", "drafter.tuning.loss_on_target=true",
+                    "drafter.tuning.micro_batches=2", "logging.debug.trace_target=false"]
+    one, rep = tmp_path / "k1", tmp_path / "k2"
+    r1 = torchrun(2, common + [f"train.output_dir={one}"], timeout=300)
+    assert r1.returncode == 0, (r1.stdout + r1.stderr)[-4000:]
+    r2 = torchrun(3, common + [f"train.output_dir={rep}", "topology.target_ranks=2", "target.tensor_parallel=2"],
+                  timeout=300)
+    out = r2.stdout + r2.stderr
+    assert r2.returncode == 0, out[-4000:]
+    assert "lm_head and loss of the drafters' steps run here" in out
+    assert f"{2 * steps} head requests served" in out, out[-3000:]  # 1 drafter, 2 groups per step
+    a, b = train_records(one), train_records(rep)
+    assert [x["step"] for x in a] == [x["step"] for x in b] == list(range(1, steps + 1))
+    diffs = [abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(a, b)]
+    assert max(diffs) <= 1e-5, diffs
+    print("loss on the target, k=1:", [x["loss"] for x in a], "\nk=2:", [y["loss"] for y in b],
+          "\nmax relative difference:", max(diffs))
