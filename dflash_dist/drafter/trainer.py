@@ -79,6 +79,7 @@ class DrafterTrainer:
         self.model = self.variant.build(self.mcfg, self.backend).to(self.device).configure_compile(
             flex_dynamic=self.flex_dynamic, compile_layers=self.compile_layers,
             kernel_options=spec.flex_kernel_options)
+        self.objective.head_topk = int(self.model.head_topk)  # DFlash2: its candidates from the loss pass
         log.info("drafter RoPE: %s, through transformers' %s init (model/rope.py)", self.model.rope.describe(),
                  self.model.rope.rope_type)
         self.embed, self.lm_head = head_weights if head_weights is not None else receive_head_weights(job, self.device)
@@ -220,7 +221,8 @@ class DrafterTrainer:
                             soft = () if group.soft is None else (group.soft,)  # drafter.loss.kind=kl
                             out.append(self.objective.loss(hidden, self.lm_head, group.labels, *soft))
                     self.model.set_context(group=group, embed=self.embed, objective=self.objective, step=self.step,
-                                           total_steps=self.cfg.train.max_steps)
+                                           total_steps=self.cfg.train.max_steps,
+                                           head_topk_ids=getattr(out[-1], "topk_ids", None))
                     terms = self.model.loss_terms(hidden, group.labels, self.lm_head, block_ids=group.block_ids,
                                                   row_weights=self._row_weights(hidden, group.labels))
                     if terms:  # a variant's own losses, named; a served group's are added once its reply is in
