@@ -39,10 +39,11 @@ import _common as C  # noqa: E402  (puts the repo root on sys.path)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from dflash_dist.drafter.trainer import clipped_step  # noqa: E402
 from dflash_dist.model.blocks import make_batch  # noqa: E402
 from dflash_dist.model.drafter import DrafterModelConfig  # noqa: E402
 from dflash_dist.model.hf import load_hf_config, resolve_dtype, text_config  # noqa: E402
-from dflash_dist.model.loss import decayed_ce  # noqa: E402
+from dflash_dist.model.loss import slot_weights, weighted_ce  # noqa: E402
 from dflash_dist.model.masks import dense_mask, flex_block_mask  # noqa: E402
 from dflash_dist.model.rope import DrafterRope  # noqa: E402
 from dflash_dist.model.spec import resolve_drafter  # noqa: E402
@@ -131,6 +132,7 @@ class Runner:
         self.objective = spec.make_objective()
         with torch.device(device):  # fp32 master weights, initialised on the device (the variant's module)
             self.model = spec.build_model("sdpa")
+        self.objective.head_topk = int(self.model.head_topk)  # as the trainer: DFlash2's candidates from the loss pass
         hdt = resolve_dtype("auto", device.type)       # the target's dtype: bf16 on CUDA
         g = torch.Generator(device=device).manual_seed(1)
         self.embed = (torch.randn(mc.vocab_size, mc.hidden_size, generator=g, device=device) * 0.02).to(hdt)
@@ -171,19 +173,20 @@ class Runner:
             block_embeds = F.embedding(batch.block_ids, self.embed)
             with self.autocast:
                 hidden = self.model(block_embeds, batch.features, batch.ctx_positions, batch.block_positions, mask)
-                if self.use_objective:
+                if self.use_objective:  # bench/objectives.py: the loss through the objective object
                     soft = () if batch.soft is None else (batch.soft,)
                     parts = self.objective.loss(hidden, self.lm_head, batch.labels, *soft)
-                else:
-                    parts = decayed_ce(hidden, self.lm_head, batch.labels, B, self.gamma, self.spec.loss.chunk_rows,
-                                       mode=self.loss_mode, compiled=compiled_loss)
+                else:  # the trainer's objective call (decayed_ce), with the top-K ids a variant asks of its pass
+                    parts = weighted_ce(hidden, self.lm_head, batch.labels,
+                                        slot_weights(B, self.gamma, batch.labels.device), self.spec.loss.chunk_rows,
+                                        mode=self.loss_mode, compiled=compiled_loss, topk=self.model.head_topk)
+                self.model.set_context(head_topk_ids=getattr(parts, "topk_ids", None))
                 loss_sum = parts.loss_sum + self.variant_loss(hidden, batch)
                 self.last_loss_sum = parts.loss_sum.detach()  # the objective's, read after the timed steps
             if train:
                 loss = loss_sum / parts.weight_sum.clamp_min(1e-6)
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-                self.opt.step()
+                clipped_step(self.opt, list(self.model.parameters()), 1.0)  # the trainer's clip + step
                 self.opt.zero_grad(set_to_none=True)
         return batch
 
@@ -228,9 +231,9 @@ def kernel_breakdown(step, dev) -> dict:
         low = name.lower()
         cat = next((c for c, keys in _CATEGORIES if any(k in low for k in keys)), "other")
         out[cat] = out.get(cat, 0.0) + t / 1e3
-        top.append((t / 1e3, name[:90]))
+        top.append((t / 1e3, int(ev.count), name[:90]))
     out["total"] = sum(v for k, v in out.items())
-    out["top_kernels"] = [[round(ms, 3), n] for ms, n in sorted(top, reverse=True)[:12]]
+    out["top_kernels"] = [[round(ms, 3), n, calls] for ms, calls, n in sorted(top, reverse=True)[:30]]
     return out
 
 
@@ -451,7 +454,7 @@ def main(argv=None) -> int:
             for cat, ms in sorted(((c, v) for c, v in bd.items() if c not in ("total", "top_kernels")),
                                   key=lambda kv: -kv[1]):
                 print(f"| {cat} | {ms:.1f} | {100 * ms / max(bd['total'], 1e-9):.0f}% |")
-            print("top kernels: " + "; ".join(f"{n} {ms} ms" for ms, n in bd["top_kernels"][:6]))
+            print("top kernels (ms, calls): " + "; ".join(f"{n} {ms} ms x{c}" for ms, n, c in bd["top_kernels"][:30]))
     if any(r.get("mode") == "forward-only" for r in result["rows"]):
         print("\nforward-only: flex_attention has no CPU backward in torch; those rows time forward + loss only.")
     if result["skipped"]:

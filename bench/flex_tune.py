@@ -13,6 +13,8 @@ forward+backward (median of --repeats, CUDA events):
 
     python bench/flex_tune.py --out flex_tune.json                 # CUDA; then
     python bench/drafter_step.py --backends flex_layers,flex_layers+ko --kernel-options flex_tune.json
+    python bench/flex_tune.py --config 32768x1024 --no-autotune \
+        --candidates '[{"USE_TMA": true}, {"bwd_num_warps": 4}]'     # given tile options against the defaults
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import re
 import sys
@@ -123,6 +126,10 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--out", default=None)
+    p.add_argument("--candidates", default=None,
+                   help="JSON list of kernel_options dicts (or the path of a file holding one), each timed with the "
+                        "trainer's kernel against the defaults")
+    p.add_argument("--no-autotune", action="store_true", help="skip inductor's max-autotune (minutes at long context)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("flex_tune.py needs a CUDA GPU (inductor's flex templates are tuned for the GPU)", file=sys.stderr)
@@ -140,11 +147,36 @@ def main(argv=None) -> int:
                                          q, k, v, mask, None, args.repeats)
     C.log(f"default: {res['variants']['default']}")
 
+    for i, cand in enumerate(load_candidates(args.candidates)):
+        torch._dynamo.reset()
+        name = f"candidate{i}"
+        try:
+            r = measure(torch.compile(flex_attention, fullgraph=True, dynamic=True), q, k, v, mask, cand, args.repeats)
+        except Exception as e:  # a tile the template refuses (shared memory, divisibility): reported, not fatal
+            r = {"error": C.short_error(e), "fwd_ms": float("nan"), "fwd_bwd_ms": float("nan"), "first_call_s": 0.0}
+        res["variants"][name] = {**r, "kernel_options": cand}
+        C.log(f"{name} {cand}: {r}")
+    opts = {}
+    if not args.no_autotune:
+        opts = autotune(res, q, k, v, mask, args.repeats)
+    base = res["variants"]["default"]["fwd_bwd_ms"]
+    rows = [{"variant": name, **r, "speedup_fwd_bwd": base / r["fwd_bwd_ms"]} for name, r in res["variants"].items()]
+    print()
+    print(C.table(rows, [("variant", "variant"), ("fwd_ms", "fwd ms"), ("fwd_bwd_ms", "fwd+bwd ms"),
+                         ("speedup_fwd_bwd", "x default"), ("first_call_s", "1st call s")],
+                  title=f"flex_attention one drafter layer, {args.config}, b={args.batch} ({res['env'].get('gpu')})"))
+    print(f"\ndrafter.flex_kernel_options={opts if opts else 'null'}")
+    C.write_json(args.out, res)
+    return 0
+
+
+def autotune(res: dict, q, k, v, mask, repeats: int) -> dict:
+    """inductor's max-autotune of the flex tiles, then its winners as explicit kernel_options (into res)."""
     torch._dynamo.reset()
     report = io.StringIO()
     with contextlib.redirect_stderr(report):
         tuned = measure(torch.compile(flex_attention, fullgraph=True, dynamic=True,
-                                      mode="max-autotune-no-cudagraphs"), q, k, v, mask, None, args.repeats)
+                                      mode="max-autotune-no-cudagraphs"), q, k, v, mask, None, repeats)
     res["variants"]["autotuned"] = tuned
     best = parse_autotune(report.getvalue())
     opts = kernel_options_from(best)
@@ -155,19 +187,22 @@ def main(argv=None) -> int:
     if opts:
         torch._dynamo.reset()
         res["variants"]["explicit"] = measure(torch.compile(flex_attention, fullgraph=True, dynamic=True),
-                                              q, k, v, mask, opts, args.repeats)
+                                              q, k, v, mask, opts, repeats)
         C.log(f"explicit: {res['variants']['explicit']}")
     else:
         C.log("no tile winners parsed from the autotune report (see autotune_report_tail in the JSON)")
-    base = res["variants"]["default"]["fwd_bwd_ms"]
-    rows = [{"variant": name, **r, "speedup_fwd_bwd": base / r["fwd_bwd_ms"]} for name, r in res["variants"].items()]
-    print()
-    print(C.table(rows, [("variant", "variant"), ("fwd_ms", "fwd ms"), ("fwd_bwd_ms", "fwd+bwd ms"),
-                         ("speedup_fwd_bwd", "x default"), ("first_call_s", "1st call s")],
-                  title=f"flex_attention one drafter layer, {args.config}, b={args.batch} ({res['env'].get('gpu')})"))
-    print(f"\ndrafter.flex_kernel_options={opts if opts else 'null'}")
-    C.write_json(args.out, res)
-    return 0
+    return opts
+
+
+def load_candidates(arg):
+    """--candidates: a JSON list of kernel_options dicts, or the path of a file holding one."""
+    if not arg:
+        return []
+    text = open(arg).read() if os.path.exists(arg) else arg
+    cands = json.loads(text)
+    if not isinstance(cands, list) or not all(isinstance(c, dict) for c in cands):
+        raise SystemExit("--candidates: need a JSON list of kernel_options dicts")
+    return cands
 
 
 if __name__ == "__main__":

@@ -22,8 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["CandidateSelector", "transform_logits", "unary_topk", "topk_candidates", "candidate_logits", "lattice",
-           "walk", "greedy_walk", "propose", "block_gold", "teacher_forced_predecessors", "selector_rows",
+from dflash_dist.model.loss import grouped_topk
+
+__all__ = ["CandidateSelector", "transform_logits", "unary_topk", "grouped_topk", "topk_candidates", "candidate_logits",
+           "lattice", "walk", "greedy_walk", "propose", "block_gold", "teacher_forced_predecessors", "selector_rows",
            "SelectorLossParts", "selector_loss", "accepted_lengths"]
 
 GOLD_MODES = ("exclude", "replace_last")
@@ -75,20 +77,46 @@ def unary_topk(logits: Tensor, k: int, output_multiplier: float = 1.0, softcap: 
 @torch.no_grad()
 def topk_candidates(h: Tensor, head_weight: Tensor, k: int, chunk_rows: int = 1024) -> Tensor:
     """Top-K ids [R, K] of rows h [R, H] through the head [V, H], a chunk of rows at a time (at most one chunk of
-    [rows, V] logits alive). No gradient: the candidate set is a selection."""
+    [rows, V] logits alive; ``grouped_topk``). No gradient: the candidate set is a selection."""
     hc = h.to(head_weight.dtype)
-    ids = [(hc[lo:lo + chunk_rows] @ head_weight.t()).topk(k, dim=-1).indices
+    ids = [grouped_topk(hc[lo:lo + chunk_rows] @ head_weight.t(), k)
            for lo in range(0, hc.shape[0], max(1, int(chunk_rows)))]
     return torch.cat(ids) if ids else h.new_zeros(0, k, dtype=torch.long)
+
+
+class _GatheredHeadDots(torch.autograd.Function):
+    """raw[r, c] = <W[ids[r, c]], h[r]> for rows h [R, H], ids [R, K], a frozen head W [V, H]: the gathered head rows
+    [rows, K, H] exist one chunk of rows at a time in forward and not at all in backward (d h[r] = sum_c g[r, c]
+    W[ids[r, c]], an ``embedding_bag``), instead of [R, K, H] kept for backward (1 GB at 8B shapes)."""
+
+    CHUNK_ROWS = 2048
+
+    @staticmethod
+    def forward(ctx, h: Tensor, weight: Tensor, ids: Tensor) -> Tensor:
+        hw = h.to(weight.dtype)
+        raw = [torch.matmul(weight[ids[lo:lo + _GatheredHeadDots.CHUNK_ROWS]],
+                            hw[lo:lo + _GatheredHeadDots.CHUNK_ROWS, :, None]).squeeze(-1)
+               for lo in range(0, h.shape[0], _GatheredHeadDots.CHUNK_ROWS)]
+        ctx.save_for_backward(weight, ids)
+        ctx.h_dtype = h.dtype
+        return torch.cat(raw) if raw else ids.new_zeros(ids.shape, dtype=weight.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_raw: Tensor):
+        weight, ids = ctx.saved_tensors
+        grad_h = F.embedding_bag(ids, weight, per_sample_weights=grad_raw.to(weight.dtype), mode="sum")
+        return grad_h.to(ctx.h_dtype), None, None
 
 
 def candidate_logits(h: Tensor, head_weight: Tensor, ids: Tensor, output_multiplier: float = 1.0,
                      softcap: Optional[float] = None) -> Tensor:
     """Transformed unary logits fp32 [..., K] of the candidate ids [..., K] for rows h [..., H], from the gathered
-    head rows (differentiable in h; the same values as ``unary_topk`` at those ids)."""
-    w = head_weight[ids]                                                               # [..., K, H]
-    raw = torch.matmul(w, h.to(w.dtype)[..., :, None]).squeeze(-1)
-    return transform_logits(raw.float(), output_multiplier, softcap)
+    head rows (differentiable in h, not in the frozen head; the same values as ``unary_topk`` at those ids)."""
+    if head_weight.requires_grad:
+        raise ValueError("candidate_logits takes the frozen target head (head_weight.requires_grad is True)")
+    lead = ids.shape[:-1]
+    raw = _GatheredHeadDots.apply(h.reshape(-1, h.shape[-1]), head_weight, ids.reshape(-1, ids.shape[-1]))
+    return transform_logits(raw.reshape(*lead, ids.shape[-1]).float(), output_multiplier, softcap)
 
 
 def lattice(selector: CandidateSelector, hidden: Tensor, anchor_ids: Tensor, cand_ids: Tensor, unary: Tensor
@@ -191,7 +219,7 @@ def selector_loss(selector: CandidateSelector, hidden: Tensor, head_weight: Tens
     weights [R] (the base objective's weights). A gold token outside the top-K: ``exclude`` drops the row,
     ``replace_last`` puts it in the last candidate's place with its own unary logit. Returns the weighted sum
     and the weight sum apart: the caller normalises over the whole step. The unary logits are recomputed from
-    the gathered head rows ([R, K, H] alive, with grad into h): rows are independent, so a caller chunks them."""
+    the gathered head rows (``candidate_logits``: a chunk of rows at a time, none kept for backward)."""
     if gold_mode not in GOLD_MODES:
         raise ValueError(f"gold_mode={gold_mode!r}: use one of {GOLD_MODES}")
     k = cand_ids.shape[-1]

@@ -273,6 +273,10 @@ class DFlashDrafter(nn.Module):
     loss_term_names: tuple = ()
     """The names of ``loss_terms`` (each a step statistic; the trainer declares them before the first step)."""
 
+    head_topk: int = 0
+    """Top-K head ids per loss row that ``loss_terms`` reads (``context["head_topk_ids"]``) when the objective's
+    fused pass gives them; 0: none."""
+
     def __init__(self, cfg: DrafterModelConfig, backend: str):
         super().__init__()
         if backend not in ("flex", "sdpa"):
@@ -317,7 +321,8 @@ class DFlashDrafter(nn.Module):
     def set_context(self, **context: Any) -> None:
         """What a variant's ``loss_terms`` / ``propose`` may read beyond their arguments, set by their caller just
         before: the trainer passes ``group`` (the DrafterBatch), ``embed`` (the target's [V, H]), ``objective``,
-        ``step`` (optimizer steps taken) and ``total_steps``; evaluation passes ``block_ids`` and ``embed``."""
+        ``step`` (optimizer steps taken), ``total_steps`` and ``head_topk_ids`` (``LossParts.topk_ids``);
+        evaluation passes ``block_ids`` and ``embed``."""
         self.context = context
 
     def loss_terms(self, hidden: Tensor, labels: Tensor, lm_head: Tensor, block_ids: Optional[Tensor] = None,
@@ -436,6 +441,15 @@ class DFlashDrafter(nn.Module):
         attn_mask[..., 0] |= ~row_ok
         return attn_mask[:, None], row_ok[:, None, :, None]
 
+    def _fc_input(self, features: Tensor) -> Tensor:
+        """The features as fc takes them: in the weights' dtype, except under autocast to the features' own dtype
+        (bf16 features on CUDA), where a cast up and autocast's cast back would copy [S, 5H] twice for the same
+        bits."""
+        dev = features.device.type
+        if torch.is_autocast_enabled(dev) and features.dtype == torch.get_autocast_dtype(dev):
+            return features
+        return features.to(self.fc.weight.dtype)
+
     def forward(self, block_embeds: Tensor, features: Tensor, ctx_positions: Tensor, block_positions: Tensor,
                 mask: Any) -> Tensor:
         """block_embeds [b, Q, H] (target embedding of block_ids), features [b, S, n*H], ctx_positions [b, S],
@@ -443,7 +457,7 @@ class DFlashDrafter(nn.Module):
         a drafter with sliding_attention layers (see ``_prepare_masks``). Returns [b, Q, H]."""
         b, q_len, _ = block_embeds.shape
         masks = self._prepare_masks(mask, b, q_len, features.shape[1] + q_len, ctx_positions, block_positions)
-        ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        ctx = self.hidden_norm(self.fc(self._fc_input(features)))
         h = block_embeds.to(ctx.dtype)
         rope_q, rope_k = self.rotary(ctx_positions, block_positions, h.dtype)
         for kind, layer in zip(self.config.kinds, self._layer_fns):

@@ -40,17 +40,22 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
+try:  # the step torch's create_block_mask ends with: (partial, full) tile tables -> BlockMask (torch 2.5 .. 2.13)
+    from torch.nn.attention.flex_attention import _create_sparse_block_from_block_mask
+except ImportError:  # a later torch without it: the compiled builder below still works
+    _create_sparse_block_from_block_mask = None
+
 from dflash_dist.model.lazy_compile import lazy_compile
 
-__all__ = ["dense_mask", "make_mask_mod", "flex_block_mask", "window_mask", "layer_masks", "visible_pairs",
-           "mask_build_calls"]
+__all__ = ["dense_mask", "make_mask_mod", "flex_block_mask", "tile_tables", "window_mask", "layer_masks",
+           "visible_pairs", "mask_build_calls"]
 
 # Module-level compiled builder: compiled once per process, new mask_mods (fresh closures over new anchor
 # tensors) reuse the graph because dynamo guards on the closure tensors' metadata, not their identity.
 _create_block_mask_compiled = lazy_compile(create_block_mask)
 _create_block_mask_compiled_dynamic = lazy_compile(create_block_mask, dynamic=True)  # CUDA: one graph for all shapes
 
-mask_build_calls: dict = {"compiled": 0, "eager": 0}
+mask_build_calls: dict = {"tables": 0, "compiled": 0, "eager": 0}
 """How often flex_block_mask took each path (tests and the startup banner read it)."""
 
 
@@ -161,16 +166,50 @@ def layer_masks(layer_types: Optional[Sequence[str]], build: Callable[[Optional[
     return out
 
 
+TILE = 128
+"""The BlockMask's tile (torch's default sparse block size; the flex kernels' tiles divide it)."""
+
+
+def tile_tables(anchors: Tensor, valid: Tensor, ctx_len: int, block_size: int, context_inclusive: bool = False,
+                tile: int = TILE) -> tuple[Tensor, Tensor]:
+    """(partial, full) int8 [b, 1, Q tiles, K tiles] of the full-attention mask, from the per-block intervals alone:
+    what ``create_block_mask`` computes by evaluating the mask on all Q x K pairs, here from one [b, Q, K tiles]
+    count. A query row of block i sees the keys [0, limit_i) and, if its block is valid, [ctx_len + B i,
+    ctx_len + B (i + 1)); a tile is full when every row of it sees all ``tile`` keys of it (rows and keys past Q
+    and K, the padding to whole tiles, see nothing), partial when some row sees some."""
+    limit, block_id = _block_tables(anchors, valid, context_inclusive)
+    b, n = limit.shape
+    q_len, k_len = n * block_size, ctx_len + n * block_size
+    q_tiles, k_tiles = -(-q_len // tile), -(-k_len // tile)
+    dev = limit.device
+    k0 = torch.arange(k_tiles, device=dev) * tile                                     # [KT]
+    k1 = torch.clamp(k0 + tile, max=k_len)
+    ctx_seen = (torch.minimum(limit[..., None], k1) - k0).clamp_min(0)               # [b, N, KT]
+    own0 = ctx_len + block_size * block_id.clamp_min(0)[..., None]                    # [b, N, 1]
+    own_seen = (torch.minimum(own0 + block_size, k1) - torch.maximum(own0, k0)).clamp_min(0)
+    seen = ctx_seen + own_seen * (block_id >= 0)[..., None]                           # keys seen per row of block i
+    rows = seen.new_zeros(b, q_tiles * tile, k_tiles)                                 # padding rows see nothing
+    rows[:, :q_len] = seen.repeat_interleave(block_size, dim=1)
+    rows = rows.view(b, q_tiles, tile, k_tiles)
+    full = rows.amin(2) == tile
+    partial = (rows.amax(2) > 0) & ~full
+    return partial[:, None].to(torch.int8), full[:, None].to(torch.int8)
+
+
 def flex_block_mask(anchors: Tensor, valid: Tensor, ctx_len: int, block_size: int, compile: bool = True,
                     context_inclusive: bool = False, dynamic: bool = False,
                     sliding_window: Optional[int] = None) -> BlockMask:
     """BlockMask for one step (H=None: shared by all heads), built once and reused by every layer.
 
     ``compile=True`` uses the module-level ``torch.compile(create_block_mask)`` on accelerators, so the
-    [b, Q, K] mask is never materialised. On CPU the eager builder is used even with compile=True: inductor's
-    CPU backend miscompiles this reduction in torch 2.13 (C++ VecMask type error), and the eager (vmap) path
-    is cheap at CPU sizes. ``dynamic=True`` (CUDA) uses the dynamic-shape compiled builder, so new (b, S_pad)
-    shapes do not recompile. ``mask_build_calls`` records which path ran.
+    [b, Q, K] mask is never materialised. On CPU nothing is compiled even with compile=True: inductor's CPU
+    backend miscompiles this reduction in torch 2.13 (C++ VecMask type error). ``dynamic=True`` (CUDA) uses the
+    dynamic-shape compiled builder, so new (b, S_pad) shapes do not recompile. Where the eager builder would
+    run, a full-attention mask (``sliding_window`` None) comes from ``tile_tables`` instead: the same BlockMask
+    (tested) without evaluating the mask on every pair (a 640-key mask on a 2-core CPU: 624 -> 9 ms per build).
+    On CUDA the compiled builder stays: its kernel is 1.7 ms of a 3K-context step and 14 ms of a 32K one on an
+    H200, but the tables path's eager host work (torch's vmap-based transposes) made the 3K step no faster, and
+    it is not measured at 32K yet. ``mask_build_calls`` records which path ran.
     """
     b, n = anchors.shape
     q_len = n * block_size
@@ -178,6 +217,10 @@ def flex_block_mask(anchors: Tensor, valid: Tensor, ctx_len: int, block_size: in
     if compile and anchors.device.type != "cpu":
         mask_build_calls["compiled"] += 1
         builder = _create_block_mask_compiled_dynamic if dynamic else _create_block_mask_compiled
+    elif sliding_window is None and _create_sparse_block_from_block_mask is not None:
+        mask_build_calls["tables"] += 1
+        tables = tile_tables(anchors, valid, ctx_len, block_size, context_inclusive)
+        return _create_sparse_block_from_block_mask(tables, mask_mod, (q_len, ctx_len + q_len), TILE, TILE)
     else:
         mask_build_calls["eager"] += 1
         builder = create_block_mask

@@ -4,6 +4,7 @@ is a device script, see docs/benchmarks.md)."""
 import os
 import sys
 
+import pytest
 import torch
 from helpers.launch_util import REPO as REPO_ROOT
 
@@ -51,3 +52,15 @@ def test_kernel_options_reach_every_layer():
 def test_flex_tune_refuses_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)   # the same on a machine with a GPU
     assert flex_tune.main(["--out", os.devnull]) == 2
+
+
+def test_candidates_from_json_or_a_file(tmp_path):
+    """--candidates: kernel_options dicts to time against the defaults, inline or from a file; anything else refused."""
+    text = '[{"USE_TMA": true}, {"bwd_num_warps": 4}]'
+    assert flex_tune.load_candidates(text) == [{"USE_TMA": True}, {"bwd_num_warps": 4}]
+    path = tmp_path / "c.json"
+    path.write_text(text)
+    assert flex_tune.load_candidates(str(path)) == flex_tune.load_candidates(text)
+    assert flex_tune.load_candidates(None) == []
+    with pytest.raises(SystemExit, match="kernel_options"):
+        flex_tune.load_candidates('{"USE_TMA": true}')

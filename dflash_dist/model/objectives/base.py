@@ -24,6 +24,10 @@ class Objective:
 
     name = ""
 
+    head_topk = 0
+    """The top-K head ids per loss row a variant asks of the fused loss pass (the trainer sets it from the model's
+    ``head_topk``; 0: none). An objective that cannot give them leaves ``LossParts.topk_ids`` None."""
+
     def __init__(self, spec):
         self.spec = spec
         self.block_size = spec.block_size
@@ -122,7 +126,7 @@ class SlotWeightedCE(Objective):
             return dpace_ce(hidden, lm_head, labels, self.block_size, self.dpace_alpha, self.chunk_rows,
                             compiled=self.compiled)
         return L.weighted_ce(hidden, lm_head, labels, self.slot_weights(labels.device), self.chunk_rows,
-                             compiled=self.compiled)
+                             compiled=self.compiled, topk=self.head_topk)
 
     def stat_slots(self):
         out = super().stat_slots()

@@ -47,6 +47,11 @@ class DFlash2Drafter(DFlashDrafter):
         # after the generic init: identity convs, zero successor codebook (its N(0, std) would undo both)
         D2.reset_dflash2_parameters(self, cfg.initializer_range)
 
+    @property
+    def head_topk(self) -> int:
+        """The selector's candidates come from the loss pass's own logits (no second pass over the vocabulary)."""
+        return self.dflash2.selector_top_k
+
     def make_layer(self, cfg: DrafterModelConfig, index: int) -> nn.Module:
         return D2.DFlash2DecoderLayer(cfg, self.dflash2)
 
@@ -75,7 +80,9 @@ class DFlash2Drafter(DFlashDrafter):
         rows_h, pred, gold, _ = SEL.selector_rows(hidden, block_ids, labels, labels, bsz)
         weights = (gold >= 0).float() if row_weights is None else row_weights.float()
         head = lm_head.to(hidden.device)
-        cand = SEL.topk_candidates(rows_h.detach(), head, s.selector_top_k)
+        cand = getattr(self, "context", {}).get("head_topk_ids")  # from the objective's fused pass, when it ran
+        if cand is None or tuple(cand.shape) != (rows_h.shape[0], s.selector_top_k):
+            cand = SEL.topk_candidates(rows_h.detach(), head, s.selector_top_k)
         sel_h = rows_h.to(self.candidate_selector.hidden_projection.weight.dtype)
         parts = SEL.selector_loss(self.candidate_selector, sel_h, head, pred, cand, gold, weights, s.selector_gold,
                                   s.output_multiplier, s.final_logit_softcapping)
@@ -131,14 +138,15 @@ class DFlash2(DFlash):
 
     def extra_flops(self, model_config: DrafterModelConfig, b: int, s_pad: int, n_blocks: int, vocab: int) -> float:
         """The convs of every layer over all query rows, and the selector over the loss rows: its trainable
-        matmul and gathered products (x3 with backward), the unary top-K pass over the full vocabulary (forward
-        only: no gradient through the candidate choice)."""
+        matmul and gathered products (x3 with backward). The unary top-K reads the logits the loss already made
+        (``head_topk``), so it adds no pass over the vocabulary; where an objective cannot give them (D-PACE, KL,
+        the loss on the target) that second pass runs and is hardware work, not model FLOPs."""
         s, h, bsz = settings_of(model_config), model_config.hidden_size, model_config.block_size
         conv = D2.conv_flops_per_row(h, s)
         sel = D2.selector_flops_per_row(h, s)
         rows_q, rows_l = b * n_blocks * bsz, b * n_blocks * (bsz - 1)
         convs = 3.0 * model_config.num_layers * rows_q * (conv["matmul"] + conv["elementwise"])
-        selector = rows_l * (3.0 * (sel["matmul"] + sel["gathered"]) + 2.0 * h * vocab)
+        selector = rows_l * 3.0 * (sel["matmul"] + sel["gathered"])
         return float(convs + selector)
 
     # ---- export (model/dflash2.py holds the contract)

@@ -413,3 +413,21 @@ def test_flops_count_what_runs():
     assert selector_flops_per_row(64, s, predecessors=16, unary_recompute=False)["gathered"] == 16 * (256 + 32 * 256)
     assert math.isclose(conv["matmul"], 2 * sum(p.numel() for p in GroupedDynamicConv(64, 2, 16).kernel_projection
                                                 .parameters()) * 2)
+
+
+def test_candidate_logits_keep_no_gathered_head_rows_for_backward():
+    """The unary logits of the candidates and their gradient equal the gathered-rows reference, and backward keeps
+    no [rows, K, H] tensor (an embedding_bag of the head rows instead)."""
+    g = torch.Generator().manual_seed(4)
+    w, ids = torch.randn(50, 24, generator=g), torch.randint(0, 50, (2, 7, 5), generator=g)
+    h = torch.randn(2, 7, 24, generator=g, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        u = candidate_logits(h, w, ids, 0.5, 3.0)
+    assert max(saved) < ids.numel() * 24
+    ref = 3.0 * torch.tanh(0.5 * torch.matmul(w[ids], h[..., None]).squeeze(-1) / 3.0)
+    torch.testing.assert_close(u, ref)
+    grad = torch.randn(u.shape, generator=g)
+    torch.testing.assert_close(torch.autograd.grad(u, h, grad)[0], torch.autograd.grad(ref, h, grad)[0])
+    with pytest.raises(ValueError, match="frozen"):
+        candidate_logits(h, w.requires_grad_(), ids)

@@ -186,6 +186,22 @@ def test_compiled_layers_forward_matches_sdpa_and_is_reported():
         make_model("sdpa").configure_compile(compile_layers=True)
 
 
+def test_bf16_features_reach_fc_uncopied_under_autocast():
+    """Under autocast to the features' dtype, fc takes the features as they are (no cast up to the fp32 weights
+    and back: the same bits, one [S, 5H] copy fewer each way); the output equals the old path's bit for bit."""
+    m = make_model("sdpa")
+    x, anchors, valid = inputs()
+    feats = x["features"].bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert m._fc_input(feats) is feats
+        got = m(**dict(x, features=feats), mask=dense_mask(anchors, valid, CTX, BS))
+        m._fc_input = lambda f: f.to(m.fc.weight.dtype)  # the old path: up to fp32, autocast casts back
+        want = m(**dict(x, features=feats), mask=dense_mask(anchors, valid, CTX, BS))
+    assert torch.equal(got, want)
+    del m._fc_input
+    assert m._fc_input(feats).dtype == torch.float32  # no autocast: the weights' dtype
+
+
 def test_sdpa_backward_finite_and_padding_rows_zero():
     m = make_model("sdpa")
     x, anchors, valid = inputs(2)

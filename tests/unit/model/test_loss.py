@@ -178,3 +178,40 @@ def test_chunks_never_leave_a_single_row():
             assert parts[0][0] == 0 and parts[-1][1] == rows
             assert all(hi - lo >= 2 and hi - lo <= size + 1 for lo, hi in parts)
             assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+
+
+@pytest.mark.parametrize("vocab", [151936, 1000, 2049, 129])
+def test_grouped_topk_is_topk(vocab):
+    """Two small passes (group maxima, then the top groups' entries) give topk's ids, best first; on bf16 logits
+    (ties possible) the same values."""
+    g = torch.Generator().manual_seed(vocab)
+    for k in (1, 4, 16):
+        x = torch.randn(9, vocab, generator=g)
+        assert torch.equal(loss_mod.grouped_topk(x, k), x.topk(k, dim=-1).indices)
+        xb = x.bfloat16()
+        assert torch.equal(xb.gather(-1, loss_mod.grouped_topk(xb, k)), xb.topk(k, dim=-1).values)
+    # the two-pass path itself ran (a vocabulary above k * group), not topk over the whole row
+    seen = []
+    real = torch.Tensor.topk
+    try:
+        torch.Tensor.topk = lambda self, *a, **kw: seen.append(self.shape[-1]) or real(self, *a, **kw)
+        loss_mod.grouped_topk(torch.randn(3, 151936), 16)
+    finally:
+        torch.Tensor.topk = real
+    assert 151936 not in seen and max(seen) <= 16 * loss_mod.TOPK_GROUP
+
+
+def test_fused_pass_gives_topk_ids_of_its_logits():
+    g = torch.Generator().manual_seed(5)
+    B, V, H = 4, 300, 16
+    hidden = torch.randn(2, 3 * B, H, generator=g, requires_grad=True)
+    head = torch.randn(V, H, generator=g)
+    labels = torch.randint(0, V, (2, 3 * B), generator=g)
+    w = slot_weights(B, 4.0)
+    parts = loss_mod.weighted_ce(hidden, head, labels, w, chunk_rows=5, topk=7)
+    rows_h = loss_mod.weighted_rows(hidden, labels, w)[0]
+    assert torch.equal(parts.topk_ids, (rows_h.detach() @ head.t()).topk(7, dim=-1).indices)
+    plain = loss_mod.weighted_ce(hidden, head, labels, w, chunk_rows=5)
+    assert plain.topk_ids is None
+    torch.testing.assert_close(parts.loss_sum, plain.loss_sum, rtol=0, atol=0)
+    assert loss_mod.weighted_ce(hidden, head, labels, w, chunk_rows=5, mode="checkpoint", topk=7).topk_ids is None

@@ -2,7 +2,7 @@
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import create_mask
+from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
 from dflash_dist.model import masks
 from dflash_dist.model.drafter import flex_attention_compiled
@@ -104,13 +104,36 @@ def test_flex_block_mask_equals_dense():
     anchors = torch.where(valid, anchors, 0)
     before = dict(masks.mask_build_calls)
     bm = flex_block_mask(anchors, valid, CTX, B, compile=True)
-    # CPU: the eager builder runs even with compile=True (inductor CPU bug, see masks.py)
-    assert masks.mask_build_calls["eager"] == before["eager"] + 1
+    # full attention: the tile tables from the block intervals (masks.tile_tables), no mask evaluation
+    assert masks.mask_build_calls["tables"] == before["tables"] + 1
     dense = dense_mask(anchors, valid, CTX, B)
     assert bm.seq_lengths == (n * B, CTX + n * B)
     assert torch.equal(bm.to_dense()[:, 0].bool(), _tile_any(dense, 128))
     mat = create_mask(bm.mask_mod, 2, None, n * B, CTX + n * B, device="cpu")[:, 0]
     assert torch.equal(mat, dense)
+
+
+def test_tile_tables_block_mask_equals_create_block_mask():
+    """The BlockMask built from the block intervals (masks.tile_tables) is torch's create_block_mask of the same
+    mask_mod, tensor for tensor: block sizes that do and do not divide the 128 tile, padding blocks, partial tiles
+    on both axes, the inclusive (leak demonstration) rule."""
+    g = torch.Generator().manual_seed(3)
+    fields = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+              "full_q_num_blocks", "full_q_indices")
+    for trial, bsz in enumerate((2, 3, 4, 5, 16, 32, 16, 8)):
+        b, n, ctx = 1 + trial % 2, int(torch.randint(1, 70, (1,), generator=g)), int(torch.randint(40, 500, (1,), generator=g))
+        anchors = torch.randint(0, ctx - 1, (b, n), generator=g).sort(-1).values
+        valid = torch.rand(b, n, generator=g) > (0.0 if trial % 3 == 0 else 0.2)
+        anchors = torch.where(valid, anchors, 0)
+        inclusive = trial == 5
+        before = masks.mask_build_calls["tables"]
+        got = flex_block_mask(anchors, valid, ctx, bsz, context_inclusive=inclusive)
+        assert masks.mask_build_calls["tables"] == before + 1
+        ref = create_block_mask(make_mask_mod(anchors, valid, ctx, bsz, inclusive), b, None, n * bsz, ctx + n * bsz,
+                                device="cpu")
+        assert got.seq_lengths == ref.seq_lengths and got.BLOCK_SIZE == ref.BLOCK_SIZE
+        for f in fields:
+            assert torch.equal(getattr(got, f), getattr(ref, f)), (trial, f)
 
 
 def test_flex_attention_with_block_mask_equals_dense_attention():

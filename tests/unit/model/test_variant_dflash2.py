@@ -193,8 +193,8 @@ def test_extra_flops_count_convs_and_selector():
     f = v.extra_flops(mc, 2, 64, 3, 64)
     s = D2.DFlash2Settings(**mc.variant_settings)
     conv, sel = D2.conv_flops_per_row(32, s), D2.selector_flops_per_row(32, s)
-    want = 3 * 2 * 24 * (conv["matmul"] + conv["elementwise"]) + 18 * (3 * (sel["matmul"] + sel["gathered"])
-                                                                       + 2 * 32 * 64)
+    # no top-K pass over the vocabulary: the candidates come from the loss's own logits (head_topk)
+    want = 3 * 2 * 24 * (conv["matmul"] + conv["elementwise"]) + 18 * 3 * (sel["matmul"] + sel["gathered"])
     assert f == pytest.approx(want)
     assert v.extra_flops(_spec(selector_rank=16).model, 2, 64, 3, 64) > f
     assert v.extra_flops(_spec(conv_kernel_size=3).model, 2, 64, 3, 64) > f
@@ -269,3 +269,35 @@ def test_checkpoint_weights_are_checked_against_the_recorded_variant(tmp_path):
     huge = dict(dc, variant_settings=dict(dc["variant_settings"], selector_rank=1 << 30))
     with pytest.raises(CheckpointError, match="variant_settings.selector_rank"):
         check_drafter_config(st, "drafter_config", huge)
+
+
+def test_selector_candidates_come_from_the_objectives_pass():
+    """The decayed_ce objective's fused pass gives each loss row's top-K head ids (LossParts.topk_ids, the trainer
+    asks for ``model.head_topk``), the selector's candidates exactly; the loss term reads them from the context
+    instead of a second pass over the vocabulary, and without them it makes its own."""
+    torch.manual_seed(0)
+    spec = _spec(selector_gold="replace_last")
+    model = spec.build_model()
+    _train_selector(model)
+    objective = spec.make_objective()
+    objective.head_topk = model.head_topk
+    assert model.head_topk == 6 and DFlashDrafter.head_topk == 0
+    head = torch.randn(64, 32)
+    hidden = torch.randn(1, 12, 32, requires_grad=True)
+    labels, block_ids = _group()
+    parts = objective.loss(hidden, head, labels)
+    rows_h = SEL.selector_rows(hidden, block_ids, labels, labels, 4)[0]
+    assert torch.equal(parts.topk_ids, SEL.topk_candidates(rows_h.detach(), head, 6))
+    calls = []
+    real = SEL.topk_candidates
+    SEL.topk_candidates = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        model.set_context(head_topk_ids=parts.topk_ids)
+        given = model.loss_terms(hidden, labels, head, block_ids=block_ids)["selector"]
+        assert calls == []                       # no second pass
+        model.set_context()
+        own = model.loss_terms(hidden, labels, head, block_ids=block_ids)["selector"]
+        assert calls == [1]
+    finally:
+        SEL.topk_candidates = real
+    torch.testing.assert_close(given, own, rtol=0, atol=0)
