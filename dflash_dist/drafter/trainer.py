@@ -434,7 +434,8 @@ def clipped_step(opt: torch.optim.Optimizer, params: list, max_norm: float) -> t
     """``clip_grad_norm_(params, max_norm)`` then ``opt.step()``; returns the norm before clipping. A fused optimizer
     (AdamW on CUDA) takes the clip factor as its ``grad_scale`` (it divides every gradient by it inside its own
     pass) instead of a separate pass that multiplies 1B fp32 gradients in place (at 8B shapes on an H200 that
-    pass was 2.3 ms; the fused kernel then writes the gradients back, so the step gains ~0.8 ms)."""
+    pass was 2.3 ms; the fused kernel then writes the gradients back, so the step gains ~0.8 ms; measured:
+    docs/benchmarks.md#drafter-step-profile)."""
     if not opt.defaults.get("fused"):
         gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         opt.step()

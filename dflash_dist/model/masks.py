@@ -209,7 +209,8 @@ def flex_block_mask(anchors: Tensor, valid: Tensor, ctx_len: int, block_size: in
     (tested) without evaluating the mask on every pair (a 640-key mask on a 2-core CPU: 624 -> 9 ms per build).
     On CUDA the compiled builder stays: its kernel is 1.7 ms of a 3K-context step and 14 ms of a 32K one on an
     H200, but the tables path's eager host work (torch's vmap-based transposes) made the 3K step no faster, and
-    it is not measured at 32K yet. ``mask_build_calls`` records which path ran.
+    it is not measured at 32K yet (measured: docs/benchmarks.md#drafter-step-profile). ``mask_build_calls``
+    records which path ran.
     """
     b, n = anchors.shape
     q_len = n * block_size
