@@ -248,7 +248,7 @@ def _finish(kinds: dict, attn_impl: Optional[str], policy: str, device_type: str
             lines.append(f"  - {FP8_FALLBACK}")
         if slow_experts:
             lines.append(f"  - the MoE experts run {experts['implementation']} on CUDA ({experts['detail']}), the "
-                         "slow path (11x slower than grouped_mm measured on a Qwen3-30B-A3B shape): " + EXPERTS_FIX)
+                         "slow path (a loop over the experts instead of one grouped matmul): " + EXPERTS_FIX)
         msg = (f"target fast path: {summary}.\n" + "\n".join(lines)
                + f"\n  (target.fast_path={policy}; set target.fast_path=warn or allow to run on the fallback anyway)")
         result["message"] = msg
