@@ -55,7 +55,8 @@ class DFlash2Settings:
     """Weight of the selector's K-way cross-entropy added to the base objective."""
     selector_gold: Literal["exclude", "replace_last"] = "exclude"
     """A gold token outside the top-K: ``exclude`` (that position has no selector loss) or ``replace_last`` (the
-    gold token takes the last candidate's place, with its own unary logit)."""
+    gold token takes the last candidate's place, with its own unary logit). ``exclude``: the higher measured tau,
+    on the tiny default and on a larger CPU run, within the standard error (docs/benchmarks.md)."""
 
     def __post_init__(self) -> None:
         _check_choices(self, "drafter.dflash2")
