@@ -142,16 +142,22 @@ def drafter_identity(cfg, layer_ids: list, mask_token_id: int, hidden_size: int)
                                            if loss.weighting == "dpace" else ""))
     label = (f"{dc.variant} drafter, {dc.num_layers} layers, block {dc.block_size}, features of layers "
              f"{list(layer_ids)}, mask {mask_token_id}{objective}{supervision}")
-    fields = {_FIELD_KEYS.get(k, f"drafter.{k}"): v for k, v in shape.items() if k != "variant_settings"}
-    fields = dict(fields, **settings, **{"drafter.variant": str(dc.variant)})
     return {"hash": _sha(json.dumps(shape, sort_keys=True, default=repr).encode())[:16], "label": label,
-            "fields": json.loads(json.dumps(fields, default=repr))}
+            "fields": json.loads(json.dumps(_drafter_fields(shape, dc, settings), default=repr))}
 
 
-# the config key of each entry of the drafter's identity (``fields``: what a refused resume names)
-_FIELD_KEYS = {"layer_ids": "target.layer_ids", "hidden_size": "the target's hidden_size",
-               "labels": "drafter.loss.labels", "loss_kind": "drafter.loss.kind", "kl_top_k": "drafter.loss.kl_top_k",
-               "objective": "drafter.loss.objective", "weighting": "drafter.loss.{weighting, dpace_alpha}"}
+def _drafter_fields(shape: dict, dc, settings: dict) -> dict:
+    """What the drafter's hash covers, by config key: each entry the hash leaves out at its default is shown
+    with its default (null where it does not apply), so two records' fields differ exactly when their hashes do."""
+    loss = dc.loss
+    return {"drafter.variant": str(dc.variant), "drafter.num_layers": shape["num_layers"],
+            "drafter.block_size": shape["block_size"], "drafter.intermediate_size": shape["intermediate_size"],
+            "target.layer_ids": shape["layer_ids"], "drafter.mask_token_id": shape["mask_token_id"],
+            "the target's hidden_size": shape["hidden_size"], "drafter.layer_types": shape.get("layer_types"),
+            "drafter.sliding_window": shape.get("sliding_window"), "drafter.loss.labels": str(loss.labels),
+            "drafter.loss.kind": str(loss.kind), "drafter.loss.kl_top_k": shape.get("kl_top_k"),
+            "drafter.loss.objective": str(loss.objective), "drafter.loss.weighting": str(loss.weighting),
+            "drafter.loss.dpace_alpha": (shape.get("weighting") or {}).get("dpace_alpha"), **settings}
 
 
 def field_differences(a: dict, b: dict) -> list[str]:

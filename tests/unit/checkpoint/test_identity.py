@@ -113,8 +113,16 @@ def test_the_sliding_window_is_part_of_the_drafter_identity():
     (diff,) = ident.differences(w64, w32)
     assert diff.startswith("drafter: drafter.sliding_window is 64 in the run, 32 in this job; ")
     (diff,) = ident.differences(full, w64)
-    assert "drafter.sliding_window is not recorded in the run, 64 in this job" in diff
+    assert "drafter.sliding_window is null in the run, 64 in this job" in diff
     assert _drafter_identity(**D2, layer_types=["full_attention"] * 5) == full
+
+
+def test_a_setting_left_out_of_the_hash_at_its_default_is_named_with_its_default():
+    (diff,) = ident.differences(_drafter_identity(loss={"labels": "target", "kind": "kl", "kl_top_k": 8}),
+                                _drafter_identity())
+    named = diff.split("; the run has")[0]
+    assert named == ('drafter: drafter.loss.labels is "target" in the run, "data" in this job; drafter.loss.kind is '
+                     '"kl" in the run, "ce" in this job; drafter.loss.kl_top_k is 8 in the run, null in this job')
 
 
 def test_a_record_without_fields_falls_back_to_the_labels():
@@ -133,3 +141,14 @@ def test_checkpoint_identity_fields_of_the_wrong_shape_are_refused(tmp_path):
     json.dump(meta, open(path, "w"))
     problem = checkpoint_problem(ckpt)
     assert problem is not None and "identity.drafter.fields" in problem
+
+
+def test_fields_differ_exactly_when_the_hash_does():
+    configs = [{}, {"block_size": 8}, {"sliding_window": 64}, {"loss": {"kind": "kl", "labels": "target"}},
+               {"loss": {"kind": "kl", "labels": "target", "kl_top_k": 4}}, {"loss": {"kl_top_k": 4}},
+               {"loss": {"weighting": "dpace"}}, {"loss": {"weighting": "dpace", "dpace_alpha": 0.3}},
+               {"loss": {"dpace_alpha": 0.3}}, D2, dict(D2, dflash2={"selector_rank": 8}), {"variant": "domino"}]
+    records = [_drafter_identity(**c)["drafter"] for c in configs]
+    for a in records:
+        for b in records:
+            assert (a["hash"] == b["hash"]) == (a["fields"] == b["fields"]), (a["fields"], b["fields"])
