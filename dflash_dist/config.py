@@ -328,13 +328,13 @@ class DrafterDFlash2:
     """Weight of the selector's K-way cross-entropy, added to the base objective (same per-position weights,
     same whole-step normaliser)."""
 
-    selector_gold: Literal["exclude", "replace_last"] = "exclude"
+    selector_gold: Literal["exclude", "replace_last"] = "replace_last"
     """A gold token outside the top-K: ``exclude`` (that position has no selector loss) or ``replace_last`` (it
-    takes the last candidate's place with its own unary logit). ``exclude`` by measurement: on the tiny default
-    (``drafter=tiny_dflash2``, 231 steps, 16 prompts) its in-training tau was 4.18 against 4.14 (pooled 2.47
-    against 2.63); on a larger CPU run (5 epochs, 371 steps, 128 prompts) 4.25 against 4.23 (pooled 2.66 against
-    2.62; paired over the prompts -0.013 +- 0.042 for ``replace_last``): the higher tau, within the standard error
-    (docs/benchmarks.md, bench/selector_gold.py)."""
+    takes the last candidate's place with its own unary logit). ``replace_last`` by measurement: on a larger CPU
+    run (``bench/selector_gold.py --epochs 5 --holdout 128``, 371 steps, 128 prompts, seeds 0 and 1) its tau was
+    4.21 against 4.20 (pooled 2.65 against 2.61; paired over the prompts +0.015 +- 0.024), within the standard
+    error; on the tiny default (231 steps, 16 prompts) 4.14 against 4.18, pooled 2.63 against 2.47
+    (docs/benchmarks.md)."""
 
     def __post_init__(self) -> None:
         _check_choices(self, "drafter.dflash2")

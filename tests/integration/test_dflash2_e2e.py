@@ -28,8 +28,9 @@ def test_dflash2_trains_logs_its_statistics_and_refuses_a_dflash_checkpoint(tmp_
     assert train[-1]["step"] == 30
     first, last = train[0], train[-1]
     assert last["loss"] < 0.7 * first["loss"]
-    # the selector's mean CE over its supervised rows (selector_gold=exclude: the rows grow as the gold tokens
-    # enter the top-K, so loss_selector, normalised by the base weights, starts near 0)
+    # the selector's mean CE over its supervised rows (the default selector_gold=replace_last scores every
+    # labelled row, a gold token outside the top-K by its own low unary logit: high at first, falling as the gold
+    # tokens enter the top-K)
     assert last["selector_ce"] < 0.8 * first["selector_ce"] and last["loss_selector"] > 0
     assert last["gold_in_topk"] > first["gold_in_topk"] and last["acc_selected"] > 0
     assert {"acc_unary_slot_1", "acc_selected_slot_7", "tau_selector"} <= set(last)
@@ -77,8 +78,8 @@ def test_dflash2_resume_with_other_selector_settings_is_refused_by_name(tmp_path
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     for change, named in (("drafter.dflash2.selector_rank=16", "drafter.dflash2.selector_rank is 32 in the run, "
                                                                "16 in this job"),
-                          ("drafter.dflash2.selector_gold=replace_last",
-                           'drafter.dflash2.selector_gold is "exclude" in the run, "replace_last" in this job')):
+                          ("drafter.dflash2.selector_gold=exclude",
+                           'drafter.dflash2.selector_gold is "replace_last" in the run, "exclude" in this job')):
         r = torchrun(3, common + ["train.max_steps=4", "train.resume=auto", change], timeout=300)
         out = r.stdout + r.stderr
         assert r.returncode != 0 and named in out, out[-4000:]
