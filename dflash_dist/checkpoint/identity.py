@@ -8,7 +8,9 @@ part, with a readable label beside it, so that a resume can name what differs:
 * ``tokenizer``: the tokenizer's files (tokenizer*.json, vocab, merges, chat template...);
 * ``target``: the target's HF config (path-like and version keys left out) and, for a random-init target, its seed;
 * ``drafter``: the drafter's shape (layers, block size, MLP width, feature layers, mask token) and, when not the
-  default, its variant, objective and loss weighting;
+  default, its sliding window, variant, the variant's settings (``identity_fields``: e.g. every
+  ``drafter.dflash2.*``), objective and loss weighting; its ``fields`` (config key: value) let a refused resume
+  name the field that differs and both values;
 * ``plan``: the batching plan of one epoch (sample lengths, seed, batch budgets): a resume replays the same order.
 
 A resume (``train.resume=auto`` or a checkpoint path) goes on only when every part matches.
@@ -30,8 +32,9 @@ PART_KEYS = {
     "data": "data.source (its content) and data.{max_length, overlong, holdout, shuffle_seed, chat_template_kwargs}",
     "tokenizer": "target.tokenizer (the tokenizer files' content)",
     "target": "target.name_or_path / target.hf_config / target.init_seed",
-    "drafter": ("drafter.{variant, num_layers, block_size, intermediate_size, mask_token_id, loss.objective, "
-                "loss.weighting, loss.dpace_alpha, loss.labels, loss.kind, loss.kl_top_k}, target.layer_ids"),
+    "drafter": ("drafter.{variant, num_layers, block_size, intermediate_size, mask_token_id, layer_types, "
+                "sliding_window, loss.objective, loss.weighting, loss.dpace_alpha, loss.labels, loss.kind, "
+                "loss.kl_top_k}, the variant's section (drafter.<variant>.*), target.layer_ids"),
     "plan": "target.max_batch_tokens, target.max_batch_samples, data.sort_window_batches",
 }
 
@@ -119,6 +122,12 @@ def drafter_identity(cfg, layer_ids: list, mask_token_id: int, hidden_size: int)
              "layer_ids": list(layer_ids), "mask_token_id": int(mask_token_id), "hidden_size": int(hidden_size)}
     if dc.variant != "dflash":  # in the hash only when not the default: DFlash runs from before keep theirs
         shape["variant"] = dc.variant
+    if "sliding_attention" in (dc.layer_types or []):  # likewise only when some layer slides
+        shape["layer_types"], shape["sliding_window"] = list(dc.layer_types), int(dc.sliding_window)
+    from dflash_dist.model.variants import variant_class
+    settings = variant_class(str(dc.variant))().identity_fields(dc)  # the variant's own, by config key
+    if settings:
+        shape["variant_settings"] = settings
     loss, supervision = dc.loss, ""
     if loss.labels != "data" or loss.kind != "ce":  # likewise: runs on the data's labels keep their hash
         shape["labels"], shape["loss_kind"] = loss.labels, loss.kind
@@ -135,7 +144,38 @@ def drafter_identity(cfg, layer_ids: list, mask_token_id: int, hidden_size: int)
                                            if loss.weighting == "dpace" else ""))
     label = (f"{dc.variant} drafter, {dc.num_layers} layers, block {dc.block_size}, features of layers "
              f"{list(layer_ids)}, mask {mask_token_id}{objective}{supervision}")
-    return {"hash": _sha(json.dumps(shape, sort_keys=True).encode())[:16], "label": label}
+    return {"hash": _sha(json.dumps(shape, sort_keys=True, default=repr).encode())[:16], "label": label,
+            "fields": json.loads(json.dumps(_drafter_fields(shape, dc, settings), default=repr))}
+
+
+def _drafter_fields(shape: dict, dc, settings: dict) -> dict:
+    """What the drafter's hash covers, by config key: each entry the hash leaves out at its default is shown
+    with its default (null where it does not apply), so two records' fields differ exactly when their hashes do."""
+    loss = dc.loss
+    return {"drafter.variant": str(dc.variant), "drafter.num_layers": shape["num_layers"],
+            "drafter.block_size": shape["block_size"], "drafter.intermediate_size": shape["intermediate_size"],
+            "target.layer_ids": shape["layer_ids"], "drafter.mask_token_id": shape["mask_token_id"],
+            "the target's hidden_size": shape["hidden_size"], "drafter.layer_types": shape.get("layer_types"),
+            "drafter.sliding_window": shape.get("sliding_window"), "drafter.loss.labels": str(loss.labels),
+            "drafter.loss.kind": str(loss.kind), "drafter.loss.kl_top_k": shape.get("kl_top_k"),
+            "drafter.loss.objective": str(loss.objective), "drafter.loss.weighting": str(loss.weighting),
+            "drafter.loss.dpace_alpha": (shape.get("weighting") or {}).get("dpace_alpha"), **settings}
+
+
+def field_differences(a: dict, b: dict) -> list[str]:
+    """The fields of two records of a part (their ``fields``: config key -> value) that differ, with both values:
+    those both record first (a variant's settings follow from its name: a changed variant is named alone)."""
+    fa, fb = a.get("fields"), b.get("fields")
+    if not (isinstance(fa, dict) and isinstance(fb, dict)):
+        return []
+    both = [k for k in fb if k in fa and fa[k] != fb[k]]
+    keys = both or [k for k in list(fa) + [k for k in fb if k not in fa] if (k in fa) != (k in fb)]
+    return [f"{k} is {_value(fa, k)} in the run, {_value(fb, k)} in this job" for k in keys]
+
+
+def _value(fields: dict, key: str, width: int = 80) -> str:
+    text = json.dumps(fields[key]) if key in fields else "not recorded"
+    return text if len(text) <= width else text[:width - 3] + "..."  # a record someone else wrote: one line
 
 
 def plan_identity(epoch_plan: list) -> dict:
@@ -159,8 +199,9 @@ def differences(recorded: Optional[dict], now: dict, parts=PARTS) -> list[str]:
             a = {"label": "an unreadable record", "hash": None}
         if a is None or a.get("hash") != b.get("hash"):
             was = f"{a.get('label')} [{a.get('hash')}]" if a else "nothing recorded"
-            out.append(f"{p}: the run has {was}, this job {b.get('label')} [{b.get('hash')}] "
-                       f"(see {PART_KEYS[p]})")
+            named = "; ".join(field_differences(a, b)) if a else ""
+            out.append(f"{p}: {named + '; ' if named else ''}the run has {was}, this job {b.get('label')} "
+                       f"[{b.get('hash')}] (see {PART_KEYS[p]})")
     return out
 
 

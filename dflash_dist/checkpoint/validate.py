@@ -264,12 +264,14 @@ def _drafter_settings(file, field, v):
 
 
 def _identity(file, field, v):
-    """{part: {hash, label}} (checkpoint/identity.py)."""
+    """{part: {hash, label, fields (optional: config key -> value)}} (checkpoint/identity.py)."""
     _obj(file, field, v)
     for part, rec in v.items():
         if not (isinstance(rec, dict) and isinstance(rec.get("hash"), str) and len(rec["hash"]) <= 128
                 and isinstance(rec.get("label", ""), str)):
             raise fail(file, f"{field}.{part}", "not an object with a hash and a label")
+        if "fields" in rec:
+            _obj(file, f"{field}.{part}.fields", rec["fields"])
 
 
 # meta.json's keys (what the trainer and save_checkpoint write) and the check of each

@@ -164,7 +164,7 @@ def measure_drafter_demand(job, device: torch.device, steps: Optional[int] = Non
         secs = timed_rounds(one_pass, cfg.topology.plan_rounds, cfg.topology.plan_min_seconds)
         samples = sum(m.num_samples for m in msgs)
         tokens = sum(m.num_tokens for m in msgs)
-        backend = trainer.backend
+        backend, variant = trainer.backend, trainer.spec.variant
     finally:
         trainer = msgs = embed = head = None  # free them before the real roles load (one_pass holds a closure)
         if resolve_backend(cfg, device.type) == "flex":
@@ -173,5 +173,5 @@ def measure_drafter_demand(job, device: torch.device, steps: Optional[int] = Non
             torch._dynamo.reset()
         free_memory(device)
     return {**rate_summary(secs, samples, tokens), "steps": len(ks), "samples": samples, "tokens": tokens,
-            "warmup_steps": len(warm), "backend": backend,
+            "warmup_steps": len(warm), "backend": backend, "variant": variant,
             "device": str(device), "dtype": str(dtype).replace("torch.", ""), "messages": ks}

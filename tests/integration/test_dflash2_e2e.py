@@ -28,8 +28,9 @@ def test_dflash2_trains_logs_its_statistics_and_refuses_a_dflash_checkpoint(tmp_
     assert train[-1]["step"] == 30
     first, last = train[0], train[-1]
     assert last["loss"] < 0.7 * first["loss"]
-    # the selector's mean CE over its supervised rows (selector_gold=exclude: the rows grow as the gold tokens
-    # enter the top-K, so loss_selector, normalised by the base weights, starts near 0)
+    # the selector's mean CE over its supervised rows (the default selector_gold=replace_last scores every
+    # labelled row, a gold token outside the top-K by its own low unary logit: high at first, falling as the gold
+    # tokens enter the top-K)
     assert last["selector_ce"] < 0.8 * first["selector_ce"] and last["loss_selector"] > 0
     assert last["gold_in_topk"] > first["gold_in_topk"] and last["acc_selected"] > 0
     assert {"acc_unary_slot_1", "acc_selected_slot_7", "tau_selector"} <= set(last)
@@ -66,3 +67,45 @@ def test_dflash2_trains_logs_its_statistics_and_refuses_a_dflash_checkpoint(tmp_
     assert r.returncode != 0
     assert "already holds a run" in out and "dflash2 drafter" in out and "dflash drafter" in out, out[-4000:]
     assert "target loaded" not in out
+
+
+def test_dflash2_resume_with_other_selector_settings_is_refused_by_name(tmp_path):
+    """A DFlash2 run resumed with another selector rank (a weight shape) or another selector gold (no shape at
+    all) is refused before any model loads, naming the field and both values; with its own settings it goes on."""
+    run = tmp_path / "d2"
+    common = QUICK + [f"train.output_dir={run}", "drafter=tiny_dflash2", "train.eval_prompts=0"]
+    r = torchrun(3, common + ["train.max_steps=2"], timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    for change, named in (("drafter.dflash2.selector_rank=16", "drafter.dflash2.selector_rank is 32 in the run, "
+                                                               "16 in this job"),
+                          ("drafter.dflash2.selector_gold=exclude",
+                           'drafter.dflash2.selector_gold is "replace_last" in the run, "exclude" in this job')):
+        r = torchrun(3, common + ["train.max_steps=4", "train.resume=auto", change], timeout=300)
+        out = r.stdout + r.stderr
+        assert r.returncode != 0 and named in out, out[-4000:]
+        assert "target loaded" not in out
+    r = torchrun(3, common + ["train.max_steps=4", "train.resume=auto"], timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "resuming from" in out, out[-4000:]
+
+
+def test_dflash2_on_a_target_replica_trains_like_one_target_rank(tmp_path):
+    """drafter=tiny_dflash2 fed by a replica of 2 ranks (target.tensor_parallel=2) against one target rank on the
+    same plan: the same loss and selector CE at every step (the replica's features differ by ~1e-6 relative)."""
+    from test_replicas import JOB, LOSS_RTOL
+    from test_train_e2e import train_records
+    steps, one, rep = 6, tmp_path / "k1", tmp_path / "k2"
+    args = JOB + ["drafter=tiny_dflash2", f"train.max_steps={steps}", "logging.debug.trace_target=false"]
+    r1 = torchrun(2, args + [f"train.output_dir={one}"], timeout=300)
+    assert r1.returncode == 0, (r1.stdout + r1.stderr)[-4000:]
+    r2 = torchrun(3, args + [f"train.output_dir={rep}", "topology.target_ranks=2", "target.tensor_parallel=2"],
+                  timeout=300)
+    out = r2.stdout + r2.stderr
+    assert r2.returncode == 0, out[-4000:]
+    assert "replica 0 ranks [1, 2], tensor-parallel: this rank holds" in out
+    a, b = train_records(one), train_records(rep)
+    assert [x["step"] for x in a] == [x["step"] for x in b] == list(range(1, steps + 1))
+    for x, y in zip(a, b):
+        for key in ("loss", "selector_ce"):
+            assert abs(x[key] - y[key]) <= LOSS_RTOL * abs(x[key]), (x["step"], key, x[key], y[key])
+    assert b[-1]["loss_selector"] > 0 and "acc_selected_slot_7" in b[-1]

@@ -41,6 +41,14 @@ class DFlash:
         key = getattr(self, "settings_key", None)
         return dataclasses.asdict(getattr(drafter_config, key)) if key else None
 
+    def identity_fields(self, drafter_config) -> dict[str, Any]:
+        """The variant's settings a resume must match, by config key (``drafter.<section>.<field>``: value): part
+        of the drafter's checkpoint identity, so a run is never continued with other ones. The section
+        ``settings_key`` names, as ``model_settings`` records it; DFlash: none."""
+        key = getattr(self, "settings_key", None)
+        return {f"drafter.{key}.{k}": v for k, v in dataclasses.asdict(getattr(drafter_config, key)).items()} \
+            if key else {}
+
     def build(self, model_config: DrafterModelConfig, backend: str) -> nn.Module:
         """The variant's module on the CPU, initialised (the trainer moves it and applies the compile flags)."""
         return self.model_class(model_config, backend)

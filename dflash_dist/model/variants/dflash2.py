@@ -130,6 +130,14 @@ class DFlash2(DFlash):
     auto_model = "modeling_dflash.DFlash2DraftModel"
     """checkpoint/modeling_dflash.py's DFlash2 class (trust_remote_code)."""
 
+    settings_key = "dflash2"
+    """The ``drafter.*`` section of the variant's settings (``identity_fields``; ``model_settings`` checks it)."""
+
+    def identity_fields(self, drafter_config) -> dict[str, Any]:
+        """Every ``drafter.dflash2.*`` setting, as the settings normalise it (a soft cap of 0 is None)."""
+        settings = D2.DFlash2Settings(**dataclasses.asdict(drafter_config.dflash2))
+        return {f"drafter.dflash2.{k}": v for k, v in dataclasses.asdict(settings).items()}
+
     def model_settings(self, drafter_config, model_config: DrafterModelConfig) -> Optional[dict]:
         """``drafter.dflash2.*``, checked against the drafter's shape."""
         settings = D2.DFlash2Settings(**dataclasses.asdict(drafter_config.dflash2))

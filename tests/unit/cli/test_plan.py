@@ -334,6 +334,23 @@ def test_dflash_plan_cli(tmp_path, data_cache):
     assert bad.returncode == 2 and "every world size must be >= 2" in bad.stderr
 
 
+def test_dflash_plan_measures_the_dflash2_drafter(tmp_path, data_cache):
+    """dflash-plan with drafter=tiny_dflash2: the demand is that of a DFlash2 drafter's full step (convolutions,
+    selector and its loss), and every world size gets a split."""
+    out_json = tmp_path / "plan.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    r = subprocess.run(PLAN_MODULE + ["--gpus", "2,3", "--out", str(out_json), f"train.output_dir={tmp_path}",
+                                      f"data.cache_dir={data_cache}", "drafter=tiny_dflash2",
+                                      "topology.plan_target_batches=2", "topology.plan_drafter_steps=2", *FEW_ROUNDS],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    res = json.load(open(out_json))
+    assert res["demand"]["variant"] == "dflash2" and "drafter=tiny_dflash2" in res["overrides"]
+    assert [s["world_size"] for s in res["splits"]] == [2, 3]
+    for w, split in zip([2, 3], res["splits"]):
+        check_measured({**split, "supply": res["supply"], "demand": res["demand"]}, w, 2, 2)
+
+
 def test_replica_splits_are_whole_replicas():
     res = choose_split(8, 10.0 / 2, 4.0, tensor_parallel=2)  # a replica of 2 supplies 10 samples/s
     assert [r["targets"] for r in res["rows"]] == [2, 4, 6]

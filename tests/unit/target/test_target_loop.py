@@ -25,6 +25,9 @@ class FakeEvaluator:
     def close(self):
         self.calls.append("close")
 
+    def done(self):
+        self.calls.append("done")
+
 
 def job(stop_after_polls=None, evaluator=None, patience=30.0):
     def stop_step():
@@ -37,7 +40,7 @@ def test_serves_every_expected_evaluation(monkeypatch):
     monkeypatch.setattr(TL, "expected_evals", lambda job: 2)
     ev = FakeEvaluator(arrive_at_polls={1, 3})
     TL.serve_last_evaluations(job(evaluator=ev), ev, stopped=False)
-    assert ev.calls == ["finish", "poll", "poll", "poll"] and ev.n == 2  # no close: all served
+    assert ev.calls == ["finish", "poll", "poll", "poll", "done"] and ev.n == 2  # no close: all served
 
 
 def test_stop_announced_after_the_stream_ends_the_wait(monkeypatch):
@@ -46,18 +49,18 @@ def test_stop_announced_after_the_stream_ends_the_wait(monkeypatch):
     monkeypatch.setattr(TL, "expected_evals", lambda job: 3)
     ev = FakeEvaluator(arrive_at_polls={1})
     TL.serve_last_evaluations(job(stop_after_polls=2, evaluator=ev), ev, stopped=False)
-    assert ev.calls == ["finish", "poll", "poll", "close"] and ev.n == 1
+    assert ev.calls == ["finish", "poll", "poll", "close", "done"] and ev.n == 1
 
 
 def test_stopped_rank_only_closes(monkeypatch):
     monkeypatch.setattr(TL, "expected_evals", lambda job: 3)
     ev = FakeEvaluator(arrive_at_polls=set())
     TL.serve_last_evaluations(job(evaluator=ev), ev, stopped=True)
-    assert ev.calls == ["close"]
+    assert ev.calls == ["close", "done"]  # done: a replica's followers stop waiting
 
 
 def test_gives_up_after_its_patience(monkeypatch):
     monkeypatch.setattr(TL, "expected_evals", lambda job: 1)
     ev = FakeEvaluator(arrive_at_polls=set())
     TL.serve_last_evaluations(job(evaluator=ev, patience=0.0), ev, stopped=False)
-    assert ev.calls == ["finish", "close"]  # no time left to wait: nothing polled, then dropped
+    assert ev.calls == ["finish", "close", "done"]  # no time left to wait: nothing polled, then dropped
