@@ -347,11 +347,15 @@ class DrafterRun:
     def finish(self) -> None:
         if self.stopped:
             self.stop_and_drain()
-        else:
-            self.take_ends()
-            self.trainer.save(final=True)
-            self.last_evaluations()
-        self.report()
+            self.report(account(self.trainer, self.d, self.target_stats, self.stopped))
+            return
+        self.take_ends()
+        self.trainer.save(final=True)
+        # the drafters' last collective before the leader's wait for the final evaluation (up to the warm-up
+        # limit): the others would otherwise wait in it under the short topology.timeout_s and fail the job
+        accounting = account(self.trainer, self.d, self.target_stats, self.stopped)
+        self.last_evaluations()
+        self.report(accounting)
 
     def stop_and_drain(self) -> None:
         """After a graceful stop: a checkpoint at the cursor, then whatever the targets still send is dropped
@@ -382,10 +386,9 @@ class DrafterRun:
                      rec.get("tau_pooled") or float("nan"), rec.get("tau_from_train_acc") or float("nan"),
                      rec["n_prompts"])
 
-    def report(self) -> None:
-        """Job-wide accounting, then (leader) the last lines of the run: what it did and where the results are."""
+    def report(self, accounting: dict) -> None:
+        """(Leader) the job-wide accounting and the last lines of the run: what it did and where the results are."""
         trainer, job = self.trainer, self.job
-        accounting = account(trainer, self.d, self.target_stats, self.stopped)
         wall = time.monotonic() - self.t_start
         totals = run_totals(trainer.before, accounting, job.plan, trainer.cursor)  # over all the run's launches
         if self.topo.is_leader:

@@ -49,3 +49,19 @@ def test_precompile_makes_no_collective_under_ddp(tmp_path):
     assert [x["dry_steps"] for x in reps] == [2, 1]
     assert reps[0]["checksum"] == reps[1]["checksum"]
     assert not any(x["grads_left"] for x in reps)
+
+
+def test_the_drafters_last_collective_comes_before_the_wait_for_the_final_evaluation(monkeypatch):
+    """The leader waits for the final evaluation up to the warm-up limit; the other drafters must not be left in a
+    collective meanwhile (it runs under the short topology.timeout_s: a final evaluation longer than that killed a
+    2-drafter job). The accounting all-reduce runs first, then the wait, then the report."""
+    import dflash_dist.drafter.loop as L
+    order = []
+    run = object.__new__(L.DrafterRun)
+    run.stopped, run.trainer, run.d, run.target_stats = False, type("T", (), {"save": lambda *a, **k: None})(), None, {}
+    run.take_ends = lambda: order.append("ends")
+    run.last_evaluations = lambda: order.append("wait for the final evaluation")
+    run.report = lambda accounting: order.append(("report", accounting))
+    monkeypatch.setattr(L, "account", lambda *a: order.append("all-reduce") or {"samples_trained": 1.0})
+    run.finish()
+    assert order == ["ends", "all-reduce", "wait for the final evaluation", ("report", {"samples_trained": 1.0})]
