@@ -340,7 +340,7 @@ class DrafterDFlash2:
     selector_gold: Literal["exclude", "replace_last"] = "replace_last"
     """A gold token outside the top-K: ``exclude`` (that position has no selector loss) or ``replace_last`` (it
     takes the last candidate's place with its own unary logit). ``replace_last`` by measurement: on a larger CPU
-    run (``bench/selector_gold.py --epochs 5 --holdout 128``, 371 steps, 128 prompts, seeds 0 and 1) its tau was
+    run (``bench/tau_compare.py --epochs 5 --holdout 128``, 371 steps, 128 prompts, seeds 0 and 1) its tau was
     4.21 against 4.20 (pooled 2.65 against 2.61; paired over the prompts +0.015 +- 0.024), within the standard
     error; on the tiny default (231 steps, 16 prompts) 4.14 against 4.18, pooled 2.63 against 2.47
     (docs/benchmarks.md)."""
