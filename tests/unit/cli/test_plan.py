@@ -311,7 +311,8 @@ def _plan_cmd():
 def test_dflash_plan_cli(tmp_path, data_cache):
     out_json = tmp_path / "out" / "plan.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    r = subprocess.run(_plan_cmd() + ["--alone", "--gpus", "2,3,8", "--out", str(out_json), f"train.output_dir={tmp_path}",
+    r = subprocess.run(_plan_cmd() + ["--alone", "--gpus", "2,3,8", "--out", str(out_json),
+                                      f"train.output_dir={tmp_path}",
                                       f"data.cache_dir={data_cache}", "topology.plan_target_batches=3",
                                       "topology.plan_drafter_steps=3", *FEW_ROUNDS],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
@@ -335,12 +336,13 @@ def test_dflash_plan_cli(tmp_path, data_cache):
 
 
 def test_dflash_plan_measures_the_dflash2_drafter(tmp_path, data_cache):
-    """dflash-plan with drafter=tiny_dflash2: the demand is that of a DFlash2 drafter's full step (convolutions,
-    selector and its loss), and every world size gets a split."""
+    """dflash-plan --alone (each role timed on its own) with drafter=tiny_dflash2: the demand is that of a DFlash2
+    drafter's full step (convolutions, selector and its loss), and every world size gets a split."""
     out_json = tmp_path / "plan.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    r = subprocess.run(PLAN_MODULE + ["--gpus", "2,3", "--out", str(out_json), f"train.output_dir={tmp_path}",
-                                      f"data.cache_dir={data_cache}", "drafter=tiny_dflash2",
+    r = subprocess.run(PLAN_MODULE + ["--alone", "--gpus", "2,3", "--out", str(out_json),
+                                      f"train.output_dir={tmp_path}", f"data.cache_dir={data_cache}",
+                                      "drafter=tiny_dflash2",
                                       "topology.plan_target_batches=2", "topology.plan_drafter_steps=2", *FEW_ROUNDS],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
