@@ -126,9 +126,9 @@ class TargetConfig:
     (per-sample positions, document-causal attention through compiled flex_attention); off: right-padded rows
     through ``attn_implementation``. Same features either way. auto = on for CUDA, off on CPU. Hybrids
     (GatedDeltaNet layers) pack only through fla's and causal-conv1d's varlen kernels, which restart the recurrent
-    and convolution state at each sample: without both, on is refused; auto runs hybrids padded (their packed
-    speed is not measured yet), on packs them. Other users of
-    the model (evaluation) keep ``attn_implementation``."""
+    and convolution state at each sample: without both, on is refused and auto runs them padded; with both,
+    auto packs them on CUDA as it does attention-only models. Other users of the model (evaluation) keep
+    ``attn_implementation``."""
 
     compile: Optional[bool] = None
     """torch.compile (dynamic shapes) the forward of each decoder layer the capture runs (up to the last captured

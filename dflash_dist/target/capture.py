@@ -204,13 +204,14 @@ def check_packing_config(tcfg: TargetConfig, hf_config) -> None:
 
 
 def resolve_packing(tcfg: TargetConfig, model, device_type: str) -> bool:
-    """target.packing -> whether the capture runs packed: auto = on CUDA for attention-only models (measured
-    1.23-1.97x padded: docs/benchmarks.md#target-capture). Hybrids pack exactly with fla and causal-conv1d bound,
-    but only when asked (``on``): their packed speed is not measured yet (docs/benchmarks.md#hybrid-packing)."""
+    """target.packing -> whether the capture runs packed: auto = on CUDA wherever the model packs (attention-only
+    models: measured 1.23-1.97x padded, docs/benchmarks.md#target-capture). Hybrids pack only with fla's and
+    causal-conv1d's varlen kernels bound (otherwise ``packing_problem`` names what is missing and auto stays
+    padded); with them the Qwen3.5-9B shape measured 1.16x (550-token mix) and 1.23x (256..3072) padded, for a
+    first pass ~30 s longer (fla's autotune): docs/benchmarks.md#hybrid-packing."""
     problem = packing_problem(model)
     _refuse_packing_on(tcfg, problem)
-    hybrid = bool(hybrid_packing.linear_layers(list(decoder_layers(model)[1])))
-    auto = tcfg.packing == "auto" and device_type == "cuda" and problem is None and not hybrid
+    auto = tcfg.packing == "auto" and device_type == "cuda" and problem is None
     return tcfg.packing == "on" or auto
 
 

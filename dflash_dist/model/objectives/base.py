@@ -124,7 +124,7 @@ class SlotWeightedCE(Objective):
     def loss(self, hidden, lm_head, labels):
         if self.weighting == "dpace":
             return dpace_ce(hidden, lm_head, labels, self.block_size, self.dpace_alpha, self.chunk_rows,
-                            compiled=self.compiled)
+                            compiled=self.compiled, topk=self.head_topk)
         return L.weighted_ce(hidden, lm_head, labels, self.slot_weights(labels.device), self.chunk_rows,
                              compiled=self.compiled, topk=self.head_topk)
 

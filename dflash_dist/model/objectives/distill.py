@@ -17,6 +17,8 @@ accuracy statistics compare the drafter's argmax with the target's greedy token 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -76,19 +78,24 @@ _kl_and_logit_grad_compiled = lazy_compile(_kl_and_logit_grad, fullgraph=True, d
 
 
 def frozen_head_kl(h: Tensor, weight: Tensor, ids: Tensor, p: Tensor, w: Tensor, chunk_rows: int,
-                   compiled: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                   compiled: bool = False, topk: int = 0, topk_out: Optional[list] = None
+                   ) -> tuple[Tensor, Tensor, Tensor]:
     """No autograd, rows ``h`` [R, H] through a frozen head [V, H]: (sum_r w_r KL_r fp32 [], argmax [R],
-    d(sum)/dh [R, H] in the head's dtype), chunk by chunk (``loss.frozen_head_ce``'s loop with the KL's math)."""
+    d(sum)/dh [R, H] in the head's dtype), chunk by chunk (``loss.frozen_head_ce``'s loop with the KL's math,
+    ``topk``/``topk_out`` as its)."""
     hc = h.to(weight.dtype)
     grad_h = torch.empty_like(hc)
     sums, preds = [], []
     fn = _kl_and_logit_grad_compiled if compiled else _kl_and_logit_grad
     for lo, hi in L._chunks(hc.shape[0], max(1, int(chunk_rows))):
-        kl, pred, g = fn(hc[lo:hi] @ weight.t(), ids[lo:hi], p[lo:hi], w[lo:hi])
+        logits = hc[lo:hi] @ weight.t()
+        if topk:
+            topk_out.append(L.grouped_topk(logits, topk))
+        kl, pred, g = fn(logits, ids[lo:hi], p[lo:hi], w[lo:hi])
         sums.append(kl.sum())
         preds.append(pred)
         grad_h[lo:hi] = g @ weight
-        del g
+        del g, logits
     loss_sum = torch.stack(sums).sum() if sums else h.new_zeros((), dtype=torch.float32)
     return loss_sum, (torch.cat(preds) if preds else ids.new_zeros(0)), grad_h
 
@@ -97,17 +104,20 @@ class _FrozenHeadKL(torch.autograd.Function):
     """Weighted KL sum over row chunks through a frozen head, the rows' gradient computed in forward."""
 
     @staticmethod
-    def forward(ctx, h, weight, ids, p, w, chunk_rows, compiled):
-        loss_sum, pred, grad_h = frozen_head_kl(h.detach(), weight, ids, p, w, chunk_rows, compiled)
+    def forward(ctx, h, weight, ids, p, w, chunk_rows, compiled, topk=0):
+        top_ids: list = []
+        loss_sum, pred, grad_h = frozen_head_kl(h.detach(), weight, ids, p, w, chunk_rows, compiled, topk=topk,
+                                                topk_out=top_ids)
         ctx.save_for_backward(grad_h)
         ctx.h_dtype = h.dtype
-        ctx.mark_non_differentiable(pred)
-        return loss_sum, pred
+        top = torch.cat(top_ids) if top_ids else pred.new_zeros(pred.shape[0], 0)
+        ctx.mark_non_differentiable(pred, top)
+        return loss_sum, pred, top
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_pred):
+    def backward(ctx, grad_loss, _grad_pred, _top):
         (grad_h,) = ctx.saved_tensors
-        return (grad_h * grad_loss.to(grad_h.dtype)).to(ctx.h_dtype), None, None, None, None, None, None
+        return (grad_h * grad_loss.to(grad_h.dtype)).to(ctx.h_dtype), None, None, None, None, None, None, None
 
 
 class DistillKL(Objective):
@@ -143,12 +153,15 @@ class DistillKL(Objective):
         rows_h, rows_y, rows_w = L.weighted_rows(hidden, labels, slot_w)
         ids, probs = self._soft_rows(soft, bsz)
         fused = torch.is_grad_enabled() and hidden.requires_grad and not lm_head.requires_grad
+        top = None
         if fused and rows_y.numel():
-            loss_sum, pred = _FrozenHeadKL.apply(rows_h, lm_head, ids, probs, rows_w, self.chunk_rows,
-                                                 self.compiled)
+            loss_sum, pred, top = _FrozenHeadKL.apply(rows_h, lm_head, ids, probs, rows_w, self.chunk_rows,
+                                                      self.compiled, int(self.head_topk))
         else:
             loss_sum, pred = kl_rows(rows_h, lm_head, ids, probs, rows_w, self.chunk_rows)
-        return L.slot_stats(loss_sum, pred, rows_y, rows_w, bsz)
+        parts = L.slot_stats(loss_sum, pred, rows_y, rows_w, bsz)
+        parts.topk_ids = top if self.head_topk and top is not None else None
+        return parts
 
     def rows(self, hidden, labels):
         return L.weighted_rows(hidden, labels, self.base.slot_weights(labels.device))

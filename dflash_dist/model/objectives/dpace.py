@@ -12,6 +12,8 @@ so the rows are scaled once all CEs are known ([rows, H] kept, the same memory a
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -42,11 +44,13 @@ def _weighted(ce_rows, pred, grad_h, has, block_size, alpha):
 
 
 def dpace_serve(rows: Tensor, head: Tensor, labels: Tensor, block_size: int, alpha: float, chunk_rows: int,
-                compiled: bool):
+                compiled: bool, topk: int = 0, topk_out: Optional[list] = None):
     """No autograd, rows [R, H] through a frozen head [V, H]: (loss sum fp32 [], argmax [R], d(loss sum)/d rows
-    [R, H], weights [R], q [R]) in one chunked pass over the vocab."""
+    [R, H], weights [R], q [R]) in one chunked pass over the vocab (``topk``/``topk_out``: as
+    ``loss.frozen_head_ce``'s)."""
     has = labels != L.IGNORE_INDEX
-    ce, pred, grad_h = L.frozen_head_ce(rows, head, labels, has.float(), chunk_rows, compiled, per_row=True)
+    ce, pred, grad_h = L.frozen_head_ce(rows, head, labels, has.float(), chunk_rows, compiled, per_row=True,
+                                        topk=topk, topk_out=topk_out)
     return _weighted(ce, pred, grad_h, has, block_size, alpha)
 
 
@@ -54,18 +58,20 @@ class _DPaceFrozenHeadCE(torch.autograd.Function):
     """D-PACE-weighted CE sum over row chunks through a frozen head, the rows' gradient computed in forward."""
 
     @staticmethod
-    def forward(ctx, h, weight, labels, block_size, alpha, chunk_rows, compiled):
+    def forward(ctx, h, weight, labels, block_size, alpha, chunk_rows, compiled, topk=0):
+        ids: list = []
         loss_sum, pred, grad_h, w, q = dpace_serve(h.detach(), weight, labels, block_size, alpha, chunk_rows,
-                                                   compiled)
+                                                   compiled, topk=topk, topk_out=ids)
         ctx.save_for_backward(grad_h)
         ctx.h_dtype = h.dtype
-        ctx.mark_non_differentiable(pred, w, q)
-        return loss_sum, pred, w, q
+        top = torch.cat(ids) if ids else pred.new_zeros(pred.shape[0], 0)
+        ctx.mark_non_differentiable(pred, w, q, top)
+        return loss_sum, pred, w, q, top
 
     @staticmethod
-    def backward(ctx, grad_loss, _pred, _w, _q):
+    def backward(ctx, grad_loss, _pred, _w, _q, _top):
         (grad_h,) = ctx.saved_tensors
-        return (grad_h * grad_loss.to(grad_h.dtype)).to(ctx.h_dtype), None, None, None, None, None, None
+        return (grad_h * grad_loss.to(grad_h.dtype)).to(ctx.h_dtype), None, None, None, None, None, None, None
 
 
 def _plain_row_ce(rows_h: Tensor, head: Tensor, rows_y: Tensor, chunk_rows: int) -> Tensor:
@@ -80,19 +86,21 @@ def _plain_row_ce(rows_h: Tensor, head: Tensor, rows_y: Tensor, chunk_rows: int)
 
 
 def dpace_ce(hidden: Tensor, lm_head: Tensor, labels: Tensor, block_size: int, alpha: float, chunk_rows: int,
-             compiled: bool = False) -> L.LossParts:
+             compiled: bool = False, topk: int = 0) -> L.LossParts:
     """A group's D-PACE LossParts: hidden [b, N*B, H], the head [V, H], labels [b, N*B]. Fused (one pass) when
     the head is frozen and the rows take a gradient; otherwise (no grad, a trainable head) a detached first
     pass gives the weights and ``loss.weighted_ce`` runs with them. ``stats``: per slot, the weight sum
-    (``dpace_weight``) and the confidence sum (``dpace_q``)."""
+    (``dpace_weight``) and the confidence sum (``dpace_q``). ``topk`` > 0: the fused pass also gives each row's
+    top-``topk`` head ids (``LossParts.topk_ids``, as ``loss.weighted_ce``)."""
     ones = torch.ones(block_size, device=labels.device)
     rows_h, rows_y, _ = L.weighted_rows(hidden, labels, ones)
     has = rows_y != L.IGNORE_INDEX
     fused = torch.is_grad_enabled() and hidden.requires_grad and not lm_head.requires_grad
     if fused and rows_y.numel():
-        loss_sum, pred, w, q = _DPaceFrozenHeadCE.apply(rows_h, lm_head, rows_y, block_size, float(alpha),
-                                                        max(1, int(chunk_rows)), compiled)
+        loss_sum, pred, w, q, top = _DPaceFrozenHeadCE.apply(rows_h, lm_head, rows_y, block_size, float(alpha),
+                                                             max(1, int(chunk_rows)), compiled, int(topk))
         parts = L.slot_stats(loss_sum, pred, rows_y, w, block_size)
+        parts.topk_ids = top if topk else None
     else:
         ce = _plain_row_ce(rows_h.detach(), lm_head.detach(), rows_y, int(chunk_rows))
         w = dpace_weights(ce, has, block_size, alpha)

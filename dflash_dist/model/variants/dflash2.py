@@ -147,8 +147,9 @@ class DFlash2(DFlash):
     def extra_flops(self, model_config: DrafterModelConfig, b: int, s_pad: int, n_blocks: int, vocab: int) -> float:
         """The convs of every layer over all query rows, and the selector over the loss rows: its trainable
         matmul and gathered products (x3 with backward). The unary top-K reads the logits the loss already made
-        (``head_topk``), so it adds no pass over the vocabulary; where an objective cannot give them (D-PACE, KL,
-        the loss on the target) that second pass runs and is hardware work, not model FLOPs."""
+        (``head_topk``: the decayed CE, D-PACE and KL fused passes give them), so it adds no pass over the
+        vocabulary; where none ran (the loss on the target, a checkpointed loss) that second pass runs and is
+        hardware work, not model FLOPs."""
         s, h, bsz = settings_of(model_config), model_config.hidden_size, model_config.block_size
         conv = D2.conv_flops_per_row(h, s)
         sel = D2.selector_flops_per_row(h, s)

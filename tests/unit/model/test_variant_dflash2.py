@@ -271,12 +271,17 @@ def test_checkpoint_weights_are_checked_against_the_recorded_variant(tmp_path):
         check_drafter_config(st, "drafter_config", huge)
 
 
-def test_selector_candidates_come_from_the_objectives_pass():
-    """The decayed_ce objective's fused pass gives each loss row's top-K head ids (LossParts.topk_ids, the trainer
-    asks for ``model.head_topk``), the selector's candidates exactly; the loss term reads them from the context
-    instead of a second pass over the vocabulary, and without them it makes its own."""
+@pytest.mark.parametrize("loss", [{}, {"weighting": "dpace"}, {"kind": "kl", "kl_top_k": 5, "labels": "target"}],
+                         ids=["decay", "dpace", "kl"])
+def test_selector_candidates_come_from_the_objectives_pass(loss):
+    """Each objective's fused pass (decayed CE, D-PACE, KL) gives each loss row's top-K head ids
+    (LossParts.topk_ids, the trainer asks for ``model.head_topk``), the selector's candidates exactly; the loss
+    term reads them from the context instead of a second pass over the vocabulary, and without them it makes its
+    own."""
     torch.manual_seed(0)
-    spec = _spec(selector_gold="replace_last")
+    dc = DrafterConfig(num_layers=2, block_size=4, variant="dflash2", dflash2=dict(SMALL, selector_gold="replace_last"),
+                       loss=loss)
+    spec = resolve_drafter(dc, TARGET, 3, "cpu")
     model = spec.build_model()
     _train_selector(model)
     objective = spec.make_objective()
@@ -285,7 +290,11 @@ def test_selector_candidates_come_from_the_objectives_pass():
     head = torch.randn(64, 32)
     hidden = torch.randn(1, 12, 32, requires_grad=True)
     labels, block_ids = _group()
-    parts = objective.loss(hidden, head, labels)
+    if loss.get("kind") == "kl":
+        soft = (torch.randint(0, 64, (1, 12, 5)), torch.softmax(torch.randn(1, 12, 5), -1))
+        parts = objective.loss(hidden, head, labels, soft=soft)
+    else:
+        parts = objective.loss(hidden, head, labels)
     rows_h = SEL.selector_rows(hidden, block_ids, labels, labels, 4)[0]
     assert torch.equal(parts.topk_ids, SEL.topk_candidates(rows_h.detach(), head, 6))
     calls = []

@@ -135,15 +135,19 @@ def test_packed_labels_run_every_layer():
     assert torch.equal(ids, torch.cat([p[1] for p in per]))
 
 
-def test_on_packs_a_hybrid_with_its_kernels_bound_and_auto_stays_padded():
-    """With both kernels bound, target.packing=on packs a hybrid (its layers uncompiled unless target.compile asks
-    for it); auto keeps it padded, on CUDA too, until its packed speed is measured."""
+def test_a_hybrid_packs_with_its_kernels_bound_on_cuda_or_when_asked():
+    """With both kernels bound, target.packing=auto packs a hybrid on CUDA (measured faster there) and on asks
+    for it anywhere (its layers uncompiled unless target.compile asks for it); without them auto stays padded
+    and on is refused."""
+    from dflash_dist.config import ConfigError
     from dflash_dist.target.capture import build_capture, resolve_compile, resolve_packing
     model = _model("qwen3_5", "cpu")
     tcfg = TargetConfig(hf_config=_hf("qwen3_5", "cpu"), fast_path="allow")
     assert resolve_packing(tcfg, model, "cuda") is False  # transformers' PyTorch fallback bound
+    with pytest.raises(ConfigError, match="target.packing=on"):
+        resolve_packing(TargetConfig(hf_config=_hf("qwen3_5", "cpu"), fast_path="allow", packing="on"), model, "cuda")
     with _kernels(model, "cpu"):
-        assert resolve_packing(tcfg, model, "cuda") is False and resolve_packing(tcfg, model, "cpu") is False
+        assert resolve_packing(tcfg, model, "cuda") is True and resolve_packing(tcfg, model, "cpu") is False
         tcfg.packing = "on"
         assert resolve_packing(tcfg, model, "cuda") is True
         assert resolve_compile(tcfg, model, "cuda") is False
