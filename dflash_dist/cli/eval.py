@@ -2,6 +2,7 @@
 
     dflash-eval --checkpoint OUT/checkpoints/step_00001000 [--num-prompts 256] [--max-new-tokens 128]
     dflash-eval --export EXPORT_DIR [--target NAME_OR_PATH] [--prompts prompts.jsonl] [--out eval.json]
+    torchrun --nproc-per-node K -m dflash_dist.cli.eval --export EXPORT_DIR ...   # a target too large for one GPU
 
 The target is rebuilt from the checkpoint's ``job_config.target`` section (``dflash_dist.config.TargetConfig``
 + ``target.build_target_model``; a random-init target comes back identical from its ``init_seed``), or from
@@ -15,6 +16,12 @@ Prompts default to the training run's held-out conversations (``data.split_holdo
 the same seed): each one's messages before its first assistant turn, rendered with the chat template and the
 generation prompt. ``--prompts`` takes a JSONL of ``{"messages": [...]}`` (same rule) or ``{"prompt": "text"}``
 rows.
+
+Under torchrun (K processes on one node) the target is sharded over all K with transformers' tensor-parallel
+plan, as a training job's replica (``target.tensor_parallel``): every rank runs the verify forwards, rank 0 runs
+the drafter (the target's embedding and lm_head read whole from its checkpoint) and broadcasts each block's
+proposals (eval/replica.py ``EvalReplica``). The result is that of one process (the same fields,
+``tensor_parallel`` K).
 
 Prints a table (τ, acceptance per block slot, losslessness against the target's own greedy decoding) and
 writes the full result as JSON beside what it read (``<checkpoint or export directory>.eval.json``, e.g.
@@ -50,7 +57,8 @@ from dflash_dist.eval.prompts import (
     prompts_from_jsonl,
     spread_subset,
 )
-from dflash_dist.eval.spec_decode import evaluate_prompts, format_table
+from dflash_dist.eval.replica import EvalReplica
+from dflash_dist.eval.spec_decode import evaluate_prompts, format_table, make_dflash_draft_fn
 
 log = logging.getLogger("dflash_dist")
 
@@ -100,13 +108,26 @@ def result_path(args) -> str:
 
 
 def _run(args) -> int:
-    from transformers import AutoTokenizer
-
-    from dflash_dist.model.hf import build_target_model, tokenizer_path
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    setup = load_drafter(args.checkpoint, args.export, device)
+    replica = EvalReplica(device) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    try:
+        return _evaluate(args, device, replica)
+    finally:
+        if replica is not None:
+            replica.close()
+
+
+def _evaluate(args, device: str, replica: Optional[EvalReplica]) -> int:
+    from transformers import AutoTokenizer
+
+    from dflash_dist.model.hf import build_target_model, tokenizer_path
+    feeder = replica is None or replica.is_feeder
+    if not feeder:
+        logging.getLogger().setLevel(logging.WARNING)
+    # a replica's other ranks only verify: their copy of the drafter (for its settings) stays on the host
+    setup = load_drafter(args.checkpoint, args.export, device if feeder else "cpu")
     tcfg = setup.target
     if args.target is not None:
         tcfg = TargetConfig(name_or_path=args.target, layer_ids=list(setup.layer_ids))
@@ -131,7 +152,13 @@ def _run(args) -> int:
     tokenizer = _from_file(meta_file, "tokenizer" if setup.tokenizer else f"{section}.tokenizer", "--tokenizer",
                            tok_path, tok_from_file, "tokenizer_config.json", AutoTokenizer.from_pretrained)
 
+    checkpoint_dir = []
+
     def build(where, **kw):
+        if replica is not None:  # a local directory (read from a file), --target's location, or random init
+            model, path = replica.build_target(tcfg, where)
+            checkpoint_dir.append(path)
+            return model
         tcfg.name_or_path = where
         return build_target_model(tcfg, device, **kw)
     target = build(None) if tcfg.name_or_path is None else _from_file(
@@ -158,12 +185,21 @@ def _run(args) -> int:
     use_cache = {"auto": None, "yes": True, "no": False}[args.use_cache]
     log.info("evaluating %s on %d prompts (%s), block %d, %d new tokens, eos %s, device %s", setup.source,
              len(prompts), prompt_source, block, args.max_new_tokens, eos, device)
-    result = evaluate_prompts(target, setup.drafter, None, None, prompts, setup.layer_ids, setup.mask_token_id, block,
+    drafter, embed, head = setup.drafter, None, None
+    if replica is not None:
+        tied = bool(getattr(target.config, "tie_word_embeddings", False))
+        drafter, embed, head = replica.draft_fn(lambda e, h: make_dflash_draft_fn(setup.drafter, e, h),
+                                                checkpoint_dir[0], tied, next(target.parameters()).dtype, block)
+        log.info("target replica of %d ranks: every rank verifies, rank 0 drafts", replica.k)
+    result = evaluate_prompts(target, drafter, embed, head, prompts, setup.layer_ids, setup.mask_token_id, block,
                               args.max_new_tokens, eos, check_lossless=not args.no_lossless_check,
                               use_cache=use_cache)
+    if not feeder:
+        return 0
     result.update({"source": setup.source, "target": tcfg.name_or_path or tcfg.hf_config,
                    "prompt_source": prompt_source, "eos_ids": eos, "layer_ids": list(setup.layer_ids),
-                   "mask_token_id": setup.mask_token_id, "device": device, "chat_template_kwargs": kwargs or {}})
+                   "mask_token_id": setup.mask_token_id, "device": device, "chat_template_kwargs": kwargs or {},
+                   "tensor_parallel": replica.k if replica is not None else 1})
     print(format_table(result))
     out = result_path(args)
     os.makedirs(os.path.dirname(out), exist_ok=True)

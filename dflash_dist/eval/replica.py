@@ -19,11 +19,14 @@ What the feeder decides, its followers hear at a point they reach too:
 from __future__ import annotations
 
 import logging
+import os
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from dflash_dist.config import ConfigError
 
 log = logging.getLogger("dflash_dist")
 KEY = "dflash/replica_eval/"
@@ -82,17 +85,91 @@ class ReplicaLink:
         return self.store.get(key).decode()
 
     def broadcasting(self, draft_fn: Callable) -> Callable:
-        """The feeder's draft function: the drafter's proposals, sent to every rank of the replica."""
-        def draft(context: Tensor, block_ids: Tensor, p: int) -> Tensor:
-            drafts = draft_fn(context, block_ids, p)
-            dist.broadcast(drafts.reshape(-1).to("cpu", torch.long), self.src, group=self.group)
-            return drafts
-        return draft
+        return broadcasting(draft_fn, self.src, self.group)
 
     def receiving(self, block_size: int) -> Callable:
-        """A follower's draft function: the feeder's proposals for this block."""
-        def draft(context: Tensor, block_ids: Tensor, p: int) -> Tensor:
-            drafts = torch.empty(block_size - 1, dtype=torch.long)
-            dist.broadcast(drafts, self.src, group=self.group)
-            return drafts.to(block_ids.device)
-        return draft
+        return receiving(block_size, self.src, self.group)
+
+
+def broadcasting(draft_fn: Callable, src: int, group) -> Callable:
+    """The feeder's draft function: the drafter's proposals, sent to every rank of the replica (``group``, gloo)."""
+    def draft(context: Tensor, block_ids: Tensor, p: int) -> Tensor:
+        drafts = draft_fn(context, block_ids, p)
+        dist.broadcast(drafts.reshape(-1).to("cpu", torch.long), src, group=group)
+        return drafts
+    return draft
+
+
+def receiving(block_size: int, src: int, group) -> Callable:
+    """A follower's draft function: the feeder's proposals for this block."""
+    def draft(context: Tensor, block_ids: Tensor, p: int) -> Tensor:
+        drafts = torch.empty(block_size - 1, dtype=torch.long)
+        dist.broadcast(drafts, src, group=group)
+        return drafts.to(block_ids.device)
+    return draft
+
+
+# ---- dflash-eval on a replica: ``torchrun --nproc-per-node K -m dflash_dist.cli.eval ...`` (one node, K ranks)
+
+class EvalReplica:
+    """The K processes of a ``dflash-eval`` under torchrun: every rank holds a shard of the target (transformers'
+    tensor-parallel plan over all K) and runs the same verify forwards; rank 0 alone runs the drafter, with the
+    target's embedding and lm_head read whole from the checkpoint, and broadcasts each block's proposals; rank 0
+    alone prints and writes the result."""
+
+    def __init__(self, device: str):
+        import datetime
+        world, local = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        if local != world:
+            raise ConfigError(f"dflash-eval on a target replica runs on one node ({world} ranks, {local} on this "
+                              "node): a replica's ranks share a node")
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(minutes=30))
+        self.rank, self.k, self.device = dist.get_rank(), world, device
+        self.group = dist.group.WORLD
+        # the proposals and the random target's path travel over gloo (host tensors), whatever the device
+        self.ctrl = dist.new_group(backend="gloo") if device == "cuda" else self.group
+        self.is_feeder = self.rank == 0
+        self._tmp: Optional[str] = None
+
+    def build_target(self, tcfg, where: Optional[str]):
+        """This rank's shard of the target at ``where`` (a local directory), or of the random-init target of
+        ``tcfg`` (``where`` None), which rank 0 builds whole and seeded as one process would and writes to a
+        temporary directory first (removed by ``close``). Returns (model, the checkpoint directory)."""
+        import tempfile
+
+        from dflash_dist.model.hf import build_target_replica, resolve_source
+        tcfg.name_or_path = where
+        path, _ = resolve_source(tcfg)
+        if path is None:
+            box = [tempfile.mkdtemp(prefix="dflash-eval-target-") if self.is_feeder else None]
+            dist.broadcast_object_list(box, src=0, group=self.ctrl)
+            self._tmp = box[0]
+            barrier = (lambda: dist.barrier(group=self.ctrl))
+            model = build_target_replica(tcfg, self.device, self.group, random_dir=self._tmp,
+                                         build_random=self.is_feeder, ready=(barrier, barrier))
+            return model, self._tmp
+        model = build_target_replica(tcfg, self.device, self.group)
+        if not os.path.isdir(path):  # a hub id: the snapshot the load just used, for the head's tensors
+            from huggingface_hub import snapshot_download
+            path = snapshot_download(path, local_files_only=True)
+        return model, path
+
+    def draft_fn(self, make: Callable, checkpoint_dir: str, tied: bool, dtype: torch.dtype, block_size: int):
+        """Rank 0: ``make(embed, lm_head)`` (the drafter's draft function over the whole head), broadcasting;
+        the other ranks: the receiving end. Returns (draft function, embed, lm_head) (None, None on followers)."""
+        if not self.is_feeder:
+            return receiving(block_size, 0, self.ctrl), None, None
+        from dflash_dist.model.hf import load_head_from_checkpoint
+        embed, head = load_head_from_checkpoint(checkpoint_dir, tied)
+        dev = torch.device(self.device, torch.cuda.current_device()) if self.device == "cuda" else torch.device("cpu")
+        embed, head = embed.to(dev, dtype), head.to(dev, dtype)
+        return broadcasting(make(embed, head), 0, self.ctrl), embed, head
+
+    def close(self) -> None:
+        import shutil
+        dist.barrier(group=self.ctrl)
+        if self.is_feeder and self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+        dist.destroy_process_group()

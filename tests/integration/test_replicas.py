@@ -168,7 +168,8 @@ def test_replica_evaluates_in_training_like_dflash_eval_on_one_rank(tmp_path):
     tokens), evaluating and saving every 4 of 12 steps: exit 0; the first evaluation ran in slices between messages
     and the last one after the stream, both ranks of the replica running their verify forwards; for both,
     dflash-eval of that step's checkpoint with a whole target on one process, on the same prompts, gives the same
-    acceptance lengths prompt by prompt (so the same tau). fp32 on CPU: the replica's logits differ from one rank's
+    acceptance lengths prompt by prompt (so the same tau), and so does dflash-eval under torchrun on a replica of 2
+    (its output equal to the replica's own greedy decoding). fp32 on CPU: the replica's logits differ from one rank's
     by ~1e-6 relative (its sharded sums), far from the margin of any greedy choice here, so every token and
     acceptance length agrees exactly; a proposal or verify step that differs shows up as a different length."""
     from dflash_dist.cli.eval import main as eval_main
@@ -198,6 +199,17 @@ def test_replica_evaluates_in_training_like_dflash_eval_on_one_rank(tmp_path):
         assert sum(a > 1 for p in ev["acceptance_lengths"] for a in p) > 0  # some proposals were accepted
         print(f"step {ev['step']} ({ev['eval_slices']} slices): in-training tau on the replica {ev['tau']:.4f} "
               f"(pooled {ev['tau_pooled']:.4f}), dflash-eval on one rank {e['tau']:.4f} (pooled {e['tau_pooled']:.4f})")
+    # dflash-eval itself on a replica of 2 (torchrun): the same lengths, the target's greedy output reproduced
+    res2 = tmp_path / "e_tp2.json"
+    r = torchrun(2, ["-m", "dflash_dist.cli.eval", "--checkpoint", str(ck), "--prompts", holdout, "--num-prompts",
+                     "16", "--max-new-tokens", "64", "--out", str(res2)], timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    assert "target replica of 2 ranks: every rank verifies, rank 0 drafts" in r.stdout + r.stderr
+    tp = json.load(open(res2))
+    assert tp["tensor_parallel"] == 2 and e["tensor_parallel"] == 1
+    assert [p["acceptance_lengths"] for p in tp["per_prompt"]] == [p["acceptance_lengths"] for p in e["per_prompt"]]
+    assert tp["tau"] == pytest.approx(e["tau"], abs=1e-12) and tp["lossless_fraction"] == 1.0
+    print(f"dflash-eval on a replica of 2: tau {tp['tau']:.4f}, lossless {tp['lossless_fraction']}")
 
 
 def test_loss_on_target_of_a_replica_equals_one_target_rank(tmp_path):
