@@ -113,10 +113,14 @@ def _run(args) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     replica = EvalReplica(device) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
     try:
-        return _evaluate(args, device, replica)
-    finally:
+        rc = _evaluate(args, device, replica)
+    except BaseException:
         if replica is not None:
-            replica.close()
+            replica.close(ok=False)  # no barrier: the other ranks may be inside a verify step; torchrun ends them
+        raise
+    if replica is not None:
+        replica.close()
+    return rc
 
 
 def _evaluate(args, device: str, replica: Optional[EvalReplica]) -> int:

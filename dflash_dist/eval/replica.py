@@ -167,9 +167,13 @@ class EvalReplica:
         embed, head = embed.to(dev, dtype), head.to(dev, dtype)
         return broadcasting(make(embed, head), 0, self.ctrl), embed, head
 
-    def close(self) -> None:
+    def close(self, ok: bool = True) -> None:
+        """After the result (``ok``): wait for every rank, remove the random target's directory, leave the group.
+        After an error: only remove the directory (a barrier would wait on ranks still in a collective)."""
         import shutil
-        dist.barrier(group=self.ctrl)
+        if ok:
+            dist.barrier(group=self.ctrl)
         if self.is_feeder and self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
-        dist.destroy_process_group()
+        if ok:
+            dist.destroy_process_group()

@@ -210,6 +210,10 @@ def test_replica_evaluates_in_training_like_dflash_eval_on_one_rank(tmp_path):
     assert [p["acceptance_lengths"] for p in tp["per_prompt"]] == [p["acceptance_lengths"] for p in e["per_prompt"]]
     assert tp["tau"] == pytest.approx(e["tau"], abs=1e-12) and tp["lossless_fraction"] == 1.0
     print(f"dflash-eval on a replica of 2: tau {tp['tau']:.4f}, lossless {tp['lossless_fraction']}")
+    # rank 0 failing after the others are done (its result cannot be written) ends the run, not a hang
+    r = torchrun(2, ["-m", "dflash_dist.cli.eval", "--checkpoint", str(ck), "--prompts", holdout, "--num-prompts",
+                     "2", "--max-new-tokens", "8", "--no-lossless-check", "--out", str(res2 / "x.json")], timeout=180)
+    assert r.returncode != 0 and ("NotADirectoryError" in r.stderr or "FileExistsError" in r.stderr), r.stderr[-3000:]
 
 
 def test_loss_on_target_of_a_replica_equals_one_target_rank(tmp_path):
