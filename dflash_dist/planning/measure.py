@@ -37,7 +37,7 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def measure_target_supply(job, device: torch.device, batches: Optional[int] = None, build=None) -> dict:
+def measure_target_supply(job, device: torch.device, batches: Optional[int] = None, build=None, group=None) -> dict:
     """Samples/s and tokens/s of one target rank: the target built as ``target.loop.run_target`` builds it
     (same loader / random init, fast-path policy, ``build_capture``: the same packing, compile and padding),
     run on the plan's messages exactly as the target loop batches them (pad_batch + capture + device sync, what it
@@ -45,7 +45,8 @@ def measure_target_supply(job, device: torch.device, batches: Optional[int] = No
     compile of packing or target.compile), so the timed rounds are steady state. The batches are timed in rounds
     (``timed_rounds``: topology.plan_rounds, plan_min_seconds); ``samples``/``tokens`` are one round's.
     ``build``: a callable returning the model (a rank's shard of a replica: every rank of the replica runs this
-    together, and the rate is the replica's)."""
+    together, and the rate is the replica's); ``group``: that replica's process group, over which its ranks agree
+    on the number of timed rounds (their forwards are collectives)."""
     from dflash_dist.data.tokenize import TokenizedDataset
     from dflash_dist.model.fast_path import check_target_fast_path
     from dflash_dist.model.hf import build_target_model
@@ -76,7 +77,8 @@ def measure_target_supply(job, device: torch.device, batches: Optional[int] = No
 
     try:
         run(warmup)
-        secs = timed_rounds(lambda: run(ks), cfg.topology.plan_rounds, cfg.topology.plan_min_seconds)
+        secs = timed_rounds(lambda: run(ks), cfg.topology.plan_rounds, cfg.topology.plan_min_seconds,
+                            agree=None if group is None else lambda more: any_rank(more, group, device))
     finally:
         capture.close()
         capture = model = None  # freed before the real roles load (run() holds a closure)
@@ -85,6 +87,15 @@ def measure_target_supply(job, device: torch.device, batches: Optional[int] = No
     return {**rate_summary(secs, samples, tokens), "batches": len(ks), "samples": samples, "tokens": tokens,
             "warmup_batches": len(warmup), "build_s": build_s, "device": str(device), "dtype": dtype,
             "messages": ks, "capture": path}
+
+
+def any_rank(flag: bool, group, device: torch.device) -> bool:
+    """True on every rank of ``group`` when it is true on any (a MAX all-reduce on the group's device)."""
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
 
 
 def random_head_weights(job, device: torch.device) -> tuple:

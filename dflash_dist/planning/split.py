@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 MAX_ROUNDS_FACTOR = 10  # plan_min_seconds adds rounds up to this many times plan_rounds
 
@@ -130,16 +130,24 @@ def measured_range(m: dict) -> Optional[tuple[float, float]]:
     return m["samples_per_s_min"], m["samples_per_s_max"]
 
 
-def timed_rounds(one_pass, rounds: int, min_seconds: float, clock=time.perf_counter) -> list[float]:
+def timed_rounds(one_pass, rounds: int, min_seconds: float, clock=time.perf_counter,
+                 agree: Optional[Callable[[bool], bool]] = None) -> list[float]:
     """Seconds of each call of ``one_pass`` (which syncs the device itself): ``rounds`` calls, then more until
-    they add up to ``min_seconds``, at most ``MAX_ROUNDS_FACTOR * rounds`` in all."""
+    they add up to ``min_seconds``, at most ``MAX_ROUNDS_FACTOR * rounds`` in all. ``agree``: for passes that are
+    collectives of several processes (the ranks of a target replica), maps this process's "one more round" to the
+    group's, so every process runs the same number of passes (each one's clock alone would leave one waiting in a
+    collective the others never enter)."""
     rounds = max(1, int(rounds))
     secs: list[float] = []
-    while len(secs) < rounds or (sum(secs) < min_seconds and len(secs) < MAX_ROUNDS_FACTOR * rounds):
+    while True:
+        more = len(secs) < rounds or (sum(secs) < min_seconds and len(secs) < MAX_ROUNDS_FACTOR * rounds)
+        if agree is not None and len(secs) >= rounds:
+            more = agree(more) and len(secs) < MAX_ROUNDS_FACTOR * rounds
+        if not more:
+            return secs
         t0 = clock()
         one_pass()
         secs.append(clock() - t0)
-    return secs
 
 
 def rate_summary(round_seconds: list[float], samples: int, tokens: int) -> dict:

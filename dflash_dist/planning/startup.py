@@ -95,6 +95,7 @@ def auto_split(job, rank: int, world: int, device: torch.device) -> dict:
     k = job.cfg.target.tensor_parallel
     # target.tensor_parallel=k: the last k ranks measure as one replica (a group every rank creates, members or not)
     members = list(range(world - k, world))
+    group = build = None  # one target rank: its own model, nothing to agree on
     if k > 1:
         from datetime import timedelta
 
@@ -114,11 +115,11 @@ def auto_split(job, rank: int, world: int, device: torch.device) -> dict:
         if rank in members[:-1]:
             log.info("topology.target_ranks=auto: measuring the supply of replica %s with rank %d", members,
                      world - 1)
-            measure_target_supply(job, device, build=build)
+            measure_target_supply(job, device, build=build, group=group)
     if rank == world - 1:  # a target in every split
         log.info("topology.target_ranks=auto: measuring target supply on this rank%s",
                  f" (replica {members} of target.tensor_parallel={k})" if k > 1 else "")
-        _report(store, "supply", lambda: measure_target_supply(job, device, build=build if k > 1 else None))
+        _report(store, "supply", lambda: measure_target_supply(job, device, build=build, group=group))
     elif rank != 0 and rank not in members and device.type == "cpu":
         # the ranks share the CPU: the others train drafter steps meanwhile (unreported), so rank 0 and rank W-1
         # measure on a machine as busy as the job's, each with its rank's threads

@@ -3,6 +3,7 @@
 import atexit
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -53,5 +54,34 @@ def torchrun(nproc: int, args: list, timeout: float = 300, env: dict | None = No
     if popen:
         return subprocess.Popen(cmd, cwd=cwd or REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True, preexec_fn=preexec_fn)
-    return subprocess.run(cmd, cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout,
-                          preexec_fn=preexec_fn)
+    return _run_or_report_hang(cmd, cwd or REPO, full_env, timeout, preexec_fn)
+
+
+def _run_or_report_hang(cmd, cwd, env, timeout, preexec_fn) -> subprocess.CompletedProcess:
+    """subprocess.run with capture, except that a job past ``timeout`` is not just killed: its ranks (torchrun's
+    children) get SIGUSR1 first, so the failure shows every rank's Python stacks and the job's last output, and
+    the whole session is killed (no orphaned rank keeps the machine busy for the next test)."""
+    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, preexec_fn=preexec_fn)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        ranks = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+        for pid in ranks:
+            try:
+                os.kill(int(pid), signal.SIGUSR1)  # faulthandler: every rank prints its stacks
+            except ProcessLookupError:
+                pass
+        try:
+            out, err = p.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, err = p.communicate()
+        else:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # ranks the launcher left behind
+            except ProcessLookupError:
+                pass
+        raise AssertionError(f"{' '.join(cmd[2:])}\ntimed out after {timeout:.0f} s; its ranks' stacks and last "
+                             f"output:\n{(out + err)[-12000:]}") from None
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
