@@ -12,8 +12,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from dflash_dist.model import head_shards as HS
 from dflash_dist.model import loss as L
-from dflash_dist.model.objectives.dpace import dpace_ce, dpace_serve, slot_sums
+from dflash_dist.model.objectives.dpace import dpace_ce, dpace_serve, dpace_weighted, slot_sums
 
 __all__ = ["Objective", "SlotWeightedCE"]
 
@@ -65,6 +66,23 @@ class Objective:
               ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
         """On a target: (loss sum fp32 [], argmax [R], d(loss sum)/d rows [R, H], per-row extras [R,
         reply_columns] fp32 or None) of rows it was sent with ``inputs`` (``request_inputs``); no autograd."""
+        raise NotImplementedError
+
+    vocab_parallel = False
+    """True when ``serve_slice`` and ``combine_slices`` exist: on a target replica every rank serves its slice of the
+    vocabulary and the drafter combines the replies (model/head_shards.py); False: the replica's feeder serves
+    the whole head."""
+
+    def serve_slice(self, rows: Tensor, shard: Tensor, lo: int, labels: Tensor, *inputs: Tensor
+                    ) -> tuple[Tensor, ...]:
+        """On a rank holding head rows [lo, lo + len(shard)): its reply to a request (``head_shards.serve_slice``'s
+        tensors); no autograd."""
+        raise NotImplementedError
+
+    def combine_slices(self, replies: list, head: Tensor, labels: Tensor
+                       ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+        """On the drafter: the slices' replies, in vocabulary order, and its frozen head [V, H] -> what ``serve``
+        returns over the whole head (loss sum, argmax, d(loss sum)/d rows, extras)."""
         raise NotImplementedError
 
     def parts(self, loss_sum: Tensor, pred: Tensor, rows_y: Tensor, rows_w: Tensor,
@@ -170,6 +188,20 @@ class SlotWeightedCE(Objective):
             return loss_sum, pred, grad, torch.stack([w, q], 1)
         w = L.slot_row_weights(labels, self.slot_weights(labels.device))
         return (*L.frozen_head_ce(rows, head, labels, w, self.chunk_rows, self.compiled), None)
+
+    vocab_parallel = True
+
+    def serve_slice(self, rows, shard, lo, labels, *inputs):
+        return HS.serve_slice(rows, shard, lo, labels, self.chunk_rows)
+
+    def combine_slices(self, replies, head, labels):
+        ce, pred, grad = HS.combine_slices(replies, head, labels)   # unweighted: the weights scale CE and gradient
+        if self.weighting == "dpace":
+            loss_sum, pred, grad, w, q = dpace_weighted(ce, pred, grad, labels != L.IGNORE_INDEX, self.block_size,
+                                                        self.dpace_alpha)
+            return loss_sum, pred, grad, torch.stack([w, q], 1)
+        w = L.slot_row_weights(labels, self.slot_weights(labels.device))
+        return (w * ce).sum(), pred, grad * w[:, None], None
 
     def parts(self, loss_sum, pred, rows_y, rows_w, extra=None):
         if self.weighting != "dpace":

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from dflash_dist.model import loss as L
 
-__all__ = ["dpace_weights", "dpace_ce", "dpace_serve"]
+__all__ = ["dpace_weights", "dpace_ce", "dpace_serve", "dpace_weighted"]
 
 
 def dpace_weights(ce: Tensor, has: Tensor, block_size: int, alpha: float) -> Tensor:
@@ -35,8 +35,9 @@ def dpace_weights(ce: Tensor, has: Tensor, block_size: int, alpha: float) -> Ten
         return (suffix * m).reshape(-1)
 
 
-def _weighted(ce_rows, pred, grad_h, has, block_size, alpha):
-    """(loss sum, argmax, grad wrt the rows, weights, q) from the unweighted CE and gradient of every row."""
+def dpace_weighted(ce_rows, pred, grad_h, has, block_size, alpha):
+    """(loss sum, argmax, grad wrt the rows, weights, q) from the unweighted CE and gradient of every row (the
+    gradient is scaled in place)."""
     w = dpace_weights(ce_rows, has, block_size, alpha)
     grad_h.mul_(w[:, None].to(grad_h.dtype))
     q = torch.exp(-ce_rows) * has
@@ -51,7 +52,7 @@ def dpace_serve(rows: Tensor, head: Tensor, labels: Tensor, block_size: int, alp
     has = labels != L.IGNORE_INDEX
     ce, pred, grad_h = L.frozen_head_ce(rows, head, labels, has.float(), chunk_rows, compiled, per_row=True,
                                         topk=topk, topk_out=topk_out)
-    return _weighted(ce, pred, grad_h, has, block_size, alpha)
+    return dpace_weighted(ce, pred, grad_h, has, block_size, alpha)
 
 
 class _DPaceFrozenHeadCE(torch.autograd.Function):

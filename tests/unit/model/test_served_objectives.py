@@ -133,3 +133,57 @@ def test_compiled_kl_chunks_equal_the_eager_ones(monkeypatch):
 
 def _must_not_run(*args):
     raise AssertionError("the eager chunk function ran although compiled=True")
+
+
+def _served_in_slices(obj, hidden, head, labels, slices):
+    """A replica's ranks each serve their slice of the vocabulary; the drafter combines the replies."""
+    from dflash_dist.model.head_shards import vocab_slice
+    rows, rows_y, rows_w = obj.rows(hidden, labels)
+    replies = [obj.serve_slice(rows.detach().clone(), head[lo:hi], lo, rows_y.clone())
+               for lo, hi in (vocab_slice(V, slices, i) for i in range(slices))]
+    loss_sum, pred, grad, extra = obj.combine_slices(replies, head, rows_y)
+    assert (extra is None) == (obj.reply_columns == 0) and grad.shape == rows.shape
+    return obj.parts(_ReceivedGrad.apply(rows, grad) + loss_sum.float(), pred, rows_y, rows_w, extra)
+
+
+@pytest.mark.parametrize("slices", [1, 2, 3])
+@pytest.mark.parametrize("loss", [{}, {"weighting": "dpace"}])
+def test_loss_served_in_vocabulary_slices_equals_the_drafters(loss, slices):
+    """drafter.tuning.loss_on_target on a replica: each rank's slice of the head, combined on the drafter, gives
+    the drafter's own loss, statistics and gradient (fp32, to rounding); the argmax is the whole head's, and
+    where slices tie, the lowest id (as argmax over the whole vocabulary picks)."""
+    obj = _objective(**loss)
+    assert obj.vocab_parallel
+    hidden, head, labels, soft = _case()
+    local = obj.loss(hidden, head, labels)
+    (0.37 * local.loss_sum).backward()
+    g_local, hidden.grad = hidden.grad.clone(), None
+    served = _served_in_slices(obj, hidden, head, labels, slices)
+    (0.37 * served.loss_sum).backward()
+    torch.testing.assert_close(served.loss_sum, local.loss_sum.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(served.weight_sum, local.weight_sum, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(hidden.grad, g_local, rtol=1e-5, atol=1e-6)
+    assert torch.equal(served.slot_correct, local.slot_correct) and torch.equal(served.slot_count, local.slot_count)
+    for name in served.stats:
+        torch.testing.assert_close(served.stats[name], local.stats[name], rtol=1e-5, atol=1e-6)
+    rows, rows_y, _ = obj.rows(hidden.detach(), labels)
+    whole = (rows @ head.t()).argmax(-1)
+    from dflash_dist.model.head_shards import combine_slices, serve_slice, vocab_slice
+    def pred(w):
+        return combine_slices([serve_slice(rows, w[lo:hi], lo, rows_y, 16)
+                               for lo, hi in (vocab_slice(V, slices, i) for i in range(slices))], w, rows_y)[1]
+    assert torch.equal(pred(head), whole)
+    assert torch.equal(pred(torch.zeros_like(head)), torch.zeros_like(whole))  # every entry ties: id 0
+
+
+def test_the_kl_objective_is_served_whole_on_a_replica():
+    """kind=kl has no slice math: a replica's feeder serves it with the whole head (the target loop asks)."""
+    assert not _objective(labels="target", kind="kl", kl_top_k=5).vocab_parallel
+
+
+def test_vocabulary_slices_cover_it_in_order():
+    from dflash_dist.model.head_shards import vocab_slice
+    for vocab, parts in ((64, 2), (151936, 3), (7, 4), (5, 5)):
+        s = [vocab_slice(vocab, parts, i) for i in range(parts)]
+        assert s[0][0] == 0 and s[-1][1] == vocab and all(a[1] == b[0] for a, b in zip(s, s[1:]))
+        assert max(hi - lo for lo, hi in s) - min(hi - lo for lo, hi in s) <= 1
