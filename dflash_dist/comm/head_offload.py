@@ -20,6 +20,12 @@ both sides call the objective object they are handed (model/objectives/: ``rows`
 drafter-bound job with 2 or 4 groups, less so with one backward for all groups waiting for every reply (measured:
 docs/benchmarks.md#head-on-target).
 
+On a target replica of k ranks, with an objective that has the slice math (``objective.vocab_parallel``; the
+decayed CE and D-PACE): every rank of the replica holds its slice of the lm_head's rows and serves every request
+of the replica's messages, and the drafter combines the k replies (``combine_slices``, model/head_shards.py). No
+rank of the replica waits for another's reply, so each serves at its own boundaries (``head_servers``). Other
+objectives are served by the replica's feeder with the whole head.
+
 On a target (``HeadLossServer``): it serves the requests of the messages it sent, in the order it sent them,
 between captures and whenever it waits on its drafters, and captures its message j only once the requests of
 its messages up to j - 2D are served (D drafters: message j's drafter sends them in round j // D, so a capture
@@ -52,7 +58,7 @@ from dflash_dist.comm.transport import CODE_DTYPES, DTYPE_CODES, Channel, Transp
 
 log = logging.getLogger("dflash_dist")
 
-__all__ = ["request_key", "head_channels", "HeadLossClient", "HeadLossServer", "head_flops"]
+__all__ = ["request_key", "head_channels", "head_servers", "HeadLossClient", "HeadLossServer", "head_flops"]
 
 
 FIRST_LOGGED = 2  # the first requests are logged on both sides (where a hung first step stopped)
@@ -70,6 +76,13 @@ def request_key(drafter: int, target: int, n: int) -> str:
 def head_flops(rows: int, hidden: int, vocab: int) -> float:
     """Model FLOPs of serving one request: the logits and the gradient wrt the rows (2 matmuls of R x H x V)."""
     return 4.0 * rows * hidden * vocab
+
+
+def head_servers(topo, objective) -> dict[int, list[int]]:
+    """Feeder rank -> the ranks that serve its messages' head requests, in vocabulary order: every rank of its
+    replica, each with its slice (a replica, and ``objective.vocab_parallel``), else the feeder alone."""
+    sliced = topo.tp > 1 and bool(getattr(objective, "vocab_parallel", False))
+    return {rep[0]: (list(rep) if sliced else [rep[0]]) for rep in topo.replicas}
 
 
 def head_channels(d, timeout_s: float, check, peers, drafter: bool) -> tuple[Channel, Channel]:
@@ -116,6 +129,7 @@ class _Pending:
     target: int = -1
     client: Optional["HeadLossClient"] = None
     parts: Optional[object] = None  # the LossParts, once the reply is in (complete)
+    slices: Optional[list] = None  # [(rank, (stats, ids, G))] received from each rank of a replica, vocab order
 
     @property
     def weight_sum(self) -> Tensor:
@@ -130,11 +144,14 @@ class HeadLossClient:
     """Drafter side: post a group's rows to a target, then collect the replies as the objective's LossParts.
     ``objective``: the drafter's objective object (its ``rows`` and ``parts``)."""
 
-    def __init__(self, channel: Channel, replies: Channel, rank: int, head_dtype: torch.dtype, objective):
+    def __init__(self, channel: Channel, replies: Channel, rank: int, head: Tensor, objective,
+                 servers: Optional[dict] = None):
         if channel.store is None:
             raise ValueError("drafter.tuning.loss_on_target needs the rendezvous store")
-        self.ch, self.replies, self.rank, self.dtype = channel, replies, rank, head_dtype
+        self.ch, self.replies, self.rank, self.dtype = channel, replies, rank, head.dtype
+        self.head = head.detach()  # the frozen head: the labels' rows when replies come in vocabulary slices
         self.objective = objective
+        self.servers = servers or {}  # feeder -> the ranks serving its requests (head_servers); absent: itself
         self.sent: dict[int, int] = {}   # requests posted per target
         self.requests = 0
 
@@ -153,17 +170,27 @@ class HeadLossClient:
         grad = torch.empty(r, h, dtype=self.dtype, device=dev)
         cols = self.objective.reply_columns
         extra = torch.empty(r, cols, dtype=torch.float32, device=dev) if cols else None
+        ranks = self.servers.get(target, [target])
+        slices = None
+        if len(ranks) > 1:  # each rank of the replica replies for its slice of the vocabulary
+            cols = self.objective.slice_stats_columns
+            slices = [(q, (torch.empty(r, cols, dtype=torch.float32, device=dev),
+                           torch.empty(r, dtype=torch.int64, device=dev), torch.empty(r, h, dtype=self.dtype,
+                                                                                   device=dev))) for q in ranks]
         g = self.ch.data_group
-        sends = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, target, g) for t in (send_h, send_y, *inputs)])
-        n = self.sent.get(target, 0)
-        self.ch.store.set(request_key(self.rank, target, n), f"{index},{r},{h},{DTYPE_CODES[self.dtype]}")
-        self.sent[target] = n + 1
+        sends = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, q, g) for q in ranks
+                                        for t in (send_h, send_y, *inputs)])
+        for q in ranks:
+            n = self.sent.get(q, 0)
+            self.ch.store.set(request_key(self.rank, q, n), f"{index},{r},{h},{DTYPE_CODES[self.dtype]}")
+            self.sent[q] = n + 1
         self.requests += 1
         if self.requests <= FIRST_LOGGED:
-            log.info("head request %d posted to target rank %d: message %d, %d rows", self.requests, target, index, r)
+            log.info("head request %d posted to target rank%s %s: message %d, %d rows", self.requests,
+                     "s" if len(ranks) > 1 else "", ", ".join(map(str, ranks)), index, r)
         surrogate = _ReceivedGrad.apply(rows_h, grad)
         return _Pending(rows_y, rows_w, surrogate, loss, pred, grad, extra, [], (sends, send_h, send_y, *inputs),
-                        target, self)
+                        target, self, slices=slices)
 
     def complete(self, p: _Pending, target: int):
         """Post the reply's receives (on the reply group) and make the compute stream wait for them (CUDA; CPU:
@@ -174,12 +201,25 @@ class HeadLossClient:
         if p.parts is not None:
             return p.parts
         g = self.replies.data_group
-        bufs = (p.loss, p.pred, p.grad) + (() if p.extra is None else (p.extra,))
-        p.works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, target, g) for t in bufs])
-        for w in p.works:
-            self.replies.wait(w, f"the head reply of target rank {target}", host=False, group=g)
+        if p.slices is None:
+            bufs = [(target, t) for t in (p.loss, p.pred, p.grad) + (() if p.extra is None else (p.extra,))]
+        else:
+            bufs = [(q, t) for q, reply in p.slices for t in reply]
+        p.works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, q, g) for q, t in bufs])
+        for w, (q, _) in zip(p.works, bufs):
+            self.replies.wait(w, f"the head reply of target rank {q}", host=False, group=g)
         for w in p.sends[0]:
-            self.ch.wait(w, f"target rank {target} to take head rows", host=False, group=self.ch.data_group)
+            self.ch.wait(w, f"target rank {target}'s replica to take head rows", host=False,
+                         group=self.ch.data_group)
+        if p.slices is not None:  # the whole head's reply from the slices' (on the stream, after their receives)
+            loss_sum, pred, grad, extra = self.objective.combine_slices([reply for _, reply in p.slices], self.head,
+                                                                        p.rows_y)
+            p.loss.copy_(loss_sum.reshape(1))
+            p.pred.copy_(pred)
+            p.grad.copy_(grad)  # what the surrogate's backward hands the rows
+            if extra is not None:
+                p.extra.copy_(extra)
+            p.slices = None
         p.parts = self.objective.parts(p.surrogate + p.loss[0], p.pred, p.rows_y, p.rows_w, p.extra)
         return p.parts
 
@@ -189,10 +229,12 @@ class HeadLossServer:
     ``objective``: the drafter's objective object (its ``serve`` computes a request's reply)."""
 
     def __init__(self, channel: Channel, replies: Channel, rank: int, weight: Tensor, objective,
-                 requests_per_message: int, before_serve: Optional[Callable[[], None]] = None):
+                 requests_per_message: int, before_serve: Optional[Callable[[], None]] = None,
+                 slice_lo: Optional[int] = None):
         if channel.store is None:
             raise ValueError("drafter.tuning.loss_on_target needs the rendezvous store")
         self.ch, self.replies, self.rank, self.weight = channel, replies, rank, weight.detach()
+        self.slice_lo = slice_lo  # ``weight`` is head rows [slice_lo, slice_lo + len): replies for that slice
         self.objective = objective
         self.requests_per_message = requests_per_message
         # posts the feature payloads whose receives are posted (Sender.pump), before a request's receive is queued:
@@ -262,10 +304,13 @@ class HeadLossServer:
             self.ch.wait(w, f"head rows of message {k} from drafter rank {drafter}", host=False, group=g)
         start = torch.cuda.current_stream(dev).record_event(torch.cuda.Event(enable_timing=True)) if cuda else None
         with torch.no_grad():
-            loss_sum, pred, grad, extra = self.objective.serve(rows, self.weight, labels, *inputs)
-            loss = loss_sum.float().reshape(1)
-            grad = grad.to(rows.dtype)
-        out = (loss, pred, grad) + (() if extra is None else (extra.float().contiguous(),))
+            if self.slice_lo is not None:
+                stats, ids, part = self.objective.serve_slice(rows, self.weight, self.slice_lo, labels, *inputs)
+                out = (stats.float().contiguous(), ids, part.to(rows.dtype).contiguous())
+            else:
+                loss_sum, pred, grad, extra = self.objective.serve(rows, self.weight, labels, *inputs)
+                out = ((loss_sum.float().reshape(1), pred, grad.to(rows.dtype))
+                       + (() if extra is None else (extra.float().contiguous(),)))
         gr = self.replies.data_group  # the drafter posts their receives right before that group's backward
         replies = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, drafter, gr) for t in out])
         self._replies.append((replies, (*out, rows, labels, *inputs)))

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from dflash_dist.checkpoint.resume import record_dropped, run_totals
 from dflash_dist.comm.distributed import shorten_timeouts
 from dflash_dist.comm.faults import fault_for, stall_if_due
-from dflash_dist.comm.head_offload import HeadLossClient, head_channels
+from dflash_dist.comm.head_offload import HeadLossClient, head_channels, head_servers
 from dflash_dist.comm.transport import EndOfStream, Receiver, job_channel
 from dflash_dist.drafter.compile_guard import batch_shape, dynamo_counters, report_graph_breaks
 from dflash_dist.drafter.startup_report import host_syncs, startup_report
@@ -170,10 +170,12 @@ class DrafterRun:
         self.channel.connect(self.topo.feeders, sending=False)  # before any payload: see Channel.connect
         self.head_channel = self.reply_channel = None
         if tuning.loss_on_target:
+            servers = head_servers(self.topo, trainer.objective)  # a replica's ranks, each its vocabulary slice
             self.head_channel, self.reply_channel = head_channels(d, cfg.topology.warmup_timeout_s, self.life.check,
-                                                                  self.topo.feeders, drafter=True)
-            trainer.heads = HeadLossClient(self.head_channel, self.reply_channel, d.rank, trainer.lm_head.dtype,
-                                           trainer.objective)
+                                                                  sorted({q for v in servers.values() for q in v}),
+                                                                  drafter=True)
+            trainer.heads = HeadLossClient(self.head_channel, self.reply_channel, d.rank, trainer.lm_head,
+                                           trainer.objective, servers=servers)
         if trainer.micro_batches > 1 or self.head_channel is not None:
             served = trainer.micro_batches - tuning.local_loss_groups
             log.info("drafter step: %d group(s) of %d anchors, each its own forward; lm_head and loss %s",

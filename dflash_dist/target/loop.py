@@ -23,12 +23,13 @@ import torch.distributed as dist
 
 from dflash_dist.comm.distributed import shorten_timeouts
 from dflash_dist.comm.faults import apply_target_fault, fault_for, stall_if_due
-from dflash_dist.comm.head_offload import HeadLossServer, head_channels
+from dflash_dist.comm.head_offload import HeadLossServer, head_channels, head_servers
 from dflash_dist.comm.transport import Message, Sender, job_channel
 from dflash_dist.data.tokenize import TokenizedDataset
 from dflash_dist.eval.in_training import EVAL_REQUEST_PATIENCE_S, FollowerEval, TargetEval, eval_enabled, expected_evals
 from dflash_dist.eval.replica import whole_head
 from dflash_dist.model.fast_path import check_target_fast_path
+from dflash_dist.model.head_shards import vocab_slice
 from dflash_dist.model.hf import (
     build_target_model,
     build_target_replica,
@@ -86,23 +87,42 @@ def capture_flops_fn(model, job, packed: bool = False, pad_multiple: int = 1, ow
                             + head * sum(lengths))
 
 
-def head_server(job, model, tx):
-    """drafter.tuning.loss_on_target: connect the head groups and build this rank's HeadLossServer (None when off). Its
-    requests are served first whenever the Sender waits on a drafter."""
+def head_server(job, model, tx=None):
+    """drafter.tuning.loss_on_target: connect the head groups and build this rank's HeadLossServer (None when off,
+    or on a follower of a replica whose feeder serves alone). A feeder's requests are served first whenever its
+    Sender (``tx``) waits on a drafter; a follower serves between its captures."""
     cfg, d = job.cfg, job.dist
     if not cfg.drafter.tuning.loss_on_target:
+        return None
+    objective = job.drafter.make_objective()
+    serving = head_servers(d.topo, objective)[d.topo.my_replica[0]]
+    if d.rank not in serving:
         return None
     # after the data group's connection, as on the drafters
     ch, replies = head_channels(d, cfg.topology.warmup_timeout_s, job.life.check, d.topo.drafter_ranks, drafter=False)
     dc = cfg.drafter
     compiled = job.drafter.loss.compiled  # the drafter's objective, resolved once for the job (model/spec.py)
-    # a replica's lm_head is sharded: its feeder serves with the whole one, read by key from the checkpoint
-    head = whole_head(job, model)[1] if d.topo.tp > 1 else head_weights(model)[1]
-    server = HeadLossServer(ch, replies, d.rank, head, job.drafter.make_objective(),
-                            dc.tuning.micro_batches - dc.tuning.local_loss_groups, before_serve=tx.pump)
-    tx.serve = server.poll
+    lo = None
+    if len(serving) > 1:  # this rank's slice of the vocabulary (the model's own lm_head shard has its own layout)
+        whole = whole_head(job, model)[1]
+        vocab = whole.shape[0]
+        lo, hi = vocab_slice(vocab, len(serving), serving.index(d.rank))
+        head = whole[lo:hi].clone()
+        del whole
+        how = f"vocabulary rows [{lo}, {hi}) of {vocab}: each rank of replica {serving} serves its slice"
+    elif d.topo.tp > 1:  # no slice math for this objective: the feeder serves with the whole lm_head
+        head = whole_head(job, model)[1]
+        how = f"the whole lm_head on the replica's feeder ({objective.name} has no vocabulary-slice math)"
+    else:
+        head = head_weights(model)[1]
+        how = "the whole lm_head"
+    requests = dc.tuning.micro_batches - dc.tuning.local_loss_groups
+    server = HeadLossServer(ch, replies, d.rank, head, objective, requests,
+                            before_serve=tx.pump if tx is not None else None, slice_lo=lo)
+    if tx is not None:
+        tx.serve = server.poll
     log.info("lm_head and loss of the drafters' steps run here (drafter.tuning.loss_on_target): %d request(s) per "
-             "message, %s loss", dc.tuning.micro_batches - dc.tuning.local_loss_groups, "compiled" if compiled else "eager")
+             "message, %s loss, %s", requests, "compiled" if compiled else "eager", how)
     return server
 
 
@@ -236,6 +256,7 @@ def run_replica_follower(job, model) -> None:
     dataset = TokenizedDataset.load(job.dataset_path)
     fault = fault_for(d.rank)
     evals = FollowerEval(job, model) if eval_enabled(job) and topo.index == 0 else None  # its feeder's evaluations
+    heads = head_server(job, model)  # its slice of the vocabulary, with the loss on the target
     run_messages = job.total_messages - job.start_cursor
     done, t0 = 0, time.monotonic()
     for j in topo.target_messages(run_messages):
@@ -243,17 +264,23 @@ def run_replica_follower(job, model) -> None:
             break
         if evals is not None:  # where the feeder polls its evaluator
             evals.at_boundary()
+        if heads is not None:  # the feeder's rule: two rounds back served before message j's capture
+            heads.serve_through(j - 2 * topo.num_drafters, stop_limit=lambda: first_untrained(job))
         k = job.start_cursor + j
         batch = [dataset[i] for i in job.plan[k]]
         stall_if_due(fault, done)
         ids, lengths, _, _ = pad_batch(batch, d.device, capture.packing)
         apply_target_fault(fault, done, capture(ids, lengths))
+        if heads is not None:
+            heads.expect(j, k, topo.drafter_for(j))
         done += 1
+    if heads is not None:
+        heads.finish(stop_limit=lambda: first_untrained(job))
     if evals is not None:
         evals.after_stream()
     capture.close()
-    log.info("replica %d rank %d: %d messages run in %.1f s (features sent by rank %d)", topo.index, d.rank, done,
-             time.monotonic() - t0, topo.my_replica[0])
+    log.info("replica %d rank %d: %d messages run in %.1f s (features sent by rank %d)%s", topo.index, d.rank, done,
+             time.monotonic() - t0, topo.my_replica[0], f"; {heads.describe()}" if heads is not None else "")
 
 
 @dataclass

@@ -63,3 +63,11 @@ class UniformCE(SlotWeightedCE):
         out = super().window_metrics(sums)
         out["mean_row_weight"] = sums["weight_sum"][0] / max(sum(sums["slot_count"]), 1)
         return out
+
+
+class WholeHeadCE(UniformCE):
+    """UniformCE without the vocabulary-slice math (as an objective of one's own may be): on a target replica
+    its loss is served by the replica's feeder with the whole lm_head."""
+
+    name = "toy_whole_head"
+    vocab_parallel = False

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 from helpers.launch_util import torchrun
@@ -163,6 +164,25 @@ def test_auto_split_measures_a_replica(tmp_path):
     assert train_records(tmp_path)[-1]["step"] == 3
 
 
+def test_an_objective_without_slice_math_is_served_whole_by_the_feeder(tmp_path):
+    """loss_on_target on a replica with an objective that has no vocabulary-slice math (registered from outside
+    the package): the feeder serves every request with the whole lm_head, its follower none, and the job trains."""
+    from helpers.launch_util import REPO
+    steps = 3
+    r = torchrun(3, JOB + [f"train.output_dir={tmp_path}", f"train.max_steps={steps}",
+                           "drafter.tuning.loss_on_target=true", "logging.debug.trace_target=false",
+                           "drafter.loss.objective=helpers.toy_seams:WholeHeadCE", "topology.target_ranks=2",
+                           "target.tensor_parallel=2"], timeout=300,
+                 env={"PYTHONPATH": REPO + os.pathsep + os.path.join(REPO, "tests")})
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    lines = [x for x in out.splitlines() if "lm_head and loss of the drafters' steps run here" in x]
+    assert len(lines) == 1 and "[rank 1 " in lines[0], lines
+    assert "the whole lm_head on the replica's feeder (toy_whole_head has no vocabulary-slice math)" in lines[0]
+    assert f"{steps} head requests served" in out and not re.search(r"replica 0 rank 2: .*head requests", out)
+    assert train_records(tmp_path)[-1]["step"] == steps
+
+
 def test_replica_evaluates_in_training_like_dflash_eval_on_one_rank(tmp_path):
     """1 drafter + one replica of 2 with the default presets (in-training evaluation on: 16 held-out prompts, 64 new
     tokens), evaluating and saving every 4 of 12 steps: exit 0; the first evaluation ran in slices between messages
@@ -216,13 +236,16 @@ def test_replica_evaluates_in_training_like_dflash_eval_on_one_rank(tmp_path):
     assert r.returncode != 0 and ("NotADirectoryError" in r.stderr or "FileExistsError" in r.stderr), r.stderr[-3000:]
 
 
-def test_loss_on_target_of_a_replica_equals_one_target_rank(tmp_path):
-    """drafter.tuning.loss_on_target with a replica of 2 (its lm_head sharded): the feeder serves every head request
-    with the whole lm_head, and the loss of every step equals that of the same job on a one-rank target to 1e-5
-    (relative; the replica's features differ from one rank's by ~1e-6 relative)."""
+@pytest.mark.parametrize("weighting", ["decay", "dpace"])
+def test_loss_on_target_of_a_replica_equals_one_target_rank(tmp_path, weighting):
+    """drafter.tuning.loss_on_target with a replica of 2: each of its ranks serves every head request for its half
+    of the vocabulary (its slice of the lm_head), the drafter combines the two replies, and the loss of every step
+    equals that of the same job on a one-rank target to 1e-5 (relative; the replica's features differ from one
+    rank's by ~1e-6 relative). D-PACE: its weights come from the combined CE, before the step's weight sum."""
     steps = 4
     common = JOB + [f"train.max_steps={steps}", "drafter.tuning.loss_on_target=true",
-                    "drafter.tuning.micro_batches=2", "logging.debug.trace_target=false"]
+                    "drafter.tuning.micro_batches=2", "logging.debug.trace_target=false",
+                    f"drafter.loss.weighting={weighting}"]
     one, rep = tmp_path / "k1", tmp_path / "k2"
     r1 = torchrun(2, common + [f"train.output_dir={one}"], timeout=300)
     assert r1.returncode == 0, (r1.stdout + r1.stderr)[-4000:]
@@ -230,8 +253,11 @@ def test_loss_on_target_of_a_replica_equals_one_target_rank(tmp_path):
                   timeout=300)
     out = r2.stdout + r2.stderr
     assert r2.returncode == 0, out[-4000:]
-    assert "lm_head and loss of the drafters' steps run here" in out
-    assert f"{2 * steps} head requests served" in out, out[-3000:]  # 1 drafter, 2 groups per step
+    lines = [x for x in out.splitlines() if "lm_head and loss of the drafters' steps run here" in x]
+    assert len(lines) == 2 and all("each rank of replica [1, 2] serves its slice" in x for x in lines), lines
+    assert any("vocabulary rows [0, " in x for x in lines), lines
+    assert f"{2 * steps} head requests served" in out, out[-3000:]  # 1 drafter, 2 groups per step: the feeder
+    assert re.search(rf"replica 0 rank 2: .*; {2 * steps} head requests served", out), out[-3000:]  # and its peer
     a, b = train_records(one), train_records(rep)
     assert [x["step"] for x in a] == [x["step"] for x in b] == list(range(1, steps + 1))
     diffs = [abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(a, b)]

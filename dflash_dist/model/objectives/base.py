@@ -73,6 +73,10 @@ class Objective:
     vocabulary and the drafter combines the replies (model/head_shards.py); False: the replica's feeder serves
     the whole head."""
 
+    slice_stats_columns = 0
+    """fp32 columns per row of a slice's statistics (the first tensor of ``serve_slice``'s reply, then the ids of
+    its best entries [R] int64 and its part of the gradient [R, H] in the rows' dtype)."""
+
     def serve_slice(self, rows: Tensor, shard: Tensor, lo: int, labels: Tensor, *inputs: Tensor
                     ) -> tuple[Tensor, ...]:
         """On a rank holding head rows [lo, lo + len(shard)): its reply to a request (``head_shards.serve_slice``'s
@@ -190,6 +194,7 @@ class SlotWeightedCE(Objective):
         return (*L.frozen_head_ce(rows, head, labels, w, self.chunk_rows, self.compiled), None)
 
     vocab_parallel = True
+    slice_stats_columns = HS.SLICE_STATS
 
     def serve_slice(self, rows, shard, lo, labels, *inputs):
         return HS.serve_slice(rows, shard, lo, labels, self.chunk_rows)
