@@ -164,6 +164,34 @@ def test_auto_split_measures_a_replica(tmp_path):
     assert train_records(tmp_path)[-1]["step"] == 3
 
 
+def test_loss_on_target_of_a_replica_sigterm_drops_the_untrained_and_resumes(tmp_path):
+    """A replica of 2 serving its vocabulary slices to one drafter (4 anchor groups, the last local), the default
+    in-training evaluation on, SIGTERM mid-run: both ranks of the replica drop the requests of messages that will
+    not be trained, each served exactly the trained steps' three groups, every rank exits 0 after one checkpoint,
+    the accounting closes; the resumed job trains to the end of the epoch."""
+    from test_train_e2e import check_accounting, sigterm_workers_when
+    args = ["-m", "dflash_dist.train", f"train.output_dir={tmp_path}", "data.source=synthetic:40:400",
+            "train.epochs=1", "topology.target_ranks=2", "target.tensor_parallel=2",
+            "drafter.tuning.loss_on_target=true", "drafter.tuning.micro_batches=4",
+            "drafter.tuning.local_loss_groups=1", "target.max_batch_samples=8", "logging.log_every=2",
+            "logging.progress_bar=false", "logging.wandb.mode=disabled"]
+    p = torchrun(3, args, popen=True)
+    out = sigterm_workers_when(p, lambda: any(r["step"] >= 6 for r in train_records(tmp_path)), tmp_path,
+                               "did not reach step 6")
+    assert p.returncode == 0, out[-4000:]
+    assert "stopped on request" in out
+    served = [int(x.split(" head requests served")[0].rsplit(" ", 1)[1])
+              for x in out.splitlines() if " head requests served" in x]
+    last = train_records(tmp_path)[-1]["step"]
+    assert len(served) == 2 and served == [3 * last] * 2, (served, last)  # feeder and follower, nothing more
+    check_accounting(accounting(tmp_path))
+    r = torchrun(3, args + ["train.resume=auto"], timeout=300)  # to the end of the epoch
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert "resuming from" in out and train_records(tmp_path)[-1]["step"] > last
+    check_accounting(accounting(tmp_path))
+
+
 def test_an_objective_without_slice_math_is_served_whole_by_the_feeder(tmp_path):
     """loss_on_target on a replica with an objective that has no vocabulary-slice math (registered from outside
     the package): the feeder serves every request with the whole lm_head, its follower none, and the job trains."""
