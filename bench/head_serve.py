@@ -7,8 +7,13 @@ torch 2.11, 2026-11-30) the job measured 45 ms per 7,680-row request = 425 TFLOP
 offload gains (docs/benchmarks.md, "The frozen lm_head and loss on the target"). FLOPs: 4 x R x H x V (logits and
 row gradient); the matmul peak of the same GPU is measured first, so the table also gives the fraction of it.
 
+``--slices K``: also the vocab-parallel serve of a target replica of K ranks (model/head_shards.py): one rank's
+``serve_slice`` over V/K head rows, the drafter's ``combine_slices`` of the K replies, and how far the combined loss
+and gradient are from the whole head's (same rows, same dtype).
+
     python bench/head_serve.py --out head_serve.json                    # CUDA: Qwen3-8B head, 3 row counts
-    python bench/head_serve.py --tiny --out /tmp/hs.json                # CPU smoke
+    python bench/head_serve.py --slices 2 --rows 7680 --chunk-rows 4096 --out head_slices.json
+    python bench/head_serve.py --tiny --slices 2 --out /tmp/hs.json     # CPU smoke
 """
 
 from __future__ import annotations
@@ -22,12 +27,44 @@ import _common as C  # noqa: E402
 import torch  # noqa: E402
 
 from dflash_dist.comm.head_offload import head_flops  # noqa: E402
+from dflash_dist.model.head_shards import combine_slices, serve_slice, vocab_slice  # noqa: E402
 from dflash_dist.model.loss import frozen_head_ce, row_weights  # noqa: E402
 from dflash_dist.model.objectives import paper_gamma  # noqa: E402
 
 
 def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
+
+
+def sliced_row(x, weight, y, w, chunk: int, k: int, dev, warmup: int, repeats: int) -> dict:
+    """One rank's serve of its 1/k of the vocabulary and the drafter's combine of the k replies, timed; the
+    combined weighted loss and gradient against the whole head's (frozen_head_ce, eager)."""
+    v, (r, h) = weight.shape[0], x.shape
+    bounds = [vocab_slice(v, k, i) for i in range(k)]
+    row = {"rows": r, "chunk_rows": chunk, "compiled": False, "slices": k}
+    try:
+        C.reset_peak(dev)
+        lo, hi = bounds[0]
+        shard = weight[lo:hi].contiguous()
+        row["slice_ms"] = C.median(C.time_repeats(lambda: serve_slice(x, shard, lo, y, chunk), dev, warmup,
+                                                  repeats)) * 1e3
+        row["slice_tflops"] = head_flops(r, h, hi - lo) / (row["slice_ms"] / 1e3) / 1e12
+        replies = [serve_slice(x, weight[a:b], a, y, chunk) for a, b in bounds]
+        row["combine_ms"] = C.median(C.time_repeats(lambda: combine_slices(replies, weight, y), dev, warmup,
+                                                    repeats)) * 1e3
+        row["peak_gb"] = C.mem_gb(dev).get("peak_gb")
+        ce, _, grad = combine_slices(replies, weight, y)
+        loss_ref, _, grad_ref = frozen_head_ce(x, weight, y, w, chunk, False)
+        loss = (w * ce).sum()
+        row["loss_rel_diff"] = float((loss - loss_ref).abs() / loss_ref.abs())
+        row["grad_rel_diff"] = float((grad * w[:, None] - grad_ref.float()).norm() / grad_ref.float().norm())
+    except Exception as e:
+        row["error"] = C.short_error(e)
+    C.log(f"rows {r} chunk {chunk}, {k} slices: " + (f"one slice {row['slice_ms']:.2f} ms, combine "
+                                                     f"{row['combine_ms']:.2f} ms, loss rel. diff "
+                                                     f"{row['loss_rel_diff']:.2e}, grad {row['grad_rel_diff']:.2e}"
+                                                     if "combine_ms" in row else row["error"]))
+    return row
 
 
 def main(argv=None) -> int:
@@ -42,6 +79,7 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=None, help="timed calls (10; tiny 2)")
+    p.add_argument("--slices", type=int, default=0, help="K > 1: also the vocab-parallel serve of K ranks")
     args = p.parse_args(argv)
     t = args.tiny
     dev = C.pick_device("cpu" if t else args.device)
@@ -79,9 +117,15 @@ def main(argv=None) -> int:
                 C.log(f"rows {r} chunk {chunk} compiled {compiled}: "
                       + (f"{row['ms']:.2f} ms, {row['tflops']:.1f} TFLOP/s" if "ms" in row else row["error"]))
                 C.write_json(args.out, out)
+            if args.slices > 1:
+                out["rows"].append(sliced_row(x, weight, y, w, chunk, args.slices, dev, args.warmup, repeats))
+                C.write_json(args.out, out)
     print(C.table(out["rows"], [("rows", "rows"), ("chunk_rows", "chunk rows"), ("compiled", "compiled"),
+                                ("slices", "slices"),
                                 ("ms", "ms"), ("tflops", "TFLOP/s"), ("of_peak", "of matmul peak"),
-                                ("peak_gb", "peak GB"), ("error", "error")],
+                                ("peak_gb", "peak GB"), ("slice_ms", "one slice ms"),
+                                ("combine_ms", "combine ms"), ("loss_rel_diff", "loss rel. diff"),
+                                ("grad_rel_diff", "grad rel. diff"), ("error", "error")],
                   title=f"served head request, H={h}, V={v}, {dev} (matmul peak {out['peak']['tflops']:.1f} TFLOP/s)"))
     return 0
 

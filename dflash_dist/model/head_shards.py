@@ -11,7 +11,8 @@ has, exactly as one rank over the whole head would:
 
 Each slice's reply is independent of the others (no collective between the replica's ranks), so every rank serves
 its requests at its own boundaries. The weights of the rows multiply CE and its gradient, so the objective applies
-them after ``combine`` (decay's slot weights or D-PACE's, which depend on the combined CE).
+them after ``combine`` (decay's slot weights or D-PACE's, which depend on the combined CE). One rank's half of a
+Qwen3-8B-shaped request and the drafter's combine, measured: docs/benchmarks.md#head-slices.
 """
 
 from __future__ import annotations

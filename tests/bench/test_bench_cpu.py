@@ -262,6 +262,19 @@ def test_head_serve(tmp_path):
     assert "| 300 | 128 | no |" in r.stdout
 
 
+def test_head_serve_in_vocabulary_slices(tmp_path):
+    """--slices 2: per (rows, chunk) also one rank's slice and the drafter's combine, timed, the combined loss and
+    gradient within fp32 rounding of the whole head's."""
+    out = tmp_path / "hs.json"
+    r = subprocess.run(_cmd("head_serve.py", "--tiny", "--slices", "2", "--rows", "150", "--chunk-rows", "64",
+                            "--out", out), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    whole, sliced = json.load(open(out))["rows"]
+    assert "slices" not in whole and sliced["slices"] == 2 and sliced["rows"] == whole["rows"] == 150
+    assert sliced["slice_ms"] > 0 and sliced["combine_ms"] > 0
+    assert sliced["loss_rel_diff"] < 1e-5 and sliced["grad_rel_diff"] < 1e-5, sliced
+
+
 def test_target_fresh_shapes_pad_multiples(tmp_path):
     """bench/target_fresh_shapes.py: each pad multiple a row, the same shapes twice (--repeat), a new shape's and a
     seen shape's top ops (--profile), and the rows really rounded (the capture says so)."""
