@@ -1,5 +1,5 @@
 """``dflash-train --help``: the launcher's options, the config groups with their presets, and every key with its
-default and the first line of its docstring in ``dflash_dist/config.py`` (the one place each key is documented)."""
+default and the first line of its docstring in ``dflash_dist/config/`` (the one place each key is documented)."""
 
 from __future__ import annotations
 
@@ -27,12 +27,15 @@ Several nodes or SLURM: launch/multinode.sh, launch/slurm.sbatch (torchrun -m df
 
 
 def field_docs() -> dict[str, dict[str, str]]:
-    """Class name -> field name -> the first line of the field's docstring, read from config.py's source (a
-    dataclass keeps no field docstrings at run time)."""
-    with open(C.__file__) as f:
-        tree = ast.parse(f.read())
+    """Class name -> field name -> the first line of the field's docstring, read from the config modules' source
+    (a dataclass keeps no field docstrings at run time)."""
+    import glob
+    body = []
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(C.__file__), "*.py"))):
+        with open(path) as f:
+            body += ast.parse(f.read()).body
     docs: dict[str, dict[str, str]] = {}
-    for node in tree.body:
+    for node in body:
         if not isinstance(node, ast.ClassDef):
             continue
         fields = docs.setdefault(node.name, {})
@@ -85,7 +88,7 @@ def render_help(conf_dir: str, default_job: dict) -> str:
     for group, (names, chosen) in group_options(conf_dir).items():
         lines.append(f"  {group + ':':<10} " + ", ".join(n + ("*" if n == chosen else "") for n in names))
     lines += ["", "keys (key=value; the default job's value, then what it does; every key in full: "
-                  "dflash_dist/config.py):"]
+                  "dflash_dist/config/):"]
     for group, cls in C.GROUPS.items():
         lines.append("")
         for key, value, doc in key_lines(cls, f"{group}.", default_job.get(group) or {}, docs):

@@ -43,9 +43,9 @@ def test_help_prints_once_from_any_directory(tmp_path):
     assert out.count("usage: dflash-train") == 1 and out.count("config groups (") == 1, out[-3000:]
     groups = out.split("config groups (")[1].split("keys (")[0]
     assert "tiny_llama3" in groups and "paper" in groups and "jsonl" in groups
-    assert "base" not in groups.replace(",", " ").split()  # config.py's defaults, not an option to pick
+    assert "base" not in groups.replace(",", " ").split()  # config/'s defaults, not an option to pick
     lines = out.splitlines()
-    at = lines.index("  train.lr = 0.002")  # the default job's value (train=tiny), then config.py's docstring
+    at = lines.index("  train.lr = 0.002")  # the default job's value (train=tiny), then config/'s docstring
     assert lines[at + 1].strip() == "Peak AdamW learning rate."
     assert "  target.tuning.pad_multiple = null" in lines and "  logging.wandb.mode = null" in lines
     assert "Traceback" not in out

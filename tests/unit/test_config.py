@@ -188,7 +188,7 @@ def _keys(cls, prefix: str) -> list[str]:
 
 def test_help_lists_every_key_with_its_docstring_and_the_presets_without_base():
     """dflash-train --help: every key of every group (sub-groups too) once, each followed by the first line of its
-    docstring in config.py; the presets of conf/ per group, the default job's marked; `base` is no choice."""
+    docstring in config/; the presets of conf/ per group, the default job's marked; `base` is no choice."""
     from omegaconf import OmegaConf
 
     from dflash_dist.cli.help import render_help

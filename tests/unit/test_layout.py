@@ -83,7 +83,7 @@ def test_roles_never_import_each_other():
 
 
 def test_presets_hold_no_defaults():
-    """Every default lives in config.py: a preset in conf/<group>/ starts from `base` and sets only what differs."""
+    """Every default lives in config/: a preset in conf/<group>/ starts from `base` and sets only what differs."""
     for path in sorted(glob.glob(os.path.join(REPO, "conf", "*", "*.yaml"))):
         group = os.path.basename(os.path.dirname(path))
         preset = yaml.safe_load(open(path)) or {}
@@ -95,16 +95,17 @@ def test_presets_hold_no_defaults():
             assert key in base, f"{path}: unknown key {key}"
             if isinstance(value, dict) and isinstance(base[key], dict) and base[key]:
                 same = {k for k, v in value.items() if base[key].get(k, object()) == v}
-                assert not same, f"{path}: {key}.{sorted(same)} repeat the defaults of config.py"
+                assert not same, f"{path}: {key}.{sorted(same)} repeat the defaults of config/"
             else:
-                assert value != base[key], f"{path}: {key}={value!r} repeats the default of config.py"
+                assert value != base[key], f"{path}: {key}={value!r} repeats the default of config/"
 
 
 def test_every_config_field_is_documented():
-    for cls in [C.TargetConfig, C.TargetTuning, C.DrafterConfig, C.DrafterTuning, C.DrafterLoss, C.DataConfig,
-                C.TopologyConfig,
-                C.TopologyTuning, C.TrainConfig, C.TrainTuning, C.LoggingConfig, C.LoggingDebug, C.WandbConfig]:
-        src = open(C.__file__).read()
+    import sys
+    for cls in [C.TargetConfig, C.TargetTuning, C.DrafterConfig, C.DrafterTuning, C.DrafterLoss, C.DrafterDomino,
+                C.DrafterDFlash2, C.DataConfig, C.TopologyConfig, C.TopologyTuning, C.TrainConfig, C.TrainTuning,
+                C.LoggingConfig, C.LoggingDebug, C.WandbConfig]:
+        src = open(sys.modules[cls.__module__].__file__).read()
         tree = ast.parse(src)
         node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
         body = node.body
@@ -119,8 +120,7 @@ def test_every_config_field_is_documented():
 def test_module_and_function_sizes():
     """No module over ~500 lines; functions over 100 lines are listed here by name, each a known exception."""
     allowed_long: set = set()
-    # config.py: declarations, every field with its documentation
-    allowed_big = {"dflash_dist/config.py"}
+    allowed_big: set = set()
     big, long_fns = [], []
     for path in glob.glob(os.path.join(PKG, "**", "*.py"), recursive=True):
         src = open(path).read()
@@ -179,7 +179,7 @@ def test_drafter_settings_derived_in_one_place():
     readers = []
     for path in glob.glob(os.path.join(PKG, "**", "*.py"), recursive=True):
         rel = os.path.relpath(path, REPO)
-        if rel in ("dflash_dist/config.py", "dflash_dist/model/spec.py"):
+        if rel.startswith("dflash_dist/config/") or rel == "dflash_dist/model/spec.py":
             continue
         for node in ast.walk(ast.parse(open(path).read())):
             if isinstance(node, ast.Attribute) and node.attr in knobs and \
