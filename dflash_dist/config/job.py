@@ -170,10 +170,6 @@ def validate_job(cfg: JobConfig, world_size: Optional[int], num_target_layers: i
     ``world_size`` None (dflash-plan: no job yet) skips the checks of the split."""
     if world_size is not None:
         check_split(cfg, world_size)
-    if cfg.target.tensor_parallel > 1 and world_size is not None:  # dflash-plan (no job) measures the drafter only
-        _require(cfg.drafter.loss.labels == "data",
-                 "drafter.loss.labels=target with target.tensor_parallel > 1 is not supported: the lm_head of a "
-                 "replica is sharded; set drafter.loss.labels=data")
     _require(not (cfg.drafter.tuning.loss_on_target and cfg.topology.tuning.rendezvous_sends is False),
              "drafter.loss_on_target needs rendezvous sends (a target serves head requests while it waits for its "
              "drafters): remove topology.tuning.rendezvous_sends=false")

@@ -70,7 +70,7 @@ def measure_target_supply(job, device: torch.device, batches: Optional[int] = No
         samples = tokens = 0
         for k in batch_keys:
             ids, lengths, _, _ = pad_batch([ds[j] for j in job.plan[k]], device, packed)
-            capture(ids, lengths)
+            capture.for_loss(ids, lengths, job.drafter.loss)  # labels=target: the whole model and its lm_head
             _sync(device)
             samples, tokens = samples + len(lengths), tokens + int(lengths.sum())
         counts.append((samples, tokens))

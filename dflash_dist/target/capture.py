@@ -365,6 +365,17 @@ class FeatureCapture:
         ids, p = top_next_tokens(last, self.model.get_output_embeddings(), top_k, probs)
         return feats, ids, p
 
+    def for_loss(self, input_ids: torch.Tensor, lengths: torch.Tensor, loss
+                 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The forward the drafter's objective needs (``loss``: the resolved drafter.loss): (features, the target's
+        label ids or None, their probabilities or None). labels=target runs the whole model and its lm_head
+        (kind=kl keeps the top kl_top_k and their probabilities); every rank of a replica runs this same forward
+        (the model's collectives need them all)."""
+        if loss.labels != "target":
+            return self(input_ids, lengths), None, None
+        kl = loss.kind == "kl"
+        return self.with_labels(input_ids, lengths, top_k=loss.kl_top_k if kl else 1, probs=kl)
+
     @torch.inference_mode()
     def _run(self, input_ids: torch.Tensor, lengths: torch.Tensor, full: bool):
         """(features [T, n*H], the final normed hidden state [T, H] of the real tokens with ``full``, else None)."""

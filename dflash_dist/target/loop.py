@@ -270,7 +270,7 @@ def run_replica_follower(job, model) -> None:
         batch = [dataset[i] for i in job.plan[k]]
         stall_if_due(fault, done)
         ids, lengths, _, _ = pad_batch(batch, d.device, capture.packing)
-        apply_target_fault(fault, done, capture(ids, lengths))
+        apply_target_fault(fault, done, capture.for_loss(ids, lengths, job.drafter.loss)[0])
         if heads is not None:
             heads.expect(j, k, topo.drafter_for(j))
         done += 1
@@ -396,7 +396,7 @@ class TargetRun:
         stall_if_due(self.fault, self.sent)
         with phase("capture"):
             ids, lengths, packed_ids, packed_mask = pad_batch(batch, d.device, self.feature_capture.packing)
-            feats, label_ids, label_probs = self.forward(ids, lengths)
+            feats, label_ids, label_probs = self.feature_capture.for_loss(ids, lengths, self.job.drafter.loss)
             feats = apply_target_fault(self.fault, self.sent, feats)
             if cuda:  # busy time = real forward time; ready payloads are posted meanwhile
                 tx.wait_event(torch.cuda.current_stream().record_event())
@@ -409,15 +409,6 @@ class TargetRun:
         self.samples += len(batch)
         self.flops += self.flops_per_batch(lengths.tolist())
         return msg, MessageTimes(stall_msg, capture_msg)
-
-    def forward(self, ids, lengths) -> tuple:
-        """(features, the target's label ids or None, their probabilities or None): drafter.loss.labels=target
-        runs the whole model and its lm_head; kind=kl keeps its top kl_top_k tokens and their probabilities."""
-        loss = self.job.drafter.loss
-        if loss.labels != "target":
-            return self.feature_capture(ids, lengths), None, None
-        kl = loss.kind == "kl"
-        return self.feature_capture.with_labels(ids, lengths, top_k=loss.kl_top_k if kl else 1, probs=kl)
 
     def send(self, j: int, msg: Message, times: MessageTimes) -> None:
         """Posts message j to its drafter, headed by the stats up to now; the head server then awaits its requests."""

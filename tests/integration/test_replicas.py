@@ -292,3 +292,31 @@ def test_loss_on_target_of_a_replica_equals_one_target_rank(tmp_path, weighting)
     assert max(diffs) <= 1e-5, diffs
     print("loss on the target, k=1:", [x["loss"] for x in a], "\nk=2:", [y["loss"] for y in b],
           "\nmax relative difference:", max(diffs))
+
+
+def test_the_targets_own_labels_on_a_replica_equal_one_target_rank(tmp_path):
+    """drafter.loss.labels=target (kind=kl, top-8) on a replica of 2: every rank runs the whole model and the
+    lm_head (its output gathered by transformers' plan), the feeder sends the top-8; the loss of every step equals
+    that of a one-rank target's job to 1e-5 (relative), with the loss on the drafter and with it on the target
+    (kind=kl has no vocabulary-slice math: the feeder serves it with the whole head)."""
+    steps = 4
+    common = JOB + [f"train.max_steps={steps}", "drafter.loss.labels=target", "drafter.loss.kind=kl",
+                    "drafter.loss.kl_top_k=8", "logging.debug.trace_target=false", "drafter.tuning.micro_batches=2"]
+    replica = ["topology.target_ranks=2", "target.tensor_parallel=2"]
+    runs = {"one": (2, []), "replica": (3, replica),
+            "replica_loss_on_target": (3, replica + ["drafter.tuning.loss_on_target=true"])}
+    losses = {}
+    for name, (n, extra) in runs.items():
+        r = torchrun(n, common + extra + [f"train.output_dir={tmp_path / name}"], timeout=300)
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, out[-4000:]
+        if name == "replica_loss_on_target":
+            assert "the whole lm_head on the replica's feeder (kl_decayed_ce has no vocabulary-slice math)" in out, out[-3000:]
+            assert f"{2 * steps} head requests served" in out
+        rec = train_records(tmp_path / name)
+        assert [x["step"] for x in rec] == list(range(1, steps + 1))
+        losses[name] = [x["loss"] for x in rec]
+    for name in ("replica", "replica_loss_on_target"):
+        diffs = [abs(a - b) / abs(a) for a, b in zip(losses["one"], losses[name])]
+        assert max(diffs) <= 1e-5, (name, diffs)
+    print(losses)
