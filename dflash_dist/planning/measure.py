@@ -123,15 +123,19 @@ def plan_message(job, ds, k: int, features, src: int):
                          feats, src=src)
 
 
-def measure_drafter_demand(job, device: torch.device, steps: Optional[int] = None) -> dict:
+def measure_drafter_demand(job, device: torch.device, steps: Optional[int] = None, group=None) -> dict:
     """Samples/s of one drafter rank: ``DrafterTrainer`` built as the drafter role builds it (model config,
     backend, optimizer, compile settings and guard), alone (no DDP), with a random frozen embedding / lm_head of
     the target's shape and dtype; its full step (``build``: make_batch; ``train_step``: mask, forward,
     decayed CE, backward, clip, AdamW) on the plan's messages (real lengths and loss masks, random features of
     width n_layers * H in the target dtype), after a warm-up pass over the same messages (every batch shape
     once: no compile, first allocation or kernel choice lands in the timed steps). The steps are timed in rounds (``timed_rounds``:
-    topology.plan_rounds, plan_min_seconds); ``samples``/``tokens`` are one round's."""
+    topology.plan_rounds, plan_min_seconds); ``samples``/``tokens`` are one round's. ``group``: the drafter ranks
+    measuring together (every rank of it calls this): the trainer is data-parallel over it as the job's drafters are
+    (DDP's gradient all-reduce and the step's weight-sum all-reduce in every step), and its ranks agree on the
+    number of timed rounds; the rate is one rank's."""
     import torch
+    import torch.distributed as dist
 
     from dflash_dist.comm.distributed import Dist
     from dflash_dist.comm.topology import Topology
@@ -143,8 +147,11 @@ def measure_drafter_demand(job, device: torch.device, steps: Optional[int] = Non
     ks = calibration_messages(job, steps or cfg.topology.plan_drafter_steps)
     embed, head = random_head_weights(job, device)
     dtype = embed.dtype
-    # one drafter fed by one target, in this process: drafters=None is the trainer's "alone" mode
-    alone = Dist(topo=Topology(2, 0, 1), device=device, ctrl=None, data=None, drafters=None, store=None)
+    # one target feeding the measuring drafters; drafters=None (one drafter) is the trainer's "alone" mode
+    size = 1 if group is None else dist.get_world_size(group)
+    index = 0 if group is None else dist.get_rank(group)
+    alone = Dist(topo=Topology(size + 1, index, 1), device=device, ctrl=None, data=None,
+                 drafters=group if size > 1 else None, store=None)
     ds = TokenizedDataset.load(job.dataset_path)
     width = len(job.layer_ids) * text_config(job.hf_config).hidden_size
     fg = torch.Generator(device=device).manual_seed(0)
@@ -172,7 +179,8 @@ def measure_drafter_demand(job, device: torch.device, steps: Optional[int] = Non
                 trainer.train_step(trainer.build(m, k))
             _sync(device)
 
-        secs = timed_rounds(one_pass, cfg.topology.plan_rounds, cfg.topology.plan_min_seconds)
+        secs = timed_rounds(one_pass, cfg.topology.plan_rounds, cfg.topology.plan_min_seconds,
+                            agree=None if size == 1 else lambda more: any_rank(more, group, device))
         samples = sum(m.num_samples for m in msgs)
         tokens = sum(m.num_tokens for m in msgs)
         backend, variant = trainer.backend, trainer.spec.variant
@@ -184,5 +192,5 @@ def measure_drafter_demand(job, device: torch.device, steps: Optional[int] = Non
             torch._dynamo.reset()
         free_memory(device)
     return {**rate_summary(secs, samples, tokens), "steps": len(ks), "samples": samples, "tokens": tokens,
-            "warmup_steps": len(warm), "backend": backend, "variant": variant,
+            "warmup_steps": len(warm), "backend": backend, "variant": variant, "data_parallel_ranks": size,
             "device": str(device), "dtype": str(dtype).replace("torch.", ""), "messages": ks}

@@ -1,5 +1,7 @@
-"""``topology.target_ranks=auto`` at startup: rank 0 measures the drafter and rank W-1 the target at the same time,
-the results meet in the rendezvous store (keys ``dflash/plan/*``), rank 0 picks the split and publishes it."""
+"""``topology.target_ranks=auto`` at startup: rank 0 measures the drafter (data-parallel with every rank that
+measures no target, as the job's drafters train) and rank W-1 the target (with its replica's other ranks) at the
+same time, the results meet in the rendezvous store (keys ``dflash/plan/*``), rank 0 picks the split and publishes
+it."""
 
 from __future__ import annotations
 
@@ -97,8 +99,6 @@ def auto_split(job, rank: int, world: int, device: torch.device) -> dict:
     members = list(range(world - k, world))
     group = build = None  # one target rank: its own model, nothing to agree on
     if k > 1:
-        from datetime import timedelta
-
         from dflash_dist.model.hf import build_target_replica, random_target_dir
         if world <= k:
             from dflash_dist.config import ConfigError
@@ -116,25 +116,25 @@ def auto_split(job, rank: int, world: int, device: torch.device) -> dict:
             log.info("topology.target_ranks=auto: measuring the supply of replica %s with rank %d", members,
                      world - 1)
             measure_target_supply(job, device, build=build, group=group)
+    # the drafter side: rank 0 and every rank that measures no target, data-parallel as the job's drafters are
+    # (the gradient all-reduce is in the measured step; on CPU the ranks also load the machine as the job does)
+    drafters = [r for r in range(world) if r != world - 1 and r not in members]
+    dgroup = dist.new_group(ranks=drafters, timeout=timedelta(seconds=timeout)) if len(drafters) > 1 else None
     if rank == world - 1:  # a target in every split
         log.info("topology.target_ranks=auto: measuring target supply on this rank%s",
                  f" (replica {members} of target.tensor_parallel={k})" if k > 1 else "")
         _report(store, "supply", lambda: measure_target_supply(job, device, build=build, group=group))
-    elif rank != 0 and rank not in members and device.type == "cpu":
-        # the ranks share the CPU: the others train drafter steps meanwhile (unreported), so rank 0 and rank W-1
-        # measure on a machine as busy as the job's, each with its rank's threads
-        log.info("topology.target_ranks=auto: drafter steps on this rank while ranks 0 and %d measure (the ranks "
-                 "share the CPU)", world - 1)
-        measure_drafter_demand(job, device)
-    elif rank != 0 and rank not in members:
-        log.info("topology.target_ranks=auto: waiting for the measurements of ranks 0 and %d", world - 1)
+    elif rank != 0 and rank in drafters:
+        log.info("topology.target_ranks=auto: drafter steps on this rank, data-parallel with rank 0's measurement "
+                 "(ranks %s)", drafters)
+        measure_drafter_demand(job, device, group=dgroup)
     if rank != 0:
         # rank 0 waits up to `timeout` for rank W-1 after its own measurement: give it time to say why
         return wait_for(store, "choice", 0, "the chosen split", 2 * timeout)
     try:  # rank 0: a drafter in every split
-        log.info("topology.target_ranks=auto: measuring drafter demand on this rank (rank %d measures the target)",
-                 world - 1)
-        demand = measure_drafter_demand(job, device)
+        log.info("topology.target_ranks=auto: measuring drafter demand on this rank, data-parallel over ranks %s "
+                 "(rank %d measures the target)", drafters, world - 1)
+        demand = measure_drafter_demand(job, device, group=dgroup)
         supply = wait_for(store, "supply", world - 1, "its target supply", timeout)
         if k > 1:  # the replica's rate (and its measured spread), per rank of it, for splits of whole replicas
             per_rank = {key: supply[key] / k for key in ("samples_per_s", "tokens_per_s", "samples_per_s_min",

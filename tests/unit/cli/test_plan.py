@@ -269,6 +269,8 @@ def test_auto_split_job(tmp_path, data_cache):
     plan = json.load(open(tmp_path / "plan.json"))
     assert plan["measured"] is True and plan["world_size"] == 3
     assert plan["measured_on"] == {"drafter": 0, "target": 2}
+    assert plan["demand"]["data_parallel_ranks"] == 2  # rank 1 trained beside rank 0, as a drafter of the job does
+    assert "drafter steps on this rank, data-parallel with rank 0's measurement (ranks [0, 1])" in out
     t = check_measured(plan, 3, 4, 3)
     assert "topology.target_ranks=auto: measured in" in out
     assert f"chosen: {t} target + {3 - t} drafter ranks" in out
