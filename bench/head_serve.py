@@ -8,7 +8,7 @@ offload gains (docs/benchmarks.md, "The frozen lm_head and loss on the target").
 row gradient); the matmul peak of the same GPU is measured first, so the table also gives the fraction of it.
 
 ``--slices K``: also the vocab-parallel serve of a target replica of K ranks (model/head_shards.py): one rank's
-``serve_slice`` over V/K head rows, the drafter's ``combine_slices`` of the K replies, and how far the combined loss
+``serve_slice`` over V/K head rows, the drafter's ``ce_from_slices`` of the K replies, and how far the combined loss
 and gradient are from the whole head's (same rows, same dtype).
 
     python bench/head_serve.py --out head_serve.json                    # CUDA: Qwen3-8B head, 3 row counts
@@ -27,7 +27,7 @@ import _common as C  # noqa: E402
 import torch  # noqa: E402
 
 from dflash_dist.comm.head_offload import head_flops  # noqa: E402
-from dflash_dist.model.head_shards import combine_slices, serve_slice, vocab_slice  # noqa: E402
+from dflash_dist.model.head_shards import ce_from_slices, serve_slice, vocab_slice  # noqa: E402
 from dflash_dist.model.loss import frozen_head_ce, row_weights  # noqa: E402
 from dflash_dist.model.objectives import paper_gamma  # noqa: E402
 
@@ -46,14 +46,14 @@ def sliced_row(x, weight, y, w, chunk: int, k: int, dev, warmup: int, repeats: i
         C.reset_peak(dev)
         lo, hi = bounds[0]
         shard = weight[lo:hi].contiguous()
-        row["slice_ms"] = C.median(C.time_repeats(lambda: serve_slice(x, shard, lo, y, chunk), dev, warmup,
+        row["slice_ms"] = C.median(C.time_repeats(lambda: serve_slice(x, shard, lo, y[:, None], chunk), dev, warmup,
                                                   repeats)) * 1e3
         row["slice_tflops"] = head_flops(r, h, hi - lo) / (row["slice_ms"] / 1e3) / 1e12
-        replies = [serve_slice(x, weight[a:b], a, y, chunk) for a, b in bounds]
-        row["combine_ms"] = C.median(C.time_repeats(lambda: combine_slices(replies, weight, y), dev, warmup,
+        replies = [serve_slice(x, weight[a:b], a, y[:, None], chunk) for a, b in bounds]
+        row["combine_ms"] = C.median(C.time_repeats(lambda: ce_from_slices(replies, weight, y), dev, warmup,
                                                     repeats)) * 1e3
         row["peak_gb"] = C.mem_gb(dev).get("peak_gb")
-        ce, _, grad = combine_slices(replies, weight, y)
+        ce, _, grad = ce_from_slices(replies, weight, y)
         loss_ref, _, grad_ref = frozen_head_ce(x, weight, y, w, chunk, False)
         loss = (w * ce).sum()
         row["loss_rel_diff"] = float((loss - loss_ref).abs() / loss_ref.abs())

@@ -21,7 +21,7 @@ drafter-bound job with 2 or 4 groups, less so with one backward for all groups w
 docs/benchmarks.md#head-on-target).
 
 On a target replica of k ranks, with an objective that has the slice math (``objective.vocab_parallel``; the
-decayed CE and D-PACE): every rank of the replica holds its slice of the lm_head's rows and serves every request
+decayed CE, D-PACE and KL): every rank of the replica holds its slice of the lm_head's rows and serves every request
 of the replica's messages, and the drafter combines the k replies (``combine_slices``, model/head_shards.py). No
 rank of the replica waits for another's reply, so each serves at its own boundaries (``head_servers``). Other
 objectives are served by the replica's feeder with the whole head.
@@ -213,7 +213,7 @@ class HeadLossClient:
                          group=self.ch.data_group)
         if p.slices is not None:  # the whole head's reply from the slices' (on the stream, after their receives)
             loss_sum, pred, grad, extra = self.objective.combine_slices([reply for _, reply in p.slices], self.head,
-                                                                        p.rows_y)
+                                                                        p.rows_y, *p.sends[3:])
             p.loss.copy_(loss_sum.reshape(1))
             p.pred.copy_(pred)
             p.grad.copy_(grad)  # what the surrogate's backward hands the rows

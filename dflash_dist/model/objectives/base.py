@@ -83,10 +83,10 @@ class Objective:
         tensors); no autograd."""
         raise NotImplementedError
 
-    def combine_slices(self, replies: list, head: Tensor, labels: Tensor
+    def combine_slices(self, replies: list, head: Tensor, labels: Tensor, *inputs: Tensor
                        ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
-        """On the drafter: the slices' replies, in vocabulary order, and its frozen head [V, H] -> what ``serve``
-        returns over the whole head (loss sum, argmax, d(loss sum)/d rows, extras)."""
+        """On the drafter: the slices' replies, in vocabulary order, its frozen head [V, H] and the request's
+        ``inputs`` -> what ``serve`` returns over the whole head (loss sum, argmax, d(loss sum)/d rows, extras)."""
         raise NotImplementedError
 
     def parts(self, loss_sum: Tensor, pred: Tensor, rows_y: Tensor, rows_w: Tensor,
@@ -194,13 +194,13 @@ class SlotWeightedCE(Objective):
         return (*L.frozen_head_ce(rows, head, labels, w, self.chunk_rows, self.compiled), None)
 
     vocab_parallel = True
-    slice_stats_columns = HS.SLICE_STATS
+    slice_stats_columns = HS.slice_stats_columns(1)  # the label's logit
 
     def serve_slice(self, rows, shard, lo, labels, *inputs):
-        return HS.serve_slice(rows, shard, lo, labels, self.chunk_rows)
+        return HS.serve_slice(rows, shard, lo, labels[:, None], self.chunk_rows)
 
-    def combine_slices(self, replies, head, labels):
-        ce, pred, grad = HS.combine_slices(replies, head, labels)   # unweighted: the weights scale CE and gradient
+    def combine_slices(self, replies, head, labels, *inputs):
+        ce, pred, grad = HS.ce_from_slices(replies, head, labels)   # unweighted: the weights scale CE and gradient
         if self.weighting == "dpace":
             loss_sum, pred, grad, w, q = dpace_weighted(ce, pred, grad, labels != L.IGNORE_INDEX, self.block_size,
                                                         self.dpace_alpha)

@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from dflash_dist.config import ConfigError
+from dflash_dist.model import head_shards as HS
 from dflash_dist.model import loss as L
 from dflash_dist.model.lazy_compile import lazy_compile
 from dflash_dist.model.objectives.base import Objective, SlotWeightedCE
@@ -176,6 +177,26 @@ class DistillKL(Objective):
         w = L.slot_row_weights(labels, self.base.slot_weights(labels.device))
         loss_sum, pred, grad = frozen_head_kl(rows, head, ids, probs, w, self.chunk_rows, self.compiled)
         return loss_sum, pred, grad, None
+
+    vocab_parallel = True
+
+    @property
+    def slice_stats_columns(self) -> int:
+        return HS.slice_stats_columns(self.top_k)  # the logits of the target's top-k ids
+
+    def serve_slice(self, rows, shard, lo, labels, ids=None, probs=None):
+        return HS.serve_slice(rows, shard, lo, ids, self.chunk_rows)
+
+    def combine_slices(self, replies, head, labels, ids=None, probs=None):
+        """KL = sum_i p_i (log p_i - z_i + lse); its gradient sum(p) softmax @ W - sum_i p_i W[id_i], weighted."""
+        lse, picked, pred, soft = HS.combine_slices(replies)
+        w = L.slot_row_weights(labels, self.base.slot_weights(labels.device))
+        p = probs.float()
+        kl = (torch.xlogy(p, p) - p * (picked - lse[:, None])).sum(-1) * w
+        grad = soft * p.sum(-1, keepdim=True)
+        for i in range(ids.shape[1]):  # one [R, H] gather at a time (all k at once: k x [R, H])
+            grad -= p[:, i:i + 1] * head[ids[:, i]].float()
+        return kl.sum(), pred, grad * w[:, None], None
 
     def describe(self) -> str:
         return f"KL to the target's top-{self.spec.loss.kl_top_k} distribution, weights of {self.base.describe()}"

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dflash_dist.model import loss as L
-from dflash_dist.model.head_shards import SLICE_STATS, combine_slices, serve_slice, vocab_slice
+from dflash_dist.model.head_shards import ce_from_slices, serve_slice, slice_stats_columns, vocab_slice
 
 
 def _case(rows=37, hidden=16, vocab=101, seed=0, dtype=torch.float32):
@@ -19,7 +19,7 @@ def _case(rows=37, hidden=16, vocab=101, seed=0, dtype=torch.float32):
 
 def _sliced(x, head, y, parts, chunk):
     bounds = [vocab_slice(head.shape[0], parts, i) for i in range(parts)]
-    return combine_slices([serve_slice(x, head[lo:hi], lo, y, chunk) for lo, hi in bounds], head, y)
+    return ce_from_slices([serve_slice(x, head[lo:hi], lo, y[:, None], chunk) for lo, hi in bounds], head, y)
 
 
 @pytest.mark.parametrize("parts,chunk", [(1, 64), (2, 8), (3, 5), (4, 37), (7, 1)])
@@ -38,8 +38,8 @@ def test_slices_combine_to_the_whole_head(parts, chunk):
 def test_a_slice_reply_has_its_layout():
     x, head, y = _case()
     lo, hi = vocab_slice(head.shape[0], 3, 1)
-    stats, best, g = serve_slice(x, head[lo:hi], lo, y, 8)
-    assert stats.shape == (x.shape[0], SLICE_STATS) and stats.dtype == torch.float32
+    stats, best, g = serve_slice(x, head[lo:hi], lo, y[:, None], 8)
+    assert stats.shape == (x.shape[0], slice_stats_columns(1)) == (x.shape[0], 3) and stats.dtype == torch.float32
     assert best.dtype == torch.int64 and ((best >= lo) & (best < hi)).all()  # global ids of this slice
     assert g.shape == x.shape and g.dtype == head.dtype
     inside = (y >= lo) & (y < hi)

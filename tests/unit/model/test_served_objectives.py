@@ -135,30 +135,34 @@ def _must_not_run(*args):
     raise AssertionError("the eager chunk function ran although compiled=True")
 
 
-def _served_in_slices(obj, hidden, head, labels, slices):
+def _served_in_slices(obj, hidden, head, labels, slices, soft=None):
     """A replica's ranks each serve their slice of the vocabulary; the drafter combines the replies."""
     from dflash_dist.model.head_shards import vocab_slice
     rows, rows_y, rows_w = obj.rows(hidden, labels)
-    replies = [obj.serve_slice(rows.detach().clone(), head[lo:hi], lo, rows_y.clone())
+    inputs = obj.request_inputs(labels, soft)
+    replies = [obj.serve_slice(rows.detach().clone(), head[lo:hi], lo, rows_y.clone(), *inputs)
                for lo, hi in (vocab_slice(V, slices, i) for i in range(slices))]
-    loss_sum, pred, grad, extra = obj.combine_slices(replies, head, rows_y)
+    assert all(r[0].shape == (rows_y.numel(), obj.slice_stats_columns) for r in replies)
+    loss_sum, pred, grad, extra = obj.combine_slices(replies, head, rows_y, *inputs)
     assert (extra is None) == (obj.reply_columns == 0) and grad.shape == rows.shape
     return obj.parts(_ReceivedGrad.apply(rows, grad) + loss_sum.float(), pred, rows_y, rows_w, extra)
 
 
 @pytest.mark.parametrize("slices", [1, 2, 3])
-@pytest.mark.parametrize("loss", [{}, {"weighting": "dpace"}])
+@pytest.mark.parametrize("loss", [{}, {"weighting": "dpace"}, {"labels": "target", "kind": "kl", "kl_top_k": 5},
+                                  {"labels": "target", "kind": "kl", "kl_top_k": 1}])
 def test_loss_served_in_vocabulary_slices_equals_the_drafters(loss, slices):
     """drafter.tuning.loss_on_target on a replica: each rank's slice of the head, combined on the drafter, gives
     the drafter's own loss, statistics and gradient (fp32, to rounding); the argmax is the whole head's, and
     where slices tie, the lowest id (as argmax over the whole vocabulary picks)."""
     obj = _objective(**loss)
     assert obj.vocab_parallel
-    hidden, head, labels, soft = _case()
-    local = obj.loss(hidden, head, labels)
+    hidden, head, labels, soft = _case(k=obj.spec.loss.kl_top_k if loss.get("kind") == "kl" else 5)
+    soft_arg = (soft,) if loss.get("kind") == "kl" else ()
+    local = obj.loss(hidden, head, labels, *soft_arg)
     (0.37 * local.loss_sum).backward()
     g_local, hidden.grad = hidden.grad.clone(), None
-    served = _served_in_slices(obj, hidden, head, labels, slices)
+    served = _served_in_slices(obj, hidden, head, labels, slices, soft)
     (0.37 * served.loss_sum).backward()
     torch.testing.assert_close(served.loss_sum, local.loss_sum.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(served.weight_sum, local.weight_sum, rtol=1e-6, atol=1e-6)
@@ -170,15 +174,17 @@ def test_loss_served_in_vocabulary_slices_equals_the_drafters(loss, slices):
     whole = (rows @ head.t()).argmax(-1)
     from dflash_dist.model.head_shards import combine_slices, serve_slice, vocab_slice
     def pred(w):
-        return combine_slices([serve_slice(rows, w[lo:hi], lo, rows_y, 16)
-                               for lo, hi in (vocab_slice(V, slices, i) for i in range(slices))], w, rows_y)[1]
+        return combine_slices([serve_slice(rows, w[lo:hi], lo, rows_y[:, None], 16)
+                               for lo, hi in (vocab_slice(V, slices, i) for i in range(slices))])[2]
     assert torch.equal(pred(head), whole)
     assert torch.equal(pred(torch.zeros_like(head)), torch.zeros_like(whole))  # every entry ties: id 0
 
 
-def test_the_kl_objective_is_served_whole_on_a_replica():
-    """kind=kl has no slice math: a replica's feeder serves it with the whole head (the target loop asks)."""
-    assert not _objective(labels="target", kind="kl", kl_top_k=5).vocab_parallel
+def test_every_built_in_objective_has_the_slice_math():
+    """On a replica every rank serves its slice for the built-in objectives (an objective of one's own without it
+    is served whole by the feeder: tests/integration/test_replicas.py)."""
+    for loss in ({}, {"weighting": "dpace"}, {"labels": "target", "kind": "kl", "kl_top_k": 5}):
+        assert _objective(**loss).vocab_parallel
 
 
 def test_vocabulary_slices_cover_it_in_order():
