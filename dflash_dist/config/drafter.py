@@ -154,8 +154,8 @@ class DrafterDomino:
 
 @dataclass
 class DrafterDFlash2:
-    """The DFlash2 additions (``drafter.dflash2.*``, used when ``drafter.variant=dflash2``); the same fields as
-    ``model/dflash2.DFlash2Settings``, which checks them against the drafter's shape."""
+    """The DFlash2 additions (``drafter.dflash2.*``, used when ``drafter.variant=dflash2``); ``model/dflash2``'s
+    ``DFlash2Settings`` is this class with its values checked against each other and the drafter's shape."""
 
     conv_kernel_size: int = 2
     """Taps k of each grouped dynamic convolution (tap t reads the token t slots earlier in the same block)."""

@@ -18,12 +18,11 @@ FLOP counts and the export contract (config fields, weight names and shapes).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
 
 import torch
 from torch import Tensor, nn
 
-from dflash_dist.config import ConfigError, _check_choices
+from dflash_dist.config import ConfigError, DrafterDFlash2
 from dflash_dist.model.dflash2_selector import CandidateSelector
 from dflash_dist.model.drafter import DFlashDecoderLayer, DrafterModelConfig
 
@@ -36,30 +35,13 @@ ARCHITECTURE = "DFlash2DraftModel"
 
 
 @dataclass
-class DFlash2Settings:
-    """The DFlash2 additions to the DFlash drafter (exported under ``dflash_config``)."""
-
-    conv_kernel_size: int = 2
-    """Taps k of each dynamic convolution (tap t reads the token t slots earlier in the same block)."""
-    conv_group_size: int = 16
-    """Channels g sharing one dynamic coefficient; the hidden size must be a multiple of it (G = H / g groups)."""
-    selector_rank: int = 256
-    """Rank r of the candidate selector's codebooks and hidden projection."""
-    selector_top_k: int = 16
-    """Candidates K per position: the top-K of the target head's logits, re-ranked by the selector."""
-    output_multiplier: float = 1.0
-    """Scale applied to the top-K unary logits before the soft cap (the engines' ``output_multiplier``)."""
-    final_logit_softcapping: Optional[float] = None
-    """Soft cap c of the unary logits, c * tanh(x / c), after the multiplier; None or 0 = off."""
-    selector_loss_weight: float = 1.0
-    """Weight of the selector's K-way cross-entropy added to the base objective."""
-    selector_gold: Literal["exclude", "replace_last"] = "replace_last"
-    """A gold token outside the top-K: ``exclude`` (that position has no selector loss) or ``replace_last`` (the
-    gold token takes the last candidate's place, with its own unary logit). ``replace_last``: the higher measured
-    tau on a larger CPU run, within the standard error (docs/benchmarks.md)."""
+class DFlash2Settings(DrafterDFlash2):
+    """The DFlash2 additions to the DFlash drafter (exported under ``dflash_config``): the fields of
+    ``drafter.dflash2`` (``config.DrafterDFlash2``, where each is documented), with their values checked and
+    normalised, and ``check_model`` against the drafter's shape."""
 
     def __post_init__(self) -> None:
-        _check_choices(self, "drafter.dflash2")
+        super().__post_init__()  # the choices
         for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
             if int(getattr(self, key)) < 1:
                 raise ConfigError(f"drafter.dflash2.{key}={getattr(self, key)}: must be >= 1")
