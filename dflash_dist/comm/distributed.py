@@ -98,6 +98,14 @@ def make_groups(topo: Topology, device: torch.device, timeout_s: float, ctrl=Non
                 evals=evals, tp=tp_group, tp_ctrl=tp_ctrl, heads=head_group, head_replies=reply_group)
 
 
+def any_rank(flag: bool, group, device: torch.device = torch.device("cpu")) -> bool:
+    """True on every rank of ``group`` when it is true on any (a MAX all-reduce; ``device``: where the group's
+    backend takes tensors, the host for gloo). Ranks that must take the same branch into a collective agree so."""
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
+
+
 def shorten_timeouts(d: Dist, timeout_s: float) -> None:
     """After warm-up (model load, first compiles) a silent peer means a dead job: let the collectives give up
     after ``timeout_s`` instead of the long warm-up limit (torchtitan does the same)."""

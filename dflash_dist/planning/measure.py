@@ -47,6 +47,7 @@ def measure_target_supply(job, device: torch.device, batches: Optional[int] = No
     ``build``: a callable returning the model (a rank's shard of a replica: every rank of the replica runs this
     together, and the rate is the replica's); ``group``: that replica's process group, over which its ranks agree
     on the number of timed rounds (their forwards are collectives)."""
+    from dflash_dist.comm.distributed import any_rank
     from dflash_dist.data.tokenize import TokenizedDataset
     from dflash_dist.model.fast_path import check_target_fast_path
     from dflash_dist.model.hf import build_target_model
@@ -89,15 +90,6 @@ def measure_target_supply(job, device: torch.device, batches: Optional[int] = No
             "messages": ks, "capture": path}
 
 
-def any_rank(flag: bool, group, device: torch.device) -> bool:
-    """True on every rank of ``group`` when it is true on any (a MAX all-reduce on the group's device)."""
-    import torch
-    import torch.distributed as dist
-    t = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item())
-
-
 def random_head_weights(job, device: torch.device) -> tuple:
     """A frozen embedding and lm_head of the target's shape and dtype, random (seeded by target.init_seed): what a
     drafter alone trains with in place of the target's (the step's cost is the same)."""
@@ -137,7 +129,7 @@ def measure_drafter_demand(job, device: torch.device, steps: Optional[int] = Non
     import torch
     import torch.distributed as dist
 
-    from dflash_dist.comm.distributed import Dist
+    from dflash_dist.comm.distributed import Dist, any_rank
     from dflash_dist.comm.topology import Topology
     from dflash_dist.config import resolve_backend
     from dflash_dist.data.tokenize import TokenizedDataset

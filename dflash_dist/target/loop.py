@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from dflash_dist.comm.distributed import shorten_timeouts
+from dflash_dist.comm.distributed import any_rank, shorten_timeouts
 from dflash_dist.comm.faults import apply_target_fault, fault_for, stall_if_due
 from dflash_dist.comm.head_offload import HeadLossServer, head_channels, head_servers
 from dflash_dist.comm.transport import Message, Sender, job_channel
@@ -228,9 +228,7 @@ def replica_stops(d, stop: bool) -> bool:
     enters a forward its peers never join. A single-rank replica decides alone."""
     if d.tp_ctrl is None:
         return stop
-    flag = torch.tensor([int(stop)])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=d.tp_ctrl)
-    return bool(flag.item())
+    return any_rank(stop, d.tp_ctrl)  # the replica's gloo group: a host tensor
 
 
 def first_untrained(job) -> Optional[int]:

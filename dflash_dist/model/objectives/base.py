@@ -81,13 +81,15 @@ class Objective:
                     ) -> tuple[Tensor, ...]:
         """On a rank holding head rows [lo, lo + len(shard)): its reply to a request (``head_shards.serve_slice``'s
         tensors); no autograd."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} has no vocabulary-slice math (vocab_parallel is False): "
+                                  "a replica's feeder serves it with the whole head, never through this")
 
     def combine_slices(self, replies: list, head: Tensor, labels: Tensor, *inputs: Tensor
                        ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
         """On the drafter: the slices' replies, in vocabulary order, its frozen head [V, H] and the request's
         ``inputs`` -> what ``serve`` returns over the whole head (loss sum, argmax, d(loss sum)/d rows, extras)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} has no vocabulary-slice math (vocab_parallel is False): "
+                                  "a replica's feeder serves it with the whole head, never through this")
 
     def parts(self, loss_sum: Tensor, pred: Tensor, rows_y: Tensor, rows_w: Tensor,
               extra: Optional[Tensor] = None) -> L.LossParts:

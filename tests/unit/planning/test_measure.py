@@ -13,7 +13,7 @@ def _replica_rank(rank: int, port: int, per_pass: float, agree: bool, out) -> No
     import torch
     import torch.distributed as dist
 
-    from dflash_dist.planning.measure import any_rank
+    from dflash_dist.comm.distributed import any_rank
     from dflash_dist.planning.split import timed_rounds
     os.environ.update(OMP_NUM_THREADS="1")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
