@@ -10,6 +10,12 @@ chunks under checkpoint) -> backward -> grad clip -> fused AdamW step, in bf16 a
 Inputs are random (features ~ N(0,1) bf16, random token ids), 30% of each sample a prompt (no loss), as in
 ``dflash_dist.data.synthetic``.
 
+Two times per configuration: ``ms/step``, the median of steps timed one by one (the device synchronised before
+each, so its host work before the first kernel, make_batch and the mask, is on the clock), and ``b2b``, the mean
+of steps launched back to back, as the trainer runs them (its step makes no host sync; the next step's host work
+overlaps this one's GPU tail). MFU is given for both. ``--trace DIR`` writes one step's Chrome trace and prints
+its phases (batch, mask, forward, loss, variant_loss, backward, optimizer) with the GPU's busy and idle time.
+
 FLOPs (model FLOPs, what MFU divides; the formula is in docs/benchmarks.md and ``dflash_dist.telemetry.flops``):
 trainable matmuls x3 (forward + grad input + grad weight) except fc x2 (its input, the target features, needs no
 grad); attention over VISIBLE (query, key) pairs only, 4*d per pair and head forward, x3.5 with backward; frozen
@@ -39,7 +45,7 @@ import _common as C  # noqa: E402  (puts the repo root on sys.path)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from dflash_dist.drafter.trainer import clipped_step  # noqa: E402
+from dflash_dist.drafter.optim import make_step  # noqa: E402
 from dflash_dist.model.blocks import make_batch  # noqa: E402
 from dflash_dist.model.drafter import DrafterModelConfig  # noqa: E402
 from dflash_dist.model.hf import load_hf_config, resolve_dtype, text_config  # noqa: E402
@@ -48,6 +54,7 @@ from dflash_dist.model.masks import dense_mask, flex_block_mask  # noqa: E402
 from dflash_dist.model.rope import DrafterRope  # noqa: E402
 from dflash_dist.model.spec import resolve_drafter  # noqa: E402
 from dflash_dist.telemetry.flops import drafter_step_flops as step_flops  # noqa: E402,F401  (the one formula)
+from dflash_dist.telemetry.step_trace import format_timeline, phase, traced_step  # noqa: E402
 
 GPU_CONFIGS = "3072x512,550x256,3072x256,550x512"
 TINY_CONFIGS = "96x16,40x8,96x8,40x16"
@@ -93,7 +100,7 @@ def make_inputs(ctx: int, b: int, mc: DrafterModelConfig, device, feat_dtype, pr
     ids = torch.randint(0, mc.vocab_size, (b * ctx,), generator=g).to(device)
     pos = torch.arange(ctx).repeat(b)
     loss_mask = (pos >= int(prompt_frac * ctx)).to(device)
-    cu = (torch.arange(b + 1) * ctx).to(device)
+    cu = torch.arange(b + 1) * ctx  # on the host: the transport's control channel delivers cu_seqlens there
     gd = torch.Generator(device=device).manual_seed(seed)
     feats = torch.randn(b * ctx, mc.num_feature_layers * mc.hidden_size, generator=gd, device=device,
                         dtype=feat_dtype)
@@ -115,7 +122,7 @@ def load_kernel_options(arg: Optional[str]) -> Optional[dict]:
 
 
 class Runner:
-    def __init__(self, spec, dc, device, lr: float, dynamic: bool = False):
+    def __init__(self, spec, dc, device, lr: float, dynamic: bool = False, optimizer_step: str = "auto"):
         mc = spec.model
         self.spec, self.mc, self.dc, self.device = spec, mc, dc, device
         objective = spec.make_objective()
@@ -140,6 +147,7 @@ class Runner:
         self.feat_dtype = hdt
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0,
                                      fused=device.type == "cuda")
+        self.opt_step = make_step(self.opt, optimizer_step)  # drafter.tuning.optimizer_step (drafter/optim.py)
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                          else torch.autocast("cpu", enabled=False))
         self.n_params = sum(p.numel() for p in self.model.parameters())
@@ -149,9 +157,10 @@ class Runner:
         dc = self.dc
         B = self.mc.block_size
         ids, loss_mask, cu, feats = inputs
-        batch = make_batch(ids, loss_mask, cu, feats, num_anchors=num_anchors, block_size=B,
-                           mask_token_id=self.mc.vocab_size - 1, ctx_bucket=dc.tuning.ctx_bucket,
-                           generator=torch.Generator().manual_seed(1_000_003 + k), **self.target_inputs)
+        with phase("batch"):
+            batch = make_batch(ids, loss_mask, cu, feats, num_anchors=num_anchors, block_size=B,
+                               mask_token_id=self.mc.vocab_size - 1, ctx_bucket=dc.tuning.ctx_bucket,
+                               generator=torch.Generator().manual_seed(1_000_003 + k), **self.target_inputs)
         # flex_layers = flex + drafter.tuning.compile_layers (each decoder layer through torch.compile); a "+ko" suffix
         # adds --kernel-options (drafter.tuning.flex_kernel_options)
         # "+eagerloss": the fused loss's chunk math eager (drafter.tuning.compile_loss=false; compiled by default with flex)
@@ -165,29 +174,37 @@ class Runner:
             self.model.configure_compile(flex_dynamic=self.dynamic and flex, compile_layers=base == "flex_layers",
                                          kernel_options=opts)
         with torch.set_grad_enabled(train):
-            if flex:
-                mask = flex_block_mask(batch.anchors, batch.valid, batch.ctx_len, B, compile=dc.compile,
-                                       dynamic=self.dynamic)
-            else:
-                mask = dense_mask(batch.anchors, batch.valid, batch.ctx_len, B)
-            block_embeds = F.embedding(batch.block_ids, self.embed)
+            with phase("mask"):
+                if flex:
+                    mask = flex_block_mask(batch.anchors, batch.valid, batch.ctx_len, B, compile=dc.compile,
+                                           dynamic=self.dynamic)
+                else:
+                    mask = dense_mask(batch.anchors, batch.valid, batch.ctx_len, B)
             with self.autocast:
-                hidden = self.model(block_embeds, batch.features, batch.ctx_positions, batch.block_positions, mask)
-                if self.use_objective:  # bench/objectives.py: the loss through the objective object
-                    soft = () if batch.soft is None else (batch.soft,)
-                    parts = self.objective.loss(hidden, self.lm_head, batch.labels, *soft)
-                else:  # the trainer's objective call (decayed_ce), with the top-K ids a variant asks of its pass
-                    parts = weighted_ce(hidden, self.lm_head, batch.labels,
-                                        slot_weights(B, self.gamma, batch.labels.device), self.spec.loss.chunk_rows,
-                                        mode=self.loss_mode, compiled=compiled_loss, topk=self.model.head_topk)
-                self.model.set_context(head_topk_ids=getattr(parts, "topk_ids", None))
-                loss_sum = parts.loss_sum + self.variant_loss(hidden, batch)
+                with phase("forward"):
+                    block_embeds = F.embedding(batch.block_ids, self.embed)
+                    hidden = self.model(block_embeds, batch.features, batch.ctx_positions, batch.block_positions,
+                                        mask)
+                with phase("loss"):
+                    if self.use_objective:  # bench/objectives.py: the loss through the objective object
+                        soft = () if batch.soft is None else (batch.soft,)
+                        parts = self.objective.loss(hidden, self.lm_head, batch.labels, *soft)
+                    else:  # the trainer's objective call (decayed_ce), with the top-K ids a variant asks of its pass
+                        parts = weighted_ce(hidden, self.lm_head, batch.labels,
+                                            slot_weights(B, self.gamma, batch.labels.device),
+                                            self.spec.loss.chunk_rows, mode=self.loss_mode, compiled=compiled_loss,
+                                            topk=self.model.head_topk)
+                    self.model.set_context(head_topk_ids=getattr(parts, "topk_ids", None))
+                with phase("variant_loss"):
+                    loss_sum = parts.loss_sum + self.variant_loss(hidden, batch)
                 self.last_loss_sum = parts.loss_sum.detach()  # the objective's, read after the timed steps
             if train:
-                loss = loss_sum / parts.weight_sum.clamp_min(1e-6)
-                loss.backward()
-                clipped_step(self.opt, list(self.model.parameters()), 1.0)  # the trainer's clip + step
-                self.opt.zero_grad(set_to_none=True)
+                with phase("backward"):
+                    loss = loss_sum / parts.weight_sum.clamp_min(1e-6)
+                    loss.backward()
+                with phase("optimizer"):
+                    self.opt_step(list(self.model.parameters()), 1.0)  # the trainer's clip + step
+                    self.opt.zero_grad(set_to_none=True)
         return batch
 
 
@@ -287,6 +304,11 @@ def run_one(runner: Runner, ctx: int, anchors: int, b: int, backend: str, train:
         row["ms_per_step_back_to_back"] = (time.perf_counter() - t0) / args.repeats * 1e3
         if args.profile and dev.type == "cuda" and f"{ctx}x{anchors}" in args.profile.split(","):
             row["breakdown_ms"] = kernel_breakdown(lambda: runner.step(inputs, k + 1, backend, train, anchors), dev)
+        if args.trace:  # one more step as a Chrome trace (CPU and GPU), and its phases: where the GPU sits idle
+            path = os.path.join(args.trace, f"{runner.label.replace('@', '_')}_{backend}_{ctx}x{anchors}_b{b}.json")
+            tl, _ = traced_step(lambda: runner.step(inputs, k + 2, backend, train, anchors), path, dev)
+            row["timeline"] = tl
+            C.log(format_timeline(tl, f"{runner.label} {backend} {ctx}x{anchors} b{b}"))
     except Exception as e:
         row["error"] = C.short_error(e)
         row["oom"] = C.is_oom(e)
@@ -307,6 +329,11 @@ def run_one(runner: Runner, ctx: int, anchors: int, b: int, backend: str, train:
         "flops": fl, "tflops_model": fl["model"] / med / 1e12, "tflops_hw": fl["hardware"] / med / 1e12,
     })
     row["mfu_measured_peak"] = row["tflops_model"] / peak["tflops"] if peak.get("tflops") else None
+    # back to back, as the trainer runs its steps (no host sync inside a step, checked at its startup): the next
+    # step's host work (make_batch, the mask, the launches) overlaps this step's GPU tail
+    b2b = row.get("ms_per_step_back_to_back")
+    row["mfu_back_to_back_pct"] = (100 * fl["model"] / (b2b / 1e3) / 1e12 / peak["tflops"]
+                                   if b2b and peak.get("tflops") else None)
     row["hfu_measured_peak"] = row["tflops_hw"] / peak["tflops"] if peak.get("tflops") else None
     row["mfu_nominal_peak"] = row["tflops_model"] / nominal if nominal else None
     for key in ("mfu_measured_peak", "hfu_measured_peak", "mfu_nominal_peak"):
@@ -366,6 +393,10 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--profile", default="", help="CTXxANCHORS list: also profile one step of these configs (CUDA) "
                                                  "and print the GPU time by kernel category")
+    p.add_argument("--optimizer-step", choices=["auto", "fused", "compiled"], default="auto",
+                   help="drafter.tuning.optimizer_step (auto: compiled on CUDA, the trainer's default)")
+    p.add_argument("--trace", default=None, help="DIR: also trace one step of every run (Chrome trace, CPU and GPU) "
+                                                 "into DIR, and record its phase timeline (GPU busy and idle)")
     p.add_argument("--drafters", default=None,
                    help="comma list of VARIANT@BLOCK drafters timed in one run (drafter.variant, drafter.block_size), "
                         "e.g. dflash@16,dflash2@16,dflash@8,dflash2@8 (conf/drafter/dflash2.yaml's DFlash2 sizes "
@@ -407,7 +438,7 @@ def main(argv=None) -> int:
 
     def make_runner(label, dc):
         r = Runner(drafter_spec(tiny, dc, dev.type, args.shape), dc, dev, args.lr,
-                   dynamic=args.dynamic == "on" and dev.type == "cuda")
+                   dynamic=args.dynamic == "on" and dev.type == "cuda", optimizer_step=args.optimizer_step)
         r.loss_mode, r.kernel_options = args.loss_mode, kernel_options
         r.label = label or f"{dc.variant}@{dc.block_size}"
         return r
@@ -423,7 +454,7 @@ def main(argv=None) -> int:
                                   max_position_embeddings=mc.max_position_embeddings).describe(),
               "loss_chunk_rows": dc.tuning.loss_chunk_rows,
               "ctx_bucket": dc.tuning.ctx_bucket, "gamma": runner.gamma, "prompt_frac": args.prompt_frac,
-              "dynamic": args.dynamic, "loss_mode": args.loss_mode, "kernel_options": runner.kernel_options, "warmup": args.warmup, "repeats": args.repeats,
+              "dynamic": args.dynamic, "optimizer_step": args.optimizer_step, "loss_mode": args.loss_mode, "kernel_options": runner.kernel_options, "warmup": args.warmup, "repeats": args.repeats,
               "flop_formula": "docs/benchmarks.md#drafter-step-flops", "rows": [], "skipped": [], "drafters": []}
     C.log(f"drafter: {mc.num_layers} layers, hidden {mc.hidden_size}, {runner.n_params / 1e6:.1f}M trainable params, "
           f"vocab {mc.vocab_size}, device {dev}")
@@ -439,7 +470,7 @@ def main(argv=None) -> int:
         C.free_memory(dev)
     cols = [("drafter", "drafter"), ("backend", "backend"), ("mode", "mode"), ("ctx", "ctx"), ("anchors", "anchors"), ("batch", "b"),
             ("ms_per_step", "ms/step"), ("ms_per_step_back_to_back", "ms/step b2b"), ("samples_per_s", "samples/s"),
-            ("tflops_model", "TFLOP/s"), ("mfu_measured_pct", "MFU % (meas.)"), ("mfu_nominal_pct", "MFU % (nom.)"),
+            ("tflops_model", "TFLOP/s"), ("mfu_measured_pct", "MFU % (meas.)"), ("mfu_back_to_back_pct", "MFU % b2b"), ("mfu_nominal_pct", "MFU % (nom.)"),
             ("attention_flop_share", "attn share"), ("peak_mem_gb", "peak GB"), ("first_step_s", "1st step s"),
             ("error", "error")]
     print()

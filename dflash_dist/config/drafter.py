@@ -38,6 +38,13 @@ class DrafterTuning:
     bwd_num_stages: 3}`` (``fwd_``/``bwd_`` prefixes pick the kernel). None: inductor's defaults for the GPU.
     ``python bench/flex_tune.py`` autotunes them for your shapes and prints the dict to paste here."""
 
+    optimizer_step: Literal["auto", "fused", "compiled"] = "auto"
+    """How the gradient clip and the AdamW update run (dflash_dist/drafter/optim.py; the same update and optimizer
+    state either way): ``fused`` (the norm, then torch's AdamW, fused on CUDA), ``compiled`` (CUDA: the clip and
+    torch's multi-tensor AdamW in one torch.compile region, which writes no gradient back: 8.9 vs 11.5 ms over
+    the 1.05B parameters of the Qwen3-8B DFlash drafter on an H200, measured: docs/benchmarks.md#optimizer-step;
+    one compile of ~20 s at the first step). ``auto``: compiled on CUDA, fused elsewhere."""
+
     loss_chunk_rows: int = 2048
     """Rows of the vocab projection computed at once (the [rows, V] logits never exist whole)."""
 
@@ -71,6 +78,7 @@ class DrafterTuning:
     < micro_batches."""
 
     def __post_init__(self) -> None:
+        _check_choices(self, "drafter.tuning")
         _require(self.loss_chunk_rows >= 16, "drafter.tuning.loss_chunk_rows must be >= 16")
         _require(self.ctx_bucket >= 16 and self.ctx_bucket % 16 == 0,
                  f"drafter.tuning.ctx_bucket={self.ctx_bucket}: must be a multiple of 16")

@@ -30,6 +30,7 @@ from dflash_dist.drafter.compile_guard import (
     plan_step_lengths,
     precompile_steps,
 )
+from dflash_dist.drafter.optim import make_step
 from dflash_dist.model.blocks import make_batch, split_anchors, target_labels
 from dflash_dist.model.hf import load_head_from_checkpoint, resolve_dtype, resolve_source, text_config
 from dflash_dist.model.loss import LossParts
@@ -86,6 +87,7 @@ class DrafterTrainer:
         self.feature_width = len(job.layer_ids) * tc.hidden_size
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas),
                                      weight_decay=cfg.train.weight_decay, fused=self.device.type == "cuda")
+        self.opt_step = make_step(self.opt, cfg.drafter.tuning.optimizer_step)  # clip + AdamW (drafter/optim.py)
         self.step = job.start_step
         self.cursor = job.start_cursor
         self.last_checkpoint = None  # the newest checkpoint this run wrote (the leader)
@@ -326,7 +328,7 @@ class DrafterTrainer:
             dist.all_reduce(wsum, group=self.d.drafters)
         parts = self._backward(groups, batch.src, self.topo.num_drafters / wsum.clamp_min(1e-6))
         with phase("clip and optimizer"):
-            gnorm = clipped_step(self.opt, list(self.model.parameters()), cfg.train.grad_clip)
+            gnorm = self.opt_step(list(self.model.parameters()), cfg.train.grad_clip)
             self.opt.zero_grad(set_to_none=True)
         with torch.no_grad():
             self.stats.add_all(self.objective.stats(parts))
@@ -428,27 +430,6 @@ class DrafterTrainer:
                 f"{resume_command(self.job.run_dir)}", e.errno, e.needed, e.fix) from None
         self.last_checkpoint = path
         log.info("checkpoint %s", path)
-
-
-def clipped_step(opt: torch.optim.Optimizer, params: list, max_norm: float) -> torch.Tensor:
-    """``clip_grad_norm_(params, max_norm)`` then ``opt.step()``; returns the norm before clipping. A fused optimizer
-    (AdamW on CUDA) takes the clip factor as its ``grad_scale`` (it divides every gradient by it inside its own
-    pass) instead of a separate pass that multiplies 1B fp32 gradients in place (at 8B shapes on an H200 that
-    pass was 2.3 ms; the fused kernel then writes the gradients back, so the step gains ~0.8 ms; measured:
-    docs/benchmarks.md#drafter-step-profile)."""
-    if not opt.defaults.get("fused"):
-        gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        opt.step()
-        return gnorm
-    grads = [p.grad for p in params if p.grad is not None]
-    gnorm = torch.nn.utils.get_total_norm(grads, 2.0)
-    # clip_grad_norm_'s factor, min(max_norm / (norm + 1e-6), 1), as the divisor grad / grad_scale
-    opt.grad_scale = 1.0 / torch.clamp(max_norm / (gnorm.float() + 1e-6), max=1.0)
-    try:
-        opt.step()
-    finally:
-        del opt.grad_scale
-    return gnorm
 
 
 def cosine_lr(step: int, total: int, warmup_ratio: float, min_ratio: float = 0.0) -> float:
