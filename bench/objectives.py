@@ -72,6 +72,7 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=1e-4)
     args = p.parse_args(argv)
     args.profile = ""  # run_one's per-config profile: not here
+    args.trace = None  # run_one's traced step: not here
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
     args.repeats = args.repeats if args.repeats is not None else (3 if args.tiny else 10)
     dev = C.pick_device(args.device)
