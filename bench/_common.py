@@ -112,6 +112,41 @@ def wall_s(fn: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+def host_sync_sites(fn: Callable[[], Any], device: torch.device, roots: Sequence[str] = ("dflash_dist", "bench")
+                    ) -> list[dict]:
+    """Where one call of fn makes the host wait for the device (CUDA): torch's sync debug mode flags every
+    synchronizing op (``.item()``, a device-to-host or pageable copy, ``nonzero``, ...); each is reported at the
+    innermost frame under ``roots`` with its count and message. Nothing on CPU. A step meant to run back to back
+    should list none: one such site stops the next step's host work from overlapping this one's GPU tail."""
+    import traceback
+    import warnings
+
+    import torch
+    if device.type != "cuda":
+        fn()
+        return []
+    sites: dict = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1] if any(f"/{r}/" in f.filename for r in roots)]
+        where = f"{os.path.relpath(frames[-1].filename, REPO)}:{frames[-1].lineno} {frames[-1].line}" if frames else "?"
+        entry = sites.setdefault(where, {"site": where, "count": 0, "message": str(message)[:160]})
+        entry["count"] += 1
+
+    old = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(old)
+    return sorted(sites.values(), key=lambda e: -e["count"])
+
+
 def time_repeats(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> list[float]:
     """Seconds of each of ``repeats`` calls of fn, after ``warmup`` untimed calls (synchronised each call)."""
     for _ in range(warmup):

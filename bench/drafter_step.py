@@ -304,6 +304,10 @@ def run_one(runner: Runner, ctx: int, anchors: int, b: int, backend: str, train:
         row["ms_per_step_back_to_back"] = (time.perf_counter() - t0) / args.repeats * 1e3
         if args.profile and dev.type == "cuda" and f"{ctx}x{anchors}" in args.profile.split(","):
             row["breakdown_ms"] = kernel_breakdown(lambda: runner.step(inputs, k + 1, backend, train, anchors), dev)
+        if getattr(args, "sync_debug", False) and dev.type == "cuda":  # what keeps the next step's host work from overlapping this one
+            row["host_syncs"] = C.host_sync_sites(lambda: runner.step(inputs, k + 3, backend, train, anchors), dev)
+            C.log(f"{runner.label} {ctx}x{anchors} host syncs per step: "
+                  + ("; ".join(f"{e['count']}x {e['site']}" for e in row["host_syncs"]) or "none"))
         if args.trace:  # one more step as a Chrome trace (CPU and GPU), and its phases: where the GPU sits idle
             path = os.path.join(args.trace, f"{runner.label.replace('@', '_')}_{backend}_{ctx}x{anchors}_b{b}.json")
             tl, _ = traced_step(lambda: runner.step(inputs, k + 2, backend, train, anchors), path, dev)
@@ -397,6 +401,9 @@ def main(argv=None) -> int:
                    help="drafter.tuning.optimizer_step (auto: compiled on CUDA, the trainer's default)")
     p.add_argument("--trace", default=None, help="DIR: also trace one step of every run (Chrome trace, CPU and GPU) "
                                                  "into DIR, and record its phase timeline (GPU busy and idle)")
+    p.add_argument("--sync-debug", action="store_true",
+                   help="CUDA: list where one step makes the host wait for the device (torch's sync debug mode; "
+                        "row['host_syncs']): a back-to-back step should make none")
     p.add_argument("--drafters", default=None,
                    help="comma list of VARIANT@BLOCK drafters timed in one run (drafter.variant, drafter.block_size), "
                         "e.g. dflash@16,dflash2@16,dflash@8,dflash2@8 (conf/drafter/dflash2.yaml's DFlash2 sizes "
