@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from dflash_dist.model.lazy_compile import lazy_compile
+from dflash_dist.model.lazy_compile import LazyCompiled, lazy_compile
 
 __all__ = ["slot_weights", "LossParts", "decayed_ce", "weighted_ce", "frozen_head_ce", "loss_rows", "weighted_rows",
            "row_weights", "slot_row_weights", "slot_stats", "grouped_topk"]
@@ -145,6 +145,20 @@ def grouped_topk(logits: Tensor, k: int, group: int = TOPK_GROUP) -> Tensor:
     return best.gather(-1, local // group) * group + local % group
 
 
+_CE_GRAD_TOPK: dict[int, LazyCompiled] = {}
+
+
+def _ce_grad_topk_compiled(k: int) -> LazyCompiled:
+    """``_ce_and_logit_grad`` plus ``grouped_topk(logits, k)`` as a fourth output, compiled once per k (a closure:
+    k stays a constant, never a dynamic size). Eager, the group maxima are a bf16 reduction of their own over the
+    chunk's logits (measured: docs/benchmarks.md#drafter-step-profile)."""
+    if k not in _CE_GRAD_TOPK:
+        def fn(logits: Tensor, y: Tensor, wt: Tensor):
+            return (*_ce_and_logit_grad(logits, y, wt), grouped_topk(logits, k))
+        _CE_GRAD_TOPK[k] = lazy_compile(fn, fullgraph=True, dynamic=True)
+    return _CE_GRAD_TOPK[k]
+
+
 def _chunks(rows: int, chunk_rows: int) -> list[tuple[int, int]]:
     """[lo, hi) row ranges of at most chunk_rows, a trailing 1-row chunk merged into the one before it."""
     bounds = [(lo, min(lo + chunk_rows, rows)) for lo in range(0, rows, chunk_rows)]
@@ -167,11 +181,15 @@ def frozen_head_ce(h: Tensor, weight: Tensor, labels: Tensor, w: Tensor, chunk_r
     grad_h = torch.empty_like(hc)
     sums, preds = [], []
     chunk_fn = _ce_and_logit_grad_compiled if compiled else _ce_and_logit_grad_eager
+    if compiled and topk:  # the top-K in the same compiled graph: its group maxima in triton, not eager reductions
+        chunk_fn = _ce_grad_topk_compiled(int(topk))
     for lo, hi in _chunks(hc.shape[0], chunk_rows):
         logits = hc[lo:hi] @ weight.t()                                         # [r, V], the head's dtype
-        if topk:  # before chunk_fn: the eager one works in place over fp32 logits
+        if topk and not compiled:  # before chunk_fn: the eager one works in place over fp32 logits
             topk_out.append(grouped_topk(logits, topk))
-        loss, pred, g = chunk_fn(logits, labels[lo:hi], w[lo:hi])
+        loss, pred, g, *top = chunk_fn(logits, labels[lo:hi], w[lo:hi])
+        if top:
+            topk_out.append(top[0])
         sums.append(loss if per_row else loss.sum())
         preds.append(pred)
         grad_h[lo:hi] = g @ weight

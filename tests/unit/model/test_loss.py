@@ -201,17 +201,24 @@ def test_grouped_topk_is_topk(vocab):
     assert 151936 not in seen and max(seen) <= 16 * loss_mod.TOPK_GROUP
 
 
-def test_fused_pass_gives_topk_ids_of_its_logits():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fused_pass_gives_topk_ids_of_its_logits(compiled, monkeypatch):
+    """Eager and compiled (the top-K inside the compiled chunk graph), through grouped_topk's two passes
+    (V > k * TOPK_GROUP): the ids of the chunk's own logits, the loss unchanged."""
     g = torch.Generator().manual_seed(5)
-    B, V, H = 4, 300, 16
+    B, V, H, k = 4, 1000, 16, 7
+    assert k * loss_mod.TOPK_GROUP < V
     hidden = torch.randn(2, 3 * B, H, generator=g, requires_grad=True)
     head = torch.randn(V, H, generator=g)
     labels = torch.randint(0, V, (2, 3 * B), generator=g)
     w = slot_weights(B, 4.0)
-    parts = loss_mod.weighted_ce(hidden, head, labels, w, chunk_rows=5, topk=7)
+    if compiled:
+        monkeypatch.setattr(loss_mod, "_ce_and_logit_grad_eager", _must_not_run)
+    parts = loss_mod.weighted_ce(hidden, head, labels, w, chunk_rows=5, topk=k, compiled=compiled)
     rows_h = loss_mod.weighted_rows(hidden, labels, w)[0]
-    assert torch.equal(parts.topk_ids, (rows_h.detach() @ head.t()).topk(7, dim=-1).indices)
-    plain = loss_mod.weighted_ce(hidden, head, labels, w, chunk_rows=5)
+    assert torch.equal(parts.topk_ids, (rows_h.detach() @ head.t()).topk(k, dim=-1).indices)
+    assert k in loss_mod._CE_GRAD_TOPK or not compiled
+    plain = loss_mod.weighted_ce(hidden, head, labels, w, chunk_rows=5, compiled=compiled)
     assert plain.topk_ids is None
-    torch.testing.assert_close(parts.loss_sum, plain.loss_sum, rtol=0, atol=0)
+    torch.testing.assert_close(parts.loss_sum, plain.loss_sum, rtol=1e-6, atol=1e-5)
     assert loss_mod.weighted_ce(hidden, head, labels, w, chunk_rows=5, mode="checkpoint", topk=7).topk_ids is None
