@@ -128,7 +128,7 @@ def host_sync_sites(fn: Callable[[], Any], device: torch.device, roots: Sequence
     sites: dict = {}
 
     def record(message, category, filename, lineno, file=None, line=None):
-        if "synchronizing" not in str(message):
+        if "called a synchronizing" not in str(message):  # not the mode's own "prototype feature" notice
             return
         frames = [f for f in traceback.extract_stack()[:-1] if any(f"/{r}/" in f.filename for r in roots)]
         where = f"{os.path.relpath(frames[-1].filename, REPO)}:{frames[-1].lineno} {frames[-1].line}" if frames else "?"

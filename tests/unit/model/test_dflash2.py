@@ -123,6 +123,27 @@ def test_conv_matches_the_formula_position_by_position():
     torch.testing.assert_close(conv.finish(y, delta_out, BS), reference_conv(y, conv.base_kernel[1], delta_out, BS))
 
 
+def test_conv_gradients_match_the_formula():
+    """The matmul form of the coefficients ([delta, 1] @ [E; base]) gives autograd the same gradients wrt x,
+    the deltas, the base kernel and the projection as the position-by-position formula."""
+    torch.manual_seed(3)
+    conv = randomize(GroupedDynamicConv(H, 3, 8))
+    x = torch.randn(2, 2 * BS, H, requires_grad=True)
+    go = torch.randn(2, 2 * BS, H)
+    out, d = conv.prepare(x, BS)
+    ((out + conv.finish(x, d, BS)) * go).sum().backward()
+    got = [x.grad.clone()] + [p.grad.clone() for p in conv.parameters()]
+    x.grad = None
+    conv.zero_grad(set_to_none=True)
+    delta = conv.kernel_projection(x).view(2, 2 * BS, 2, 3, H // 8)
+    ref = reference_conv(x, conv.base_kernel[0], delta[:, :, 0], BS)
+    ((ref + reference_conv(x, conv.base_kernel[1], delta[:, :, 1], BS)) * go).sum().backward()
+    want = [x.grad] + [p.grad for p in conv.parameters()]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert conv.base_kernel.grad.abs().sum() > 0 and conv.kernel_projection.weight.grad.abs().sum() > 0
+
+
 def test_conv_never_crosses_a_block():
     """Changing block 1 leaves block 2 as it was; a conv that read across the block start would not."""
     conv = randomize(GroupedDynamicConv(H, 2, 8))
