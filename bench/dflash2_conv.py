@@ -3,10 +3,11 @@
 
 Two formulations of the same math on the same weights and inputs:
 
-- ``matmul``: the package's (``dflash_dist.model.dflash2.GroupedDynamicConv``): each tap's coefficients from one
-  small matmul [delta_tap, 1] @ [E; base_tap], so the group sum and the base kernel's gradient are matmuls.
-- ``reduce``: the direct broadcast form (``reduce_conv`` below): coefficients base + delta broadcast over the
-  group's channels, so autograd makes the group sum and the base kernel's gradient reductions over [Q, H].
+- ``reduce``: the package's (``dflash_dist.model.dflash2.GroupedDynamicConv``): coefficients base + delta
+  broadcast over the group's channels, so autograd makes the group sum and the base kernel's gradient
+  reductions over [Q, H].
+- ``matmul``: each tap's coefficients from one small matmul [delta_tap, 1] @ [E; base_tap] (``matmul_conv``
+  below), so those two become matmuls. Measured slower on an H200 (docs/benchmarks.md#dflash2-step).
 
 Per formulation: median ms of a compiled forward + backward (CUDA events on GPU), and the largest difference of
 the output and of every gradient from the ``reduce`` form in fp32.
@@ -28,24 +29,30 @@ import torch  # noqa: E402
 from dflash_dist.model.dflash2 import GroupedDynamicConv  # noqa: E402
 
 
-def reduce_conv(conv: GroupedDynamicConv, x, delta, side: int, block_size: int):
-    """The broadcast form: out[t] = sum_tap (base[tap] + delta[t, tap, group]) * x[t - tap], within the block."""
+def matmul_conv(conv: GroupedDynamicConv, x, delta, side: int, block_size: int):
+    """The matmul form: each tap's coefficients [..., Q, H] from [delta_tap, 1] @ [E; base_tap] (E the 0/1 map of
+    group to channel), so autograd's group sum and base-kernel gradient are matmuls instead of reductions."""
     q_len, hidden = x.shape[-2], x.shape[-1]
     pos = torch.arange(q_len, device=x.device) % block_size
-    xg = x.unflatten(-1, (conv.num_groups, conv.group_size))
-    base = conv.base_kernel[side].to(x.dtype).view(conv.kernel_size, conv.num_groups, conv.group_size)
+    expand = (torch.arange(hidden, device=x.device) // conv.group_size
+              == torch.arange(conv.num_groups, device=x.device)[:, None]).to(x.dtype)   # [G, H]
+    ones = x.new_ones(*delta.shape[:-2], 1)
+    base = conv.base_kernel[side].to(x.dtype)
     delta = delta.to(x.dtype)
-    out = xg * (base[0] + delta[..., 0, :, None])
-    for tap in range(1, conv.kernel_size):
-        shifted = torch.cat([xg.new_zeros(*xg.shape[:-3], tap, *xg.shape[-2:]), xg[..., :-tap, :, :]], dim=-3)
-        keep = (pos >= tap).to(x.dtype)[:, None, None]
-        out = out + shifted * (base[tap] + delta[..., tap, :, None]) * keep
-    return out.reshape(*x.shape[:-1], hidden)
+    out = None
+    for tap in range(conv.kernel_size):
+        coef = torch.cat([delta[..., tap, :], ones], -1) @ torch.cat([expand, base[tap:tap + 1]], 0)
+        if tap == 0:
+            out = x * coef
+            continue
+        shifted = torch.cat([x.new_zeros(*x.shape[:-2], tap, hidden), x[..., :-tap, :]], dim=-2)
+        out = out + shifted * (coef * (pos >= tap).to(x.dtype)[:, None])
+    return out
 
 
 def both_sides(conv: GroupedDynamicConv, form: str, x, y, go, block_size: int):
     """prepare(x) and finish(y) as a layer runs them, reduced against a fixed output gradient ``go``."""
-    conv_fn = conv._conv if form == "matmul" else (lambda *a: reduce_conv(conv, *a))
+    conv_fn = conv._conv if form == "reduce" else (lambda *a: matmul_conv(conv, *a))
     delta = conv.kernel_projection(x).unflatten(-1, (2, conv.kernel_size, conv.num_groups))
     a = conv_fn(x, delta[..., 0, :, :], 0, block_size)
     b = conv_fn(y, delta[..., 1, :, :], 1, block_size)

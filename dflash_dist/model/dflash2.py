@@ -105,31 +105,21 @@ class GroupedDynamicConv(nn.Module):
 
     def _conv(self, x: Tensor, delta: Tensor, side: int, block_size: int) -> Tensor:
         """out[t] = sum_tap coef[t, tap] * x[t - tap], a tap zeroed where the position in block is < tap.
-
-        Each tap's coefficients [..., Q, H] come from one small matmul, [delta_tap, 1] @ [E; base_tap] (E the 0/1
-        map of group to channel), so what autograd makes of the group broadcast and of the base kernel is two
-        matmuls, not reductions over [Q, H] (the per-group sum over g channels, the base kernel's gradient summed
-        over every row). Exact in fp32 (one non-zero product per sum). Static shapes, no loop over positions, no
-        host sync. ``bench/dflash2_conv.py`` times it against the broadcast form."""
+        One pass per tap over [b, Q, G, g] views: no loop over positions, static shapes, no host sync."""
         q_len, hidden = x.shape[-2], x.shape[-1]
         if q_len % block_size:
             raise ValueError(f"{q_len} query rows are not whole blocks of {block_size}")
         pos = torch.arange(q_len, device=x.device) % block_size                  # [Q]
-        expand = (torch.arange(hidden, device=x.device) // self.group_size
-                  == torch.arange(self.num_groups, device=x.device)[:, None]).to(x.dtype)   # [G, H]
-        ones = x.new_ones(*delta.shape[:-2], 1)                                  # [..., Q, 1]
-        base = self.base_kernel[side].to(x.dtype)                                # [k, H]
+        xg = x.unflatten(-1, (self.num_groups, self.group_size))                  # [..., Q, G, g]
+        base = self.base_kernel[side].to(x.dtype).view(self.kernel_size, self.num_groups, self.group_size)
         delta = delta.to(x.dtype)
-        out = None
-        for tap in range(self.kernel_size):
-            coef = torch.cat([delta[..., tap, :], ones], -1) @ torch.cat([expand, base[tap:tap + 1]], 0)
-            if tap == 0:
-                out = x * coef
-                continue
+        out = xg * (base[0] + delta[..., 0, :, None])
+        for tap in range(1, self.kernel_size):
             # shift by tap rows along Q (zeros in front), then drop the rows whose tap would cross a block start
-            shifted = torch.cat([x.new_zeros(*x.shape[:-2], tap, hidden), x[..., :-tap, :]], dim=-2)
-            out = out + shifted * (coef * (pos >= tap).to(x.dtype)[:, None])
-        return out
+            shifted = torch.cat([xg.new_zeros(*xg.shape[:-3], tap, *xg.shape[-2:]), xg[..., :-tap, :, :]], dim=-3)
+            keep = (pos >= tap).to(x.dtype)[:, None, None]                        # [Q, 1, 1]
+            out = out + shifted * (base[tap] + delta[..., tap, :, None]) * keep
+        return out.reshape(*x.shape[:-1], hidden)
 
 
 class DFlash2DecoderLayer(DFlashDecoderLayer):
