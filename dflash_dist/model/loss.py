@@ -151,7 +151,7 @@ _CE_GRAD_TOPK: dict[int, LazyCompiled] = {}
 def _ce_grad_topk_compiled(k: int) -> LazyCompiled:
     """``_ce_and_logit_grad`` plus ``grouped_topk(logits, k)`` as a fourth output, compiled once per k (a closure:
     k stays a constant, never a dynamic size). Eager, the group maxima are a bf16 reduction of their own over the
-    chunk's logits (measured: docs/benchmarks.md#drafter-step-profile)."""
+    chunk's logits (measured: docs/benchmarks.md#dflash2-step)."""
     if k not in _CE_GRAD_TOPK:
         def fn(logits: Tensor, y: Tensor, wt: Tensor):
             return (*_ce_and_logit_grad(logits, y, wt), grouped_topk(logits, k))
