@@ -12,7 +12,8 @@ How transformers binds them differs by version, and both ways are read here:
 
 * transformers >= 5.2x: module-level functions of ``modeling_qwen3_next`` / ``modeling_qwen3_5`` wrapped by
   ``use_kernel_func_from_hub_with_fallback(name, package)``; the chosen callable is the closure variable
-  ``implementation`` of the wrapper (the package's function, or the ``torch_*`` fallback);
+  ``implementation`` of the wrapper (the package's function, or the ``torch_*`` fallback), reached through the
+  ``kernels`` package's ``Func`` module where that is installed (``hybrid_packing.bound_kernel``);
 * older transformers: module globals ``chunk_gated_delta_rule`` / ``causal_conv1d_fn`` (None when the package
   is missing, ``is_fast_path_available``) copied onto each layer (``self.chunk_gated_delta_rule`` ...).
 
@@ -46,7 +47,6 @@ lives with its family in ``model/families/`` (``hybrid``, ``moe``); this module 
 from __future__ import annotations
 
 import importlib
-import inspect
 import logging
 import sys
 from types import ModuleType
@@ -55,6 +55,7 @@ from typing import Any, Optional
 from dflash_dist.config import ConfigError
 from dflash_dist.model.families import family_for, linear_layer_markers, text_config
 from dflash_dist.model.families.hybrid import INSTALL_HINTS, KERNEL_ROLES, PREFILL_ROLES
+from dflash_dist.model.families.hybrid_packing import bound_kernel
 from dflash_dist.model.families.moe import EXPERTS_FIX, SLOW_EXPERTS, experts_report
 from dflash_dist.model.quant import quantization_report
 
@@ -85,18 +86,6 @@ def resolve_policy(policy: str, device_type: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- binding
-
-def _implementation(fn: Any) -> Any:
-    """The callable a transformers kernel wrapper dispatches to (its closure's ``implementation``), else fn."""
-    if fn is None or not callable(fn):
-        return fn
-    try:
-        nonlocals = inspect.getclosurevars(fn).nonlocals
-    except (TypeError, ValueError):
-        return fn
-    impl = nonlocals.get("implementation")
-    return impl if callable(impl) else fn
-
 
 def _source(impl: Any, package: str) -> str:
     if impl is None:
@@ -133,7 +122,7 @@ def _bindings(layer: Any, modeling: Optional[ModuleType]) -> dict:
                     break
         if not found:
             continue
-        impl = _implementation(fn)
+        impl = bound_kernel(fn)
         src = _source(impl, pkg)
         out[role] = {"package": pkg, "where": where, "impl": _qualname(impl), "source": src,
                      "bound": src == pkg or src.startswith("other:")}

@@ -291,8 +291,11 @@ class FeatureCapture:
             if not switched:
                 raise ConfigError(f"packed capture: {type(model).__name__} does not take its attention from "
                                   "transformers' AttentionInterface; use target.packing=off")
-        # layer.forward -> compiled forward while capturing; nn.Module.__call__ runs the hooks around it
-        self._forwards = [(layer, layer.__dict__.get("forward"), torch.compile(layer.forward, dynamic=True))
+        # layer.forward -> compiled forward while capturing; nn.Module.__call__ runs the hooks around it. CPU:
+        # static shapes, as for _flex_static (inductor's C++ flex template traced into a dynamic layer graph emits
+        # code that does not build: torch 2.13 with transformers 5.25, "'cur_kvSplitSize6' was not declared")
+        on_cpu = next(iter(model.parameters()), torch.empty(0)).device.type == "cpu"
+        self._forwards = [(layer, layer.__dict__.get("forward"), torch.compile(layer.forward, dynamic=not on_cpu))
                           for layer in run] if self.compile else []
         # HF's last hidden state is taken after the final norm; keep that convention for id L-1.
         self.norm_last = (self.last == self.num_layers - 1)

@@ -48,6 +48,7 @@ def _fake_conv(reference, honor: bool):
 
 def _wrapped(name: str, package: str, torch_fn, fake):
     """transformers' wrapper around ``torch_fn`` with ``fake`` bound as the package's kernel."""
+    from transformers.integrations import hub_kernels
     from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
     leaf = "ops.gated_delta_rule" if package == "fla" else None
     mods = {package: types.ModuleType(package)}
@@ -59,9 +60,15 @@ def _wrapped(name: str, package: str, torch_fn, fake):
     setattr(mods[f"{package}.{leaf}" if leaf else package], fake.__name__, fake)
     saved = {k: sys.modules.get(k) for k in mods}
     sys.modules.update(mods)
+    # transformers >= 5.25 runs a package's kernel only on the device types it lists for the package (CPU inputs
+    # take the PyTorch path): the stand-ins run on CPU, so the package is listed for no device while they bind
+    devices = getattr(hub_kernels, "_PACKAGE_SUPPORTED_DEVICES", {})
+    listed = devices.pop(package, None)
     try:
         return use_kernel_func_from_hub_with_fallback(name, package)(torch_fn)
     finally:
+        if listed is not None:
+            devices[package] = listed
         for k, v in saved.items():
             if v is None:
                 sys.modules.pop(k, None)

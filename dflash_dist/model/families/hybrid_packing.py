@@ -66,14 +66,31 @@ def _modeling(linear: torch.nn.Module):
     return sys.modules.get(type(linear).__module__)
 
 
-def bound_kernel(fn):
-    """The callable transformers' kernel wrapper dispatches to (the closure's ``implementation``: the package's
-    kernel or the PyTorch fallback; ``model/fast_path.py`` reads bindings the same way), else ``fn``."""
+def bound_kernel(fn, device_type: Optional[str] = None):
+    """The callable transformers' kernel wrapper runs (for inputs on ``device_type`` when given), else ``fn``.
+
+    Two layers of indirection, both read from closures (``model/fast_path.py`` reads bindings the same way):
+    with the ``kernels`` package installed (a dependency of transformers >= 5.25) the module-level name is a
+    ``Func`` module whose forward calls the wrapped function (closure ``func``); transformers' wrapper holds the
+    package's kernel or the PyTorch fallback (closure ``implementation``) and, since 5.25, the device types the
+    package runs on (``supported_devices``): inputs on any other device run the PyTorch fallback."""
+    if isinstance(fn, torch.nn.Module):
+        try:
+            inner = inspect.getclosurevars(type(fn).forward).nonlocals.get("func")
+        except (TypeError, ValueError):
+            inner = None
+        fn = inner if callable(inner) else fn
     try:
-        impl = inspect.getclosurevars(fn).nonlocals.get("implementation")
+        nonlocals = inspect.getclosurevars(fn).nonlocals
     except (TypeError, ValueError):
         return fn
-    return impl if callable(impl) else fn
+    impl = nonlocals.get("implementation")
+    if not callable(impl):
+        return fn
+    devices = nonlocals.get("supported_devices")
+    if device_type is not None and devices is not None and device_type not in devices:
+        return nonlocals.get("torch_function", fn)
+    return impl
 
 
 def _source(impl) -> str:
@@ -88,16 +105,18 @@ def varlen_problem(layers: Optional[list]) -> Optional[str]:
     if not linear:
         return None
     modeling = _modeling(linear[0])
+    device = next(iter(linear[0].parameters()), torch.empty(0)).device.type
     for name, (pkg, arg) in VARLEN_KERNELS.items():
         fn = getattr(modeling, name, None)
         if fn is None:
             return (f"{type(linear[0]).__name__}: {getattr(modeling, '__name__', '?')} has no {name} (this "
                     "transformers version's linear-attention layers cannot take packed rows)")
-        impl = bound_kernel(fn)
+        impl = bound_kernel(fn, device)
         source = _source(impl)
         if source != pkg:
             where = "transformers' PyTorch fallback" if source == "transformers" else source
             why = (f"not importable: {', '.join(missing_packages())}" if missing_packages()
+                   else f"{pkg} does not run on {device}" if _source(bound_kernel(fn)) == pkg
                    else "see the fast-path report")
             return (f"{type(linear[0]).__name__} runs {name} on {where} ({why}); packed rows need {pkg}'s kernel, "
                     f"which takes {arg}, {WHY}")

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from dflash_dist.model.families.hybrid_packing import bound_kernel
 from dflash_dist.model.fast_path import (
     FastPathError,
     check_fast_path_for_config,
@@ -120,11 +121,16 @@ def _fake_fla(monkeypatch):
 
 def test_bound_kernel_is_detected_new_style(qwen3_next, monkeypatch):
     """transformers >= 5.2x: the module-level wrapper's closure holds the package function."""
-    from transformers.integrations import use_kernel_func_from_hub_with_fallback
+    from transformers.integrations import hub_kernels, use_kernel_func_from_hub_with_fallback
     from transformers.models.qwen3_next import modeling_qwen3_next as mq
     _fake_fla(monkeypatch)
-    torch_fn = mq.torch_chunk_gated_delta_rule.__wrapped__
+    torch_fn = bound_kernel(mq.torch_chunk_gated_delta_rule)
+    assert torch_fn.__module__ == mq.__name__ and torch_fn.__name__ == "torch_chunk_gated_delta_rule"
     wrapped = use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule", "fla")(torch_fn)
+    assert bound_kernel(wrapped).__module__ == "fla.ops.gated_delta_rule"
+    if "cpu" not in getattr(hub_kernels, "_PACKAGE_SUPPORTED_DEVICES", {}).get("fla", ("cpu",)):
+        assert bound_kernel(wrapped, "cpu") is torch_fn  # transformers >= 5.25: fla's kernel runs on CUDA only
+    assert bound_kernel(wrapped, "cuda").__module__ == "fla.ops.gated_delta_rule"
     monkeypatch.setattr(mq, "torch_chunk_gated_delta_rule", wrapped)
     r = check_target_fast_path(qwen3_next, "allow", "cpu")
     kind = r["kinds"]["Qwen3NextGatedDeltaNet"]
