@@ -4,7 +4,7 @@ A GatedDeltaNet layer carries two states along the row: the short causal convolu
 tokens) and the gated delta rule's recurrent state. Packed samples stay independent only if both restart at every
 sample boundary. The fast kernels take that boundary directly: flash-linear-attention's ``chunk_gated_delta_rule``
 takes ``cu_seqlens`` (cumulative lengths, batch of one row) and causal-conv1d's ``causal_conv1d_fn`` takes
-``seq_idx`` (each token's sample index). transformers' GatedDeltaNet forward (5.17 .. 5.24, Qwen3-Next, Qwen3.5,
+``seq_idx`` (each token's sample index). transformers' GatedDeltaNet forward (5.17 .. 5.25, Qwen3-Next, Qwen3.5,
 Qwen3.5-MoE) passes its ``cu_seq_lens_q`` kwarg to the first as ``cu_seqlens`` and its other kwargs to both, filtered
 by each kernel's signature; the capture passes these kwargs to the model's forward (``varlen_kwargs``).
 transformers' PyTorch fallbacks take neither and would run the states across samples: without both fast kernels
