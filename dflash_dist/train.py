@@ -68,6 +68,8 @@ def run(cfg: JobConfig) -> int:
         if isinstance(e, KeyboardInterrupt) or job.life.stop_now or STOPPED_AT_ONCE in (job.life.failure() or ""):
             stop_at_once(job.life)
         root = job.life.root_cause(settle_s=0.0 if isinstance(e, ConfigError) else 1.0)
+        if root is not None and STOPPED_AT_ONCE in root:
+            stop_at_once(job.life)  # a peer's second signal, posted after this rank's wait broke
         if root is not None and not root.startswith(f"rank {topo.rank} "):
             # a secondary error (a broken wait on a dead or failed peer): report the root cause once
             log.error("stopping without a checkpoint because %s (here: %s: %s)", root, type(e).__name__,

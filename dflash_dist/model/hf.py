@@ -246,9 +246,25 @@ def _from_pretrained_tp(path: str, group, device: str, **kwargs):
     mixin.initialize_distributed_mesh = lambda distributed_config: (here, _ReplicaMesh())
     try:
         return AutoModelForCausalLM.from_pretrained(
-            path, distributed_config=DistributedConfig(tp_size=k, tp_plan="auto"), **kwargs)
+            path, distributed_config=DistributedConfig(tp_size=k, tp_plan="auto", **_expert_split(path, k)), **kwargs)
     finally:
         mixin.initialize_distributed_mesh = own
+
+
+def _expert_split(path: str, k: int) -> dict:
+    """The DistributedConfig fields that split an MoE target's experts over the replica's k ranks. transformers >= 5.25
+    names the experts in the model's expert-parallel plan only (its tensor-parallel plan leaves them whole on every
+    rank): ``ep_size=k`` over the same ranks, with the ``all_reduce`` dispatch, where each rank runs its share of the
+    experts on the batch the replica shares and the outputs are summed, as the tensor-parallel experts were. Empty for
+    a dense model, and for an older transformers whose tensor-parallel plan shards the experts itself."""
+    from transformers import AutoConfig
+    cfg = AutoConfig.from_pretrained(path)
+    cfg = getattr(cfg, "get_text_config", lambda: cfg)()
+    ep_plan = getattr(cfg, "base_model_ep_plan", None) or {}
+    tp_plan = getattr(cfg, "base_model_tp_plan", None) or {}
+    if "ep_dispatch_experts" not in ep_plan.values() or any(".experts" in key for key in tp_plan):
+        return {}
+    return {"ep_size": k, "ep_implementation": "all_reduce"}
 
 
 def local_parameter_bytes(model) -> tuple[int, int]:
