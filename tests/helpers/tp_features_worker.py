@@ -20,8 +20,8 @@ from dflash_dist.target.capture import FeatureCapture
 TINY = {"model_type": "qwen3", "vocab_size": 2048, "hidden_size": 128, "intermediate_size": 384,
         "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
         "tie_word_embeddings": False}
-# Qwen3-MoE-shaped (the 235B-A22B family): transformers' tp_plan="auto" shards every expert over the replica
-# ("moe_tp_experts"); its expert-parallel plan (ep_plan) is not used here
+# Qwen3-MoE-shaped (the 235B-A22B family): the experts split over the replica by transformers' tensor-parallel
+# plan ("moe_tp_experts", up to 5.24) or its expert-parallel plan (5.25: model/hf.py _expert_split)
 TINY_MOE = {**TINY, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
             "decoder_sparse_step": 1, "mlp_only_layers": []}
 
