@@ -8,6 +8,7 @@ Two formulations of the same math on the same weights and inputs:
   reductions over [Q, H].
 - ``matmul``: each tap's coefficients from one small matmul [delta_tap, 1] @ [E; base_tap] (``matmul_conv``
   below), so those two become matmuls. Measured slower on an H200 (docs/benchmarks.md#dflash2-step).
+- ``blockpad``: rows viewed as whole blocks, each tap's shift a pad along the in-block axis (``blockpad_conv``).
 
 Per formulation: median ms of a compiled forward + backward (CUDA events on GPU), and the largest difference of
 the output and of every gradient from the ``reduce`` form in fp32.
@@ -50,9 +51,29 @@ def matmul_conv(conv: GroupedDynamicConv, x, delta, side: int, block_size: int):
     return out
 
 
+def blockpad_conv(conv: GroupedDynamicConv, x, delta, side: int, block_size: int):
+    """The block form: rows viewed as [..., blocks, B, G, g]; each tap's shift is a pad at the front of the
+    in-block axis, so no row crosses a block and no 0/1 position mask is multiplied in."""
+    q_len, hidden = x.shape[-2], x.shape[-1]
+    lead = x.shape[:-2]
+    nb = q_len // block_size
+    xb = x.reshape(*lead, nb, block_size, conv.num_groups, conv.group_size)
+    db = delta.to(x.dtype).reshape(*lead, nb, block_size, conv.kernel_size, conv.num_groups)
+    base = conv.base_kernel[side].to(x.dtype).view(conv.kernel_size, conv.num_groups, conv.group_size)
+    out = xb * (base[0] + db[..., 0, :, None])
+    for tap in range(1, conv.kernel_size):
+        shifted = torch.nn.functional.pad(xb[..., :-tap, :, :], (0, 0, 0, 0, tap, 0))
+        out = out + shifted * (base[tap] + db[..., tap, :, None])
+    return out.reshape(*lead, q_len, hidden)
+
+
+FORMS = {"reduce": lambda conv: conv._conv, "matmul": lambda conv: (lambda *a: matmul_conv(conv, *a)),
+         "blockpad": lambda conv: (lambda *a: blockpad_conv(conv, *a))}
+
+
 def both_sides(conv: GroupedDynamicConv, form: str, x, y, go, block_size: int):
     """prepare(x) and finish(y) as a layer runs them, reduced against a fixed output gradient ``go``."""
-    conv_fn = conv._conv if form == "reduce" else (lambda *a: matmul_conv(conv, *a))
+    conv_fn = FORMS[form](conv)
     delta = conv.kernel_projection(x).unflatten(-1, (2, conv.kernel_size, conv.num_groups))
     a = conv_fn(x, delta[..., 0, :, :], 0, block_size)
     b = conv_fn(y, delta[..., 1, :, :], 1, block_size)
@@ -76,15 +97,19 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--kernel-size", type=int, default=2)
     p.add_argument("--group-size", type=int, default=16)
-    p.add_argument("--forms", default="reduce,matmul")
+    p.add_argument("--forms", default="reduce,matmul,blockpad", help=f"comma list of {', '.join(FORMS)}")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="inputs and output gradient (the layer's activations; bf16 autocast on CUDA either way)")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.tiny:
         args.rows, args.hidden, args.repeats, args.warmup = 64, 64, 3, 1
     dev = C.pick_device(args.device)
+    if args.dtype == "bf16" and dev.type != "cuda":
+        p.error("--dtype bf16 needs CUDA (the bf16 autocast of the projection)")
     torch.manual_seed(0)
     conv = GroupedDynamicConv(args.hidden, args.kernel_size, args.group_size).to(dev)
     with torch.no_grad():  # away from the identity init, so every term counts
@@ -92,15 +117,20 @@ def main(argv=None) -> int:
         conv.kernel_projection.weight.normal_(0, 0.02)
     x, y = (torch.randn(1, args.rows, args.hidden, device=dev) for _ in range(2))
     go = torch.randn(1, args.rows, args.hidden, device=dev)
+    if args.dtype == "bf16":  # the fp32 reference below then sees the same (bf16-rounded) values
+        x, y, go = (t.bfloat16().float() for t in (x, y, go))
+        xs, ys, gos = (t.bfloat16() for t in (x, y, go))
+    else:
+        xs, ys, gos = x, y, go
     result = {"bench": "dflash2_conv", "env": C.env_info(dev), "shape": vars(args), "rows": []}
     ref = grads(conv, "reduce", x, y, go, args.block_size)  # fp32, eager
     amp = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda")
     for form in [f.strip() for f in args.forms.split(",") if f.strip()]:
         got = grads(conv, form, x, y, go, args.block_size)
         diff = max(float((g - r).abs().max()) for g, r in zip(got, ref))
-        step = torch.compile(lambda xx, yy, form=form: both_sides(conv, form, xx, yy, go, args.block_size)[0],
+        step = torch.compile(lambda xx, yy, form=form: both_sides(conv, form, xx, yy, gos, args.block_size)[0],
                              fullgraph=True)
-        xb, yb = x.detach().requires_grad_(), y.detach().requires_grad_()
+        xb, yb = xs.detach().requires_grad_(), ys.detach().requires_grad_()
 
         def run():
             for q in conv.parameters():

@@ -161,22 +161,26 @@ class Runner:
             batch = make_batch(ids, loss_mask, cu, feats, num_anchors=num_anchors, block_size=B,
                                mask_token_id=self.mc.vocab_size - 1, ctx_bucket=dc.tuning.ctx_bucket,
                                generator=torch.Generator().manual_seed(1_000_003 + k), **self.target_inputs)
-        # flex_layers = flex + drafter.tuning.compile_layers (each decoder layer through torch.compile); a "+ko" suffix
-        # adds --kernel-options (drafter.tuning.flex_kernel_options)
+        # flex_layers = flex + drafter.tuning.compile_layers (each decoder layer through torch.compile), with the
+        # job's default tile options; a "+ko" suffix runs --kernel-options instead (drafter.tuning.flex_kernel_options;
+        # {} = inductor's defaults)
         # "+eagerloss": the fused loss's chunk math eager (drafter.tuning.compile_loss=false; compiled by default with flex)
+        # "+builder": the BlockMask from torch's create_block_mask (compiled) instead of the block intervals
         base, *suffixes = backend.split("+")
         flex = base in ("flex", "flex_layers")
-        opts = self.kernel_options if "ko" in suffixes else None
+        opts = (self.kernel_options or {}) if "ko" in suffixes else None   # None: the job's defaults for the device
         compiled_loss = flex and "eagerloss" not in suffixes
         want = ("flex" if flex else "sdpa", base == "flex_layers", opts)
-        if (self.model.backend, self.model.compiled_layers, self.model.flex_kernel_options) != want:
+        if getattr(self, "configured", None) != want:
+            self.configured = want
             self.model.backend = "flex" if flex else "sdpa"
             self.model.configure_compile(flex_dynamic=self.dynamic and flex, compile_layers=base == "flex_layers",
                                          kernel_options=opts)
         with torch.set_grad_enabled(train):
             with phase("mask"):
                 if flex:
-                    mask = flex_block_mask(batch.anchors, batch.valid, batch.ctx_len, B, compile=dc.compile,
+                    mask = flex_block_mask(batch.anchors, batch.valid, batch.ctx_len, B,
+                                           compile=dc.compile, from_tables="builder" not in suffixes,
                                            dynamic=self.dynamic)
                 else:
                     mask = dense_mask(batch.anchors, batch.valid, batch.ctx_len, B)
@@ -272,6 +276,7 @@ def run_one(runner: Runner, ctx: int, anchors: int, b: int, backend: str, train:
         runner.step(inputs, k, backend, train, anchors)
         first = timer.stop()
         row["first_step_s"] = first
+        row["flex_kernel_options"] = runner.model.flex_kernel_options  # as the step ran them (None: inductor's)
         row["first_step_wall_s"] = time.perf_counter() - t0
         k += 1
         for _ in range(max(0, args.warmup - 1)):
@@ -380,7 +385,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", default="1", help="samples per step, comma list (e.g. 1,4)")
     p.add_argument("--backends", default="flex_layers,sdpa",
                    help="comma list of flex, flex_layers (flex + drafter.tuning.compile_layers), sdpa; suffixes: +ko "
-                        "(--kernel-options), +eagerloss (drafter.tuning.compile_loss=false; flex rows compile the loss)")
+                        "(--kernel-options), +eagerloss (drafter.tuning.compile_loss=false; flex rows compile the loss), "
+                        "+builder (the block mask from torch's compiled create_block_mask, not the block intervals)")
     p.add_argument("--kernel-options", default=None,
                    help="flex tile options (drafter.tuning.flex_kernel_options) for backends with a +ko suffix, e.g. "
                         "flex_layers+ko: a JSON dict, or a bench/flex_tune.py JSON file (its 'best_kernel_options')")

@@ -35,8 +35,9 @@ class DrafterTuning:
     flex_kernel_options: Optional[dict] = None
     """Triton tile options passed to every flex_attention call (``kernel_options``), e.g. the backward tiles
     ``{bwd_BLOCK_M1: 64, bwd_BLOCK_N1: 128, bwd_BLOCK_M2: 128, bwd_BLOCK_N2: 64, bwd_num_warps: 8,
-    bwd_num_stages: 3}`` (``fwd_``/``bwd_`` prefixes pick the kernel). None: inductor's defaults for the GPU.
-    ``python bench/flex_tune.py`` autotunes them for your shapes and prints the dict to paste here."""
+    bwd_num_stages: 3}`` (``fwd_``/``bwd_`` prefixes pick the kernel). None: inductor's defaults, with the
+    forward through TMA on sm90+ GPUs (measured faster: docs/benchmarks.md#long-context-mask); {}: inductor's
+    defaults only. ``python bench/flex_tune.py`` autotunes them for your shapes and prints the dict to paste here."""
 
     optimizer_step: Literal["auto", "fused", "compiled"] = "auto"
     """How the gradient clip and the AdamW update run (dflash_dist/drafter/optim.py; the same update and optimizer

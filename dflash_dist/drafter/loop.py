@@ -153,7 +153,7 @@ class DrafterRun:
         if trainer.leaky_mask:
             log.warning("%s=1: training with the LEAKY mask (kv <= anchor) on purpose (a demonstration, never use "
                         "it)", LEAKY_MASK_ENV)
-        kernel = cfg.drafter.tuning.flex_kernel_options
+        kernel = trainer.model.flex_kernel_options  # drafter.tuning.flex_kernel_options, or the device's defaults
         flex_desc = (f" (compiled flex_attention, {'dynamic' if trainer.flex_dynamic else 'static'} shapes"
                      f"{', compiled layers' if trainer.compile_layers else ''}"
                      f"{', compiled loss' if trainer.compile_loss else ''}"

@@ -202,6 +202,16 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, None] + _rotate_half(x) * sin[:, None]
 
 
+def default_flex_kernel_options(device: torch.device) -> dict:
+    """The flex tile options when ``drafter.tuning.flex_kernel_options`` is null: inductor's defaults, with the
+    forward's loads through TMA on GPUs that have it (sm90+). On an H200, 0.7-1.5% faster steps from 3K to 32K
+    contexts than without it (measured: docs/benchmarks.md#long-context-mask; its host work shows in short steps
+    timed alone); the backward's TMA was not faster (docs/benchmarks.md#drafter-step-profile)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
+        return {"fwd_USE_TMA": True}
+    return {}
+
+
 class DFlashAttention(nn.Module):
     def __init__(self, cfg: DrafterModelConfig):
         super().__init__()
@@ -346,11 +356,14 @@ class DFlashDrafter(nn.Module):
         """flex_dynamic: use the dynamic-shape compiled flex kernel (CUDA). compile_layers: run each decoder layer
         through torch.compile (fullgraph; the flex call is traced into the layer's graph), so the norms, RoPE and
         the SiLU gate fuse. All layers share one code object, so they share the compiled graph. kernel_options:
-        flex_attention tile options (drafter.tuning.flex_kernel_options), None = inductor's defaults."""
+        flex_attention tile options (drafter.tuning.flex_kernel_options): None = ``default_flex_kernel_options`` for
+        the device the parameters are on, {} = inductor's defaults."""
         # the config refuses compiled layers on sdpa (config.drafter_backend); sdpa is the uncompiled reference
         assert not compile_layers or self.backend == "flex", "compiled layers need the flex backend"
         self.flex_dynamic = bool(flex_dynamic)
-        self.flex_kernel_options = dict(kernel_options) if kernel_options else None
+        if kernel_options is None:
+            kernel_options = default_flex_kernel_options(next(self.parameters()).device)
+        self.flex_kernel_options = dict(kernel_options) or None
         for layer in self.layers:
             layer.self_attn.flex_dynamic = self.flex_dynamic
             layer.self_attn.flex_kernel_options = self.flex_kernel_options

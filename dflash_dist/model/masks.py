@@ -171,25 +171,37 @@ TILE = 128
 
 
 def tile_tables(anchors: Tensor, valid: Tensor, ctx_len: int, block_size: int, context_inclusive: bool = False,
-                tile: int = TILE) -> tuple[Tensor, Tensor]:
-    """(partial, full) int8 [b, 1, Q tiles, K tiles] of the full-attention mask, from the per-block intervals alone:
-    what ``create_block_mask`` computes by evaluating the mask on all Q x K pairs, here from one [b, Q, K tiles]
-    count. A query row of block i sees the keys [0, limit_i) and, if its block is valid, [ctx_len + B i,
-    ctx_len + B (i + 1)); a tile is full when every row of it sees all ``tile`` keys of it (rows and keys past Q
-    and K, the padding to whole tiles, see nothing), partial when some row sees some."""
+                tile: int = TILE, sliding_window: Optional[int] = None) -> tuple[Tensor, Tensor]:
+    """(partial, full) int8 [b, 1, Q tiles, K tiles] of the mask, from the per-block intervals alone: what
+    ``create_block_mask`` computes by evaluating the mask on all Q x K pairs, here from one [b, Q, K tiles] count.
+    Query slot s of block i sees two key intervals: context [lo, limit_i), lo = 0 (full attention) or
+    anchor_i + s - W + 1 (``sliding_window`` W), and, if its block is valid, its own block's slots t with
+    |s - t| < W (all of them without a window) at ctx_len + B i + t. A tile is full when every row of it sees
+    all ``tile`` keys of it (rows and keys past Q and K, the padding to whole tiles, see nothing), partial when
+    some row sees some."""
+    _check_window(sliding_window)
     limit, block_id = _block_tables(anchors, valid, context_inclusive)
     b, n = limit.shape
     q_len, k_len = n * block_size, ctx_len + n * block_size
     q_tiles, k_tiles = -(-q_len // tile), -(-k_len // tile)
     dev = limit.device
+    slot = torch.arange(block_size, device=dev)                                       # [B]
+    w = k_len + block_size if sliding_window is None else int(sliding_window)          # no window: wider than all
+    ctx_hi = limit[..., None].expand(b, n, block_size)                                # [b, N, B]
+    ctx_lo = (limit[..., None] - int(context_inclusive) + slot - w + 1).clamp_min(0)
+    own_base = ctx_len + block_size * block_id.clamp_min(0)[..., None]                 # [b, N, 1]
+    own_lo = own_base + (slot - w + 1).clamp_min(0)
+    own_hi = torch.where((block_id >= 0)[..., None], own_base + (slot + w).clamp_max(block_size), own_lo)
     k0 = torch.arange(k_tiles, device=dev) * tile                                     # [KT]
     k1 = torch.clamp(k0 + tile, max=k_len)
-    ctx_seen = (torch.minimum(limit[..., None], k1) - k0).clamp_min(0)               # [b, N, KT]
-    own0 = ctx_len + block_size * block_id.clamp_min(0)[..., None]                    # [b, N, 1]
-    own_seen = (torch.minimum(own0 + block_size, k1) - torch.maximum(own0, k0)).clamp_min(0)
-    seen = ctx_seen + own_seen * (block_id >= 0)[..., None]                           # keys seen per row of block i
+
+    def overlap(lo: Tensor, hi: Tensor) -> Tensor:                                    # [b, Q, KT] keys of [lo, hi)
+        lo, hi = lo.reshape(b, q_len, 1), hi.reshape(b, q_len, 1)
+        return (torch.minimum(hi, k1) - torch.maximum(lo, k0)).clamp_min(0)
+
+    seen = overlap(ctx_lo, ctx_hi) + overlap(own_lo, own_hi)                          # the intervals are disjoint
     rows = seen.new_zeros(b, q_tiles * tile, k_tiles)                                 # padding rows see nothing
-    rows[:, :q_len] = seen.repeat_interleave(block_size, dim=1)
+    rows[:, :q_len] = seen
     rows = rows.view(b, q_tiles, tile, k_tiles)
     full = rows.amin(2) == tile
     partial = (rows.amax(2) > 0) & ~full
@@ -198,30 +210,31 @@ def tile_tables(anchors: Tensor, valid: Tensor, ctx_len: int, block_size: int, c
 
 def flex_block_mask(anchors: Tensor, valid: Tensor, ctx_len: int, block_size: int, compile: bool = True,
                     context_inclusive: bool = False, dynamic: bool = False,
-                    sliding_window: Optional[int] = None) -> BlockMask:
+                    sliding_window: Optional[int] = None, from_tables: bool = True) -> BlockMask:
     """BlockMask for one step (H=None: shared by all heads), built once and reused by every layer.
 
-    ``compile=True`` uses the module-level ``torch.compile(create_block_mask)`` on accelerators, so the
-    [b, Q, K] mask is never materialised. On CPU nothing is compiled even with compile=True: inductor's CPU
-    backend miscompiles this reduction in torch 2.13 (C++ VecMask type error). ``dynamic=True`` (CUDA) uses the
-    dynamic-shape compiled builder, so new (b, S_pad) shapes do not recompile. Where the eager builder would
-    run, a full-attention mask (``sliding_window`` None) comes from ``tile_tables`` instead: the same BlockMask
-    (tested) without evaluating the mask on every pair (a 640-key mask on a 2-core CPU: 624 -> 9 ms per build).
-    On CUDA the compiled builder stays: its kernel is 1.7 ms of a 3K-context step and 14 ms of a 32K one on an
-    H200, but the tables path's eager host work (torch's vmap-based transposes) made the 3K step no faster, and
-    it is not measured at 32K yet (measured: docs/benchmarks.md#drafter-step-profile). ``mask_build_calls``
-    records which path ran.
+    The mask (full attention, or ``sliding_window``'s) comes from ``tile_tables``: the same BlockMask as torch's
+    ``create_block_mask`` (tested) from the per-block intervals, without evaluating the mask on every Q x K pair
+    (a 640-key mask on a 2-core CPU: 624 -> 9 ms per build; on an H200 the compiled builder's kernel was 1.7 ms of a
+    3K-context step and 14 ms of a 32K one; the steps run 0-1.6% faster from the tables, measured:
+    docs/benchmarks.md#long-context-mask).
+
+    ``from_tables=False`` (benchmarks compare the two) goes through ``create_block_mask``: with ``compile=True`` on
+    accelerators the module-level compiled builder, so the [b, Q, K] mask is never materialised (``dynamic=True``:
+    its dynamic-shape graph, so new (b, S_pad) shapes do not recompile). On CPU nothing is compiled even with
+    compile=True: inductor's CPU backend miscompiles this reduction in torch 2.13 (C++ VecMask type error).
+    ``mask_build_calls`` records which path ran.
     """
     b, n = anchors.shape
     q_len = n * block_size
     mask_mod = make_mask_mod(anchors, valid, ctx_len, block_size, context_inclusive, sliding_window)
+    if from_tables and _create_sparse_block_from_block_mask is not None:
+        mask_build_calls["tables"] += 1
+        tables = tile_tables(anchors, valid, ctx_len, block_size, context_inclusive, sliding_window=sliding_window)
+        return _create_sparse_block_from_block_mask(tables, mask_mod, (q_len, ctx_len + q_len), TILE, TILE)
     if compile and anchors.device.type != "cpu":
         mask_build_calls["compiled"] += 1
         builder = _create_block_mask_compiled_dynamic if dynamic else _create_block_mask_compiled
-    elif sliding_window is None and _create_sparse_block_from_block_mask is not None:
-        mask_build_calls["tables"] += 1
-        tables = tile_tables(anchors, valid, ctx_len, block_size, context_inclusive)
-        return _create_sparse_block_from_block_mask(tables, mask_mod, (q_len, ctx_len + q_len), TILE, TILE)
     else:
         mask_build_calls["eager"] += 1
         builder = create_block_mask

@@ -55,7 +55,8 @@ class DrafterSpec:
     compile_layers: bool
     """Each decoder layer through torch.compile (``drafter.tuning.compile_layers``; None meant flex)."""
     flex_kernel_options: Optional[dict]
-    """``drafter.tuning.flex_kernel_options``."""
+    """``drafter.tuning.flex_kernel_options`` (None: the device's defaults, model/drafter.py
+    ``default_flex_kernel_options``; {}: inductor's)."""
     loss: LossSpec
     """The objective and its settings."""
 
@@ -109,7 +110,7 @@ def resolve_drafter(dc: DrafterConfig, hf_config: Any, num_feature_layers: int, 
         model=model, variant=str(dc.variant), backend=backend, compile_mask=bool(dc.compile),
         flex_dynamic=flex and bool(t.compile_dynamic) and device_type == "cuda",
         compile_layers=flex if t.compile_layers is None else bool(t.compile_layers),
-        flex_kernel_options=dict(t.flex_kernel_options) if t.flex_kernel_options else None,
+        flex_kernel_options=None if t.flex_kernel_options is None else dict(t.flex_kernel_options),
         loss=LossSpec(objective=str(dc.loss.objective), gamma=dc.loss.gamma, chunk_rows=int(t.loss_chunk_rows),
                       compiled=flex if t.compile_loss is None else bool(t.compile_loss),
                       labels=str(dc.loss.labels), kind=str(dc.loss.kind), kl_top_k=int(dc.loss.kl_top_k),

@@ -7,7 +7,14 @@ import torch
 import torch.nn.functional as F
 
 from dflash_dist.config import ConfigError
-from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig, RMSNorm, apply_rotary, rotary_cos_sin
+from dflash_dist.model.drafter import (
+    DFlashDrafter,
+    DrafterModelConfig,
+    RMSNorm,
+    apply_rotary,
+    default_flex_kernel_options,
+    rotary_cos_sin,
+)
 from dflash_dist.model.masks import dense_mask, flex_block_mask
 
 H, HEADS, KV, D, INTER, LAYERS, NF, BS = 32, 4, 2, 8, 48, 2, 3, 4
@@ -400,9 +407,10 @@ def test_sliding_window_config_is_validated():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: flex's backward and the dynamic kernel (passed on an "
-                    "H200, torch 2.11, 2026-12-01)")
+                    "H200, torch 2.11, 2026-12-04, masks from the compiled builder; the interval-built masks "
+                    "today equal them tensor for tensor, test_masks)")
 def test_sliding_window_flex_on_cuda_matches_sdpa_forward_and_backward():
-    """The training path on a GPU: compiled layers, dynamic-shape flex, {kind: BlockMask} (compiled builder) for a
+    """The training path on a GPU: compiled layers, dynamic-shape flex, {kind: BlockMask} (flex_block_mask's) for a
     drafter with sliding and full layers == the sdpa drafter (dense masks) in outputs and weight gradients."""
     from dflash_dist.model.masks import layer_masks
     dev = torch.device("cuda")
@@ -433,3 +441,17 @@ def test_sliding_window_flex_on_cuda_matches_sdpa_forward_and_backward():
         for k in grads[0]:
             torch.testing.assert_close(grads[1][k], grads[0][k], atol=2e-3, rtol=2e-3, msg=k)
     assert flex.attention_calls["compiled_layers"] == 2 * LAYERS and flex.attention_calls["flex_dynamic"] == 2 * LAYERS
+
+
+def test_default_flex_kernel_options_per_device(monkeypatch):
+    """null tile options: the forward through TMA on sm90+ only; {} means inductor's defaults, as does CPU."""
+    assert default_flex_kernel_options(torch.device("cpu")) == {}
+    for cap, want in (((9, 0), {"fwd_USE_TMA": True}), ((10, 0), {"fwd_USE_TMA": True}), ((8, 0), {})):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
+        assert default_flex_kernel_options(torch.device("cuda", 0)) == want, cap
+    model = DFlashDrafter(cfg(), "flex")
+    assert model.configure_compile().flex_kernel_options is None                  # CPU: nothing to add
+    assert model.configure_compile(kernel_options={}).flex_kernel_options is None
+    opts = model.configure_compile(kernel_options={"bwd_num_warps": 4}).flex_kernel_options
+    assert opts == {"bwd_num_warps": 4}
+    assert all(layer.self_attn.flex_kernel_options == opts for layer in model.layers)

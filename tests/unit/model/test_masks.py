@@ -116,7 +116,8 @@ def test_flex_block_mask_equals_dense():
 def test_tile_tables_block_mask_equals_create_block_mask():
     """The BlockMask built from the block intervals (masks.tile_tables) is torch's create_block_mask of the same
     mask_mod, tensor for tensor: block sizes that do and do not divide the 128 tile, padding blocks, partial tiles
-    on both axes, the inclusive (leak demonstration) rule."""
+    on both axes, the inclusive (leak demonstration) rule, sliding windows narrower than a block, than the context
+    and wider than both."""
     g = torch.Generator().manual_seed(3)
     fields = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
               "full_q_num_blocks", "full_q_indices")
@@ -125,15 +126,28 @@ def test_tile_tables_block_mask_equals_create_block_mask():
         anchors = torch.randint(0, ctx - 1, (b, n), generator=g).sort(-1).values
         valid = torch.rand(b, n, generator=g) > (0.0 if trial % 3 == 0 else 0.2)
         anchors = torch.where(valid, anchors, 0)
-        inclusive = trial == 5
-        before = masks.mask_build_calls["tables"]
-        got = flex_block_mask(anchors, valid, ctx, bsz, context_inclusive=inclusive)
-        assert masks.mask_build_calls["tables"] == before + 1
-        ref = create_block_mask(make_mask_mod(anchors, valid, ctx, bsz, inclusive), b, None, n * bsz, ctx + n * bsz,
-                                device="cpu")
-        assert got.seq_lengths == ref.seq_lengths and got.BLOCK_SIZE == ref.BLOCK_SIZE
-        for f in fields:
-            assert torch.equal(getattr(got, f), getattr(ref, f)), (trial, f)
+        inclusive = trial in (5, 6)
+        for w in (None, 1, max(1, bsz // 2), bsz + 1, 100, 129, ctx + n * bsz + 1):
+            before = masks.mask_build_calls["tables"]
+            got = flex_block_mask(anchors, valid, ctx, bsz, context_inclusive=inclusive, sliding_window=w)
+            assert masks.mask_build_calls["tables"] == before + 1
+            ref = create_block_mask(make_mask_mod(anchors, valid, ctx, bsz, inclusive, sliding_window=w), b, None,
+                                    n * bsz, ctx + n * bsz, device="cpu")
+            assert got.seq_lengths == ref.seq_lengths and got.BLOCK_SIZE == ref.BLOCK_SIZE
+            for f in fields:
+                assert torch.equal(getattr(got, f), getattr(ref, f)), (trial, w, f)
+
+
+def test_from_tables_false_builds_through_create_block_mask():
+    """from_tables=False (the benchmarks' comparison) takes torch's builder, and builds the same BlockMask."""
+    anchors, valid = cases()
+    before = dict(masks.mask_build_calls)
+    ref = flex_block_mask(anchors, valid, CTX, B, from_tables=False)
+    assert masks.mask_build_calls["eager"] == before["eager"] + 1            # CPU: never the compiled builder
+    assert masks.mask_build_calls["tables"] == before["tables"]
+    got = flex_block_mask(anchors, valid, CTX, B)
+    assert masks.mask_build_calls["tables"] == before["tables"] + 1
+    assert torch.equal(got.to_dense(), ref.to_dense()) and torch.equal(got.kv_indices, ref.kv_indices)
 
 
 def test_flex_attention_with_block_mask_equals_dense_attention():

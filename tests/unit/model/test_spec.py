@@ -20,6 +20,10 @@ def test_none_means_on_with_flex_resolved_here():
     assert (off.loss.compiled, off.flex_dynamic) == (False, False)
     assert cpu.block_size == cpu.model.block_size == 8 and cpu.model.num_feature_layers == 3
     assert cpu.loss.chunk_rows == 2048 and cpu.variant == "dflash" and cpu.loss.objective == "decayed_ce"
+    # tile options: null = the device's defaults (resolved by the model), {} = inductor's: kept apart
+    assert gpu.flex_kernel_options is None
+    bare = resolve_drafter(DrafterConfig(num_layers=2, tuning={"flex_kernel_options": {}}), TARGET, 3, "cuda")
+    assert bare.flex_kernel_options == {}
 
 
 def test_meta_round_trip_keeps_block_size_once():
