@@ -408,7 +408,7 @@ def test_sliding_window_config_is_validated():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: flex's backward and the dynamic kernel (passed on an "
                     "H200, torch 2.11, 2026-12-04, masks from the compiled builder; the interval-built masks "
-                    "today equal them tensor for tensor, test_masks)")
+                    "equal them tensor for tensor, test_masks)")
 def test_sliding_window_flex_on_cuda_matches_sdpa_forward_and_backward():
     """The training path on a GPU: compiled layers, dynamic-shape flex, {kind: BlockMask} (flex_block_mask's) for a
     drafter with sliding and full layers == the sdpa drafter (dense masks) in outputs and weight gradients."""
