@@ -40,15 +40,15 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-try:  # the step torch's create_block_mask ends with: (partial, full) tile tables -> BlockMask (torch 2.5 .. 2.13)
-    from torch.nn.attention.flex_attention import _create_sparse_block_from_block_mask
+try:  # dense tile table -> (count, sorted indices) per row, as create_block_mask's last step (torch 2.5 .. 2.13)
+    from torch.nn.attention.flex_attention import _dense_to_ordered
 except ImportError:  # a later torch without it: the compiled builder below still works
-    _create_sparse_block_from_block_mask = None
+    _dense_to_ordered = None
 
 from dflash_dist.model.lazy_compile import lazy_compile
 
-__all__ = ["dense_mask", "make_mask_mod", "flex_block_mask", "tile_tables", "window_mask", "layer_masks",
-           "visible_pairs", "mask_build_calls"]
+__all__ = ["dense_mask", "make_mask_mod", "flex_block_mask", "tile_tables", "block_mask_from_tables", "window_mask",
+           "layer_masks", "visible_pairs", "mask_build_calls"]
 
 # Module-level compiled builder: compiled once per process, new mask_mods (fresh closures over new anchor
 # tensors) reuse the graph because dynamo guards on the closure tensors' metadata, not their identity.
@@ -208,6 +208,20 @@ def tile_tables(anchors: Tensor, valid: Tensor, ctx_len: int, block_size: int, c
     return partial[:, None].to(torch.int8), full[:, None].to(torch.int8)
 
 
+def block_mask_from_tables(partial: Tensor, full: Tensor, mask_mod, seq_lengths: tuple[int, int],
+                           tile: int = TILE) -> BlockMask:
+    """The BlockMask of the dense (partial, full) tile tables [b, 1, Q tiles, K tiles]: each table ordered per
+    query tile (the forward's) and, from its transpose, per key tile (the backward's). torch's own
+    ``_create_sparse_block_from_block_mask`` gets the same tensors (tested) but rebuilds the dense tables for the
+    key side under two levels of vmap, host time a step waits for before its first kernel
+    (docs/benchmarks.md#long-context-mask)."""
+    kv, full_kv = _dense_to_ordered(partial), _dense_to_ordered(full)
+    q, full_q = _dense_to_ordered(partial.transpose(-2, -1)), _dense_to_ordered(full.transpose(-2, -1))
+    return BlockMask(seq_lengths=seq_lengths, kv_num_blocks=kv[0], kv_indices=kv[1], full_kv_num_blocks=full_kv[0],
+                     full_kv_indices=full_kv[1], q_num_blocks=q[0], q_indices=q[1], full_q_num_blocks=full_q[0],
+                     full_q_indices=full_q[1], BLOCK_SIZE=(tile, tile), mask_mod=mask_mod)
+
+
 def flex_block_mask(anchors: Tensor, valid: Tensor, ctx_len: int, block_size: int, compile: bool = True,
                     context_inclusive: bool = False, dynamic: bool = False,
                     sliding_window: Optional[int] = None, from_tables: bool = True) -> BlockMask:
@@ -228,10 +242,11 @@ def flex_block_mask(anchors: Tensor, valid: Tensor, ctx_len: int, block_size: in
     b, n = anchors.shape
     q_len = n * block_size
     mask_mod = make_mask_mod(anchors, valid, ctx_len, block_size, context_inclusive, sliding_window)
-    if from_tables and _create_sparse_block_from_block_mask is not None:
+    if from_tables and _dense_to_ordered is not None:
         mask_build_calls["tables"] += 1
-        tables = tile_tables(anchors, valid, ctx_len, block_size, context_inclusive, sliding_window=sliding_window)
-        return _create_sparse_block_from_block_mask(tables, mask_mod, (q_len, ctx_len + q_len), TILE, TILE)
+        partial, full = tile_tables(anchors, valid, ctx_len, block_size, context_inclusive,
+                                    sliding_window=sliding_window)
+        return block_mask_from_tables(partial, full, mask_mod, (q_len, ctx_len + q_len))
     if compile and anchors.device.type != "cpu":
         mask_build_calls["compiled"] += 1
         builder = _create_block_mask_compiled_dynamic if dynamic else _create_block_mask_compiled

@@ -114,10 +114,10 @@ def test_flex_block_mask_equals_dense():
 
 
 def test_tile_tables_block_mask_equals_create_block_mask():
-    """The BlockMask built from the block intervals (masks.tile_tables) is torch's create_block_mask of the same
-    mask_mod, tensor for tensor: block sizes that do and do not divide the 128 tile, padding blocks, partial tiles
-    on both axes, the inclusive (leak demonstration) rule, sliding windows narrower than a block, than the context
-    and wider than both."""
+    """The BlockMask built from the block intervals (masks.tile_tables, both sides ordered by
+    masks.block_mask_from_tables) is torch's create_block_mask of the same mask_mod, tensor for tensor: block
+    sizes that do and do not divide the 128 tile, padding blocks, partial tiles on both axes, the inclusive (leak
+    demonstration) rule, sliding windows narrower than a block, than the context and wider than both."""
     g = torch.Generator().manual_seed(3)
     fields = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
               "full_q_num_blocks", "full_q_indices")
