@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """One DFlash2 grouped dynamic convolution (both sides, as a layer runs it), forward + backward, compiled.
 
-Two formulations of the same math on the same weights and inputs:
+Formulations of the same math on the same weights and inputs:
 
 - ``reduce``: the package's (``dflash_dist.model.dflash2.GroupedDynamicConv``): coefficients base + delta
   broadcast over the group's channels, so autograd makes the group sum and the base kernel's gradient
   reductions over [Q, H].
+- ``triton``: one Triton kernel per direction (``bench/_conv_triton.py``; CUDA only). Measured no faster in the
+  drafter step (docs/benchmarks.md#dflash2-step).
 - ``matmul``: each tap's coefficients from one small matmul [delta_tap, 1] @ [E; base_tap] (``matmul_conv``
   below), so those two become matmuls. Measured slower on an H200 (docs/benchmarks.md#dflash2-step).
 - ``blockpad``: rows viewed as whole blocks, each tap's shift a pad along the in-block axis (``blockpad_conv``).
@@ -26,6 +28,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402  (puts the repo root on sys.path)
 import torch  # noqa: E402
+from _conv_triton import available, grouped_dynamic_conv  # noqa: E402
 
 from dflash_dist.model.dflash2 import GroupedDynamicConv  # noqa: E402
 
@@ -67,7 +70,13 @@ def blockpad_conv(conv: GroupedDynamicConv, x, delta, side: int, block_size: int
     return out.reshape(*lead, q_len, hidden)
 
 
-FORMS = {"reduce": lambda conv: conv._conv, "matmul": lambda conv: (lambda *a: matmul_conv(conv, *a)),
+def triton_conv(conv: GroupedDynamicConv, x, delta, side: int, block_size: int):
+    """One Triton kernel per direction (``bench/_conv_triton.py``)."""
+    return grouped_dynamic_conv(x, delta, conv.base_kernel[side], block_size, conv.group_size)
+
+
+FORMS = {"reduce": lambda conv: conv._conv, "triton": lambda conv: (lambda *a: triton_conv(conv, *a)),
+         "matmul": lambda conv: (lambda *a: matmul_conv(conv, *a)),
          "blockpad": lambda conv: (lambda *a: blockpad_conv(conv, *a))}
 
 
@@ -78,6 +87,40 @@ def both_sides(conv: GroupedDynamicConv, form: str, x, y, go, block_size: int):
     a = conv_fn(x, delta[..., 0, :, :], 0, block_size)
     b = conv_fn(y, delta[..., 1, :, :], 1, block_size)
     return (a.float() * go).sum() + (b.float() * go).sum(), a, b
+
+
+def graph_us(fn, reps: int = 20) -> float:
+    """Mean us of one ``fn()`` replayed from a CUDA graph of ``reps`` calls (no launch cost)."""
+    fn()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(reps):
+                fn()
+    torch.cuda.synchronize()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (5 * reps) * 1e3
+
+
+def kernels_alone(conv: GroupedDynamicConv, x, go, block_size: int, group_size: int) -> dict:
+    """One side's forward and backward kernels of the triton form, and a clone of x, replayed from CUDA graphs."""
+    import _conv_triton as T
+    x2 = x.reshape(-1, x.shape[-1])
+    with torch.no_grad():
+        delta = conv.kernel_projection(x2.float()).to(x.dtype).unflatten(-1, (2, conv.kernel_size,
+                                                                              conv.num_groups))[:, 0]
+    base = conv.base_kernel[0].detach()
+    return {"us_fwd_kernel": graph_us(lambda: T._conv_fwd(x2, delta, base, block_size, group_size)),
+            "us_bwd_kernel": graph_us(lambda: T._conv_bwd(go.reshape(x2.shape), x2, delta, base, block_size,
+                                                          group_size)),
+            "us_clone": graph_us(lambda: x2.clone())}
 
 
 def grads(conv, form, x, y, go, block_size):
@@ -97,7 +140,7 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--kernel-size", type=int, default=2)
     p.add_argument("--group-size", type=int, default=16)
-    p.add_argument("--forms", default="reduce,matmul,blockpad", help=f"comma list of {', '.join(FORMS)}")
+    p.add_argument("--forms", default="reduce,triton,matmul,blockpad", help=f"comma list of {', '.join(FORMS)}")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
@@ -126,6 +169,9 @@ def main(argv=None) -> int:
     ref = grads(conv, "reduce", x, y, go, args.block_size)  # fp32, eager
     amp = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda")
     for form in [f.strip() for f in args.forms.split(",") if f.strip()]:
+        if form == "triton" and not available(x, args.group_size, args.hidden):
+            C.log("triton: needs CUDA, triton and a power-of-two group that tiles the hidden size; skipped")
+            continue
         got = grads(conv, form, x, y, go, args.block_size)
         diff = max(float((g - r).abs().max()) for g, r in zip(got, ref))
         step = torch.compile(lambda xx, yy, form=form: both_sides(conv, form, xx, yy, gos, args.block_size)[0],
@@ -141,10 +187,14 @@ def main(argv=None) -> int:
 
         ms = C.median(C.time_repeats(run, dev, args.warmup, args.repeats)) * 1e3
         row = {"form": form, "ms_fwd_bwd": ms, "max_abs_diff_vs_reduce_fp32": diff}
+        if form == "triton":  # the kernels alone, launch cost excluded, next to a copy of the same bytes
+            row.update(kernels_alone(conv, xs, gos, args.block_size, args.group_size))
         result["rows"].append(row)
         C.log(f"{form}: {ms:.3f} ms forward+backward (compiled, bf16 autocast on CUDA); max |d| vs reduce {diff:.2e}")
     print(C.table(result["rows"], [("form", "form"), ("ms_fwd_bwd", "ms fwd+bwd"),
-                                   ("max_abs_diff_vs_reduce_fp32", "max |d| fp32")],
+                                   ("max_abs_diff_vs_reduce_fp32", "max |d| fp32"),
+                                   ("us_fwd_kernel", "us fwd kernel"), ("us_bwd_kernel", "us bwd kernel"),
+                                   ("us_clone", "us clone")],
                   title=f"DFlash2 conv, {args.rows} rows x {args.hidden}, k={args.kernel_size} g={args.group_size}"))
     C.write_json(args.out, result)
     return 0
