@@ -138,9 +138,6 @@ def check_job_config(cfg: JobConfig, world_size: Optional[int], device_type: str
                                            attn_note(cfg.target, hf_config, device_type))
     check_packing_config(cfg.target, hf_config)  # target.packing=on for a hybrid: refused before weights load
     check_quantization_for_config(cfg.target, hf_config, device_type)  # an FP8 target without an FP8 GEMM
-    if cfg.target.tensor_parallel > 1:  # FP8 targets run on one rank per replica: refused before weights load
-        from dflash_dist.model.quant import refuse_replica
-        refuse_replica(cfg.target, hf_config)
     src = cfg.data.source
     if src not in PACKAGED_SOURCES and not src.startswith("synthetic:") and not os.path.exists(src):
         raise ConfigError(f"data.source={src!r}: no such file or directory (builtin, builtin_original, a .jsonl/.json/.parquet/.arrow "

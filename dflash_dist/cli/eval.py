@@ -127,6 +127,7 @@ def _evaluate(args, device: str, replica: Optional[EvalReplica]) -> int:
     from transformers import AutoTokenizer
 
     from dflash_dist.model.hf import build_target_model, tokenizer_path
+    from dflash_dist.model.quant import quantization_report
     feeder = replica is None or replica.is_feeder
     if not feeder:
         logging.getLogger().setLevel(logging.WARNING)
@@ -203,7 +204,8 @@ def _evaluate(args, device: str, replica: Optional[EvalReplica]) -> int:
     result.update({"source": setup.source, "target": tcfg.name_or_path or tcfg.hf_config,
                    "prompt_source": prompt_source, "eos_ids": eos, "layer_ids": list(setup.layer_ids),
                    "mask_token_id": setup.mask_token_id, "device": device, "chat_template_kwargs": kwargs or {},
-                   "tensor_parallel": replica.k if replica is not None else 1})
+                   "tensor_parallel": replica.k if replica is not None else 1,
+                   "quantization": (quantization_report(target) or {}).get("summary")})
     print(format_table(result))
     out = result_path(args)
     os.makedirs(os.path.dirname(out), exist_ok=True)

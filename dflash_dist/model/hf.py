@@ -3,6 +3,7 @@ embedding / lm_head weights (loaded by key, so a drafter never loads the whole t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -289,13 +290,15 @@ def build_target_replica(tcfg: TargetConfig, device: str, group, random_dir: Opt
     ``build_random`` into ``random_dir`` as a safetensors checkpoint, then loaded sharded like a real one. That one
     rank holds the whole random model while it writes it; the ranks of a real checkpoint never do. ``ready``:
     (announce, wait) callables around the write."""
-    from dflash_dist.model.quant import refuse_replica
-    refuse_replica(tcfg, load_hf_config(tcfg))
+    from dflash_dist.model.quant import apply_quantization, checkpoint_format, strip_quantization
     dtype = resolve_dtype(tcfg.dtype, device)
     path, _ = resolve_source(tcfg)
+    hf_config = load_hf_config(tcfg)
+    fmt = checkpoint_format(hf_config) if path is not None else None
+    kw = {"config": strip_quantization(hf_config)} if fmt is not None else {}  # its FP8 linears swapped in below
     if path is None:
-        if build_random:
-            model = build_target_model(tcfg, device)
+        if build_random:  # written unquantized (save_pretrained of FP8 linears is not a checkpoint format)
+            model = build_target_model(dataclasses.replace(tcfg, quantization=None), device)
             model.save_pretrained(random_dir)
             del model
             ready[0]()
@@ -303,12 +306,13 @@ def build_target_replica(tcfg: TargetConfig, device: str, group, random_dir: Opt
             ready[1]()
         path = random_dir
     attn = resolve_attn_implementation(tcfg, load_hf_config(tcfg), device)
-    model = _from_pretrained_tp(path, group, device, dtype=dtype, attn_implementation=attn)
+    model = _from_pretrained_tp(path, group, device, dtype=dtype, attn_implementation=attn, **kw)
     model.eval().requires_grad_(False)
     local, full = local_parameter_bytes(model)
     if local >= full:
         raise RuntimeError(f"tensor-parallel load of {path}: this rank holds all {full} parameter bytes (the plan "
                            "sharded nothing)")
+    apply_quantization(model, decoder_layers(model)[1], tcfg, fmt, path, device, replica=True)
     return model
 
 

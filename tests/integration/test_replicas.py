@@ -29,6 +29,23 @@ def test_replica_features_equal_one_rank(tmp_path, random_init):
           f"{reps[0]['max_abs_ref']:.2f}); rank bytes {reps[0]['local_bytes']} of {reps[0]['full_bytes']}")
 
 
+@pytest.mark.parametrize("fp8", ["quantize", "fine_grained", "compressed"])
+def test_fp8_replica_features_equal_one_rank(tmp_path, fp8):
+    """An FP8 target (target.quantization=fp8, or a pre-quantized checkpoint) on a replica of 2 captures the features
+    the same FP8 target captures on one rank (within FEATURE_TOL; FP8 itself moves them ~1e4 times further): every
+    projection is an FP8 linear holding its shard, the rowwise ones (o_proj, down_proj) summing their partial
+    outputs over the replica, their scales those of the whole rows."""
+    out = tmp_path / "rep"
+    r = torchrun(2, ["tests/helpers/tp_features_worker.py", "--out", str(out), "--fp8", fp8], timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    reps = [json.load(open(f"{out}.rank{i}.json")) for i in range(2)]
+    assert reps[0]["max_abs_diff"] < FEATURE_TOL, reps[0]
+    assert reps[0]["max_abs_diff_vs_unquantized"] > 100 * FEATURE_TOL, reps[0]  # the FP8 weights ran
+    assert all(x["ranks_agree"] and x["fp8_linears"] == 56 and x["rowwise_shards"] == 16 for x in reps), reps
+    print(f"FP8 ({fp8}) features k=2 vs k=1: max abs diff {reps[0]['max_abs_diff']:.2e}; FP8 vs unquantized "
+          f"{reps[0]['max_abs_diff_vs_unquantized']:.2e}")
+
+
 def _jsonl(path):
     with open(path) as f:
         return [json.loads(line) for line in f]

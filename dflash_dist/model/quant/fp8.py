@@ -55,10 +55,12 @@ def expand_block_scales(scale: torch.Tensor, shape: tuple[int, int], block: tupl
 class FP8Linear(nn.Module):
     """``y = x W^T + b`` with ``W = weight * scale[:, None]`` stored in FP8 (see the module docstring).
 
-    ``source`` says where the FP8 weight came from (a checkpoint format, or quantized on load), for the report."""
+    ``source`` says where the FP8 weight came from (a checkpoint format, or quantized on load), for the report.
+    ``reduce_group``: on a target replica, the weight is this rank's rowwise shard (its input channels) and the
+    output is the partial sum, all-reduced over the group before the bias (``quant/shards.py``)."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor], kernel: str,
-                 source: str):
+                 source: str, reduce_group=None):
         super().__init__()
         if kernel not in KERNELS:
             raise ValueError(f"FP8Linear kernel {kernel!r}: use one of {', '.join(KERNELS)}")
@@ -71,6 +73,7 @@ class FP8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.kernel = kernel
         self.source = source
+        self.reduce_group = reduce_group
         # cuBLAS FP8 fast accumulation: on an H200 at Qwen3-8B shapes 7% more capture tok/s, the features' cosine to
         # bf16 the same to 4 decimals (bench/target_fp8.py --fast-accum)
         self.fast_accum = True
@@ -84,8 +87,15 @@ class FP8Linear(nn.Module):
         return (self.weight.float() * self.scale.reshape(-1, 1)).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.reduce_group is None:
+            return self._matmul(x, self.bias)
+        y = self._matmul(x, None)
+        torch.distributed.all_reduce(y, group=self.reduce_group)  # the replica's partial sums
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if self.kernel == "dequantize":
-            return F.linear(x, self.dequantized_weight(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+            return F.linear(x, self.dequantized_weight(x.dtype), None if bias is None else bias.to(x.dtype))
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         # per-token (rowwise) dynamic activation scales: each row's amax maps to the largest e4m3 value
@@ -95,9 +105,10 @@ class FP8Linear(nn.Module):
         out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
         y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.scale, out_dtype=out_dtype,
                              use_fast_accum=self.fast_accum)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
         return y.to(x.dtype).reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, kernel={self.kernel}, source={self.source}"
+        shard = "" if self.reduce_group is None else ", rowwise shard"
+        return f"in={self.in_features}, out={self.out_features}, kernel={self.kernel}, source={self.source}{shard}"

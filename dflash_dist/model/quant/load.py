@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from dflash_dist.config import ConfigError
+from dflash_dist.model.quant import shards
 from dflash_dist.model.quant.fp8 import FP8_DTYPE, KERNEL_NAMES, FP8Linear, expand_block_scales, quantize_rows
 
 log = logging.getLogger(__name__)
@@ -170,6 +171,11 @@ def _row_scaled(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, tor
     return wq, ws, True
 
 
+def _reduce_group(layout: Optional[shards.Layout]):
+    """The group a rowwise shard's partial outputs are summed over (None: the output is this rank's as it is)."""
+    return layout.group if layout is not None and layout.style == "rowwise" else None
+
+
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
@@ -194,8 +200,13 @@ def load_fp8_linears(model: nn.Module, path: str, fmt: CheckpointFormat, kernel:
             raise ConfigError(f"{path}: {prefix}.weight is {q.dtype}; only float8_e4m3fn FP8 weights load")
         wq, ws, req = _row_scaled(q, tensors.get(prefix + suffix))
         old = linears[name]
-        bias = None if old.bias is None else old.bias.detach()
-        _set_module(model, name, FP8Linear(wq, ws, bias, kernel, fmt.detail))
+        layout = shards.layout_of(old)  # a replica's shard: the whole row-scaled weight sliced as loaded
+        local_shape = tuple(shards.local_tensor(old.weight).shape)
+        wq = shards.local_slice(wq, layout, local_shape)
+        if layout is not None and layout.style == "colwise":
+            ws = ws.chunk(layout.size)[layout.index]
+        _set_module(model, name, FP8Linear(wq, ws, shards.local_bias(old), kernel, fmt.detail,
+                                           reduce_group=_reduce_group(layout)))
         fp8_weights.discard(prefix + ".weight")
         done, requantized = done + 1, requantized + int(req)
     orphans += sorted(k[: -len(".weight")] for k in fp8_weights)
@@ -228,10 +239,14 @@ def quantize_linears(model: nn.Module, layers: nn.Module, kernel: str) -> dict:
     for name, mod in list(layers.named_modules()):
         if not isinstance(mod, nn.Linear):
             continue
-        if name.rpartition(".")[2] in _SKIP_LEAVES or mod.in_features % 16 or mod.out_features % 16:
+        out, inp = shards.local_tensor(mod.weight).shape  # a replica's shard: its own dims go to the GEMM
+        if name.rpartition(".")[2] in _SKIP_LEAVES or inp % 16 or out % 16:
             kept.append(name)
             continue
-        _set_module(layers, name, FP8Linear.from_linear(mod, kernel))
+        layout = shards.layout_of(mod)
+        q, scale = shards.quantize_local(mod, layout)
+        _set_module(layers, name, FP8Linear(q, scale, shards.local_bias(mod), kernel, "quantized on load",
+                                            reduce_group=_reduce_group(layout)))
         done += 1
     if done == 0:
         raise ConfigError("target.quantization=fp8: the target's decoder layers have no nn.Linear to quantize "

@@ -1,6 +1,7 @@
 """FP8 targets on CPU: the packaged tiny target saved in each pre-quantized format loads into FP8 linears and
 captures; target.quantization=fp8 quantizes on load; the fast-path check names the kernel and require refuses the
-dequantize reference; other quantizations, stray FP8 tensors and FP8 replicas are refused; FLOPs and peaks."""
+dequantize reference; other quantizations, stray FP8 tensors and a replica without weight layouts are refused;
+FLOPs and peaks. FP8 replicas themselves: tests/integration/test_replicas.py."""
 
 import json
 import os
@@ -13,8 +14,8 @@ from torch import nn
 
 from dflash_dist.config import ConfigError, TargetConfig
 from dflash_dist.model.fast_path import FastPathError, check_target_fast_path
-from dflash_dist.model.hf import build_target_model, build_target_replica, decoder_layers, load_hf_config
-from dflash_dist.model.quant import quantization_report
+from dflash_dist.model.hf import build_target_model, decoder_layers, load_hf_config
+from dflash_dist.model.quant import apply_quantization, quantization_report, shards
 from dflash_dist.model.quant.compare import layer_cosines
 from dflash_dist.model.quant.fp8 import FP8Linear
 from dflash_dist.target.capture import FeatureCapture
@@ -133,12 +134,19 @@ def test_other_quantizations_and_stray_fp8_tensors_are_refused(tmp_path):
         build_target_model(TargetConfig(name_or_path=stray), "cpu")
 
 
-def test_fp8_replicas_are_refused_before_loading(tmp_path):
-    path = write_fp8_checkpoint(str(tmp_path / "fg"), "fine_grained")
-    for tcfg in (TargetConfig(name_or_path=path, tensor_parallel=2),
-                 TargetConfig(hf_config={"builtin": "tiny"}, quantization="fp8", tensor_parallel=2)):
-        with pytest.raises(ConfigError, match="target.tensor_parallel=1"):
-            build_target_replica(tcfg, "cpu", group=None)
+def test_a_replica_whose_load_kept_no_weight_layout_is_refused():
+    """FP8 on a replica needs each weight's split (its DTensor placement): plain weights in a replica are
+    refused, not quantized as if whole (their outputs would never be summed over the replica)."""
+    model = build_target_model(TargetConfig(hf_config={"builtin": "tiny"}), "cpu")
+    tcfg = TargetConfig(hf_config={"builtin": "tiny"}, quantization="fp8")
+    with pytest.raises(ConfigError, match="keeps no layout"):
+        apply_quantization(model, decoder_layers(model)[1], tcfg, None, None, "cpu", replica=True)
+    assert not _fp8_modules(model)
+    assert shards.layout_of(decoder_layers(model)[1][0].self_attn.o_proj) is None  # a plain weight: whole
+    with pytest.raises(ConfigError, match="not this rank's shard"):
+        shards.local_slice(torch.zeros(8, 4), shards.Layout("rowwise", 1, 0, 2, None), (8, 3))
+    assert shards.local_slice(torch.arange(8.).reshape(2, 4), shards.Layout("rowwise", 1, 1, 2, None),
+                              (2, 2)).tolist() == [[2.0, 3.0], [6.0, 7.0]]
 
 
 def test_flops_count_fp8_linears_and_the_peak_is_the_fp8_one(bf16):
