@@ -305,7 +305,7 @@ def build_target_replica(tcfg: TargetConfig, device: str, group, random_dir: Opt
         else:
             ready[1]()
         path = random_dir
-    attn = resolve_attn_implementation(tcfg, load_hf_config(tcfg), device)
+    attn = resolve_attn_implementation(tcfg, hf_config, device)
     model = _from_pretrained_tp(path, group, device, dtype=dtype, attn_implementation=attn, **kw)
     model.eval().requires_grad_(False)
     local, full = local_parameter_bytes(model)

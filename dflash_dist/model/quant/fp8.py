@@ -38,10 +38,11 @@ def default_kernel(device) -> str:
     return "dequantize"
 
 
-def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8 weight [out, in], fp32 scale [out]) with w ~= q * scale[:, None]; each row's amax maps to 448."""
+def quantize_rows(w: torch.Tensor, amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 weight [out, in], fp32 scale [out]) with w ~= q * scale[:, None]; each row's amax maps to 448.
+    ``amax``: the rows' amax when it is not this tensor's own (a replica's rowwise shard: the whole row's)."""
     w = w.float()
-    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+    scale = ((w.abs().amax(dim=1) if amax is None else amax.float()) / FP8_MAX).clamp(min=1e-12)
     q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 

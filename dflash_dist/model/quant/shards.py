@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash_dist.config import ConfigError
-from dflash_dist.model.quant.fp8 import FP8_DTYPE, FP8_MAX
+from dflash_dist.model.quant.fp8 import quantize_rows
 
 __all__ = ["Layout", "layout_of", "local_tensor", "local_slice", "quantize_local", "local_bias",
            "check_replica_layouts"]
@@ -91,8 +91,7 @@ def quantize_local(linear: nn.Linear, layout: Optional[Layout]) -> tuple[torch.T
     amax = w.abs().amax(dim=1)
     if layout is not None and layout.style == "rowwise":
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=layout.group)
-    scale = (amax / FP8_MAX).clamp(min=1e-12)
-    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    return quantize_rows(w, amax)
 
 
 def local_bias(linear: nn.Linear) -> Optional[torch.Tensor]:
