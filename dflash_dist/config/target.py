@@ -91,8 +91,9 @@ class TargetConfig:
     compile: Optional[bool] = None
     """torch.compile (dynamic shapes) the forward of each decoder layer the capture runs (up to the last captured
     one), with packing or without; the capture hooks stay outside the compiled graphs. Evaluation runs uncompiled.
-    None: on CUDA (faster than the uncompiled packed capture for seconds of compile; measured:
-    docs/benchmarks.md#target-capture), off on CPU."""
+    None: on CUDA where the model packs (faster than the uncompiled packed capture for seconds of compile;
+    measured: docs/benchmarks.md#target-capture), off on CPU. Hybrids compile around their GatedDeltaNet modules,
+    which run eager (their fla and causal-conv1d kernels are fused already)."""
 
     tuning: TargetTuning = field(default_factory=TargetTuning)
     """Performance knobs (``target.tuning.*``); the defaults are the measured best."""

@@ -206,7 +206,7 @@ def test_compile_resolution():
     cfg = lambda compile: TargetConfig(hf_config={"builtin": "tiny"}, compile=compile)  # noqa: E731
     assert resolve_compile(cfg(None), dense, "cuda") is True        # the measured default on GPUs
     assert resolve_compile(cfg(None), dense, "cpu") is False
-    assert resolve_compile(cfg(None), hybrid, "cuda") is False      # fla/causal-conv1d layers: only when asked
+    assert resolve_compile(cfg(None), hybrid, "cuda") is False      # fla/causal-conv1d not bound: padded, eager
     assert resolve_compile(cfg(True), hybrid, "cpu") is True
     assert resolve_compile(cfg(False), dense, "cuda") is False
 
