@@ -27,3 +27,19 @@ def test_target_fp8_bench_tiny(tmp_path):
     assert abs(flops["fp8"] - flops["bf16"]) <= 1e-9 * flops["bf16"]
     assert len(d["cosine"]) == len(d["layer_ids"]) and all(0.99 < c["mean"] < 1.0 for c in d["cosine"])
     assert all(c["mean"] > 0.9999 for c in d["cosine_bf16_vs_fp32"])  # the CPU's target is fp32 already
+
+
+def test_fp8_error_sources_tiny(tmp_path):
+    """bench/fp8_error_sources.py at toy size: one cosine per layer for every variant; rounding the weights and
+    activations costs more than either part alone or bf16 (the rounding really reaches the linears)."""
+    out = tmp_path / "sources.json"
+    r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "fp8_error_sources.py"), "--tiny", "--layers", "3",
+                        "--tokens", "64", "--out", str(out)], cwd=REPO, env=ENV, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    rows = json.load(open(out))["cosine_vs_fp32"]
+    assert set(rows) == {"fp8", "fp8_attention", "fp8_mlp", "fp8_weights", "fp8_blocks", "bf16"}
+    assert all(len(c) == 3 and all(0.9 < x <= 1.0 + 1e-6 for x in c) for c in rows.values())
+    for i in range(3):
+        assert rows["fp8"][i] < min(rows["fp8_weights"][i], rows["bf16"][i]), rows
+        assert rows["fp8"][i] < 0.9999 and rows["bf16"][i] > 0.9999, rows
