@@ -47,6 +47,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from dflash_dist.drafter.optim import make_step  # noqa: E402
 from dflash_dist.model.blocks import make_batch  # noqa: E402
+from dflash_dist.model.compute_weights import Shadows  # noqa: E402
+from dflash_dist.model.compute_weights import resolve_mode as resolve_compute_weights  # noqa: E402
 from dflash_dist.model.drafter import DrafterModelConfig  # noqa: E402
 from dflash_dist.model.hf import load_hf_config, resolve_dtype, text_config  # noqa: E402
 from dflash_dist.model.loss import slot_weights, weighted_ce  # noqa: E402
@@ -86,12 +88,17 @@ def drafter_spec(tiny: bool, dc, device_type: str, shape: str = "qwen3_8b"):
 def drafter_variant_config(tiny: bool, entry: str):
     """``VARIANT@BLOCK`` (--drafters) -> the DrafterConfig of that variant at that block size on the tiny preset
     (--tiny) or the paper's; DFlash2 with the released convolution and selector sizes (the ``drafter.dflash2``
-    defaults; not the released layer window: the rows compare the variants at one shape)."""
-    variant, _, block = entry.strip().partition("@")
+    defaults; not the released layer window: the rows compare the variants at one shape). A ``:MODE`` suffix sets
+    drafter.tuning.compute_weights (``dflash@8:shadow``: bf16 copies of the weights written by the optimizer step)."""
+    entry, _, weights = entry.strip().partition(":")
+    variant, _, block = entry.partition("@")
     overrides = {"variant": variant}
     if block:
         overrides["block_size"] = int(block)
-    return C.drafter_config("tiny" if tiny else "dflash", **overrides)
+    dc = C.drafter_config("tiny" if tiny else "dflash", **overrides)
+    if weights:  # VARIANT@BLOCK:shadow -> drafter.tuning.compute_weights=shadow
+        dc.tuning.compute_weights = weights
+    return dc
 
 
 def make_inputs(ctx: int, b: int, mc: DrafterModelConfig, device, feat_dtype, prompt_frac: float, seed: int):
@@ -147,7 +154,10 @@ class Runner:
         self.feat_dtype = hdt
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0,
                                      fused=device.type == "cuda")
-        self.opt_step = make_step(self.opt, optimizer_step)  # drafter.tuning.optimizer_step (drafter/optim.py)
+        # drafter.tuning.compute_weights, as the trainer resolves it (model/compute_weights.py)
+        shadow = resolve_compute_weights(dc.tuning.compute_weights, device) == "shadow"
+        self.shadows = Shadows(self.model) if shadow else None
+        self.opt_step = make_step(self.opt, optimizer_step, self.shadows)  # drafter.tuning.optimizer_step
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                          else torch.autocast("cpu", enabled=False))
         self.n_params = sum(p.numel() for p in self.model.parameters())
@@ -454,6 +464,8 @@ def main(argv=None) -> int:
                    dynamic=args.dynamic == "on" and dev.type == "cuda", optimizer_step=args.optimizer_step)
         r.loss_mode, r.kernel_options = args.loss_mode, kernel_options
         r.label = label or f"{dc.variant}@{dc.block_size}"
+        if r.shadows is not None:
+            C.log(f"{r.label}: compute weights: {r.shadows.describe()}")
         return r
 
     runner = make_runner(label0, dc)

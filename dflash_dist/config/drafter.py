@@ -46,6 +46,13 @@ class DrafterTuning:
     the 1.05B parameters of the Qwen3-8B DFlash drafter on an H200, measured: docs/benchmarks.md#optimizer-step;
     one compile of ~20 s at the first step). ``auto``: compiled on CUDA, fused elsewhere."""
 
+    compute_weights: Literal["cast", "shadow"] = "cast"
+    """The bf16 weights the drafter's matmuls use under autocast (CUDA; dflash_dist/model/compute_weights.py; the
+    same numbers either way): ``cast`` lets autocast cast every fp32 weight in every forward; ``shadow`` keeps a
+    bf16 copy of each fp32 Linear weight, written by the optimizer step (it saves the forward's cast kernels,
+    ~2 ms of a 3K Qwen3-8B-shaped step in docs/benchmarks.md#drafter-step-profile; its own step time is not
+    measured yet). CPU: cast (it trains in fp32)."""
+
     loss_chunk_rows: int = 2048
     """Rows of the vocab projection computed at once (the [rows, V] logits never exist whole)."""
 

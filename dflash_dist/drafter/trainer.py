@@ -32,6 +32,8 @@ from dflash_dist.drafter.compile_guard import (
 )
 from dflash_dist.drafter.optim import make_step
 from dflash_dist.model.blocks import make_batch, split_anchors, target_labels
+from dflash_dist.model.compute_weights import Shadows
+from dflash_dist.model.compute_weights import resolve_mode as resolve_compute_weights
 from dflash_dist.model.hf import load_head_from_checkpoint, resolve_dtype, resolve_source, text_config
 from dflash_dist.model.loss import LossParts
 from dflash_dist.model.masks import dense_mask, flex_block_mask, layer_masks, visible_pairs
@@ -87,7 +89,12 @@ class DrafterTrainer:
         self.feature_width = len(job.layer_ids) * tc.hidden_size
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas),
                                      weight_decay=cfg.train.weight_decay, fused=self.device.type == "cuda")
-        self.opt_step = make_step(self.opt, cfg.drafter.tuning.optimizer_step)  # clip + AdamW (drafter/optim.py)
+        # bf16 compute copies of the weights, written by the optimizer step (model/compute_weights.py)
+        self.shadows = (Shadows(self.model) if resolve_compute_weights(cfg.drafter.tuning.compute_weights,
+                                                                         self.device) == "shadow" else None)
+        if self.shadows is not None:
+            log.info("drafter compute weights: %s", self.shadows.describe())
+        self.opt_step = make_step(self.opt, cfg.drafter.tuning.optimizer_step, self.shadows)  # drafter/optim.py
         self.step = job.start_step
         self.cursor = job.start_cursor
         self.last_checkpoint = None  # the newest checkpoint this run wrote (the leader)
@@ -99,6 +106,8 @@ class DrafterTrainer:
                 self.opt.load_state_dict(opt_state)
         self.before = earlier_totals(meta, job.resume_from, job.run_dir, job.plan)  # the run's earlier launches
         kwargs = {"device_ids": [self.device.index]} if self.device.type == "cuda" else {}
+        if self.shadows is not None and d.drafters is not None:  # each rank writes its own copies
+            DDP._set_params_and_buffers_to_ignore_for_model(self.model, self.shadows.buffer_names)
         self.ddp = self.model if d.drafters is None else DDP(self.model, process_group=d.drafters, **kwargs)
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
                          else torch.autocast("cpu", enabled=False))
