@@ -423,7 +423,8 @@ def main(argv=None) -> int:
     p.add_argument("--drafters", default=None,
                    help="comma list of VARIANT@BLOCK drafters timed in one run (drafter.variant, drafter.block_size), "
                         "e.g. dflash@16,dflash2@16,dflash@8,dflash2@8 (conf/drafter/dflash2.yaml's DFlash2 sizes "
-                        "unless --tiny); default: the preset's drafter")
+                        "unless --tiny), each optionally :shadow (drafter.tuning.compute_weights=shadow, CUDA); "
+                        "default: the preset's drafter")
     p.add_argument("--loss-mode", choices=["auto", "checkpoint"], default="auto",
                    help="decayed_ce: auto (fused: hidden-state gradient computed in forward, the trainer's "
                         "path) or checkpoint (logits recomputed in backward)")

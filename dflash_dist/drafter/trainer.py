@@ -109,6 +109,8 @@ class DrafterTrainer:
         if self.shadows is not None and d.drafters is not None:  # each rank writes its own copies
             DDP._set_params_and_buffers_to_ignore_for_model(self.model, self.shadows.buffer_names)
         self.ddp = self.model if d.drafters is None else DDP(self.model, process_group=d.drafters, **kwargs)
+        if self.shadows is not None:  # the resumed and broadcast weights, for calls that bypass the forward's hook
+            self.shadows.ensure_fresh()
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
                          else torch.autocast("cpu", enabled=False))
         self.counts = {"messages_received": 0, "samples_received": 0, "samples_trained": 0,
