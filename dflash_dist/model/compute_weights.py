@@ -48,8 +48,8 @@ class _ShadowLinear(torch.autograd.Function):
 
 def _shadow_forward(module: nn.Linear):
     def forward(x: Tensor) -> Tensor:
-        dev = x.device.type
-        if module.bias is None and torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) == module.weight_compute.dtype:
+        dev = x.device.type  # installed on bias-free Linears only (Shadows)
+        if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) == module.weight_compute.dtype:
             return _ShadowLinear.apply(x, module.weight, module.weight_compute)
         return nn.Linear.forward(module, x)  # outside autocast (evaluation in fp32): the master weight
     return forward
@@ -88,10 +88,6 @@ class Shadows:
         self.ensure_fresh()
         # every forward of the model (training, dry steps, evaluation) first recasts what changed in place
         model.register_forward_pre_hook(self._before_forward)
-
-    @property
-    def params(self) -> list[Tensor]:
-        return [m.weight for m in self.modules]
 
     def shadows_of(self, params: list[Tensor]) -> list[Optional[Tensor]]:
         """The copy of each of ``params`` (None for a parameter without one)."""
