@@ -15,6 +15,12 @@ forward+backward (median of --repeats, CUDA events):
     python bench/drafter_step.py --backends flex_layers,flex_layers+ko --kernel-options flex_tune.json
     python bench/flex_tune.py --config 32768x1024 --no-autotune \
         --candidates '[{"USE_TMA": true}, {"bwd_num_warps": 4}]'     # given tile options against the defaults
+    python bench/flex_tune.py --no-autotune --candidates '[{"BACKEND": "FLASH"}]' --static
+                                              # another flex backend (FlashAttention-4's, flash-attn-4 installed)
+
+Every candidate's output and q/k/v gradients are compared with the default kernel's on the same inputs
+(``rel_err_*``: ||x - x_default|| / ||x_default||; bf16 kernels of the same math land near 1e-3). ``--static``
+compiles the candidates with static shapes (a backend without dynamic-shape support).
 """
 
 from __future__ import annotations
@@ -27,14 +33,15 @@ import os
 import re
 import sys
 import time
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 import torch  # noqa: E402
-from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: E402
 
 from dflash_dist.model.blocks import make_batch  # noqa: E402
-from dflash_dist.model.masks import flex_block_mask  # noqa: E402
+from dflash_dist.model.masks import flex_block_mask, make_mask_mod  # noqa: E402
 
 # tile options worth carrying over from inductor's autotune report (the rest describe the problem, not the tiles)
 TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_warps", "num_stages")
@@ -79,8 +86,10 @@ def time_fn(fn, repeats: int) -> float:
     return C.median(times)
 
 
-def problem(ctx: int, anchors: int, b: int, heads: int, kv_heads: int, d: int, block: int, device):
-    """q/k/v of one drafter layer and the step's BlockMask (random ids; 30% prompt without loss)."""
+def problem(ctx: int, anchors: int, b: int, heads: int, kv_heads: int, d: int, block: int, device,
+            mask_block: Optional[tuple[int, int]] = None):
+    """q/k/v of one drafter layer and the step's BlockMask (random ids; 30% prompt without loss); ``mask_block``:
+    the BlockMask's (Q, KV) tile through torch's ``create_block_mask`` instead of the trainer's 128 x 128 tables."""
     g = torch.Generator().manual_seed(ctx + anchors)
     ids = torch.randint(0, 1000, (b * ctx,), generator=g).to(device)
     loss_mask = (torch.arange(ctx).repeat(b) >= int(0.3 * ctx)).to(device)
@@ -89,14 +98,21 @@ def problem(ctx: int, anchors: int, b: int, heads: int, kv_heads: int, d: int, b
     batch = make_batch(ids, loss_mask, cu, feats, num_anchors=anchors, block_size=block, mask_token_id=999,
                        ctx_bucket=256, generator=torch.Generator().manual_seed(7))
     # dynamic: the static mask builder takes minutes to compile at these sizes (the trainer's CUDA path is dynamic)
-    mask = flex_block_mask(batch.anchors, batch.valid, batch.ctx_len, block, compile=True, dynamic=True)
     q_len, k_len = anchors * block, batch.ctx_len + anchors * block
+    if mask_block is None:
+        mask = flex_block_mask(batch.anchors, batch.valid, batch.ctx_len, block, compile=True, dynamic=True)
+    else:
+        mask_mod = make_mask_mod(batch.anchors, batch.valid, batch.ctx_len, block)
+        mask = torch.compile(create_block_mask, dynamic=True)(mask_mod, b, None, q_len, k_len, device=device,
+                                                               BLOCK_SIZE=tuple(mask_block))
     mk = lambda h, n: torch.randn(b, h, n, d, device=device, dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
     return mk(heads, q_len), mk(kv_heads, k_len), mk(kv_heads, k_len), mask
 
 
-def measure(fn, q, k, v, mask, opts, repeats: int) -> dict:
-    grad = torch.randn_like(q)
+def measure(fn, q, k, v, mask, opts, repeats: int, keep: Optional[dict] = None) -> dict:
+    """First-call, forward and forward+backward times of ``fn``; ``keep``: filled with its output and the q/k/v
+    gradients of one call (the check against the default kernel)."""
+    grad = torch.randn(q.shape, device=q.device, dtype=q.dtype, generator=torch.Generator(q.device).manual_seed(11))
 
     def fwd():
         with torch.no_grad():
@@ -111,9 +127,24 @@ def measure(fn, q, k, v, mask, opts, repeats: int) -> dict:
     fwd()
     torch.cuda.synchronize()
     first = time.perf_counter() - t0
+    if keep is not None:
+        for t in (q, k, v):
+            t.grad = None
+        out = fn(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=opts)
+        out.backward(grad)
+        keep.update(out=out.detach().float(), dq=q.grad.float(), dk=k.grad.float(), dv=v.grad.float())
     for _ in range(2):
         fwd_bwd()
     return {"first_call_s": first, "fwd_ms": time_fn(fwd, repeats), "fwd_bwd_ms": time_fn(fwd_bwd, repeats)}
+
+
+def rel_errors(got: dict, ref: dict) -> dict:
+    """||got - ref|| / ||ref|| of the output and each gradient (NaN anywhere is reported as inf)."""
+    out = {}
+    for name, r in ref.items():
+        d = (got[name] - r).norm() / r.norm().clamp_min(1e-30)
+        out[f"rel_err_{name}"] = float(d) if torch.isfinite(d) else float("inf")
+    return out
 
 
 def main(argv=None) -> int:
@@ -130,31 +161,41 @@ def main(argv=None) -> int:
                    help="JSON list of kernel_options dicts (or the path of a file holding one), each timed with the "
                         "trainer's kernel against the defaults")
     p.add_argument("--no-autotune", action="store_true", help="skip inductor's max-autotune (minutes at long context)")
+    p.add_argument("--mask-block", default=None,
+                   help="QxKV tile of the BlockMask (default: the trainer's 128x128 from the block intervals)")
+    p.add_argument("--static", action="store_true",
+                   help="compile the candidates with static shapes (the default kernel stays dynamic, as trained)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("flex_tune.py needs a CUDA GPU (inductor's flex templates are tuned for the GPU)", file=sys.stderr)
         return 2
     dev = C.pick_device("cuda")
     ctx, anchors = (int(x) for x in args.config.split("x"))
-    q, k, v, mask = problem(ctx, anchors, args.batch, args.heads, args.kv_heads, args.head_dim, args.block_size, dev)
+    mask_block = tuple(int(x) for x in args.mask_block.split("x")) if args.mask_block else None
+    q, k, v, mask = problem(ctx, anchors, args.batch, args.heads, args.kv_heads, args.head_dim, args.block_size, dev,
+                            mask_block)
     res: dict = {"bench": "flex_tune", "env": C.env_info(dev), "config": args.config, "batch": args.batch,
-                 "shape": {"q": list(q.shape), "k": list(k.shape)}, "mask_sparsity": float(mask.sparsity()),
+                 "shape": {"q": list(q.shape), "k": list(k.shape)}, "mask_block": list(mask.BLOCK_SIZE), "mask_sparsity": float(mask.sparsity()),
                  "variants": {}}
     C.log(f"q {tuple(q.shape)} k {tuple(k.shape)}, mask sparsity {res['mask_sparsity']:.1f}%")
 
     torch._dynamo.reset()
+    ref: dict = {}
     res["variants"]["default"] = measure(torch.compile(flex_attention, fullgraph=True, dynamic=True),
-                                         q, k, v, mask, None, args.repeats)
+                                         q, k, v, mask, None, args.repeats, keep=ref)
     C.log(f"default: {res['variants']['default']}")
 
     for i, cand in enumerate(load_candidates(args.candidates)):
         torch._dynamo.reset()
         name = f"candidate{i}"
+        got: dict = {}
         try:
-            r = measure(torch.compile(flex_attention, fullgraph=True, dynamic=True), q, k, v, mask, cand, args.repeats)
+            r = measure(torch.compile(flex_attention, fullgraph=True, dynamic=not args.static), q, k, v, mask, cand,
+                        args.repeats, keep=got)
+            r.update(rel_errors(got, ref))
         except Exception as e:  # a tile the template refuses (shared memory, divisibility): reported, not fatal
             r = {"error": C.short_error(e), "fwd_ms": float("nan"), "fwd_bwd_ms": float("nan"), "first_call_s": 0.0}
-        res["variants"][name] = {**r, "kernel_options": cand}
+        res["variants"][name] = {**r, "kernel_options": cand, "dynamic": not args.static}
         C.log(f"{name} {cand}: {r}")
     opts = {}
     if not args.no_autotune:
@@ -163,7 +204,9 @@ def main(argv=None) -> int:
     rows = [{"variant": name, **r, "speedup_fwd_bwd": base / r["fwd_bwd_ms"]} for name, r in res["variants"].items()]
     print()
     print(C.table(rows, [("variant", "variant"), ("fwd_ms", "fwd ms"), ("fwd_bwd_ms", "fwd+bwd ms"),
-                         ("speedup_fwd_bwd", "x default"), ("first_call_s", "1st call s")],
+                         ("speedup_fwd_bwd", "x default"), ("first_call_s", "1st call s"),
+                         ("rel_err_out", "rel err out"), ("rel_err_dq", "dq"), ("rel_err_dk", "dk"),
+                         ("rel_err_dv", "dv")],
                   title=f"flex_attention one drafter layer, {args.config}, b={args.batch} ({res['env'].get('gpu')})"))
     print(f"\ndrafter.flex_kernel_options={opts if opts else 'null'}")
     C.write_json(args.out, res)

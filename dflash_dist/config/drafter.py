@@ -49,9 +49,9 @@ class DrafterTuning:
     compute_weights: Literal["cast", "shadow"] = "cast"
     """The bf16 weights the drafter's matmuls use under autocast (CUDA; dflash_dist/model/compute_weights.py; the
     same numbers either way): ``cast`` lets autocast cast every fp32 weight in every forward; ``shadow`` keeps a
-    bf16 copy of each fp32 Linear weight, written by the optimizer step (it saves the forward's cast kernels,
-    ~2 ms of a 3K Qwen3-8B-shaped step in docs/benchmarks.md#drafter-step-profile; its own step time is not
-    measured yet). CPU: cast (it trains in fp32)."""
+    bf16 copy of each fp32 Linear weight, written by the optimizer step (it saves the forward's cast kernels but
+    the optimizer writes the copies instead: measured on an H200 no faster, docs/benchmarks.md#shadow-weights).
+    CPU: cast (it trains in fp32)."""
 
     loss_chunk_rows: int = 2048
     """Rows of the vocab projection computed at once (the [rows, V] logits never exist whole)."""
