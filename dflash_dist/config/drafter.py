@@ -7,6 +7,9 @@ from typing import Literal, Optional
 
 from dflash_dist.config.base import ConfigError, _check_choices, _require, _sub
 
+FLEX_BACKENDS = ("AUTO", "TRITON", "FLASH")
+"""The values of ``drafter.tuning.flex_kernel_options.BACKEND`` (flex_attention's kernel families)."""
+
 
 @dataclass
 class DrafterTuning:
@@ -37,7 +40,11 @@ class DrafterTuning:
     ``{bwd_BLOCK_M1: 64, bwd_BLOCK_N1: 128, bwd_BLOCK_M2: 128, bwd_BLOCK_N2: 64, bwd_num_warps: 8,
     bwd_num_stages: 3}`` (``fwd_``/``bwd_`` prefixes pick the kernel). None: inductor's defaults, with the
     forward through TMA on sm90+ GPUs (measured faster: docs/benchmarks.md#long-context-mask); {}: inductor's
-    defaults only. ``python bench/flex_tune.py`` autotunes them for your shapes and prints the dict to paste here."""
+    defaults only. ``python bench/flex_tune.py`` autotunes them for your shapes and prints the dict to paste here.
+    ``{BACKEND: FLASH}``: flex's FlashAttention-4 kernels instead of Triton's (Hopper or newer, the
+    ``flash-attn-4`` package; refused before the model builds where either is missing). Measured on one layer
+    only, forward + backward with static shapes: 1.71x (3K) and 1.74x (32K) the Triton kernels on an H200
+    (docs/benchmarks.md#flash-backend); the job's dynamic-shape compile with it has not run on a GPU yet."""
 
     optimizer_step: Literal["auto", "fused", "compiled"] = "auto"
     """How the gradient clip and the AdamW update run (dflash_dist/drafter/optim.py; the same update and optimizer
@@ -96,9 +103,10 @@ class DrafterTuning:
                  f"drafter.tuning.micro_batches={self.micro_batches} (at least one group's loss goes to the target)")
         if self.flex_kernel_options is not None:
             opts = dict(self.flex_kernel_options)
-            bad = {k: v for k, v in opts.items() if not isinstance(k, str) or not isinstance(v, (bool, int))}
-            _require(not bad, f"drafter.tuning.flex_kernel_options: keys must be option names and values int/bool, "
-                              f"got {bad}")
+            bad = {k: v for k, v in opts.items() if not isinstance(k, str)
+                   or not (isinstance(v, (bool, int)) or (k == "BACKEND" and v in FLEX_BACKENDS))}
+            _require(not bad, f"drafter.tuning.flex_kernel_options: keys must be option names and values int/bool "
+                              f"(BACKEND: one of {list(FLEX_BACKENDS)}), got {bad}")
             self.flex_kernel_options = opts
 
 
@@ -300,6 +308,34 @@ class DrafterConfig:
                               "runs the dense fallback (43x slower, 200x the memory). Use sdpa to run without compile.")
 
 
+def check_flex_backend(kernel_options: Optional[dict], device) -> None:
+    """Refuse ``BACKEND: FLASH`` in the flex kernel options where it cannot run, before anything compiles:
+    FlashAttention-4's CuTe kernels (the ``flash-attn-4`` package) on Hopper or newer GPUs only. Without this the
+    failure would come from inductor at the first step's compile, deep in a traceback. ``device``: a
+    torch.device or its type string."""
+    backend = (kernel_options or {}).get("BACKEND")
+    if backend != "FLASH":
+        return
+    import importlib.util
+
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        raise ConfigError(f"drafter.tuning.flex_kernel_options.BACKEND=FLASH: FlashAttention-4's kernels need a "
+                          f"Hopper or newer GPU; this drafter runs on {device}. Drop the key (Triton kernels).")
+    try:
+        found = importlib.util.find_spec("flash_attn.cute") is not None
+    except ImportError:  # a flash_attn without the cute subpackage
+        found = False
+    if not found:
+        raise ConfigError("drafter.tuning.flex_kernel_options.BACKEND=FLASH: flash_attn.cute is not importable; "
+                          "install FlashAttention-4 (pip install --pre 'flash-attn-4[cu13]', [cu12] for a CUDA 12 "
+                          "torch) or drop the key (Triton kernels).")
+
+
 def drafter_backend(dc: "DrafterConfig", device: str) -> str:
     """The attention backend drafter.attention_backend resolves to on a ``device`` ("cuda" / "cpu"), and the one
     place of the rules that depend on it: flex cannot train on CPU, compiled layers need flex
@@ -314,4 +350,6 @@ def drafter_backend(dc: "DrafterConfig", device: str) -> str:
         raise ConfigError(f"drafter.tuning.compile_layers=true needs the flex backend, but drafter.attention_backend="
                           f"{dc.attention_backend} is sdpa on {device}: set drafter.tuning.compile_layers=false "
                           "(or null)")
+    if b == "flex":
+        check_flex_backend(dc.tuning.flex_kernel_options, device)
     return b

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflash_dist.config import ConfigError
+from dflash_dist.config.drafter import check_flex_backend
 from dflash_dist.model.families import family_for
 from dflash_dist.model.lazy_compile import lazy_compile
 from dflash_dist.model.masks import window_mask
@@ -361,8 +362,11 @@ class DFlashDrafter(nn.Module):
         # the config refuses compiled layers on sdpa (config.drafter_backend); sdpa is the uncompiled reference
         assert not compile_layers or self.backend == "flex", "compiled layers need the flex backend"
         self.flex_dynamic = bool(flex_dynamic)
+        device = next(self.parameters()).device
         if kernel_options is None:
-            kernel_options = default_flex_kernel_options(next(self.parameters()).device)
+            kernel_options = default_flex_kernel_options(device)
+        if self.backend == "flex":
+            check_flex_backend(kernel_options, device)
         self.flex_kernel_options = dict(kernel_options) or None
         for layer in self.layers:
             layer.self_attn.flex_dynamic = self.flex_dynamic

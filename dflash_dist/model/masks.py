@@ -104,35 +104,44 @@ def window_mask(q_positions: Tensor, k_positions: Tensor, sliding_window: int) -
     return (q_positions[:, :, None] - k_positions[:, None, :]).abs() < int(sliding_window)
 
 
+def _row_intervals(anchors: Tensor, valid: Tensor, ctx_len: int, block_size: int, context_inclusive: bool = False,
+                   sliding_window: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The two key intervals each query row sees, (ctx_lo, ctx_hi, own_lo, own_hi), each [b, N, B] long: query
+    slot s of block i sees context keys [ctx_lo, ctx_hi) = [lo, limit_i), lo = 0 (full attention) or
+    anchor_i + s - W + 1 (``sliding_window`` W), and, if its block is valid, its own block's slots t with
+    |s - t| < W (all of them without a window), keys [own_lo, own_hi) within ctx_len + B i .. + B. A padding block's
+    intervals are empty. The mask_mod and the BlockMask's tile tables both come from these."""
+    limit, block_id = _block_tables(anchors, valid, context_inclusive)
+    b, n = limit.shape
+    slot = torch.arange(block_size, device=limit.device)                              # [B]
+    w = ctx_len + (n + 1) * block_size if sliding_window is None else int(sliding_window)  # no window: wider than all
+    ctx_hi = limit[..., None].expand(b, n, block_size)                                # [b, N, B]
+    ctx_lo = (limit[..., None] - int(context_inclusive) + slot - w + 1).clamp_min(0)
+    own_base = ctx_len + block_size * block_id.clamp_min(0)[..., None]                 # [b, N, 1]
+    own_lo = own_base + (slot - w + 1).clamp_min(0)
+    own_hi = torch.where((block_id >= 0)[..., None], own_base + (slot + w).clamp_max(block_size), own_lo)
+    return ctx_lo, ctx_hi, own_lo, own_hi
+
+
 def make_mask_mod(anchors: Tensor, valid: Tensor, ctx_len: int, block_size: int, context_inclusive: bool = False,
                   sliding_window: Optional[int] = None):
-    """flex_attention ``mask_mod(b, h, q_idx, kv_idx)`` implementing the same rule as :func:`dense_mask`."""
+    """flex_attention ``mask_mod(b, h, q_idx, kv_idx)`` implementing the same rule as :func:`dense_mask`: a key is
+    visible iff it lies in one of the query row's two intervals (``_row_intervals``, int32 [b, Q] each).
+
+    It captures those four tensors and nothing else: no Python number (the context length, the block size, the
+    window), so under dynamic shapes no captured value becomes a symbolic scalar, which flex's FLASH backend
+    (FlashAttention-4's kernels) refuses to compile ("captures a dynamic scalar"); no division either."""
     _check_window(sliding_window)
-    limit, block_id = _block_tables(anchors, valid, context_inclusive)
+    b = anchors.shape[0]
+    c_lo, c_hi, o_lo, o_hi = (t.reshape(b, -1).to(torch.int32).contiguous() for t in
+                              _row_intervals(anchors, valid, ctx_len, block_size, context_inclusive, sliding_window))
 
     def dflash_mask_mod(b, h, q_idx, kv_idx):
-        i = q_idx // block_size
-        in_ctx = kv_idx < limit[b, i]  # limit <= anchor+1 <= ctx_len, so this only ever hits context keys
-        in_own_block = (kv_idx >= ctx_len) & ((kv_idx - ctx_len) // block_size == block_id[b, i])
+        in_ctx = (kv_idx >= c_lo[b, q_idx]) & (kv_idx < c_hi[b, q_idx])
+        in_own_block = (kv_idx >= o_lo[b, q_idx]) & (kv_idx < o_hi[b, q_idx])
         return in_ctx | in_own_block
 
-    if sliding_window is None:
-        return dflash_mask_mod
-    w, inc = int(sliding_window), int(context_inclusive)
-
-    # two captured tensors, no abs(), no %: a first form with the anchors as a third tensor, abs() and % failed to
-    # build in inductor's CPU flex template (torch 2.13, C++ compile error)
-    def dflash_sliding_mask_mod(b, h, q_idx, kv_idx):
-        i = q_idx // block_size
-        s = q_idx - i * block_size                          # slot of the query
-        j = kv_idx - ctx_len                                # block-key index (negative: a context key)
-        t = j - (j // block_size) * block_size              # slot of a block key
-        lim = limit[b, i]                                   # the anchor (+1 if inclusive); 0 for padding blocks
-        in_ctx = (kv_idx < lim) & (lim - inc + s - kv_idx < w)
-        in_own_block = (kv_idx >= ctx_len) & (j // block_size == block_id[b, i]) & (s - t < w) & (t - s < w)
-        return in_ctx | in_own_block
-
-    return dflash_sliding_mask_mod
+    return dflash_mask_mod
 
 
 def visible_pairs(anchors: Tensor, valid: Tensor, block_size: int, sliding_window: Optional[int] = None) -> Tensor:
@@ -172,26 +181,17 @@ TILE = 128
 
 def tile_tables(anchors: Tensor, valid: Tensor, ctx_len: int, block_size: int, context_inclusive: bool = False,
                 tile: int = TILE, sliding_window: Optional[int] = None) -> tuple[Tensor, Tensor]:
-    """(partial, full) int8 [b, 1, Q tiles, K tiles] of the mask, from the per-block intervals alone: what
-    ``create_block_mask`` computes by evaluating the mask on all Q x K pairs, here from one [b, Q, K tiles] count.
-    Query slot s of block i sees two key intervals: context [lo, limit_i), lo = 0 (full attention) or
-    anchor_i + s - W + 1 (``sliding_window`` W), and, if its block is valid, its own block's slots t with
-    |s - t| < W (all of them without a window) at ctx_len + B i + t. A tile is full when every row of it sees
-    all ``tile`` keys of it (rows and keys past Q and K, the padding to whole tiles, see nothing), partial when
-    some row sees some."""
+    """(partial, full) int8 [b, 1, Q tiles, K tiles] of the mask, from each query row's two key intervals
+    (``_row_intervals``) alone: what ``create_block_mask`` computes by evaluating the mask on all Q x K pairs, here
+    from one [b, Q, K tiles] count. A tile is full when every row of it sees all ``tile`` keys of it (rows and keys
+    past Q and K, the padding to whole tiles, see nothing), partial when some row sees some."""
     _check_window(sliding_window)
-    limit, block_id = _block_tables(anchors, valid, context_inclusive)
-    b, n = limit.shape
+    ctx_lo, ctx_hi, own_lo, own_hi = _row_intervals(anchors, valid, ctx_len, block_size, context_inclusive,
+                                                    sliding_window)
+    b, n = anchors.shape
     q_len, k_len = n * block_size, ctx_len + n * block_size
     q_tiles, k_tiles = -(-q_len // tile), -(-k_len // tile)
-    dev = limit.device
-    slot = torch.arange(block_size, device=dev)                                       # [B]
-    w = k_len + block_size if sliding_window is None else int(sliding_window)          # no window: wider than all
-    ctx_hi = limit[..., None].expand(b, n, block_size)                                # [b, N, B]
-    ctx_lo = (limit[..., None] - int(context_inclusive) + slot - w + 1).clamp_min(0)
-    own_base = ctx_len + block_size * block_id.clamp_min(0)[..., None]                 # [b, N, 1]
-    own_lo = own_base + (slot - w + 1).clamp_min(0)
-    own_hi = torch.where((block_id >= 0)[..., None], own_base + (slot + w).clamp_max(block_size), own_lo)
+    dev = anchors.device
     k0 = torch.arange(k_tiles, device=dev) * tile                                     # [KT]
     k1 = torch.clamp(k0 + tile, max=k_len)
 

@@ -209,3 +209,34 @@ def test_help_lists_every_key_with_its_docstring_and_the_presets_without_base():
     assert set(groups) == set(GROUPS)
     assert "tiny*" in groups["target"] and "hf" in groups["target"] and "paper" in groups["train"]
     assert not any("base" in g.rstrip("*") for names in groups.values() for g in names)
+
+
+def test_flash_backend_refused_where_it_cannot_run(monkeypatch):
+    """BACKEND=FLASH (FlashAttention-4's kernels through flex) is refused before anything compiles: on a CPU, on a
+    GPU older than Hopper, and where flash_attn.cute is not importable; the other backends pass untouched."""
+    import importlib.util
+
+    import torch
+
+    from dflash_dist.config.drafter import DrafterTuning, check_flex_backend
+
+    for opts in (None, {}, {"bwd_num_warps": 4}, {"BACKEND": "TRITON"}):
+        check_flex_backend(opts, "cpu")
+    with pytest.raises(ConfigError, match="Hopper or newer"):
+        check_flex_backend({"BACKEND": "FLASH"}, "cpu")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ConfigError, match="Hopper or newer"):
+        check_flex_backend({"BACKEND": "FLASH"}, "cuda:0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("flash_attn") else real_find_spec(name, *a))
+    with pytest.raises(ConfigError, match="flash_attn.cute is not importable"):
+        check_flex_backend({"BACKEND": "FLASH"}, "cuda:0")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    check_flex_backend({"BACKEND": "FLASH"}, "cuda:0")           # importable on Hopper: accepted
+    # the config takes the string value of BACKEND only, and only flex's backend names
+    assert DrafterTuning(flex_kernel_options={"BACKEND": "FLASH"}).flex_kernel_options == {"BACKEND": "FLASH"}
+    for bad in ({"BACKEND": "CUTLASS"}, {"bwd_num_warps": "4"}):
+        with pytest.raises(ConfigError, match="flex_kernel_options"):
+            DrafterTuning(flex_kernel_options=bad)

@@ -455,3 +455,11 @@ def test_default_flex_kernel_options_per_device(monkeypatch):
     opts = model.configure_compile(kernel_options={"bwd_num_warps": 4}).flex_kernel_options
     assert opts == {"bwd_num_warps": 4}
     assert all(layer.self_attn.flex_kernel_options == opts for layer in model.layers)
+
+
+
+def test_configure_compile_refuses_flash_backend_on_cpu():
+    """BACKEND=FLASH (FlashAttention-4's kernels) is refused where the model is configured, not at its first compile
+    (the rule itself: tests/unit/config/test_drafter_config.py)."""
+    with pytest.raises(ConfigError, match="Hopper or newer"):
+        DFlashDrafter(cfg(), "flex").configure_compile(kernel_options={"BACKEND": "FLASH"})

@@ -234,3 +234,15 @@ def test_layer_masks_one_mask_or_per_kind():
     assert set(mixed) == {"full_attention", "sliding_attention"}
     assert torch.equal(mixed["sliding_attention"], build(5)) and torch.equal(mixed["full_attention"], build(None))
     assert set(masks.layer_masks(["sliding_attention"] * 3, build, 5)) == {"sliding_attention"}
+
+
+def test_mask_mod_captures_only_tensors():
+    """The mask_mod closes over device tensors alone: a captured Python number (context length, block size, window)
+    becomes a symbolic scalar under dynamic shapes, which flex's FLASH backend refuses to compile. Its result is
+    checked against the dense mask above; here, what it captures."""
+    anchors, valid = cases()
+    for w in (None, 3, 2 * B):
+        mm = make_mask_mod(anchors, valid, CTX, B, sliding_window=w)
+        captured = [c.cell_contents for c in (mm.__closure__ or ())]
+        assert captured and all(isinstance(c, torch.Tensor) for c in captured), [type(c) for c in captured]
+        assert all(c.dtype == torch.int32 and c.shape == (anchors.shape[0], anchors.shape[1] * B) for c in captured)
