@@ -132,9 +132,13 @@ def make_mask_mod(anchors: Tensor, valid: Tensor, ctx_len: int, block_size: int,
     window), so under dynamic shapes no captured value becomes a symbolic scalar, which flex's FLASH backend
     (FlashAttention-4's kernels) refuses to compile ("captures a dynamic scalar"); no division either."""
     _check_window(sliding_window)
-    b = anchors.shape[0]
-    c_lo, c_hi, o_lo, o_hi = (t.reshape(b, -1).to(torch.int32).contiguous() for t in
-                              _row_intervals(anchors, valid, ctx_len, block_size, context_inclusive, sliding_window))
+    return _interval_mask_mod(_row_intervals(anchors, valid, ctx_len, block_size, context_inclusive, sliding_window))
+
+
+def _interval_mask_mod(intervals: tuple[Tensor, Tensor, Tensor, Tensor]):
+    """The mask_mod of ``_row_intervals``' four [b, N, B] tensors (see :func:`make_mask_mod`)."""
+    b = intervals[0].shape[0]
+    c_lo, c_hi, o_lo, o_hi = (t.reshape(b, -1).to(torch.int32).contiguous() for t in intervals)
 
     def dflash_mask_mod(b, h, q_idx, kv_idx):
         in_ctx = (kv_idx >= c_lo[b, q_idx]) & (kv_idx < c_hi[b, q_idx])
@@ -186,12 +190,18 @@ def tile_tables(anchors: Tensor, valid: Tensor, ctx_len: int, block_size: int, c
     from one [b, Q, K tiles] count. A tile is full when every row of it sees all ``tile`` keys of it (rows and keys
     past Q and K, the padding to whole tiles, see nothing), partial when some row sees some."""
     _check_window(sliding_window)
-    ctx_lo, ctx_hi, own_lo, own_hi = _row_intervals(anchors, valid, ctx_len, block_size, context_inclusive,
-                                                    sliding_window)
-    b, n = anchors.shape
+    return _tiles_from_intervals(_row_intervals(anchors, valid, ctx_len, block_size, context_inclusive,
+                                                sliding_window), ctx_len, tile)
+
+
+def _tiles_from_intervals(intervals: tuple[Tensor, Tensor, Tensor, Tensor], ctx_len: int,
+                          tile: int = TILE) -> tuple[Tensor, Tensor]:
+    """:func:`tile_tables` of ``_row_intervals``' four [b, N, B] tensors."""
+    ctx_lo, ctx_hi, own_lo, own_hi = intervals
+    b, n, block_size = ctx_lo.shape
     q_len, k_len = n * block_size, ctx_len + n * block_size
     q_tiles, k_tiles = -(-q_len // tile), -(-k_len // tile)
-    dev = anchors.device
+    dev = ctx_lo.device
     k0 = torch.arange(k_tiles, device=dev) * tile                                     # [KT]
     k1 = torch.clamp(k0 + tile, max=k_len)
 
@@ -241,11 +251,12 @@ def flex_block_mask(anchors: Tensor, valid: Tensor, ctx_len: int, block_size: in
     """
     b, n = anchors.shape
     q_len = n * block_size
-    mask_mod = make_mask_mod(anchors, valid, ctx_len, block_size, context_inclusive, sliding_window)
+    _check_window(sliding_window)
+    intervals = _row_intervals(anchors, valid, ctx_len, block_size, context_inclusive, sliding_window)
+    mask_mod = _interval_mask_mod(intervals)                        # the tile tables and the mask_mod: one source
     if from_tables and _dense_to_ordered is not None:
         mask_build_calls["tables"] += 1
-        partial, full = tile_tables(anchors, valid, ctx_len, block_size, context_inclusive,
-                                    sliding_window=sliding_window)
+        partial, full = _tiles_from_intervals(intervals, ctx_len)
         return block_mask_from_tables(partial, full, mask_mod, (q_len, ctx_len + q_len))
     if compile and anchors.device.type != "cpu":
         mask_build_calls["compiled"] += 1
