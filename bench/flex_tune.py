@@ -38,10 +38,10 @@ from typing import Optional
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 import torch  # noqa: E402
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: E402
+from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 
 from dflash_dist.model.blocks import make_batch  # noqa: E402
-from dflash_dist.model.masks import flex_block_mask, make_mask_mod  # noqa: E402
+from dflash_dist.model.masks import flex_block_mask  # noqa: E402
 
 # tile options worth carrying over from inductor's autotune report (the rest describe the problem, not the tiles)
 TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_warps", "num_stages")
@@ -86,10 +86,8 @@ def time_fn(fn, repeats: int) -> float:
     return C.median(times)
 
 
-def problem(ctx: int, anchors: int, b: int, heads: int, kv_heads: int, d: int, block: int, device,
-            mask_block: Optional[tuple[int, int]] = None):
-    """q/k/v of one drafter layer and the step's BlockMask (random ids; 30% prompt without loss); ``mask_block``:
-    the BlockMask's (Q, KV) tile through torch's ``create_block_mask`` instead of the trainer's 128 x 128 tables."""
+def problem(ctx: int, anchors: int, b: int, heads: int, kv_heads: int, d: int, block: int, device):
+    """q/k/v of one drafter layer and the step's BlockMask (random ids; 30% prompt without loss)."""
     g = torch.Generator().manual_seed(ctx + anchors)
     ids = torch.randint(0, 1000, (b * ctx,), generator=g).to(device)
     loss_mask = (torch.arange(ctx).repeat(b) >= int(0.3 * ctx)).to(device)
@@ -98,13 +96,8 @@ def problem(ctx: int, anchors: int, b: int, heads: int, kv_heads: int, d: int, b
     batch = make_batch(ids, loss_mask, cu, feats, num_anchors=anchors, block_size=block, mask_token_id=999,
                        ctx_bucket=256, generator=torch.Generator().manual_seed(7))
     # dynamic: the static mask builder takes minutes to compile at these sizes (the trainer's CUDA path is dynamic)
+    mask = flex_block_mask(batch.anchors, batch.valid, batch.ctx_len, block, compile=True, dynamic=True)
     q_len, k_len = anchors * block, batch.ctx_len + anchors * block
-    if mask_block is None:
-        mask = flex_block_mask(batch.anchors, batch.valid, batch.ctx_len, block, compile=True, dynamic=True)
-    else:
-        mask_mod = make_mask_mod(batch.anchors, batch.valid, batch.ctx_len, block)
-        mask = torch.compile(create_block_mask, dynamic=True)(mask_mod, b, None, q_len, k_len, device=device,
-                                                               BLOCK_SIZE=tuple(mask_block))
     mk = lambda h, n: torch.randn(b, h, n, d, device=device, dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
     return mk(heads, q_len), mk(kv_heads, k_len), mk(kv_heads, k_len), mask
 
@@ -161,8 +154,6 @@ def main(argv=None) -> int:
                    help="JSON list of kernel_options dicts (or the path of a file holding one), each timed with the "
                         "trainer's kernel against the defaults")
     p.add_argument("--no-autotune", action="store_true", help="skip inductor's max-autotune (minutes at long context)")
-    p.add_argument("--mask-block", default=None,
-                   help="QxKV tile of the BlockMask (default: the trainer's 128x128 from the block intervals)")
     p.add_argument("--static", action="store_true",
                    help="compile the candidates with static shapes (the default kernel stays dynamic, as trained)")
     args = p.parse_args(argv)
@@ -171,11 +162,10 @@ def main(argv=None) -> int:
         return 2
     dev = C.pick_device("cuda")
     ctx, anchors = (int(x) for x in args.config.split("x"))
-    mask_block = tuple(int(x) for x in args.mask_block.split("x")) if args.mask_block else None
-    q, k, v, mask = problem(ctx, anchors, args.batch, args.heads, args.kv_heads, args.head_dim, args.block_size, dev,
-                            mask_block)
+    q, k, v, mask = problem(ctx, anchors, args.batch, args.heads, args.kv_heads, args.head_dim, args.block_size, dev)
     res: dict = {"bench": "flex_tune", "env": C.env_info(dev), "config": args.config, "batch": args.batch,
-                 "shape": {"q": list(q.shape), "k": list(k.shape)}, "mask_block": list(mask.BLOCK_SIZE), "mask_sparsity": float(mask.sparsity()),
+                 "shape": {"q": list(q.shape), "k": list(k.shape)}, "mask_block": list(mask.BLOCK_SIZE),
+                 "mask_sparsity": float(mask.sparsity()),
                  "variants": {}}
     C.log(f"q {tuple(q.shape)} k {tuple(k.shape)}, mask sparsity {res['mask_sparsity']:.1f}%")
 
