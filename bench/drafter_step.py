@@ -45,6 +45,7 @@ import _common as C  # noqa: E402  (puts the repo root on sys.path)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from dflash_dist.drafter import startup_report as SR  # noqa: E402  (the flex kernel names of both families)
 from dflash_dist.drafter.optim import make_step  # noqa: E402
 from dflash_dist.model.blocks import make_batch  # noqa: E402
 from dflash_dist.model.compute_weights import Shadows  # noqa: E402
@@ -233,10 +234,11 @@ class Runner:
         return sum(terms[n] for n in names)
 
 
-# kernel name -> category of the step-time breakdown (first match wins)
+# kernel name (lower case) -> category of the step-time breakdown (first match wins; the flex kernels of both
+# families, Triton and FlashAttention-4, before "cutlass", which FlashAttention-4's CuTe kernel names also hold)
 _CATEGORIES = [
-    ("flex attention bwd", ("flex_attention_backward",)),
-    ("flex attention fwd", ("flex_attention", "flex_decoding")),
+    ("flex attention bwd", SR.FLEX_BWD_KERNEL + SR.FLASH_BWD_KERNEL),
+    ("flex attention fwd", SR.FLEX_FWD_KERNEL + SR.FLASH_FWD_KERNEL),
     ("matmul (GEMM)", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "ampere_", "sm80_", "wgmma")),
     ("optimizer (fused AdamW)", ("adam", "multi_tensor")),
     ("loss softmax/CE", ("logsumexp", "log_softmax", "softmax", "nll", "argmax", "scatter", "gather", "reduce_kernel")),

@@ -8,8 +8,10 @@ Called once on a drafter rank after the warm-up (first) step::
 It reports the attention backend, the kernels (CUDA) or aten ops (CPU) the step launched, the step's peak
 memory next to what the dense attention fallback would need, the compile time of the first step and whether
 it came from the inductor caches. On CUDA with the flex backend it *asserts* (``StartupCheckError``) that the
-Triton flex_attention forward and backward kernels ran and that no op formed or consumed a dense [Q, K]
-score matrix (matmul/softmax on score-shaped operands); on CPU it reports what ran without asserting.
+flex_attention forward and backward kernels of the configured family ran (inductor's Triton templates, or
+FlashAttention-4's CuTe kernels with ``drafter.tuning.flex_kernel_options.BACKEND=FLASH``) and that no op formed
+or consumed a dense [Q, K] score matrix (matmul/softmax on score-shaped operands); on CPU it reports what ran
+without asserting.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ import torch
 from dflash_dist.drafter.compile_guard import dynamo_counters, graph_break_reasons
 
 __all__ = ["startup_report", "format_startup_report", "StartupCheckError", "dense_attention_bytes",
-           "flex_kernels", "flex_problems",
-           "inductor_cache_dir", "FLEX_FWD_KERNEL", "FLEX_BWD_KERNEL"]
+           "flex_kernels", "flex_problems", "flex_kernel_family",
+           "inductor_cache_dir", "FLEX_FWD_KERNEL", "FLEX_BWD_KERNEL", "FLASH_FWD_KERNEL", "FLASH_BWD_KERNEL"]
 
 log = logging.getLogger("dflash_dist")
 
@@ -39,6 +41,16 @@ log = logging.getLogger("dflash_dist")
 # triton_tem_fused_flex_attention_backward_2). flex_decoding is flex's small-Q forward variant.
 FLEX_FWD_KERNEL = ("flex_attention", "flex_decoding")
 FLEX_BWD_KERNEL = ("flex_attention_backward",)
+# BACKEND "FLASH": FlashAttention-4's CuTe DSL kernels, which the DSL names after the kernel's class
+# (kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90_object_at_..._0; the backward's
+# FlashAttentionBackwardSm90 and its Preprocess / Postprocess kernels). Matched without case.
+FLASH_FWD_KERNEL = ("flashattentionforward",)
+FLASH_BWD_KERNEL = ("flashattentionbackward",)
+_FAMILIES = {"TRITON": (FLEX_FWD_KERNEL, FLEX_BWD_KERNEL, "Triton flex_attention",
+                        "triton_tem_fused_flex_attention_<n>", "triton_tem_fused_flex_attention_backward_<n>"),
+             "FLASH": (FLASH_FWD_KERNEL, FLASH_BWD_KERNEL, "FlashAttention-4 (flex BACKEND FLASH)",
+                       "kernel_cutlass_kernel_..FlashAttentionForwardSm90.._<n>",
+                       "kernel_cutlass_kernel_..FlashAttentionBackwardSm90.._<n>")}
 _MATMUL_OPS = {"aten::mm", "aten::bmm", "aten::matmul", "aten::baddbmm", "aten::addmm", "aten::einsum"}
 _SOFTMAX_OPS = {"aten::softmax", "aten::_softmax", "aten::_safe_softmax", "aten::log_softmax",
                 "aten::_log_softmax", "aten::exp", "aten::exp2", "aten::logsumexp", "aten::_softmax_backward_data"}
@@ -139,26 +151,44 @@ def _scan_events(events, q_len: int, k_len: int, cuda: bool, min_dims: int = 3, 
     return {"kernels": kernels, "cpu_ops": cpu_ops, "attn_ops": attn_ops, "dense": dense}
 
 
-def flex_kernels(kernels: dict) -> tuple[dict, dict]:
-    """(forward, backward) flex_attention kernels among {kernel name: launches}."""
-    fwd = {k: n for k, n in kernels.items()
-           if any(p in k for p in FLEX_FWD_KERNEL) and not any(p in k for p in FLEX_BWD_KERNEL)}
-    bwd = {k: n for k, n in kernels.items() if any(p in k for p in FLEX_BWD_KERNEL)}
+def flex_kernel_family(model: torch.nn.Module) -> str:
+    """"FLASH" when the drafter's flex_attention calls ask for FlashAttention-4's kernels
+    (``drafter.tuning.flex_kernel_options.BACKEND``), else "TRITON" (inductor's templates: AUTO, TRITON, unset)."""
+    m = getattr(model, "module", model)
+    opts = getattr(m, "flex_kernel_options", None) or {}
+    return "FLASH" if str(opts.get("BACKEND", "")).upper() == "FLASH" else "TRITON"
+
+
+def flex_kernels(kernels: dict, family: str = "TRITON") -> tuple[dict, dict]:
+    """(forward, backward) flex_attention kernels of ``family`` ("TRITON" or "FLASH") among {kernel name:
+    launches}."""
+    fwd_pats, bwd_pats = _FAMILIES[family][:2]
+
+    def hit(name: str, pats) -> bool:
+        low = name.lower()
+        return any(p in low for p in pats)
+
+    fwd = {k: n for k, n in kernels.items() if hit(k, fwd_pats) and not hit(k, bwd_pats)}
+    bwd = {k: n for k, n in kernels.items() if hit(k, bwd_pats)}
     return fwd, bwd
 
 
 def flex_problems(backend: str, fwd: dict, bwd: dict, dense: list, calls: dict, layers: int, q_len: int,
-                  k_len: int) -> list[str]:
-    """What is wrong with a CUDA training step of the flex backend (empty: the compiled flex path ran)."""
+                  k_len: int, family: str = "TRITON", kernels: Optional[dict] = None) -> list[str]:
+    """What is wrong with a CUDA training step of the flex backend (empty: the compiled flex path of ``family``
+    ran). ``kernels``: every kernel of the step, to name the other family's if those ran instead."""
     problems: list[str] = []
     if backend != "flex":
         return problems
+    what, fwd_like, bwd_like = _FAMILIES[family][2:]
+    other = "FLASH" if family == "TRITON" else "TRITON"
+    ran_other = flex_kernels(kernels or {}, other)
+    instead = (f"; the {_FAMILIES[other][2]} kernels ran instead: {sorted(ran_other[0]) + sorted(ran_other[1])}"
+               if any(ran_other) else "")
     if not fwd:
-        problems.append("no Triton flex_attention forward kernel ran (expected a kernel named like "
-                        "triton_tem_fused_flex_attention_<n>)")
+        problems.append(f"no {what} forward kernel ran (expected a kernel named like {fwd_like}){instead}")
     if not bwd:
-        problems.append("no Triton flex_attention backward kernel ran (expected a kernel named like "
-                        "triton_tem_fused_flex_attention_backward_<n>)")
+        problems.append(f"no {what} backward kernel ran (expected a kernel named like {bwd_like}){instead}")
     if dense:
         ops = sorted({d["op"] for d in dense})
         problems.append(f"{len(dense)} op(s) formed or consumed a dense [Q={q_len}, K={k_len}] score matrix "
@@ -167,6 +197,17 @@ def flex_problems(backend: str, fwd: dict, bwd: dict, dense: list, calls: dict, 
         problems.append(f"compiled flex_attention was called {calls.get('flex_compiled', 0)} times in the step for "
                         f"{layers} layers")
     return problems
+
+
+def _kernel_checks(scan: dict, family: str, backend: str, calls: dict, layers: int, q_len: int, k_len: int
+                   ) -> dict:
+    """The CUDA part of the report: the flex kernels of the configured family, the top kernels, and the problems
+    (empty: the compiled flex path ran)."""
+    fwd, bwd = flex_kernels(scan["kernels"], family)
+    problems = flex_problems(backend, fwd, bwd, scan["dense"], calls, layers, q_len, k_len, family, scan["kernels"])
+    return {"flex_kernel_family": family, "flex_forward_kernels": fwd, "flex_backward_kernels": bwd,
+            "top_kernels": dict(scan["kernels"].most_common(25)), "attention_ops": dict(scan["attn_ops"]),
+            "problems": problems, "ok": not problems}
 
 
 def startup_report(step_fn: Callable[[], Any], model: torch.nn.Module, batch_meta: dict, device,
@@ -247,14 +288,7 @@ def startup_report(step_fn: Callable[[], Any], model: torch.nn.Module, batch_met
         report["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(device))
         report["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
         report["memory_before_step_bytes"] = int(mem0)
-        fwd, bwd = flex_kernels(scan["kernels"])
-        report["flex_forward_kernels"] = fwd
-        report["flex_backward_kernels"] = bwd
-        report["top_kernels"] = dict(scan["kernels"].most_common(25))
-        report["attention_ops"] = dict(scan["attn_ops"])
-        problems = flex_problems(backend, fwd, bwd, scan["dense"], calls, layers, q_len, k_len)
-        report["problems"] = problems
-        report["ok"] = not problems
+        report.update(_kernel_checks(scan, flex_kernel_family(m), backend, calls, layers, q_len, k_len))
     else:
         report["peak_memory_bytes"] = None
         report["attention_ops"] = dict(scan["attn_ops"])
@@ -290,8 +324,9 @@ def format_startup_report(r: dict) -> str:
         + ("  (it compiled: not a steady-state timing)" if r["compiled_during_profile"] else ""),
     ]
     if "flex_forward_kernels" in r:
-        lines.append(f"  flex fwd kernels  : {r['flex_forward_kernels'] or 'NONE'}")
-        lines.append(f"  flex bwd kernels  : {r['flex_backward_kernels'] or 'NONE'}")
+        fam = r.get("flex_kernel_family", "TRITON")
+        lines.append(f"  flex fwd kernels  : ({fam}) {r['flex_forward_kernels'] or 'NONE'}")
+        lines.append(f"  flex bwd kernels  : ({fam}) {r['flex_backward_kernels'] or 'NONE'}")
         top = list(r.get("top_kernels", {}).items())[:8]
         lines.append("  top kernels       : " + "; ".join(f"{k[:70]} x{n}" for k, n in top))
     if r.get("attention_ops"):

@@ -101,6 +101,26 @@ def test_bench_uses_the_package_flop_formula():
     assert drafter_step.step_flops is drafter_step_flops   # one formula (tests/unit/telemetry/test_flops.py checks it)
 
 
+def test_breakdown_puts_both_flex_kernel_families_under_attention():
+    """FlashAttention-4's CuTe kernel names hold "cutlass", as GEMM kernels do: the profile breakdown must count
+    them as flex attention, as it does inductor's Triton templates."""
+    sys.path.insert(0, BENCH)
+    import drafter_step
+
+    def category(name):
+        low = name.lower()
+        return next((c for c, keys in drafter_step._CATEGORIES if any(k in low for k in keys)), "other")
+
+    assert category("kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90_object_at_0") \
+        == "flex attention fwd"
+    assert category("kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90FlashAttentionBackwardSm90_object_at_1") \
+        == "flex attention bwd"
+    assert category("triton_tem_fused_flex_attention_backward_1") == "flex attention bwd"
+    assert category("triton_tem_fused_flex_attention_0") == "flex attention fwd"
+    assert category("sm90_xmma_gemm_bf16bf16_bf16f32") == category("cutlass_80_wmma_tensorop_bf16_s161616gemm") \
+        == "matmul (GEMM)"
+
+
 def test_target_capture(runs):
     d = _load(runs, "target_capture")
     rows = {r["variant"]: r for r in d["rows"]}
