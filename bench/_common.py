@@ -232,9 +232,12 @@ def target_config(name: str, **overrides):
 
 
 def drafter_config(name: str, **overrides):
+    """dflash_dist.config.DrafterConfig from conf/drafter/<name>.yaml plus overrides (a dict for a section, e.g.
+    ``dflash2={"conv_dtype": "compute"}``, updates that section's keys)."""
     from dflash_dist.config import DrafterConfig
     d = load_conf("drafter", name)
-    d.update(overrides)
+    for k, v in overrides.items():
+        d[k] = {**d[k], **v} if isinstance(v, dict) and isinstance(d.get(k), dict) else v
     return DrafterConfig(**d)
 
 

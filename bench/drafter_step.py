@@ -89,17 +89,26 @@ def drafter_spec(tiny: bool, dc, device_type: str, shape: str = "qwen3_8b"):
 def drafter_variant_config(tiny: bool, entry: str):
     """``VARIANT@BLOCK`` (--drafters) -> the DrafterConfig of that variant at that block size on the tiny preset
     (--tiny) or the paper's; DFlash2 with the released convolution and selector sizes (the ``drafter.dflash2``
-    defaults; not the released layer window: the rows compare the variants at one shape). A ``:MODE`` suffix sets
-    drafter.tuning.compute_weights (``dflash@8:shadow``: bf16 copies of the weights written by the optimizer step)."""
-    entry, _, weights = entry.strip().partition(":")
+    defaults; not the released layer window: the rows compare the variants at one shape). Each ``:``-suffix is
+    either a MODE, which sets drafter.tuning.compute_weights (``dflash@8:shadow``: bf16 copies of the weights
+    written by the optimizer step), or ``SECTION.KEY=VALUE``, a setting of ``drafter.SECTION``
+    (``dflash2@8:dflash2.conv_dtype=compute``; VALUE read as YAML)."""
+    import yaml
+    entry, *suffixes = entry.strip().split(":")
     variant, _, block = entry.partition("@")
-    overrides = {"variant": variant}
+    overrides: dict = {"variant": variant}
     if block:
         overrides["block_size"] = int(block)
-    dc = C.drafter_config("tiny" if tiny else "dflash", **overrides)
-    if weights:  # VARIANT@BLOCK:shadow -> drafter.tuning.compute_weights=shadow
-        dc.tuning.compute_weights = weights
-    return dc
+    for suffix in suffixes:
+        key, eq, value = suffix.partition("=")
+        if not eq:  # VARIANT@BLOCK:shadow -> drafter.tuning.compute_weights=shadow
+            overrides.setdefault("tuning", {})["compute_weights"] = suffix
+            continue
+        section, dot, name = key.partition(".")
+        if not dot:
+            raise ValueError(f"--drafters {entry}:{suffix}: a setting is SECTION.KEY=VALUE of drafter.SECTION")
+        overrides.setdefault(section, {})[name] = yaml.safe_load(value)
+    return C.drafter_config("tiny" if tiny else "dflash", **overrides)
 
 
 def make_inputs(ctx: int, b: int, mc: DrafterModelConfig, device, feat_dtype, prompt_frac: float, seed: int):
@@ -425,7 +434,8 @@ def main(argv=None) -> int:
     p.add_argument("--drafters", default=None,
                    help="comma list of VARIANT@BLOCK drafters timed in one run (drafter.variant, drafter.block_size), "
                         "e.g. dflash@16,dflash2@16,dflash@8,dflash2@8 (conf/drafter/dflash2.yaml's DFlash2 sizes "
-                        "unless --tiny), each optionally :shadow (drafter.tuning.compute_weights=shadow, CUDA); "
+                        "unless --tiny), each optionally :shadow (drafter.tuning.compute_weights=shadow, CUDA) and "
+                        ":SECTION.KEY=VALUE settings (e.g. dflash2@8:dflash2.conv_dtype=compute); "
                         "default: the preset's drafter")
     p.add_argument("--loss-mode", choices=["auto", "checkpoint"], default="auto",
                    help="decayed_ce: auto (fused: hidden-state gradient computed in forward, the trainer's "

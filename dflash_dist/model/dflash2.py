@@ -33,6 +33,10 @@ __all__ = ["ARCHITECTURE", "DFlash2Settings", "GroupedDynamicConv", "DFlash2Deco
 # only for this class name)
 ARCHITECTURE = "DFlash2DraftModel"
 
+# drafter.dflash2 fields that set how the step computes, not what the drafter is: left out of the checkpoint
+# identity (a run resumes with either value) and of the export
+STEP_SETTINGS = ("conv_dtype",)
+
 
 @dataclass
 class DFlash2Settings(DrafterDFlash2):
@@ -133,13 +137,22 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         k, g = settings.conv_kernel_size, settings.conv_group_size
         self.attention_conv = GroupedDynamicConv(cfg.hidden_size, k, g)
         self.mlp_conv = GroupedDynamicConv(cfg.hidden_size, k, g)
+        self.conv_in_compute_dtype = settings.conv_dtype == "compute"
 
     def forward(self, h: Tensor, ctx: Tensor, rope_q, rope_k, mask, backend: str) -> Tensor:
-        x, d = self.attention_conv.prepare(self.input_layernorm(h), self.block_size)
+        x, d = self.attention_conv.prepare(self._conv_input(self.input_layernorm(h)), self.block_size)
         a = self.self_attn(x, ctx, rope_q, rope_k, mask, backend)   # the context's keys/values: no conv
         h = h + self.attention_conv.finish(a, d, self.block_size)
-        x, d = self.mlp_conv.prepare(self.post_attention_layernorm(h), self.block_size)
+        x, d = self.mlp_conv.prepare(self._conv_input(self.post_attention_layernorm(h)), self.block_size)
         return h + self.mlp_conv.finish(self.mlp(x), d, self.block_size)
+
+    def _conv_input(self, x: Tensor) -> Tensor:
+        """``drafter.dflash2.conv_dtype=compute``: the normed input in autocast's dtype before the convolution (the
+        kernel projection and the q/k/v or MLP projections would take it in that dtype anyway)."""
+        dev = x.device.type
+        if self.conv_in_compute_dtype and torch.is_autocast_enabled(dev):
+            return x.to(torch.get_autocast_dtype(dev))
+        return x
 
 
 def reset_dflash2_parameters(model: nn.Module, initializer_range: float = 0.02) -> None:

@@ -134,9 +134,11 @@ class DFlash2(DFlash):
     """The ``drafter.*`` section of the variant's settings (``identity_fields``; ``model_settings`` checks it)."""
 
     def identity_fields(self, drafter_config) -> dict[str, Any]:
-        """Every ``drafter.dflash2.*`` setting, as the settings normalise it (a soft cap of 0 is None)."""
+        """Every ``drafter.dflash2.*`` setting of the model and its loss, as the settings normalise it (a soft cap
+        of 0 is None); not ``conv_dtype``, a numerics setting of the step (``D2.STEP_SETTINGS``)."""
         settings = D2.DFlash2Settings(**dataclasses.asdict(drafter_config.dflash2))
-        return {f"drafter.dflash2.{k}": v for k, v in dataclasses.asdict(settings).items()}
+        return {f"drafter.dflash2.{k}": v for k, v in dataclasses.asdict(settings).items()
+                if k not in D2.STEP_SETTINGS}
 
     def model_settings(self, drafter_config, model_config: DrafterModelConfig) -> Optional[dict]:
         """``drafter.dflash2.*``, checked against the drafter's shape."""

@@ -105,6 +105,13 @@ def test_a_variant_setting_is_part_of_the_drafter_identity_and_named_with_both_v
     assert ident.differences(run, _drafter_identity(**D2, dflash2={key: was})) == []
 
 
+def test_the_conv_dtype_is_a_step_setting_not_part_of_the_identity():
+    """drafter.dflash2.conv_dtype sets how the step computes (like drafter.tuning): a run resumes with either."""
+    assert ident.differences(_drafter_identity(**D2, dflash2={"conv_dtype": "input"}),
+                             _drafter_identity(**D2, dflash2={"conv_dtype": "compute"})) == []
+    assert _drafter_identity(**D2, dflash2={"conv_dtype": "compute"}) == _drafter_identity(**D2)
+
+
 def test_settings_the_variant_normalises_are_one_identity():
     assert ident.differences(_drafter_identity(**D2, dflash2={"final_logit_softcapping": 0}),
                              _drafter_identity(**D2)) == []

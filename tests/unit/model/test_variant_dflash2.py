@@ -82,6 +82,34 @@ def test_settings_refused_by_name():
         _spec(selector_top_k=100)  # beyond the vocabulary of 64
 
 
+def test_conv_dtype_compute_runs_the_input_convolution_in_autocast_dtype(monkeypatch):
+    """drafter.dflash2.conv_dtype=compute: under bf16 autocast the input-side convolution gets the normed input in
+    bf16 (input: fp32, as the norm returns it); the hidden states stay close; without autocast the two are the
+    same to the bit. A value outside the choices is refused by name."""
+    torch.manual_seed(0)
+    models = {mode: _spec(conv_dtype=mode).build_model() for mode in ("input", "compute")}
+    with torch.no_grad():  # conv weights away from the identity init, so the convolution does something
+        for conv in (m for m in models["input"].modules() if isinstance(m, D2.GroupedDynamicConv)):
+            conv.kernel_projection.weight.normal_(0, 0.1)
+            conv.base_kernel.normal_(0, 0.5)
+    models["compute"].load_state_dict(models["input"].state_dict())
+    seen = []
+    prepare = D2.GroupedDynamicConv.prepare
+    monkeypatch.setattr(D2.GroupedDynamicConv, "prepare",
+                        lambda self, x, b: (seen.append(x.dtype), prepare(self, x, b))[1])
+    x = _inputs()
+    plain = {mode: m(*x) for mode, m in models.items()}
+    assert torch.equal(plain["input"], plain["compute"]) and set(seen) == {torch.float32}
+    seen.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = {mode: models[mode](*x).float() for mode in ("input", "compute")}
+        assert seen == [torch.float32] * 4 + [torch.bfloat16] * 4      # 2 layers x 2 sublayers each
+    torch.testing.assert_close(mixed["compute"], mixed["input"], rtol=0.05, atol=0.05)
+    assert not torch.equal(mixed["compute"], mixed["input"])
+    with pytest.raises(ConfigError, match="drafter.dflash2.conv_dtype"):
+        _spec(conv_dtype="fp16")
+
+
 def test_identity_at_init_unary_logits_equal_dflash():
     """A fresh DFlash2 drafter given a DFlash drafter's weights computes its hidden states, so its unary logits."""
     torch.manual_seed(0)
