@@ -5,8 +5,9 @@ A layer variant or setting that moves fewer bytes through the layer's fused (mem
 for a faster step; this counts them without a GPU. Per ``--drafters`` entry (``bench/drafter_step.py``'s
 ``VARIANT@BLOCK`` labels, each optionally followed by ``:SECTION.KEY=VALUE`` settings of ``drafter.*``, e.g.
 ``dflash2@8:dflash2.conv_dtype=compute``): the first decoder layer of that drafter, compiled as the trainer
-compiles it (``torch.compile(layer, fullgraph=True)``), run once forward and backward under bf16 autocast on
-inputs the drafter's forward gives a layer (fp32 block states and context, the rotary tables, the mask), and
+compiles it (``torch.compile(layer, fullgraph=True)``; on CUDA through ``configure_compile``, flex attention in
+the layer's graph; on CPU with the sdpa mask), run once forward and backward under bf16 autocast on inputs the
+drafter's forward gives a layer (fp32 block states and context, the rotary tables, the mask), and
 
 * ``inductor_mb``: the bytes every scheduled node of the forward and backward graphs reads and writes (inductor's
   own count, ``GraphLowering.count_bytes``: its fused kernels and the extern kernels' operands; caches off, so
@@ -86,6 +87,9 @@ def layer_and_inputs(label: str, shape: dict, dev: torch.device, seed: int = 0):
         for name, p in layer.named_parameters():
             if "conv." in name:
                 p.normal_(0, 0.02)
+    if backend == "flex":  # as the trainer compiles its layers (drafter.tuning.compile_layers)
+        model.configure_compile(flex_dynamic=True, compile_layers=True)
+        return model._layer_fns[0], (h, ctx, rope_q, rope_k, masks[kind], backend)
     return torch.compile(layer, fullgraph=True), (h, ctx, rope_q, rope_k, masks[kind], backend)
 
 
