@@ -4,7 +4,7 @@
 A layer variant or setting that moves fewer bytes through the layer's fused (memory-bound) kernels is a candidate
 for a faster step; this counts them without a GPU. Per ``--drafters`` entry (``bench/drafter_step.py``'s
 ``VARIANT@BLOCK`` labels, each optionally followed by ``:SECTION.KEY=VALUE`` settings of ``drafter.*``, e.g.
-``dflash2@8:dflash2.conv_dtype=compute``): the first decoder layer of that drafter, compiled as the trainer
+``dflash2@8:dflash2.conv_dtype=input``): the first decoder layer of that drafter, compiled as the trainer
 compiles it (``torch.compile(layer, fullgraph=True)``; on CUDA through ``configure_compile``, flex attention in
 the layer's graph; on CPU with the sdpa mask), run once forward and backward under bf16 autocast on inputs the
 drafter's forward gives a layer (fp32 block states and context, the rotary tables, the mask), and
@@ -20,8 +20,8 @@ The default shape is a quarter of a Qwen3-8B drafter layer with its proportions 
 size): it runs on a 2-core CPU in under 30 s per entry. ``--full`` takes the Qwen3-8B sizes (GPU), ``--tiny``
 a smoke run's.
 
-    python bench/layer_bytes.py --drafters dflash@8,dflash2@8,dflash2@8:dflash2.conv_dtype=compute
-    python bench/layer_bytes.py --full --drafters dflash2@8,dflash2@8:dflash2.conv_dtype=compute --out lb.json
+    python bench/layer_bytes.py --drafters dflash@8,dflash2@8:dflash2.conv_dtype=input,dflash2@8
+    python bench/layer_bytes.py --full --drafters dflash2@8:dflash2.conv_dtype=input,dflash2@8 --out lb.json
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def measure(label: str, shape: dict, dev: torch.device, repeats: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--drafters", default="dflash@8,dflash2@8,dflash2@8:dflash2.conv_dtype=compute",
+    p.add_argument("--drafters", default="dflash@8,dflash2@8:dflash2.conv_dtype=input,dflash2@8",
                    help="comma list of VARIANT@BLOCK[:SECTION.KEY=VALUE...]")
     p.add_argument("--full", action="store_true", help="the Qwen3-8B drafter layer's sizes (a GPU's work)")
     p.add_argument("--tiny", action="store_true", help="a CPU smoke run (hidden 128, 128 rows)")

@@ -211,12 +211,11 @@ class DrafterDFlash2:
     error; on the tiny default (231 steps, 16 prompts) 4.14 against 4.18, pooled 2.63 against 2.47
     (docs/benchmarks.md)."""
 
-    conv_dtype: Literal["input", "compute"] = "input"
+    conv_dtype: Literal["input", "compute"] = "compute"
     """The dtype the input-side convolution of each sublayer runs in under mixed precision (CUDA's bf16 autocast):
-    ``input``, its input's as the RMSNorm returns it (fp32, the norm weights being fp32), or ``compute``,
-    autocast's (bf16; the engines run the whole drafter in bf16), which takes about a quarter off the bytes the
-    convolutions add to a layer's compiled forward + backward (inductor's count; its GPU step time is not measured
-    yet: docs/benchmarks.md#dflash2-conv-dtype). The output side runs in its sublayer output's dtype (bf16 under
+    ``compute``, autocast's (bf16, as the engines run the whole drafter), or ``input``, its input's as the RMSNorm
+    returns it (fp32, the norm weights being fp32). ``compute`` by measurement: 2.3-2.7 ms off a DFlash2 @ 8 step
+    of 86-92 ms on an H200 (docs/benchmarks.md#dflash2-conv-dtype). The output side runs in its sublayer output's dtype (bf16 under
     autocast) either way, and without autocast (CPU) the two are the same. A numerics setting of the step, like
     ``drafter.tuning``: not part of the checkpoint identity, not exported."""
 

@@ -106,6 +106,8 @@ def test_conv_dtype_compute_runs_the_input_convolution_in_autocast_dtype(monkeyp
         assert seen == [torch.float32] * 4 + [torch.bfloat16] * 4      # 2 layers x 2 sublayers each
     torch.testing.assert_close(mixed["compute"], mixed["input"], rtol=0.05, atol=0.05)
     assert not torch.equal(mixed["compute"], mixed["input"])
+    layers = [m for m in _spec().build_model().modules() if hasattr(m, "conv_in_compute_dtype")]
+    assert layers and all(m.conv_in_compute_dtype for m in layers)  # compute is the default (measured faster)
     with pytest.raises(ConfigError, match="drafter.dflash2.conv_dtype"):
         _spec(conv_dtype="fp16")
 
