@@ -215,9 +215,9 @@ class DrafterDFlash2:
     """The dtype the input-side convolution of each sublayer runs in under mixed precision (CUDA's bf16 autocast):
     ``compute``, autocast's (bf16, as the engines run the whole drafter), or ``input``, its input's as the RMSNorm
     returns it (fp32, the norm weights being fp32). ``compute`` by measurement: 2.3-2.7 ms off a DFlash2 @ 8 step
-    of 86-92 ms on an H200 (docs/benchmarks.md#dflash2-conv-dtype). The output side runs in its sublayer output's dtype (bf16 under
-    autocast) either way, and without autocast (CPU) the two are the same. A numerics setting of the step, like
-    ``drafter.tuning``: not part of the checkpoint identity, not exported."""
+    of 86-92 ms on an H200 (docs/benchmarks.md#dflash2-conv-dtype). The output side runs in its sublayer output's
+    dtype (bf16 under autocast) either way, and without autocast (CPU) the two are the same. A numerics setting of
+    the step, like ``drafter.tuning``: not part of the checkpoint identity, not exported."""
 
     def __post_init__(self) -> None:
         _check_choices(self, "drafter.dflash2")
