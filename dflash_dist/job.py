@@ -24,7 +24,7 @@ from dflash_dist.checkpoint.resume import (  # noqa: F401  (resolve_run: the pur
 from dflash_dist.checkpoint.store import CheckpointError
 from dflash_dist.comm.distributed import Dist, init_distributed, make_ctrl_group, make_groups, setup_logging
 from dflash_dist.comm.topology import TopologyError, make_topology
-from dflash_dist.config import ConfigError, JobConfig, check_split, resolve_device, validate_job
+from dflash_dist.config import ConfigError, JobConfig, check_split, resolve_device, split_targets, validate_job
 from dflash_dist.data.batching import build_plan
 from dflash_dist.data.conversations import PACKAGED_SOURCES, DataError
 from dflash_dist.data.prepare import build_dataset, cache_paths
@@ -271,9 +271,9 @@ def setup(cfg: JobConfig) -> Job:
     device_type = resolve_device(cfg)
     timeout_s = cfg.topology.warmup_timeout_s
     rank, world, device = init_distributed(device_type, timeout_s)
-    auto = cfg.topology.target_ranks == "auto"
     check_split(cfg, world)  # before the role's logging needs the split
-    t = None if auto else int(cfg.topology.target_ranks)
+    t = split_targets(cfg, world)
+    auto = t == "auto"
     def topology(t: int):
         try:
             return make_topology(world, rank, t, cfg.target.tensor_parallel, cfg.topology.cross_node)

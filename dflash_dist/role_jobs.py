@@ -53,6 +53,9 @@ class TargetJob(RoleJob):
     """A target rank's view: the tokenized data it captures features of."""
     dataset_path: str
     """The tokenized training data (data_cache/train-<key>.pt)."""
+    local: object = None
+    """comm.local.LocalLink on a colocated rank: the messages go to this rank's drafter half; None: over the
+    network."""
 
 
 @dataclass(frozen=True)
@@ -66,9 +69,13 @@ class DrafterJob(RoleJob):
     """What the run belongs to (checkpoint.identity), recorded in every checkpoint."""
     auto_split: Optional[dict]
     """topology.target_ranks=auto: the measured rates and the chosen split, logged once."""
+    local: object = None
+    """comm.local.LocalLink on a colocated rank: the messages come from this rank's target half; None: over the
+    network."""
 
 
-def role_view(job, role: str) -> RoleJob:
-    """The ``TargetJob`` or ``DrafterJob`` of a ``job.Job`` for a rank of ``role``."""
+def role_view(job, role: str, local=None) -> RoleJob:
+    """The ``TargetJob`` or ``DrafterJob`` of a ``job.Job`` for a rank of ``role``; ``local``: the in-process link
+    of a colocated rank, shared by its two views."""
     cls = TargetJob if role == "target" else DrafterJob
-    return cls(**{f.name: getattr(job, f.name) for f in fields(cls)})
+    return cls(**{f.name: getattr(job, f.name) for f in fields(cls) if f.name != "local"}, local=local)

@@ -61,6 +61,9 @@ def run(cfg: JobConfig) -> int:
         if topo.role == "target":
             from dflash_dist.target.loop import run_target
             run_target(role_view(job, "target"))
+        elif topo.role == "colocated":
+            from dflash_dist.colocated import run_colocated
+            run_colocated(job)
         else:
             from dflash_dist.drafter.loop import run_drafter
             run_drafter(role_view(job, "drafter"))

@@ -89,7 +89,8 @@ def make_groups(topo: Topology, device: torch.device, timeout_s: float, ctrl=Non
             ctl = dist.new_group(ranks=rep, timeout=timeout, backend="gloo")
             if topo.role == "target" and topo.index == g:
                 tp_group, tp_ctrl = grp, ctl
-    evals = dist.new_group(ranks=sorted([topo.drafter_ranks[0], topo.feeders[0]]), timeout=timeout)
+    # a colocated leader is its own first target: a group of one, unused (its evaluations cross comm/local.py)
+    evals = dist.new_group(ranks=sorted({topo.drafter_ranks[0], topo.feeders[0]}), timeout=timeout)
     head_group = dist.new_group(timeout=timeout) if heads else None
     reply_group = dist.new_group(timeout=timeout) if heads else None
     store = dist.distributed_c10d._get_default_store()

@@ -9,6 +9,9 @@ handles its messages in increasing j, so the smallest pending j always has both 
 R:D, and every drafter gets every D-th message, so none idles while another has work. The plan itself never
 depends on R, D or tp, which is what lets a run resume with another split or another tp.
 
+Colocated (``num_targets`` 0): every rank holds both roles, a replica of its own and a drafter, so message j
+is captured and trained on rank j mod W; its features never leave the rank (an in-process link, comm/local.py).
+
 Layout. One node (or ``cross_node``): drafters are global ranks 0..D-1, the target ranks D..W-1, replica g the
 ranks D+g*tp .. D+(g+1)*tp-1. Several nodes (node-local, the default): every node runs the same split, its local
 ranks 0..d-1 drafters and d..L-1 target ranks (L = ranks per node), and the indices interleave over the nodes:
@@ -38,7 +41,8 @@ class Topology:
 
     def __post_init__(self) -> None:
         # a split the config refuses (config.check_split, before any topology is built) never gets here
-        assert 1 <= self.num_targets < self.world_size, (self.num_targets, self.world_size)
+        assert 0 <= self.num_targets < self.world_size, (self.num_targets, self.world_size)
+        assert self.num_targets or self.tp == 1, "a colocated rank holds the whole target"
         assert self.tp >= 1 and self.num_targets % self.tp == 0, (self.num_targets, self.tp)
         if self.nodes < 1 or self.world_size % self.nodes:
             raise TopologyError(f"{self.world_size} ranks on {self.nodes} nodes: every node needs the same number "
@@ -67,8 +71,16 @@ class Topology:
     def node_local(self) -> bool:
         return self.nodes > 1 and self.node_local_problem() is None
 
+    @property
+    def colocated(self) -> bool:
+        """Every rank captures its own messages and trains on them (no target-only or drafter-only rank)."""
+        return self.num_targets == 0
+
     def _build(self) -> tuple:
         n, L, k = self.nodes, self.ranks_per_node, self.tp
+        if self.colocated:
+            ranks = list(range(self.world_size))
+            return ranks, [[r] for r in ranks], {r: ("colocated", r, 0) for r in ranks}
         if n > 1 and self.node_local_problem() is None:
             t_n = self.num_targets // n
             d_n = L - t_n
@@ -103,7 +115,7 @@ class Topology:
 
     @property
     def num_replicas(self) -> int:
-        return self.num_targets // self.tp
+        return self.world_size if self.colocated else self.num_targets // self.tp
 
     @property
     def drafter_ranks(self) -> list[int]:
@@ -119,6 +131,16 @@ class Topology:
     def feeders(self) -> list[int]:
         """The rank of each replica that sends its features (its first), in replica order."""
         return [r[0] for r in self._layout[1]]
+
+    @property
+    def my_drafters(self) -> list[int]:
+        """The drafter ranks this feeder streams to (and says END to): all of them, or itself when colocated."""
+        return [self.rank] if self.colocated else self.drafter_ranks
+
+    @property
+    def my_feeders(self) -> list[int]:
+        """The feeders that stream to this drafter (each says END): all of them, or itself when colocated."""
+        return [self.rank] if self.colocated else self.feeders
 
     @property
     def target_ranks(self) -> list[int]:
@@ -144,11 +166,11 @@ class Topology:
 
     @property
     def is_feeder(self) -> bool:
-        return self.role == "target" and self.replica_rank == 0
+        return self.role in ("target", "colocated") and self.replica_rank == 0
 
     @property
     def my_replica(self) -> list[int]:
-        return list(self._layout[1][self.index]) if self.role == "target" else []
+        return list(self._layout[1][self.index]) if self.role in ("target", "colocated") else []
 
     def replica_of(self, rank: int) -> int:
         """Replica index of a target rank."""
@@ -190,6 +212,10 @@ class Topology:
 
     def describe(self) -> str:
         D, R, k = self.num_drafters, self.num_replicas, self.tp
+        if self.colocated:
+            return (f"{self.world_size} colocated rank(s): each captures its own messages and trains on them "
+                    f"(message j on rank j%{D}, features never leave the rank); drafters data-parallel over "
+                    f"{self.drafter_ranks}")
         head = (f"{self.world_size} ranks: drafters {self.drafter_ranks} (data-parallel"
                 f"{' over all nodes' if self.nodes > 1 else ''}), targets {self.target_ranks} in {R} replica(s) of "
                 f"{k} rank(s); message j: replica j%{R} -> drafter j%{D}; {self.nodes} node(s)")

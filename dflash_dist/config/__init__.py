@@ -22,6 +22,7 @@ from dflash_dist.config.job import (  # noqa: F401
     JobConfig,
     check_overrides,
     check_split,
+    split_targets,
     compose_config,
     default_layer_ids,
     group_defaults,

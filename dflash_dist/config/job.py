@@ -148,20 +148,34 @@ def resolve_layer_ids(cfg: JobConfig, num_target_layers: int) -> list[int]:
     return layer_ids
 
 
+def split_targets(cfg: JobConfig, world_size: int):
+    """The number of target ranks of the job (0: colocated), or ``auto``. One process can only be colocated: there
+    ``topology.target_ranks`` (default 1) and ``auto`` mean that."""
+    t = cfg.topology.target_ranks
+    if world_size == 1 and t in (1, "auto") and cfg.target.tensor_parallel == 1:
+        return 0
+    return t if t == "auto" else int(t)
+
+
 def check_split(cfg: JobConfig, world_size: int) -> None:
     """``topology.target_ranks`` leaves at least one drafter in a world of ``world_size`` ranks and forms whole
-    replicas of ``target.tensor_parallel`` ranks (the one place of these rules: the job's setup and its full
-    validation both ask it before any topology is built; ``comm.topology.Topology`` only asserts them)."""
-    if cfg.topology.target_ranks != "auto":
-        t, k = int(cfg.topology.target_ranks), cfg.target.tensor_parallel
+    replicas of ``target.tensor_parallel`` ranks, or is colocated (the one place of these rules: the job's setup and
+    its full validation both ask it before any topology is built; ``comm.topology.Topology`` only asserts them)."""
+    t, k = split_targets(cfg, world_size), cfg.target.tensor_parallel
+    if t == 0:
+        _require(k == 1, f"topology.target_ranks=0 (colocated) keeps a whole target on every rank, so it needs "
+                         f"target.tensor_parallel=1 (got {k}): use topology.target_ranks={k} or more with "
+                         f"{k + 1}+ processes")
+    elif t != "auto":
         _require(t < world_size,
                  f"topology.target_ranks={t} leaves no drafter rank in a world of {world_size}: "
-                 f"set topology.target_ranks to at most {world_size - 1} or start more processes")
+                 f"set topology.target_ranks=0 (colocated: every rank captures and trains)"
+                 + (f" or at most {world_size - 1}" if world_size > 1 else "") + ", or start more processes")
         _require(t % k == 0, f"topology.target_ranks={t} is not a multiple of target.tensor_parallel={k}: "
                              f"the target ranks form replicas of {k} ranks (use {max(k, t - t % k)})")
     else:
-        _require(world_size >= 2, f"topology.target_ranks=auto needs at least 2 processes (one target, one "
-                                  f"drafter), got a world of {world_size}: start more processes")
+        _require(world_size >= 2 or k == 1, f"topology.target_ranks=auto with target.tensor_parallel={k} needs "
+                                            f"more than {k} processes, got a world of {world_size}")
 
 
 def validate_job(cfg: JobConfig, world_size: Optional[int], num_target_layers: int, vocab_size: int,

@@ -24,9 +24,11 @@ class TopologyTuning:
 class TopologyConfig:
     target_ranks: Any = 1
     """How many ranks run the target (one node: the last T global ranks, W-T..W-1; several nodes: the same share of
-    every node, see comm/topology.py); the rest train the drafter. A multiple of ``target.tensor_parallel``. ``auto``:
-    measure on this job's ranks (rank 0 times drafter steps, rank W-1 target batches) and take the split with
-    the highest predicted samples/s (``dflash_dist.cli.plan``; W = 2 is always 1 + 1, without measuring)."""
+    every node, see comm/topology.py); the rest train the drafter. A multiple of ``target.tensor_parallel``.
+    ``0`` or ``colocated``: every rank holds both roles, capturing its own messages and training on them (features
+    never leave the device; the drafters stay data-parallel over all ranks); a job of one process is always
+    colocated. ``auto``: measure on this job's ranks (rank 0 times drafter steps, rank W-1 target batches) and take
+    whichever of colocated and the T + D splits has the highest predicted samples/s (``dflash_dist.cli.plan``)."""
 
     plan: Optional[str] = None
     """With ``target_ranks=auto``: a dflash-plan plan.json. The job takes the split the plan chose for its world
@@ -74,8 +76,11 @@ class TopologyConfig:
             t = int(t)
         if isinstance(t, float) and t.is_integer():
             t = int(t)
-        _require(t == "auto" or (isinstance(t, int) and not isinstance(t, bool) and t >= 1),
-                 f"topology.target_ranks={self.target_ranks!r}: give a positive integer (>= 1 target rank) or auto")
+        if t == "colocated":
+            t = 0
+        _require(t == "auto" or (isinstance(t, int) and not isinstance(t, bool) and t >= 0),
+                 f"topology.target_ranks={self.target_ranks!r}: give a number of target ranks (0 or colocated: every "
+                 f"rank holds both roles) or auto")
         self.target_ranks = t
         _require(self.plan is None or t == "auto", f"topology.plan={self.plan}: set topology.target_ranks=auto "
                  f"to take the split from the plan (or drop topology.plan)")

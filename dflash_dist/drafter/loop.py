@@ -46,7 +46,7 @@ def drain(rx, topo, pending, ends_seen: set, target_stats: dict) -> int:
     Used after a graceful stop: those samples were not trained and stay in the untrained part of the plan."""
     dropped = 0
     got = pending.complete() if pending is not None else None
-    for t in topo.feeders:
+    for t in topo.my_feeders:
         while t not in ends_seen:
             if got is None:
                 got = rx.post(t).complete()
@@ -123,7 +123,6 @@ class DrafterRun:
             from dflash_dist.planning.record import plan_record
             self.writer.log(job.start_step, plan_record(job.auto_split), kind="plan")
         self.connect()
-        self.rx = Receiver(self.channel, self.d.rank)
         mine = list(self.topo.drafter_messages(self.run_messages))
         self.pending = self.rx.post(self.topo.target_for(mine[0]), job.start_cursor + mine[0]) if mine else None
         self.rate = RateMeter()
@@ -166,9 +165,16 @@ class DrafterRun:
     def connect(self) -> None:
         """The data channel from every feeding target and, with drafter.tuning.loss_on_target, the head groups."""
         cfg, d, trainer, tuning = self.cfg, self.d, self.trainer, self.cfg.drafter.tuning
+        self.head_channel = self.reply_channel = None
+        if self.job.local is not None:  # colocated: this rank's target half produces each message when it is taken
+            self.channel, self.rx = self.job.local, self.job.local.receiver
+            if tuning.loss_on_target:
+                log.info("drafter.tuning.loss_on_target: the target is on this rank, so the lm_head and loss run "
+                         "here")
+            return
         self.channel = job_channel(d, cfg.topology, check=self.life.check, serve_heads=tuning.loss_on_target)
         self.channel.connect(self.topo.feeders, sending=False)  # before any payload: see Channel.connect
-        self.head_channel = self.reply_channel = None
+        self.rx = Receiver(self.channel, self.d.rank)
         if tuning.loss_on_target:
             servers = head_servers(self.topo, trainer.objective)  # a replica's ranks, each its vocabulary slice
             self.head_channel, self.reply_channel = head_channels(d, cfg.topology.warmup_timeout_s, self.life.check,
@@ -371,7 +377,7 @@ class DrafterRun:
         self.trainer.counts["samples_dropped_after_stop"] = dropped
 
     def take_ends(self) -> None:
-        for t in self.topo.feeders:  # every target says END once its share is sent
+        for t in self.topo.my_feeders:  # every target says END once its share is sent
             end = self.rx.post(t).complete()
             if not isinstance(end, EndOfStream):
                 raise RuntimeError(f"expected END from target rank {t}, got message {end.index}")

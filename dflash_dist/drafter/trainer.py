@@ -454,7 +454,11 @@ def cosine_lr(step: int, total: int, warmup_ratio: float, min_ratio: float = 0.0
 
 def receive_head_weights(job, device):
     """Frozen target embedding and lm_head on the drafter: read by key from the target checkpoint, or
-    (random-init target) received once from the first target rank."""
+    (random-init target) received once from the first target rank; on a colocated rank, the tensors of its own
+    target half (no second copy)."""
+    local = getattr(job, "local", None)
+    if local is not None:
+        return local.heads
     cfg = job.cfg
     tc = text_config(job.hf_config)
     dtype = resolve_dtype(cfg.target.dtype, device.type)

@@ -84,7 +84,10 @@ def expected_evals(job) -> int:
 def connect(job, leader: bool) -> None:
     """One small message on the ``evals`` group at startup, both ends at once: NCCL creates a group's
     communicator at its first operation, blocking until the peer joins, so a receive posted first during training
-    would block the target until the leader's next step."""
+    would block the target until the leader's next step. A colocated leader is its own first target: nothing to
+    connect (the weights cross its in-process link)."""
+    if job.local is not None:
+        return
     t = torch.ones(1, device=job.dist.device)
     if leader:
         dist.send(t, job.dist.topo.feeders[0], group=job.dist.evals)
@@ -132,7 +135,7 @@ class LeaderEval:
         self.steps: dict[int, int] = {}
         self.n = 0
         self._inflight: Optional[_Request] = None  # the last request (None before the first)
-        self._immediate = dist.get_backend(job.dist.evals) == "gloo"  # see pump
+        self._immediate = job.local is not None or dist.get_backend(job.dist.evals) == "gloo"  # see pump
         self.last_step = max(eval_steps(job))
         self._deferred = None  # the last step's evaluation, while the one before it still runs: never skipped
         connect(job, leader=True)
@@ -167,7 +170,9 @@ class LeaderEval:
         go at once: a pending gloo send holds no GPU, and a target that blocks on the receive gets them."""
         r = self._inflight
         if r is not None and r.send is None and (self._immediate or self.store.check([f"{READY}{r.n}"])):
-            r.send = dist.isend(r.flat, self.dst, group=self.job.dist.evals)
+            local = self.job.local
+            r.send = (local.post_weights(r.flat) if local is not None
+                      else dist.isend(r.flat, self.dst, group=self.job.dist.evals))
 
     def ready(self, block_s: float = 0.0) -> list[tuple[int, dict]]:
         """Results that have arrived (optionally waiting up to block_s for all outstanding ones, sending the
@@ -302,7 +307,9 @@ class TargetEval:
         if self.running is not None or self.receiving is not None:  # the leader waits for the previous result
             raise RuntimeError(f"evaluation request {self.n} came while another is still running")
         flat = torch.empty(self.numel, dtype=wire_dtype(self.job.dist.device), device=self.job.dist.device)
-        work = dist.irecv(flat, self.job.dist.topo.drafter_ranks[0], group=self.job.dist.evals)
+        local = self.job.local
+        work = (local.take_weights(flat) if local is not None
+                else dist.irecv(flat, self.job.dist.topo.drafter_ranks[0], group=self.job.dist.evals))
         self.store.set(f"{READY}{self.n}", "1")
         self.receiving = _Receiving(self.n, int(value), flat, work, time.monotonic())
         self.n += 1

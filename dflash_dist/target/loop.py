@@ -52,7 +52,11 @@ log = logging.getLogger("dflash_dist")
 
 def send_head_weights(job, model) -> None:
     """Random-init targets: the first target (replica 0's feeder) hands its embedding and lm_head to every
-    drafter, once. A sharded replica reads them whole by key from the checkpoint it was loaded from."""
+    drafter, once. A sharded replica reads them whole by key from the checkpoint it was loaded from. A colocated
+    rank hands its own to its drafter half, whatever the target (no second copy on the device)."""
+    if job.local is not None:
+        job.local.heads = head_weights(model)
+        return
     path, _ = resolve_source(job.cfg.target)
     topo = job.dist.topo
     if path is not None or topo.index != 0 or topo.replica_rank != 0:
@@ -320,6 +324,10 @@ class TargetRun:
         """The data channel to every drafter, the Sender over it, then the head groups (after the data group, as on
         the drafters)."""
         cfg, d = self.cfg, self.d
+        if self.job.local is not None:  # colocated: this rank's drafter half takes the messages, and the loss
+            self.channel, self.tx, self.heads = self.job.local, self.job.local.sender, None
+            log.info("target sends: %s", self.channel.describe())
+            return
         self.channel = job_channel(d, cfg.topology, check=self.job.life.check,
                                    serve_heads=cfg.drafter.tuning.loss_on_target)
         self.channel.connect(self.topo.drafter_ranks, sending=True)  # before any payload: see Channel.connect
@@ -337,6 +345,8 @@ class TargetRun:
         if slices:
             self.tx.idle_work = evaluator.work
             how = "one verify step at a time while waiting for the drafters"
+        elif self.job.local is not None:
+            how = "whole, between two messages (colocated: the drafter half waits for it)"
         elif self.topo.tp > 1:
             how = (f"between two messages, verify steps for as long as the stream's work since the last, with every "
                    f"rank of replica {self.topo.my_replica}")
@@ -431,6 +441,29 @@ class TargetRun:
                                      "backpressure_ms": round((self.tx.wait_s - times.waited_s) * 1e3, 3),
                                      "eval_ms": round((self.tx.idle_work_s - times.evaluated_s) * 1e3, 3)}) + "\n")
 
+    def messages(self) -> range:
+        """The run messages this replica streams, in order."""
+        return self.topo.target_messages(self.run_messages)
+
+    def step(self, j: int) -> bool:
+        """Message j: serve what is due, capture, send. False (nothing done) when a graceful stop reached it."""
+        if self.should_stop(j):
+            return False
+        self.serve_heads_before(j)
+        if self.evaluator is not None:
+            self.evaluator.poll()
+        batch = self.batch(j)
+        traced = self.tracer.wants(j)
+        if traced:  # the traced message runs alone, earlier sends taken (MessageTrace)
+            self.tracer.start()
+        msg, times = self.capture(j, batch)
+        self.send(j, msg, times)
+        if traced:
+            self.tracer.finish()
+        self.write_trace_line(j, msg, times)
+        self.maybe_go_steady()
+        return True
+
     def maybe_go_steady(self) -> None:
         """Once this target's drafters are past warm-up (WARM_MESSAGES taken): the steady-state timeout from here."""
         if self.steady or not self.tx.all_took(WARM_MESSAGES):
@@ -448,7 +481,7 @@ class TargetRun:
         tx = self.tx
         if self.heads is not None:  # the replies of the last steps (none of a stopped job's untrained messages)
             self.heads.finish(idle=tx.idle_between, stop_limit=self.stop_limit)
-        for dr in self.topo.drafter_ranks:
+        for dr in self.topo.my_drafters:
             tx.send_end(dr, stats=self.stats())
         tx.flush()
         wall = time.monotonic() - self.start
@@ -475,20 +508,7 @@ def run_target(job: TargetJob) -> None:
         run_replica_follower(job, model)
         return
     run = TargetRun(job, model)
-    for j in job.dist.topo.target_messages(run.run_messages):
-        if run.should_stop(j):
+    for j in run.messages():
+        if not run.step(j):
             break
-        run.serve_heads_before(j)
-        if run.evaluator is not None:
-            run.evaluator.poll()
-        batch = run.batch(j)
-        traced = run.tracer.wants(j)
-        if traced:  # the traced message runs alone, earlier sends taken (MessageTrace)
-            run.tracer.start()
-        msg, times = run.capture(j, batch)
-        run.send(j, msg, times)
-        if traced:
-            run.tracer.finish()
-        run.write_trace_line(j, msg, times)
-        run.maybe_go_steady()
     run.finish()
