@@ -270,6 +270,13 @@ def fix_total(job: Job, num_drafters: int) -> None:
 def setup(cfg: JobConfig) -> Job:
     device_type = resolve_device(cfg)
     timeout_s = cfg.topology.warmup_timeout_s
+    if device_type == "cuda":
+        import torch
+        local, gpus = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+        if local >= gpus:  # before set_device's "invalid device ordinal"
+            raise ConfigError(f"local rank {local} has no GPU of its own on a node with {gpus} GPU(s): start one "
+                              f"process per GPU (torchrun --nproc-per-node {gpus}); every rank can hold both roles "
+                              f"(topology.target_ranks=0)")
     rank, world, device = init_distributed(device_type, timeout_s)
     check_split(cfg, world)  # before the role's logging needs the split
     t = split_targets(cfg, world)

@@ -63,9 +63,23 @@ def parse_args(argv: list[str]) -> tuple[Optional[int], Optional[str], bool, lis
 
 
 def default_nproc() -> int:
-    """One process per visible GPU; 3 on a machine without one (the default job: 1 target + 2 drafters)."""
+    """One process per visible GPU (one GPU: one colocated rank); 3 on a machine without one (the default job:
+    1 target + 2 drafters)."""
     import torch
     return torch.cuda.device_count() if torch.cuda.is_available() else 3
+
+
+def check_gpus(device_type: str, nproc: int) -> None:
+    """One process per GPU: two ranks of one NCCL job cannot share a device (the second would find no device of
+    its own). Raises ConfigError naming what works."""
+    if device_type != "cuda":
+        return
+    import torch
+    gpus = torch.cuda.device_count()
+    if nproc > gpus:
+        raise ConfigError(f"--nproc-per-node {nproc} on a machine with {gpus} GPU(s): start one process per GPU "
+                          f"(--nproc-per-node {gpus}, the default); with {gpus} process(es) every rank can hold both "
+                          f"roles (topology.target_ranks=0, what one process does anyway)")
 
 
 def check(overrides: list[str], world_size: int):
@@ -78,6 +92,7 @@ def check(overrides: list[str], world_size: int):
     dcfg = compose_config(overrides, CONF_DIR)
     cfg = JobConfig.from_omegaconf(dcfg)
     device_type = resolve_device(cfg)
+    check_gpus(device_type, world_size)
     check_job_config(cfg, world_size, device_type)  # the split of one node included (config.check_split)
     return dcfg
 
