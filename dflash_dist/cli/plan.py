@@ -21,7 +21,7 @@ log = logging.getLogger("dflash_dist")
 from dflash_dist.paths import CONF_DIR
 from dflash_dist.planning.measure import measure_drafter_demand, measure_target_supply
 from dflash_dist.planning.rehearse import rehearsal_steps, rehearse, split_from_rehearsals
-from dflash_dist.planning.split import choose_split, format_rates, format_splits, measured_range
+from dflash_dist.planning.split import choose_split, format_rates, format_splits, measured_range, split_name
 from dflash_dist.planning.startup import write_plan_json
 
 
@@ -48,9 +48,9 @@ def plan_rehearsed(cfg, job, world_sizes: list[int], overrides: list[str], targe
     splits = []
     for w in world_sizes:
         runs = []
-        for t in ([targets] if targets else range(1, w)):
-            log.info("rehearsing %d target + %d drafter ranks: %d steps, windows of %d after %d warm-up", t, w - t,
-                     steps, window, warmup)
+        for t in ([targets] if targets is not None else range(0, w)):
+            log.info("rehearsing %s: %d steps, windows of %d after %d warm-up", split_name(t, w - t), steps, window,
+                     warmup)
             runs.append(rehearse(cfg, overrides, w, t, cache, cfg.topology.warmup_timeout_s))
         splits.append(split_from_rehearsals(w, runs))
     return {"tool": "dflash-plan", "device": "cpu", "mode": "rehearsal", "splits": splits,
@@ -85,7 +85,7 @@ def plan_offline(cfg, world_sizes: list[int], replica_supply: Optional[float] = 
     log.info("measuring drafter demand (%d steps) on %s", cfg.topology.plan_drafter_steps, device)
     demand = measure_drafter_demand(job, device)
     splits = [choose_split(w, supply["samples_per_s"], demand["samples_per_s"], measured_range(supply),
-                           measured_range(demand), tensor_parallel=k) for w in world_sizes if w > k]
+                           measured_range(demand), tensor_parallel=k) for w in world_sizes if w > k or k == 1]
     return {"tool": "dflash-plan", "device": str(device), "supply": supply, "demand": demand, "splits": splits,
             "best": best_rows(splits)}
 
@@ -93,7 +93,7 @@ def plan_offline(cfg, world_sizes: list[int], replica_supply: Optional[float] = 
 def format_best(res: dict) -> str:
     # target load < 100%: that share of the target GPUs would idle (the split is whole ranks)
     lines = [f"{'GPUs':>4}  {'targets':>7}  {'drafters':>8}  {'samples/s':>10}  {'samples/s/GPU':>13}  "
-             f"{'target load':>11}  bound by"]
+             f"{'target load':>11}  bound by   (0 targets: colocated)"]
     for b in res["best"]:
         lines.append(f"{b['world_size']:>4}  {b['target_ranks']:>7}  {b['drafter_ranks']:>8}  "
                      f"{b['predicted_samples_per_s']:>10.4g}  {b['per_gpu']:>13.4g}  {100 * b['target_util']:>10.0f}%  "
@@ -112,11 +112,11 @@ def _world_sizes(arg: Optional[str]) -> list[int]:
     elif torch.cuda.is_available() and torch.cuda.device_count() >= 2:
         ws = [torch.cuda.device_count()]
     elif torch.cuda.is_available():
-        ws = list(range(2, 9))
+        ws = list(range(1, 9))
     else:  # CPU: each split is a rehearsal job of its own
         ws = [2, 3]
-    if not ws or min(ws) < 2:
-        raise ValueError(f"--gpus {arg!r}: every world size must be >= 2 (one target and one drafter rank)")
+    if not ws or min(ws) < 1:
+        raise ValueError(f"--gpus {arg!r}: every world size must be >= 1")
     return sorted(set(ws))
 
 
@@ -131,7 +131,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "target.tensor_parallel > 1: one process cannot run a multi-rank replica); splits are then "
                          "whole replicas")
     ap.add_argument("--targets", type=int, default=None,
-                    help="CPU: rehearse only the splits with this many target ranks (default: every split)")
+                    help="CPU: rehearse only the splits with this many target ranks, 0 for colocated (default: every "
+                         "split)")
     ap.add_argument("--alone", action="store_true",
                     help="CPU: time each role alone in this process, one after the other (as on GPUs), instead of "
                          "rehearsing the splits; quick, but the job's ranks share the CPU and run slower")
@@ -145,9 +146,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         try:
             world_sizes = _world_sizes(args.gpus)
-            bad = [w for w in world_sizes if args.targets is not None and not 1 <= args.targets < w]
+            bad = [w for w in world_sizes if args.targets is not None and not 0 <= args.targets < w]
             if bad:
-                raise ValueError(f"--targets {args.targets}: a split of {bad[0]} ranks has 1..{bad[0] - 1} targets")
+                raise ValueError(f"--targets {args.targets}: a split of {bad[0]} ranks has 0 (colocated) .. "
+                                 f"{bad[0] - 1} targets")
             cfg = compose_config(args.overrides)
         except ConfigError:
             raise

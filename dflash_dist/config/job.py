@@ -152,7 +152,7 @@ def split_targets(cfg: JobConfig, world_size: int):
     """The number of target ranks of the job (0: colocated), or ``auto``. One process can only be colocated: there
     ``topology.target_ranks`` (default 1) and ``auto`` mean that."""
     t = cfg.topology.target_ranks
-    if world_size == 1 and t in (1, "auto") and cfg.target.tensor_parallel == 1:
+    if world_size == 1 and (t == 1 or (t == "auto" and not cfg.topology.plan)) and cfg.target.tensor_parallel == 1:
         return 0
     return t if t == "auto" else int(t)
 

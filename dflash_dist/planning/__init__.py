@@ -1,6 +1,7 @@
 """Choosing the target/drafter split from measured rates: ``topology.target_ranks=auto`` and ``dflash-plan``.
 
-A job of W ranks with T targets runs at min(T * supply, (W - T) * demand) samples/s: supply = samples/s one
+A job of W ranks with T targets runs at min(T * supply, (W - T) * demand) samples/s, and colocated (T = 0, every
+rank both roles in turn) at W / (1/supply + 1/demand): supply = samples/s one
 target rank produces, demand = samples/s one drafter rank trains (the slower side sets the pace; transport is
 assumed hidden behind compute, which bench/pipeline.py checks). Both rates are measured with the project's
 own code on the job's own data: the target role's model and ``FeatureCapture`` on real batches of the plan,
@@ -9,8 +10,8 @@ and ``DrafterTrainer``'s step (alone: no DDP) on the same messages with random f
 * ``topology.target_ranks=auto`` (``job.setup``; ``planning/startup.py``): rank 0 is a drafter and rank W-1 a target for every
   split, so both measure at the same time on their own devices, without spending a rank on a role it will
   not have; the other ranks wait (on CPU they train drafter steps meanwhile: the ranks share the cores). The results meet in the rendezvous store (keys ``dflash/plan/*``), rank 0
-  picks the split and publishes it, and every rank then builds its role groups. W = 2 has one split (1 + 1)
-  and measures nothing.
+  picks the split and publishes it, and every rank then builds its role groups. One process is colocated and
+  measures nothing.
 * ``dflash-plan [--gpus 2,4,8] [--out plan.json] [hydra overrides]``: one process, both measurements one
   after the other on one device, the best split for each W. On CPU (where a job's ranks share the cores) each
   split is rehearsed as a short real job instead (``planning/rehearse.py``); ``topology.plan=plan.json`` starts a

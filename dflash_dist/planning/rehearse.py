@@ -68,6 +68,7 @@ def window_summary(windows: list[dict], targets: int, drafters: int) -> dict:
     def per_rank(key: str, n: int) -> Optional[float]:
         vals = [w[key] for w in windows if w.get(key)]
         return statistics.median(vals) / n if vals else None
+    targets = targets or drafters  # colocated: every rank is a target too
     return {"samples_per_s": statistics.median(rates), "samples_per_s_min": rates[0],
             "samples_per_s_max": rates[-1], "rounds": len(rates), "window_rates": rates,
             "supply_per_rank": per_rank("target_capacity_samples_per_s", targets),
@@ -108,12 +109,13 @@ def split_from_rehearsals(world: int, runs: list[dict]) -> dict:
     The same keys as ``choose_split``, each row a rehearsal's measured rate."""
     rows = []
     for r in sorted(runs, key=lambda x: x["targets"]):
-        sup = (r["supply_per_rank"] or 0.0) * r["targets"]
+        sup = (r["supply_per_rank"] or 0.0) * (r["targets"] or r["drafters"])  # colocated: every rank captures
         dem = (r["demand_per_rank"] or 0.0) * r["drafters"]
         rate = r["samples_per_s"]
         rows.append({"targets": r["targets"], "drafters": r["drafters"], "supply": sup, "demand": dem,
                      "samples_per_s": rate, "per_gpu": rate / world,
-                     "bottleneck": "target" if sup < dem else ("drafter" if dem < sup else "both"),
+                     "bottleneck": "colocated" if not r["targets"] else
+                     ("target" if sup < dem else ("drafter" if dem < sup else "both")),
                      "target_util": rate / sup if sup else 1.0, "drafter_util": rate / dem if dem else 1.0,
                      "samples_per_s_low": r["samples_per_s_min"], "samples_per_s_high": r["samples_per_s_max"]})
     fastest = max(rows, key=lambda x: (x["samples_per_s"], -x["targets"]))

@@ -23,9 +23,13 @@ def _spread(name: str, value: float, rng) -> tuple[float, float]:
 
 def choose_split(world_size: int, supply_per_rank: float, demand_per_rank: float,
                  supply_range: Optional[tuple[float, float]] = None,
-                 demand_range: Optional[tuple[float, float]] = None, tensor_parallel: int = 1) -> dict:
-    """Every split T + D = W with its predicted job rate min(T * supply, D * demand) samples/s, and the chosen
-    one: the fastest, unless a split with fewer targets is a near-tie (the drafters are the ranks that train).
+                 demand_range: Optional[tuple[float, float]] = None, tensor_parallel: int = 1,
+                 colocated: bool = True) -> dict:
+    """Every split T + D = W with its predicted job rate min(T * supply, D * demand) samples/s, and colocated
+    (T = 0: every rank captures and trains, W / (1/supply + 1/demand) samples/s; with ``tensor_parallel`` 1 only),
+    and the chosen one (``colocated`` False: among the T + D splits only): the fastest, unless a split with fewer
+    targets is a near-tie (the drafters are the ranks that train; colocated counts as none). Colocated never predicts less than a split (it is the balance the splits
+    approach in whole ranks); what it costs, a whole target on every GPU, is the memory plan's to refuse.
 
     ``supply_range`` / ``demand_range``: the measured (min, max) around each median rate. Each row then also
     has ``samples_per_s_low`` / ``_high`` (both sides at their slowest / fastest round), and a split is a
@@ -41,17 +45,24 @@ def choose_split(world_size: int, supply_per_rank: float, demand_per_rank: float
     (the choice has fewer targets than that), ``continuous_optimum_targets`` (T* = W d / (s + d), where both
     sides balance) and ``ideal_samples_per_s``."""
     w, s, d = int(world_size), float(supply_per_rank), float(demand_per_rank)
-    if w < 2:
+    k = int(tensor_parallel)
+    if w < 2 and (k > 1 or not colocated):
         raise ValueError(f"world_size={world_size}: a split needs at least 2 ranks (one target, one drafter)")
     if not (s > 0 and d > 0 and math.isfinite(s) and math.isfinite(d)):
         raise ValueError(f"supply {supply_per_rank} and demand {demand_per_rank} must be positive and finite")
     s_lo, s_hi = _spread("supply", s, supply_range)
     d_lo, d_hi = _spread("demand", d, demand_range)
     spread = supply_range is not None or demand_range is not None
-    k = int(tensor_parallel)
     if k > 1 and w <= k:
         raise ValueError(f"world_size={world_size}: a replica of {k} ranks leaves no drafter")
     rows = []
+    if k == 1 and colocated:  # colocated: each rank captures a sample (1/s) and trains on it (1/d), one after the other
+        rate = w * s * d / (s + d)
+        row = {"targets": 0, "drafters": w, "supply": w * s, "demand": w * d, "samples_per_s": rate, "per_gpu": rate / w,
+               "bottleneck": "colocated", "target_util": rate / (w * s), "drafter_util": rate / (w * d)}
+        if spread:
+            row.update(samples_per_s_low=w * s_lo * d_lo / (s_lo + d_lo), samples_per_s_high=w * s_hi * d_hi / (s_hi + d_hi))
+        rows.append(row)
     for t in range(k, w, k):  # whole replicas of k ranks; supply_per_rank is then a replica's supply / k
         sup, dem = t * s, (w - t) * d
         rate = min(sup, dem)
@@ -89,14 +100,21 @@ def format_splits(res: dict) -> str:
         lines.append(f"  {r['targets']:>7} {r['drafters']:>8} {r['supply']:>10.4g} {r['demand']:>10.4g} "
                      f"{r['samples_per_s']:>13.4g}{cell} {100 * r['target_util']:>10.0f}% "
                      f"{100 * r['drafter_util']:>11.0f}%  {r['bottleneck']}{mark}")
-    lines.append(f"  chosen: {res['target_ranks']} target + {res['drafter_ranks']} drafter ranks, predicted "
+    lines.append(f"  chosen: {split_name(res['target_ranks'], res['drafter_ranks'])}, predicted "
                  f"{res['predicted_samples_per_s']:.4g} samples/s, bottleneck: {res['bottleneck']}")
+    if any(r["targets"] == 0 for r in res["rows"]):
+        lines.append("  (0 targets: colocated, every rank captures its own messages and trains on them)")
     if res.get("near_tie"):
-        fast = res["rows"][res["fastest_targets"] - 1]
+        fast = next(r for r in res["rows"] if r["targets"] == res["fastest_targets"])
         lines.append(f"  near-tie: {fast['targets']} + {fast['drafters']} predicts {fast['samples_per_s']:.4g} "
                      f"samples/s but as little as {fast['samples_per_s_low']:.4g} within the measured spread, which "
                      f"{res['target_ranks']} + {res['drafter_ranks']} reaches: the fewer targets win")
     return "\n".join(lines)
+
+
+def split_name(targets: int, drafters: int) -> str:
+    return (f"colocated on {drafters} rank(s)" if targets == 0
+            else f"{targets} target + {drafters} drafter ranks")
 
 
 def _spread_text(m: dict) -> str:

@@ -75,7 +75,7 @@ def split_from_plan_file(path: str, world: int) -> dict:
     for side in ("supply", "demand"):
         if side in plan:
             res[side] = plan[side]
-    log.info("topology.plan=%s: %d target + %d drafter ranks, planned %.4g samples/s", path, res["target_ranks"],
+    log.info("topology.plan=%s: %d target + %d drafter ranks (0 targets: colocated), planned %.4g samples/s", path, res["target_ranks"],
              res["drafter_ranks"], res["predicted_samples_per_s"])
     return res
 
@@ -84,13 +84,6 @@ def auto_split(job, rank: int, world: int, device: torch.device) -> dict:
     """``topology.target_ranks=auto`` on every rank of the job (after the data plan, before the role groups):
     returns the same dict on every rank (``target_ranks`` is the split); rank 0 logs it and writes plan.json."""
     timeout = job.cfg.topology.warmup_timeout_s
-    if world == 2:
-        res = {"world_size": 2, "target_ranks": 1, "drafter_ranks": 1, "measured": False,
-               "note": "2 ranks have one split (1 target + 1 drafter): nothing measured"}
-        if rank == 0:
-            log.info("topology.target_ranks=auto: %s", res["note"])
-            write_plan_json(os.path.join(job.run_dir, "plan.json"), res)
-        return res
     import torch.distributed as dist
     store = dist.distributed_c10d._get_default_store()
     t0 = time.monotonic()

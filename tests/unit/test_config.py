@@ -63,7 +63,7 @@ def test_shallow_target_trains_on_default_ids_and_the_last_layer_is_refused():
     ("target", {"hf_config": {}}, "name_or_path"),
     ("data", {"overlong": "drop"}, "overlong"),
     ("data", {"max_bad_fraction": 2.0}, "max_bad_fraction"),
-    ("topology", {"target_ranks": 0}, "target_ranks"),
+    ("topology", {"target_ranks": -1}, "target_ranks"),
     ("topology", {"target_ranks": "many"}, "target_ranks"),
     ("topology", {"max_in_flight": 0}, "max_in_flight"),
     ("topology", {"plan_rounds": 0}, "plan_rounds"),

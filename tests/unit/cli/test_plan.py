@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflash_dist.cli.plan import format_best
-from dflash_dist.config import ConfigError, JobConfig, validate_job
+from dflash_dist.config import ConfigError, JobConfig, split_targets, validate_job
 from dflash_dist.planning.split import (
     MAX_ROUNDS_FACTOR,
     choose_split,
@@ -25,7 +25,17 @@ from dflash_dist.planning.split import (
     rate_summary,
     timed_rounds,
 )
-from dflash_dist.planning.startup import auto_split, wait_for
+from dflash_dist.planning.startup import wait_for
+
+
+def splits(*args, **kw):
+    """The T + D splits alone (what these arithmetic tests check); colocated beside them: its own tests below."""
+    return choose_split(*args, colocated=False, **kw)
+
+
+def colocated_by_hand(w, s, d):
+    """W ranks each capturing (1/s per sample) then training (1/d): W / (1/s + 1/d)."""
+    return w / (1 / s + 1 / d)
 
 
 def best_by_hand(w, s, d):
@@ -51,7 +61,7 @@ def choice_by_hand(w, s, d, s_range, d_range):
 # ---------------------------------------------------------------------------------------------- arithmetic
 
 def test_more_targets_than_drafters():
-    r = choose_split(4, 1.0, 3.0)  # T=1: min(1, 9) = 1; T=2: min(2, 6) = 2; T=3: min(3, 3) = 3
+    r = splits(4, 1.0, 3.0)  # T=1: min(1, 9) = 1; T=2: min(2, 6) = 2; T=3: min(3, 3) = 3
     assert [x["samples_per_s"] for x in r["rows"]] == [1.0, 2.0, 3.0]
     assert (r["target_ranks"], r["drafter_ranks"]) == (3, 1)
     assert r["predicted_samples_per_s"] == 3.0 and r["bottleneck"] == "both"
@@ -59,7 +69,7 @@ def test_more_targets_than_drafters():
 
 
 def test_fewer_targets_than_drafters():
-    r = choose_split(8, 40.0, 6.0)  # T=1: min(40, 42) = 40; T=2: min(80, 36) = 36; ...
+    r = splits(8, 40.0, 6.0)  # T=1: min(40, 42) = 40; T=2: min(80, 36) = 36; ...
     assert (r["target_ranks"], r["drafter_ranks"]) == (1, 7)
     assert r["predicted_samples_per_s"] == 40.0 and r["bottleneck"] == "target"
     assert r["rows"][1]["samples_per_s"] == 36.0 and r["rows"][1]["bottleneck"] == "drafter"
@@ -71,14 +81,14 @@ def test_fewer_targets_than_drafters():
                                      (3, 1.0, 1.0, 1),   # T=1: min(1, 2) = 1 = T=2: min(2, 1)
                                      (4, 2.0, 2.0, 2)])  # T=2: 4 > T=1, T=3: 2 (no tie: the middle)
 def test_ties_go_to_fewer_targets(w, s, d, t):
-    r = choose_split(w, s, d)
+    r = splits(w, s, d)
     assert r["target_ranks"] == t
     assert (t, r["predicted_samples_per_s"]) == best_by_hand(w, s, d)
 
 
 def test_idle_target_capacity_is_shown():
     """The H200 rates at SpecForge's config: 8 GPUs -> 2 + 6, the targets 58% loaded."""
-    r = choose_split(8, 81.3, 15.67)
+    r = splits(8, 81.3, 15.67)
     assert (r["target_ranks"], r["drafter_ranks"]) == (2, 6)
     assert r["best"]["target_util"] == pytest.approx(6 * 15.67 / (2 * 81.3)) and r["best"]["drafter_util"] == 1.0
     chosen = [line for line in format_splits(r).splitlines() if "<- chosen" in line]
@@ -87,7 +97,7 @@ def test_idle_target_capacity_is_shown():
 
 def test_two_ranks_have_one_split():
     for s, d in [(100.0, 1.0), (1.0, 100.0), (3.0, 3.0)]:
-        r = choose_split(2, s, d)
+        r = splits(2, s, d)
         assert len(r["rows"]) == 1 and (r["target_ranks"], r["drafter_ranks"]) == (1, 1)
         assert r["predicted_samples_per_s"] == min(s, d)
 
@@ -97,11 +107,11 @@ def test_two_ranks_have_one_split():
 def test_near_ties_within_the_spread_go_to_fewer_targets():
     """Two runs on one busy machine: by the medians alone the first picks 1 + 3 and the second 2 + 2 (the flip
     dflash-plan showed); with each run's measured spread both pick 1 + 3."""
-    first = choose_split(4, 2.1, 1.0)            # T=1: min(2.1, 3) = 2.1 > T=2: min(4.2, 2) = 2
-    second = choose_split(4, 1.95, 1.02)         # T=1: 1.95 < T=2: min(3.9, 2.04) = 2.04
+    first = splits(4, 2.1, 1.0)            # T=1: min(2.1, 3) = 2.1 > T=2: min(4.2, 2) = 2
+    second = splits(4, 1.95, 1.02)         # T=1: 1.95 < T=2: min(3.9, 2.04) = 2.04
     assert (first["target_ranks"], second["target_ranks"]) == (1, 2)
-    a = choose_split(4, 2.1, 1.0, (1.9, 2.3), (0.95, 1.05))
-    b = choose_split(4, 1.95, 1.02, (1.8, 2.2), (0.96, 1.08))
+    a = splits(4, 2.1, 1.0, (1.9, 2.3), (0.95, 1.05))
+    b = splits(4, 1.95, 1.02, (1.8, 2.2), (0.96, 1.08))
     assert (a["target_ranks"], b["target_ranks"]) == (1, 1)
     assert a["near_tie"] is False and a["fastest_targets"] == 1
     # run b: 2 + 2 is fastest by the medians (2.04) but only 1.92 with both sides at their slowest round,
@@ -117,14 +127,14 @@ def test_near_ties_within_the_spread_go_to_fewer_targets():
 
 
 def test_a_winner_beyond_the_spread_keeps_its_targets():
-    r = choose_split(4, 1.5, 1.0, (1.45, 1.55), (0.98, 1.02))  # T=2: 2.0, at least 1.96 > T=1: 1.5
+    r = splits(4, 1.5, 1.0, (1.45, 1.55), (0.98, 1.02))  # T=2: 2.0, at least 1.96 > T=1: 1.5
     assert (r["target_ranks"], r["near_tie"]) == (2, False)
     assert r["target_ranks"] == choice_by_hand(4, 1.5, 1.0, (1.45, 1.55), (0.98, 1.02))
 
 
 def test_zero_spread_is_the_exact_tie_rule():
     for w, s, d in [(5, 1.0, 3.0), (3, 1.0, 1.0), (4, 2.0, 2.0), (8, 81.3, 15.67), (8, 40.0, 6.0)]:
-        r = choose_split(w, s, d, (s, s), (d, d))
+        r = splits(w, s, d, (s, s), (d, d))
         assert (r["target_ranks"], r["predicted_samples_per_s"]) == best_by_hand(w, s, d)
         assert r["near_tie"] is False
 
@@ -135,7 +145,7 @@ def test_zero_spread_is_the_exact_tie_rule():
 def test_spread_choice_matches_the_rule_by_hand(w, s, d, s_lo, s_hi, d_lo, d_hi):
     sr, dr = (s * s_lo, s * s_hi), (d * d_lo, d * d_hi)
     sr, dr = (min(sr[0], s), max(sr[1], s)), (min(dr[0], d), max(dr[1], d))  # float rounding at factor 1
-    r = choose_split(w, s, d, sr, dr)
+    r = splits(w, s, d, sr, dr)
     assert r["target_ranks"] == choice_by_hand(w, s, d, sr, dr)
     fast = r["rows"][r["fastest_targets"] - 1]
     assert r["target_ranks"] <= r["fastest_targets"] and r["predicted_samples_per_s"] >= fast["samples_per_s_low"]
@@ -144,9 +154,9 @@ def test_spread_choice_matches_the_rule_by_hand(w, s, d, s_lo, s_hi, d_lo, d_hi)
 
 def test_bad_spreads():
     with pytest.raises(ValueError, match="supply spread"):
-        choose_split(4, 1.0, 1.0, (1.1, 1.2), None)   # the median outside its own spread
+        splits(4, 1.0, 1.0, (1.1, 1.2), None)   # the median outside its own spread
     with pytest.raises(ValueError, match="demand spread"):
-        choose_split(4, 1.0, 1.0, None, (0.0, 1.0))
+        splits(4, 1.0, 1.0, None, (0.0, 1.0))
 
 
 def test_timed_rounds_repeat_until_long_enough():
@@ -170,7 +180,7 @@ def test_rate_summary_and_its_printout():
               "backend": "sdpa"}
     text = format_rates({**m, **common}, {**m, **common})
     assert text.count("[median of 5 rounds; min 2, median 4, max 8: -50%/+100%]") == 2
-    r = choose_split(4, 4.0, 4.0, (2.0, 8.0), (2.0, 8.0))
+    r = splits(4, 4.0, 4.0, (2.0, 8.0), (2.0, 8.0))
     best = {"best": [{"world_size": 4, "target_ranks": r["target_ranks"], "drafter_ranks": r["drafter_ranks"],
                       "predicted_samples_per_s": r["predicted_samples_per_s"], "per_gpu": r["best"]["per_gpu"],
                       "target_util": r["best"]["target_util"], "bottleneck": r["bottleneck"],
@@ -178,24 +188,48 @@ def test_rate_summary_and_its_printout():
     assert r["near_tie"] and "(near-tie: 2 targets fastest by the medians" in format_best(best)
 
 
+def test_colocated_beside_every_split():
+    """Colocated (0 targets) predicts W / (1/s + 1/d), never less than a split, and is chosen; ties go to it."""
+    for w, s, d in [(1, 40.0, 14.0), (2, 1.0, 1.0), (8, 40.0, 6.0), (8, 81.3, 15.67), (4, 1.0, 3.0)]:
+        r = choose_split(w, s, d)
+        assert r["rows"][0]["targets"] == 0 and r["rows"][0]["drafters"] == w
+        assert r["rows"][0]["samples_per_s"] == pytest.approx(colocated_by_hand(w, s, d))
+        assert r["target_ranks"] == 0 and r["drafter_ranks"] == w and r["bottleneck"] == "colocated"
+        assert all(x["samples_per_s"] <= r["predicted_samples_per_s"] + 1e-9 for x in r["rows"])
+        assert [x["targets"] for x in r["rows"][1:]] == list(range(1, w))
+    assert "colocated on 8 rank(s)" in format_splits(choose_split(8, 40.0, 6.0))
+    # with spreads: its low and high from both sides' slowest and fastest rounds
+    r = choose_split(4, 2.0, 1.0, (1.5, 2.5), (0.5, 1.5))
+    assert (r["rows"][0]["samples_per_s_low"], r["rows"][0]["samples_per_s_high"]) == (
+        pytest.approx(colocated_by_hand(4, 1.5, 0.5)), pytest.approx(colocated_by_hand(4, 2.5, 1.5)))
+    # a replica of several ranks cannot be colocated (a whole target on every rank)
+    assert 0 not in [x["targets"] for x in choose_split(8, 5.0, 4.0, tensor_parallel=2)["rows"]]
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError, match="at least 2"):
-        choose_split(1, 1.0, 1.0)
+        splits(1, 1.0, 1.0)
     with pytest.raises(ValueError, match="positive"):
-        choose_split(4, 0.0, 1.0)
+        splits(4, 0.0, 1.0)
 
 
 def test_target_ranks_validation():
     base = {"target": {"hf_config": {"builtin": "tiny"}}}
     assert JobConfig.from_dict({**base, "topology": {"target_ranks": "auto"}}).topology.target_ranks == "auto"
     assert JobConfig.from_dict({**base, "topology": {"target_ranks": "2"}}).topology.target_ranks == 2
-    for bad in (0, -1, 1.5, True, "Auto", "two"):
+    assert JobConfig.from_dict({**base, "topology": {"target_ranks": "colocated"}}).topology.target_ranks == 0
+    for bad in (-1, 1.5, True, "Auto", "two"):
         with pytest.raises(ConfigError, match="target_ranks"):
             JobConfig.from_dict({**base, "topology": {"target_ranks": bad}})
     auto = JobConfig.from_dict({**base, "topology": {"target_ranks": "auto"}})
-    with pytest.raises(ConfigError, match="auto needs at least 2 processes"):
-        validate_job(auto, 1, 8, 2048, 3)
+    assert split_targets(auto, 1) == 0 and split_targets(auto, 2) == "auto"  # one process: colocated
+    assert validate_job(auto, 1, 8, 2048, 3) == [1, 2, 3, 4, 5]
     assert validate_job(auto, 2, 8, 2048, 3) == [1, 2, 3, 4, 5]
+    one = JobConfig.from_dict(base)  # the default, 1 target rank: colocated in a world of 1
+    assert split_targets(one, 1) == 0 and split_targets(one, 3) == 1
+    two = JobConfig.from_dict({**base, "topology": {"target_ranks": 2}})
+    with pytest.raises(ConfigError, match=r"target_ranks=0 \(colocated"):
+        validate_job(two, 2, 8, 2048, 3)
     big = JobConfig.from_dict({**base, "topology": {"target_ranks": 7}})
     assert validate_job(big, None, 8, 2048, 3) == [1, 2, 3, 4, 5]  # dflash-plan: no world, no split check
 
@@ -209,14 +243,6 @@ def test_store_wait_names_the_silent_or_failed_rank():
         wait_for(store, "supply", 2, "its target supply", 5)
     store.set("dflash/plan/choice", json.dumps({"target_ranks": 3}))
     assert wait_for(store, "choice", 0, "the chosen split", 5) == {"target_ranks": 3}
-
-
-def test_two_ranks_measure_nothing(tmp_path):
-    job = SimpleNamespace(cfg=JobConfig.from_dict({"target": {"hf_config": {"builtin": "tiny"}},
-                                                   "topology": {"target_ranks": "auto"}}), run_dir=str(tmp_path))
-    res = auto_split(job, rank=0, world=2, device=None)  # no store, no device: nothing is measured
-    assert (res["target_ranks"], res["drafter_ranks"], res["measured"]) == (1, 1, False)
-    assert json.load(open(tmp_path / "plan.json")) == res
 
 
 # ---------------------------------------------------------------------------------------------- real runs
@@ -249,14 +275,14 @@ def check_measured(res, world, n_target, n_drafter, rounds=3, min_seconds=0.5):
     assert s["messages"][:n] == d["messages"][:n]  # both sides timed the same messages of the plan
     sup, dem = s["samples_per_s"], d["samples_per_s"]
     rows = res["rows"]
-    assert [r["targets"] for r in rows] == list(range(1, world))
-    for r in rows:
+    assert [r["targets"] for r in rows] == list(range(0, world))  # colocated first, then every T + D split
+    assert rows[0]["samples_per_s"] == pytest.approx(colocated_by_hand(world, sup, dem))
+    for r in rows[1:]:
         assert r["samples_per_s"] == pytest.approx(min(r["targets"] * sup, (world - r["targets"]) * dem))
-    t = choice_by_hand(world, sup, dem, (s["samples_per_s_min"], s["samples_per_s_max"]),
-                       (d["samples_per_s_min"], d["samples_per_s_max"]))
-    assert (res["target_ranks"], res["drafter_ranks"]) == (t, world - t)
-    assert res["predicted_samples_per_s"] == pytest.approx(min(t * sup, (world - t) * dem))
-    return t
+    # colocated predicts at least every split's rate, and near-ties go to fewer targets: it is chosen
+    assert (res["target_ranks"], res["drafter_ranks"]) == (0, world)
+    assert res["predicted_samples_per_s"] == pytest.approx(colocated_by_hand(world, sup, dem))
+    return 0
 
 
 def test_auto_split_job(tmp_path, data_cache):
@@ -273,7 +299,7 @@ def test_auto_split_job(tmp_path, data_cache):
     assert "drafter steps on this rank, data-parallel with rank 0's measurement (ranks [0, 1])" in out
     t = check_measured(plan, 3, 4, 3)
     assert "topology.target_ranks=auto: measured in" in out
-    assert f"chosen: {t} target + {3 - t} drafter ranks" in out
+    assert "chosen: colocated on 3 rank(s)" in out
     # metrics.jsonl (and wandb) carry the same numbers
     recs = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     (rec,) = [x for x in recs if x["kind"] == "plan"]
@@ -291,16 +317,14 @@ def test_auto_split_job(tmp_path, data_cache):
     assert (f"planned {check['planned_samples_per_s']:.1f} samples/s, measured "
             f"{check['measured_samples_per_s']:.1f} samples/s" in out)
     assert out.count("rounds; min ") == 2 and "spread (min..max)" in out  # the spread is printed
-    # the job ran with the roles plan.json names
-    targets = list(range(3 - t, 3))
+    # the job ran colocated, as plan.json names: every rank both roles
     for rank in range(3):
-        role, other = ("target", "drafter") if rank in targets else ("drafter", "target")
-        assert f"[rank {rank} {role}]" in out and f"[rank {rank} {other}]" not in out
-    assert f"topology: 3 ranks: drafters {list(range(3 - t))} (data-parallel), targets {targets}" in out
+        assert f"[rank {rank} colocated]" in out and f"[rank {rank} target]" not in out
+    assert "topology: 3 colocated rank(s)" in out
     train = [x for x in recs if x["kind"] == "train"]
     assert train[-1]["step"] == 4
-    assert {k for k in train[-1] if k.endswith("_busy_frac") and k.startswith("target")} == \
-        {f"target{rank}_busy_frac" for rank in targets}
+    # the leader's own target half (a colocated rank's stats travel to its own drafter half only)
+    assert {k for k in train[-1] if k.endswith("_busy_frac") and k.startswith("target")} == {"target0_busy_frac"}
     assert json.load(open(tmp_path / "config.json"))["topology"]["target_ranks"] == "auto"
 
 
@@ -332,9 +356,9 @@ def test_dflash_plan_cli(tmp_path, data_cache):
         assert float(cells[3]) == pytest.approx(b["predicted_samples_per_s"], rel=1e-3)
     assert not (tmp_path / "config.json").exists()  # a plan is not a run: only the data cache is shared
 
-    bad = subprocess.run(_plan_cmd() + ["--gpus", "1"], cwd=REPO, env=env, capture_output=True, text=True,
+    bad = subprocess.run(_plan_cmd() + ["--gpus", "0"], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=60)
-    assert bad.returncode == 2 and "every world size must be >= 2" in bad.stderr
+    assert bad.returncode == 2 and "every world size must be >= 1" in bad.stderr
 
 
 def test_dflash_plan_measures_the_dflash2_drafter(tmp_path, data_cache):
