@@ -423,13 +423,16 @@ class DrafterRun:
 def account(trainer, d, target_stats: dict, stopped: bool) -> dict:
     """Job-wide sample accounting (all drafters): received = trained + skipped (+ dropped after a stop)."""
     c = trainer.counts
-    keys = ["samples_received", "samples_skipped_shape", "samples_dropped_after_stop", "messages_received"]
+    # what the targets sent, from their last stats: every drafter knows every target's (END comes to all), except
+    # on colocated ranks, where each knows only its own target half: there every rank counts its own
+    known = target_stats if d.topo.colocated or d.topo.is_leader else {}
+    c = dict(c, samples_sent=sum(st[3] for st in known.values() if st))
+    keys = ["samples_received", "samples_skipped_shape", "samples_dropped_after_stop", "messages_received",
+            "samples_sent"]
     v = torch.tensor([float(c.get(k, 0)) for k in keys], dtype=torch.float64, device=d.device)
     dist.all_reduce(v, group=d.drafters)
     out = dict(zip(keys, v.tolist()))
     out["samples_skipped_nonfinite"] = float(sum(trainer.nonfinite_by_target))
     out["samples_trained"] = (out["samples_received"] - out["samples_skipped_shape"]
                               - out["samples_skipped_nonfinite"])
-    # what the targets sent = what drafters took for training + what they dropped after a graceful stop
-    out["samples_sent"] = float(sum(st[3] for st in target_stats.values() if st))
-    return out
+    return out  # samples_sent = what drafters took for training + what they dropped after a graceful stop

@@ -1,0 +1,125 @@
+"""Colocated ranks (topology.target_ranks=0; any job of one process): the same training as the split jobs, to the
+bit on CPU; the in-training tau is dflash-eval's; runs resume across splits without losing or repeating a sample;
+a dead colocated rank is named."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from helpers.launch_util import torchrun
+from test_failures import _rank_pids, _wait_for_step
+from test_train_e2e import accounting, metrics, sample_log, train_records
+
+from dflash_dist.cli.eval import main as eval_main
+
+JOB = ["-m", "dflash_dist.train", "logging.log_every=1", "logging.progress_bar=false", "logging.wandb.mode=disabled"]
+
+
+def losses(run_dir) -> list:
+    return [(r["step"], r["loss"]) for r in train_records(run_dir)]
+
+
+def same_losses(a, b) -> None:
+    assert [s for s, _ in a] == [s for s, _ in b]
+    assert max(abs(x - y) for (_, x), (_, y) in zip(a, b)) <= 1e-6, (a, b)
+
+
+def run_job(nproc: int, run_dir, *overrides, timeout: float = 400) -> str:
+    r = torchrun(nproc, JOB + [f"train.output_dir={run_dir}", *overrides], timeout=timeout)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    return out
+
+
+def test_one_process_trains_as_one_target_and_one_drafter_and_its_tau_is_dflash_eval(tmp_path):
+    """The job of one process, no flags: colocated; its losses are a 1 + 1 job's (same data, same seed), and its
+    in-training evaluation equals dflash-eval of its checkpoint on the same prompts."""
+    steps = ["train.max_steps=12", "train.eval_every=12", "train.eval_prompts=4", "train.eval_max_new_tokens=32",
+             f"data.cache_dir={tmp_path / 'cache'}"]
+    out = run_job(1, tmp_path / "colo", *steps)
+    assert "topology: 1 colocated rank(s)" in out and "[rank 0 colocated]" in out
+    assert "target sends: in-process on this rank" in out
+    split_out = run_job(2, tmp_path / "split", *steps)
+    assert "[rank 1 target]" in split_out
+    same_losses(losses(tmp_path / "colo"), losses(tmp_path / "split"))
+    acc = accounting(tmp_path / "colo")
+    assert acc["samples_sent"] == acc["samples_trained"] > 0 and acc["run_samples_repeated"] == 0
+
+    (ev,) = [x for x in metrics(tmp_path / "colo") if x["kind"] == "eval"]
+    (split_ev,) = [x for x in metrics(tmp_path / "split") if x["kind"] == "eval"]
+    assert ev["tau"] == pytest.approx(split_ev["tau"], abs=1e-9)
+    ck = tmp_path / "colo" / "checkpoints" / "step_00000012"
+    (holdout,) = glob.glob(str(tmp_path / "cache" / "holdout-*.jsonl"))
+    assert eval_main(["--checkpoint", str(ck), "--prompts", holdout, "--num-prompts", str(ev["n_prompts"]),
+                      "--max-new-tokens", str(ev["max_new_tokens"]), "--out", str(tmp_path / "e.json")]) == 0
+    e = json.load(open(tmp_path / "e.json"))
+    assert e["n_prompts"] == ev["n_prompts"] == 4 and e["lossless_fraction"] == 1.0
+    assert e["tau"] == pytest.approx(ev["tau"], abs=1e-9)
+    assert e["tau_pooled"] == pytest.approx(ev["tau_pooled"], abs=1e-9)
+    assert [r["acceptance_lengths"] for r in e["per_prompt"]] == ev["acceptance_lengths"]
+
+
+def test_two_colocated_ranks_train_as_one_target_and_two_drafters(tmp_path):
+    steps = ["train.max_steps=8", "train.eval_prompts=0"]
+    out = run_job(2, tmp_path / "colo", "topology.target_ranks=colocated", *steps)
+    assert "topology: 2 colocated rank(s)" in out and "[rank 1 colocated]" in out
+    run_job(3, tmp_path / "split", *steps)
+    same_losses(losses(tmp_path / "colo"), losses(tmp_path / "split"))
+
+
+def test_a_colocated_run_resumes_as_a_split_and_as_two_colocated_ranks(tmp_path):
+    """1 colocated rank trains 4 steps; 1 target + 1 drafter resumes it to 8; 2 colocated ranks to 12: every message
+    of the plan up to the cursor trained exactly once, and the losses of steps 5..8 are those of the same two
+    launches colocated both times (the split changes nothing)."""
+    run = tmp_path / "run"
+    common = [f"train.output_dir={run}", "train.eval_prompts=0", "logging.debug.record_sample_ids=true",
+              "train.checkpoint_every=4"]
+    r = torchrun(1, JOB + common + ["train.max_steps=4"], timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    r = torchrun(2, JOB + common + ["train.max_steps=8", "train.resume=auto", "topology.target_ranks=1"], timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "resuming from" in out and "step_00000004" in out and "[rank 1 target]" in out
+    r = torchrun(2, JOB + common + ["train.max_steps=12", "train.resume=auto", "topology.target_ranks=0"], timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "topology: 2 colocated rank(s)" in out
+    acc = accounting(run)
+    assert acc["run_launches"] == 3 and acc["run_samples_repeated"] == 0
+    assert acc["run_samples_sent"] == acc["run_samples_trained"] + acc["run_samples_skipped"]
+    by_k = {}
+    for x in sample_log(run):
+        assert x["k"] not in by_k, f"message {x['k']} trained twice"
+        by_k[x["k"]] = len(x["ids"])
+    cursor = json.load(open(run / "checkpoints" / "step_00000012" / "meta.json"))["cursor"]
+    assert sorted(by_k) == list(range(cursor)) and cursor == 4 + 4 + 2 * 4
+    assert acc["run_samples_trained"] == sum(by_k.values())
+
+    ref = tmp_path / "ref"  # the same two launches up to step 8, colocated both times
+    for steps in (4, 8):
+        r = torchrun(1, JOB + [f"train.output_dir={ref}", "train.eval_prompts=0", "train.checkpoint_every=4",
+                               f"train.max_steps={steps}", "train.resume=auto"], timeout=300)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    resumed = [x for x in losses(run) if 4 < x[0] <= 8]
+    same_losses(resumed, [x for x in losses(ref) if 4 < x[0] <= 8])
+
+
+def test_kill9_of_a_colocated_rank_is_named(tmp_path):
+    p = torchrun(2, JOB + [f"train.output_dir={tmp_path}", "train.max_steps=400", "train.eval_prompts=0",
+                           "topology.target_ranks=0"], popen=True)
+    _wait_for_step(tmp_path, 3, p)
+    pids = _rank_pids(p.pid)
+    t0 = time.time()
+    os.kill(pids[1], signal.SIGKILL)
+    try:
+        out, _ = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail("the other rank still runs 60 s after the kill")
+    assert p.returncode != 0 and time.time() - t0 < 60
+    assert "rank 1 (colocated" in out and "died" in out, out[-3000:]
+    assert not os.path.exists(tmp_path / "checkpoints"), "a failure must not write a checkpoint"
