@@ -166,7 +166,7 @@ def target_plan(cfg: JobConfig, tc: Any, hf_config: Any, num_feature_layers: int
     plan.knobs["weights"] = "target.quantization=fp8, target.tensor_parallel" if device == "cuda" else \
         "a smaller target"
     if cfg.drafter.loss.labels == "target" or cfg.drafter.tuning.loss_on_target:
-        chunk = rows if cfg.drafter.loss.labels == "target" else cfg.drafter.tuning.loss_chunk_rows
+        chunk = rows if cfg.drafter.loss.labels == "target" else 4096  # the served loss's row chunk, at most
         plan.parts["lm_head logits"] = min(rows, chunk) * V * 4 * 2
         plan.knobs["lm_head logits"] = "target.max_batch_tokens"
     if cfg.train.eval_prompts > 0:
@@ -248,7 +248,7 @@ def step_activations(cfg: JobConfig, spec: Any, device: str, b: int, s_pad: int,
         out["dense masks"] = g * b * qg * (s_pad + qg) * (m.num_layers * ab + 5 * len(kinds))
     else:
         out["flex block masks"] = len(kinds) * g * b * (qg // 128 + 1) * ((s_pad + qg) // 128 + 1) * 4 * 4
-    chunk = min(b * q, dc.tuning.loss_chunk_rows)
+    chunk = min(b * q, spec.loss.chunk_rows)
     out["loss"] = 2 * chunk * V * 4 + b * q * H * 4 * 2
     extra = _variant_rows(spec, b * q, chunk, ab)
     if extra:
