@@ -142,8 +142,11 @@ def check_job_config(cfg: JobConfig, world_size: Optional[int], device_type: str
     if src not in PACKAGED_SOURCES and not src.startswith("synthetic:") and not os.path.exists(src):
         raise ConfigError(f"data.source={src!r}: no such file or directory (builtin, builtin_original, a .jsonl/.json/.parquet/.arrow "
                           "file or a datasets save_to_disk directory)")
+    from dflash_dist.planning.memory import check_memory
+    memory = check_memory(cfg, tc, hf_config, drafter, device_type, len(layer_ids), world_size, attn)  # refused here
     return {"hf_config": hf_config, "text_config": tc, "tokenizer_path": tok_path, "mask_token_id": mask_id,
-            "layer_ids": layer_ids, "attn_implementation": attn, "fast_path": fast_path, "drafter": drafter}
+            "layer_ids": layer_ids, "attn_implementation": attn, "fast_path": fast_path, "drafter": drafter,
+            "memory": memory}
 
 
 def build_job(cfg: JobConfig, rank: int, world_size: Optional[int], ctrl, device_type: str) -> Job:

@@ -263,6 +263,12 @@ def check_config(doc: Doctor, overrides: list[str], world_size: Optional[int] = 
                f"{checked['layer_ids']}; attention {checked['attn_implementation']} on {device}"
                + ("" if world_size else "; the split's checks need --world-size"))
     doc.add("config", PASS, detail)
+    from dflash_dist.planning.memory import format_bytes
+    mem = checked["memory"]
+    cap, what = mem["limit"]
+    doc.add("memory", WARN if mem["problems"] else PASS,
+            f"{what}: {format_bytes(cap)} (train.memory_check={cfg.train.memory_check})\n"
+            + "\n".join(p.describe() for p in mem["plans"].values()) + "".join("\n" + p for p in mem["problems"]))
 
 
 def check_export(doc: Doctor, path: str) -> None:

@@ -81,6 +81,14 @@ class TrainConfig:
     eval_max_new_tokens: int = 128
     """Tokens generated per evaluation prompt."""
 
+    memory_check: Literal["refuse", "warn", "off"] = "refuse"
+    """Before any model loads, each rank's memory is planned from the config (dflash_dist/planning/memory.py:
+    weights, optimizer state, capture buffers, the largest step's activations) and compared with the device: a
+    GPU's memory per rank, on CPU the machine's available memory (a cgroup limit included) shared by all its
+    ranks, and ``ulimit -v`` per process. ``refuse``: a plan over the limit is a configuration error naming the
+    largest parts and the setting that shrinks them, within 10% of it a warning; ``warn``: a warning either way;
+    ``off``: no check (dflash-doctor still prints the plan)."""
+
     tuning: TrainTuning = field(default_factory=TrainTuning)
     """Scheduling knobs (``train.tuning.*``)."""
 

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import math
 import os
+import resource
 import time
 import traceback
 import warnings
@@ -284,6 +285,11 @@ def startup_report(step_fn: Callable[[], Any], model: torch.nn.Module, batch_met
     if guard is not None and hasattr(guard, "summary"):
         report["guard"] = guard.summary()
 
+    plan = batch_meta.get("memory_plan")
+    if plan is not None:  # planning/memory.py's plan of this step; on CPU the peak is the process's resident one
+        report["memory_plan"] = plan.as_dict()
+        report["memory_plan"]["compared_bytes"] = plan.total - (0 if not cuda else plan.parts.get("process", 0))
+        report["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if cuda:
         report["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(device))
         report["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
@@ -339,6 +345,13 @@ def format_startup_report(r: dict) -> str:
     lines.append(f"  peak memory       : {_gib(r['peak_memory_bytes'])}  vs dense fallback: "
                  f"{_gib(d['scores_plus_probs_per_layer'])} scores+probs per layer, "
                  f"{_gib(d['total_estimate'])} with every layer's probs saved")
+    mp = r.get("memory_plan")
+    if mp:
+        peak, how = ((r["peak_memory_bytes"], "torch.cuda.max_memory_allocated") if r.get("peak_memory_bytes")
+                     else (r.get("peak_rss_bytes"), "peak RSS of the process"))
+        top = sorted(mp["parts"].items(), key=lambda kv: -kv[1])[:3]
+        lines.append(f"  memory plan       : {_gib(mp['compared_bytes'])} planned vs {_gib(peak)} measured ({how}); "
+                     "largest parts " + ", ".join(f"{k} {_gib(v)}" for k, v in top))
     c = r["compile"]
     fs, ps = c["first_step_s"], c.get("precompile_s")
     dry = "" if ps is None else f"dry steps before training {ps:.1f} s, "

@@ -1,0 +1,422 @@
+"""Memory plan of a rank, before anything loads: what the target, drafter or colocated rank will hold, in bytes.
+
+Pure arithmetic over the config, the target's HF config and the resolved drafter (``model/spec.DrafterSpec``); the
+only tensors made are parameters on the meta device, to count them. ``check_job_config`` compares the plan with the
+device's memory (``device_memory``) and refuses a job that cannot fit (``train.memory_check``); ``dflash-doctor``
+prints it; the drafter's startup report prints it next to the measured peak.
+
+The step's shape is the largest the config allows unless the planned steps are given: a message holds at most
+``target.max_batch_samples`` samples with ``n * max_len <= target.max_batch_tokens`` (a longer sample alone, up to
+``data.max_length``), every sample carries ``drafter.num_anchors`` blocks of ``block_size`` queries (padding blocks
+included: the shapes are static), and the context is padded to ``drafter.tuning.ctx_bucket``. The parts are
+estimates of what is alive at the step's peak; activations saved for the backward are counted per tensor the
+drafter's layers keep (``layer_saved``), not measured.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import resource
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from dflash_dist.config import ConfigError, JobConfig
+
+__all__ = ["MemoryPlan", "target_plan", "drafter_plan", "plan_rank", "device_memory", "check_memory",
+           "largest_steps", "format_bytes"]
+
+log = logging.getLogger("dflash_dist")
+
+GiB = 1 << 30
+# A process's own memory beyond its tensors: torch, transformers and the interpreter on CPU (resident after the
+# imports), the CUDA context and the caching allocator's slack on a GPU.
+PROCESS_BASE = {"cpu": 600 << 20, "cuda": 1 * GiB}
+WARN_FRACTION = 0.9
+
+
+def format_bytes(n: float) -> str:
+    for unit, scale in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass
+class MemoryPlan:
+    """What one rank holds at its peak: ``parts`` {name: bytes}, largest first when printed."""
+    role: str
+    device: str
+    parts: dict = field(default_factory=dict)
+    shape: Optional[tuple] = None  # the drafter step planned for: (b, S_pad, Q)
+    knobs: dict = field(default_factory=dict)  # part name -> the setting that shrinks it
+
+    @property
+    def total(self) -> int:
+        return int(sum(self.parts.values()))
+
+    def largest(self, n: int = 3) -> list:
+        return sorted(self.parts.items(), key=lambda kv: -kv[1])[:n]
+
+    def describe(self) -> str:
+        shape = "" if self.shape is None else f", step b={self.shape[0]} S_pad={self.shape[1]} Q={self.shape[2]}"
+        lines = [f"{self.role} rank ({self.device}{shape}): {format_bytes(self.total)}"]
+        lines += [f"  {format_bytes(v):>11}  {k}" for k, v in self.largest(len(self.parts)) if v > 0]
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        return {"role": self.role, "device": self.device, "total_bytes": self.total, "shape": self.shape,
+                "parts": dict(self.parts)}
+
+
+def _sum(role: str, plans: Sequence[MemoryPlan]) -> MemoryPlan:
+    out = MemoryPlan(role, plans[0].device, shape=next((p.shape for p in plans if p.shape), None))
+    for p in plans:
+        for k, v in p.parts.items():
+            name = k if k == "process" else f"{p.role}: {k}"
+            out.parts[name] = max(out.parts.get(name, 0), v) if k == "process" else v
+            if k in p.knobs:
+                out.knobs[name] = p.knobs[k]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ counting
+
+def _meta_numel(build) -> int:
+    import torch
+    with torch.device("meta"):
+        m = build()
+    return int(sum(p.numel() for p in m.parameters()))
+
+
+def target_param_count(hf_config: Any) -> int:
+    """Parameters of the target's causal LM (its text model for a multimodal wrapper), built on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash_dist.model.hf import causal_lm_config
+    return _meta_numel(lambda: AutoModelForCausalLM.from_config(causal_lm_config(hf_config)))
+
+
+def _dtype_bytes(name: str, device: str) -> int:
+    return {"bfloat16": 2, "float16": 2, "float32": 4}.get(name, 2 if device == "cuda" else 4)
+
+
+def _fp8(cfg: JobConfig, hf_config: Any) -> bool:
+    q = getattr(hf_config, "quantization_config", None) or {}
+    method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
+    return cfg.target.quantization == "fp8" or method in ("fp8", "compressed-tensors")
+
+
+def largest_steps(cfg: JobConfig) -> list:
+    """Every (b, S_pad) a message of this config can have at its largest context: b samples, each at most
+    ``min(max_length, max_batch_tokens // b)`` long (one sample: up to ``data.max_length``)."""
+    t, bucket, ml = cfg.target, cfg.drafter.tuning.ctx_bucket, cfg.data.max_length
+    out = []
+    for b in range(1, t.max_batch_samples + 1):
+        s = ml if b == 1 else min(ml, t.max_batch_tokens // b)
+        if s < 2:
+            break
+        out.append((b, max(1, math.ceil(s / bucket)) * bucket))
+    return out
+
+
+def _max_tokens(cfg: JobConfig) -> tuple[int, int]:
+    """(tokens, samples) of the largest target forward: the token budget, or one sample of data.max_length."""
+    t, ml = cfg.target, cfg.data.max_length
+    return max(min(t.max_batch_tokens, t.max_batch_samples * ml), ml), t.max_batch_samples
+
+
+# ------------------------------------------------------------------------------------------------ target
+
+def target_plan(cfg: JobConfig, tc: Any, hf_config: Any, num_feature_layers: int, device: str,
+                drafter_params: int = 0, attn_implementation: str = "sdpa") -> MemoryPlan:
+    """The target rank: weights (its share of a tensor-parallel replica), the capture buffer of the captured
+    layers' outputs, one decoder layer's forward at the largest message (inference: nothing saved), the
+    lm_head's logits when the target labels or computes the loss, and the in-training evaluation (a drafter copy
+    and the KV cache of one prompt)."""
+    t = cfg.target
+    ab = _dtype_bytes(t.dtype, device)
+    tp = max(1, int(t.tensor_parallel))
+    H, V = int(tc.hidden_size), int(tc.vocab_size)
+    heads = int(tc.num_attention_heads)
+    kv = int(getattr(tc, "num_key_value_heads", None) or heads)
+    d = int(getattr(tc, "head_dim", None) or H // heads)
+    inter = int(getattr(tc, "intermediate_size", None) or 4 * H)
+    L = int(tc.num_hidden_layers)
+    n = target_param_count(hf_config)
+    embed = V * H * (1 if getattr(tc, "tie_word_embeddings", False) else 2)
+    plan = MemoryPlan("target", device)
+    if _fp8(cfg, hf_config):  # decoder linears: 1 byte per weight and one fp32 scale per output channel
+        linear = max(n - embed, 0)
+        plan.parts["weights"] = (embed * ab + linear + 4 * L * (heads * d + 2 * kv * d + H + 3 * inter)) // tp
+    else:
+        plan.parts["weights"] = n * ab // tp
+    tokens, samples = _max_tokens(cfg)
+    pad = t.tuning.pad_multiple or (64 if device == "cuda" else 1)
+    rows = tokens + samples * (pad - 1)
+    plan.parts["capture buffer"] = rows * num_feature_layers * H * ab
+    act = rows * (4 * H + (heads + 2 * kv) * d + 3 * inter // tp) * ab
+    if attn_implementation == "eager":  # [b, heads, S, S] scores and probabilities
+        act += 2 * heads * rows * min(rows, cfg.data.max_length) * ab // tp
+    elif device == "cpu":  # transformers' 4-D boolean mask of the padded rows
+        act += rows * min(rows, cfg.data.max_length)
+    plan.parts["layer forward"] = act
+    plan.knobs["capture buffer"] = plan.knobs["layer forward"] = "target.max_batch_tokens"
+    plan.knobs["weights"] = "target.quantization=fp8, target.tensor_parallel" if device == "cuda" else \
+        "a smaller target"
+    if cfg.drafter.loss.labels == "target" or cfg.drafter.tuning.loss_on_target:
+        chunk = rows if cfg.drafter.loss.labels == "target" else 4096  # the served loss's row chunk, at most
+        plan.parts["lm_head logits"] = min(rows, chunk) * V * 4 * 2
+        plan.knobs["lm_head logits"] = "target.max_batch_tokens"
+    if cfg.train.eval_prompts > 0:
+        ctx = cfg.data.max_length + cfg.train.eval_max_new_tokens
+        plan.parts["evaluation"] = drafter_params * ab + 2 * L * kv * d * ctx * ab // tp
+        plan.knobs["evaluation"] = "train.eval_prompts=0"
+    plan.parts["process"] = PROCESS_BASE.get(device, 0)
+    return plan
+
+
+# ------------------------------------------------------------------------------------------------ drafter
+
+def layer_saved(R: int, C: int, H: int, heads: int, kv: int, d: int, inter: int) -> int:
+    """Elements one drafter layer keeps for its backward, for R query rows over C context rows (eager: the sdpa
+    backend; compiled layers keep fewer): the norms' inputs and normalised outputs, q/k/v before and after their
+    norm and RoPE, the attention's output, the MLP's gate, up, activation and product."""
+    A, Akv = heads * d, kv * d
+    q_side = R * (8 * H + 7 * A + 5 * inter)
+    kv_side = (C + R) * (H + 7 * Akv)
+    return q_side + kv_side
+
+
+def drafter_plan(cfg: JobConfig, tc: Any, spec: Any, device: str, steps: Optional[Sequence] = None,
+                 num_drafters: int = 1) -> MemoryPlan:
+    """The drafter rank at its largest step (``steps``: the planned (b, S_pad) pairs; None: every one the config
+    allows, ``largest_steps``): the fp32 parameters, gradients (and DDP's bucket copy with more than one drafter),
+    AdamW's two moments, the frozen embedding and lm_head, and the step's activations for the resolved backend."""
+    m = spec.model
+    n = _meta_numel(spec.build_model)
+    ab = 2 if device == "cuda" else 4  # activations: bf16 autocast on CUDA, fp32 on CPU
+    H, V = m.hidden_size, m.vocab_size
+    head_b = _dtype_bytes(cfg.target.dtype, device)
+    base = MemoryPlan("drafter", device)
+    base.parts["parameters"] = 4 * n
+    base.parts["gradients"] = 4 * n * (2 if num_drafters > 1 else 1)
+    base.parts["AdamW state"] = 8 * n
+    if device == "cuda" and cfg.drafter.tuning.compute_weights == "shadow":
+        base.parts["bf16 weight copies"] = 2 * n
+    base.parts["embedding + lm_head"] = 2 * V * H * head_b
+    base.parts["process"] = PROCESS_BASE.get(device, 0)
+    for k in ("parameters", "gradients", "AdamW state"):
+        base.knobs[k] = "drafter.num_layers"
+    best = None
+    for b, s_pad in (steps if steps is not None else largest_steps(cfg)):
+        acts = step_activations(cfg, spec, device, int(b), int(s_pad), ab, head_b)
+        if best is None or sum(acts.values()) > sum(best[1].values()):
+            best = ((int(b), int(s_pad), cfg.drafter.num_anchors * spec.block_size), acts)
+    plan = MemoryPlan("drafter", device, dict(base.parts), best[0] if best else None, dict(base.knobs))
+    if best:
+        plan.parts.update(best[1])
+        dense = "drafter.num_anchors, drafter.tuning.micro_batches" + (", a GPU (flex)" if device == "cpu" else "")
+        plan.knobs.update({"dense masks": dense, "variant head": "drafter.num_anchors",
+                           "layer activations": "drafter.num_anchors, target.max_batch_samples",
+                           "features + context": "target.max_batch_tokens",
+                           "loss": "drafter.tuning.loss_chunk_rows"})
+    return plan
+
+
+def step_activations(cfg: JobConfig, spec: Any, device: str, b: int, s_pad: int, ab: int, head_b: int) -> dict:
+    """{part: bytes} alive at the peak of one step of b samples with context S_pad: the features and the
+    context rows, every layer's saved activations of every anchor group (all groups' forwards run before the
+    first backward), the dense masks (sdpa), the loss's chunk of logits and the hidden rows' gradient. The
+    coefficients were checked against the resident peak of a CPU step of the tiny drafters
+    (tests/unit/planning/test_memory.py)."""
+    m, dc = spec.model, cfg.drafter
+    g = max(1, int(dc.tuning.micro_batches))
+    H, heads, kv, d, inter, V = (m.hidden_size, m.num_attention_heads, m.num_key_value_heads, m.head_dim,
+                                 m.intermediate_size, m.vocab_size)
+    q = dc.num_anchors * spec.block_size
+    qg = q // g
+    R, C = b * qg, b * s_pad
+    kinds = set(m.kinds)
+    out = {"features + context": b * s_pad * m.num_feature_layers * H * head_b + 3 * C * H * ab * g}
+    out["layer activations"] = g * m.num_layers * (layer_saved(R, C, H, heads, kv, d, inter) * ab + R * 4)
+    if spec.backend == "sdpa":
+        # torch's sdpa (CPU flash kernel, CUDA memory-efficient kernel) forms no [heads, Q, K] scores, but turns
+        # the bool mask into an additive mask [b, 1, Q, K] in every layer and keeps it for the backward; the mask
+        # itself, its clone and the window's are bool
+        out["dense masks"] = g * b * qg * (s_pad + qg) * (m.num_layers * ab + 5 * len(kinds))
+    else:
+        out["flex block masks"] = len(kinds) * g * b * (qg // 128 + 1) * ((s_pad + qg) // 128 + 1) * 4 * 4
+    chunk = min(b * q, spec.loss.chunk_rows)
+    out["loss"] = 2 * chunk * V * 4 + b * q * H * 4 * 2
+    extra = _variant_rows(spec, b * q, chunk, ab)
+    if extra:
+        out["variant head"] = extra
+    return out
+
+
+def _variant_rows(spec: Any, rows: int, chunk: int, ab: int) -> int:
+    """A variant's activations beyond the layers: Domino's GRU states and correction features per row and its
+    loss chunk's base and corrected logits, recomputed in the backward; DFlash2's convolutions and the candidate
+    selector's rows."""
+    s = spec.model.variant_settings or {}
+    if spec.variant == "domino":
+        per_row = 4 * int(s.get("gru_hidden_dim", 0)) + 3 * int(s.get("emb_dim", 0)) + spec.model.hidden_size
+        return rows * per_row * ab + 7 * chunk * spec.model.vocab_size * 4
+    if spec.variant == "dflash2":
+        per_layer = 15 * spec.model.hidden_size
+        return rows * (spec.model.num_layers * per_layer + 4 * int(s.get("selector_rank", 0))
+                       + 4 * int(s.get("selector_top_k", 0))) * ab
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ the rank
+
+def plan_rank(cfg: JobConfig, tc: Any, hf_config: Any, drafter_spec: Any, role: str, device: str,
+              num_feature_layers: int, steps: Optional[Sequence] = None, num_drafters: int = 1,
+              attn_implementation: str = "sdpa") -> MemoryPlan:
+    """The plan of a rank of ``role``: target, drafter, or colocated (a target and a drafter on one device: the
+    sum of the two, one process's base counted once)."""
+    if role not in ("target", "drafter", "colocated"):
+        raise ValueError(f"role={role!r}: target, drafter or colocated")
+    plans = []
+    if role in ("drafter", "colocated"):
+        plans.append(drafter_plan(cfg, tc, drafter_spec, device, steps, num_drafters))
+    if role in ("target", "colocated"):
+        dp = _meta_numel(drafter_spec.build_model) if cfg.train.eval_prompts > 0 else 0
+        plans.append(target_plan(cfg, tc, hf_config, num_feature_layers, device, dp, attn_implementation))
+    return plans[0] if len(plans) == 1 else _sum("colocated", plans[::-1])
+
+
+# ------------------------------------------------------------------------------------------------ the device
+
+def _read_int(path: str) -> Optional[int]:
+    try:
+        with open(path) as f:
+            v = f.read().split()[0]
+    except (OSError, IndexError):
+        return None
+    return int(v) if v.isdigit() else None
+
+
+def _proc_kib(field_name: str, path: str = "/proc/meminfo") -> Optional[int]:
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def cpu_available() -> tuple[int, str]:
+    """(bytes, what) the machine's memory left to new processes: MemAvailable, or less under a cgroup limit
+    (v2 memory.max less memory.current, v1 memory.limit_in_bytes less memory.usage_in_bytes)."""
+    avail = _proc_kib("MemAvailable") or int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+    best = (avail, "available memory")
+    for limit_p, used_p in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                            ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                             "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        limit = _read_int(limit_p)
+        if limit is not None and limit < (1 << 60):
+            left = limit - (_read_int(used_p) or 0)
+            if left < best[0]:
+                best = (left, f"the cgroup memory limit ({format_bytes(limit)}, {limit_p})")
+    return best
+
+
+def address_space_left() -> Optional[tuple[int, str]]:
+    """(bytes, what) this process may still map under ``ulimit -v`` (RLIMIT_AS less its VmSize), or None."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    used = _proc_kib("VmSize", "/proc/self/status") or 0
+    return soft - used, f"ulimit -v ({format_bytes(soft)}, {format_bytes(used)} mapped already)"
+
+
+def device_memory(device: str) -> tuple[int, str]:
+    """(bytes, what) of one device: a GPU's total memory (each rank has its own), or the CPU machine's available
+    memory, which its ranks share."""
+    if device == "cuda":
+        import torch
+        if torch.cuda.is_available():
+            i = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
+            props = torch.cuda.get_device_properties(i)
+            return int(props.total_memory), f"{props.name}'s memory"
+        return 0, "no GPU"
+    return cpu_available()
+
+
+# ------------------------------------------------------------------------------------------------ the check
+
+def _splits(cfg: JobConfig, world_size: Optional[int]) -> list:
+    """(targets, drafters) on this host for every split the job may run (``auto``: any; unknown world size:
+    one rank of each role alone)."""
+    if world_size is None:
+        return [(1, 0), (0, 1)]
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if cfg.topology.target_ranks != "auto" and local == world_size:
+        t = int(cfg.topology.target_ranks)
+        return [(t, world_size - t)]
+    return [(t, local - t) for t in range(0, local + 1)]
+
+
+def _refusal(what_needs: str, need: int, limit: int, what: str, plans: Sequence[MemoryPlan]) -> str:
+    parts = sorted(((f"{p.role} {k}", v, p.knobs.get(k)) for p in plans for k, v in p.parts.items()),
+                   key=lambda x: -x[1])
+    top = ", ".join(f"{name} {format_bytes(v)}" for name, v, _ in parts[:3])
+    knobs = []
+    for _, _, k in parts[:3]:
+        knobs += [x for x in (k or "").split(", ") if x and x not in knobs]
+    return (f"memory plan: {what_needs} need {format_bytes(need)} but {what} is {format_bytes(limit)} "
+            f"(largest: {top}); lower or change {', '.join(knobs) or 'the batch'} "
+            f"(train.memory_check=warn or off to run anyway)")
+
+
+def check_memory(cfg: JobConfig, tc: Any, hf_config: Any, spec: Any, device: str, num_feature_layers: int,
+                 world_size: Optional[int], attn_implementation: str = "sdpa",
+                 steps: Optional[Sequence] = None) -> dict:
+    """The target and drafter plans and the device they must fit: refused (ConfigError) when they do not and
+    ``train.memory_check=refuse``, a warning within 10% of the limit (or over it with ``warn``). A GPU holds one
+    rank; a CPU machine holds all of its ranks at once (every split of ``topology.target_ranks=auto``); a
+    ``ulimit -v`` bounds each process. Returns {"plans": {role: MemoryPlan}, "limit": (bytes, what)}."""
+    mode = cfg.train.memory_check
+    drafters = 1 if world_size is None or cfg.topology.target_ranks == "auto" else \
+        world_size - int(cfg.topology.target_ranks)
+    plans = {r: plan_rank(cfg, tc, hf_config, spec, r, device, num_feature_layers, steps, drafters,
+                          attn_implementation) for r in ("target", "drafter")}
+    limit = device_memory(device)
+    out = {"plans": plans, "limit": limit, "problems": []}
+    if mode == "off":
+        return out
+    checks = []
+    if device == "cuda":
+        checks += [(f"a {r} rank", p.total, limit, [p]) for r, p in plans.items()]
+    else:
+        for t, d in _splits(cfg, world_size):
+            need = t * plans["target"].total + d * plans["drafter"].total
+            who = " + ".join(x for x in (f"{t} target rank{'s' * (t > 1)}" if t else "",
+                                         f"{d} drafter rank{'s' * (d > 1)}" if d else "") if x)
+            checks.append((who + " on this machine", need, limit,
+                           [p for r, p in plans.items() if (t if r == "target" else d)]))
+    per_process = address_space_left()
+    if per_process is not None:
+        checks += [(f"a {r} rank's process", p.total, per_process, [p]) for r, p in plans.items()]
+    checks.sort(key=lambda c: -(c[1] / max(c[2][0], 1)))
+    who, need, (cap, what), ps = checks[0]
+    if need > cap:
+        msg = _refusal(who, need, cap, what, ps)
+        out["problems"].append(msg)
+        if mode == "refuse":
+            raise ConfigError(msg)
+        _warn(msg)
+    elif need > WARN_FRACTION * cap:
+        _warn(f"memory plan: {who} need {format_bytes(need)}, within 10% of {what} ({format_bytes(cap)})")
+    return out
+
+
+def _warn(msg: str) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        log.warning("%s", msg)
