@@ -29,6 +29,7 @@ from dflash_dist.data.batching import build_plan
 from dflash_dist.data.conversations import PACKAGED_SOURCES, DataError
 from dflash_dist.data.prepare import build_dataset, cache_paths
 from dflash_dist.data.tokenize import TokenizedDataset, cache_key
+from dflash_dist.planning.memory import check_memory_for_data
 
 log = logging.getLogger("dflash_dist")
 
@@ -143,7 +144,7 @@ def check_job_config(cfg: JobConfig, world_size: Optional[int], device_type: str
         raise ConfigError(f"data.source={src!r}: no such file or directory (builtin, builtin_original, a .jsonl/.json/.parquet/.arrow "
                           "file or a datasets save_to_disk directory)")
     from dflash_dist.planning.memory import check_memory
-    memory = check_memory(cfg, tc, hf_config, drafter, device_type, len(layer_ids), world_size, attn)  # refused here
+    memory = check_memory(cfg, tc, hf_config, drafter, device_type, len(layer_ids), world_size, attn)  # warns
     return {"hf_config": hf_config, "text_config": tc, "tokenizer_path": tok_path, "mask_token_id": mask_id,
             "layer_ids": layer_ids, "attn_implementation": attn, "fast_path": fast_path, "drafter": drafter,
             "memory": memory}
@@ -184,6 +185,7 @@ def build_job(cfg: JobConfig, rank: int, world_size: Optional[int], ctrl, device
     lengths = ds.lengths.tolist()
     epoch_plan = plan_for(lengths, cfg, 1)
     identity["plan"] = plan_identity(epoch_plan)
+    check_memory_for_data(cfg, checked, lengths, epoch_plan, world_size, device_type)  # refused here
     plan = plan_for(lengths, cfg, cfg.train.epochs)
     job = Job(cfg=cfg, dist=None, run_dir=run_dir, hf_config=hf_config, drafter=drafter, layer_ids=layer_ids,
               mask_token_id=mask_id,

@@ -7,7 +7,7 @@ roles: neither imports the other, nor the setup.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from dflash_dist.comm.distributed import Dist
@@ -46,6 +46,9 @@ class RoleJob:
     """Messages already trained (resume)."""
     start_step: int
     """Optimizer steps already taken (resume)."""
+    local: object = field(default=None, kw_only=True)
+    """comm.local.LocalLink on a colocated rank: its two halves' in-process link (messages, the target's embedding
+    and lm_head, evaluation weights); None: a rank of one role, over the network."""
 
 
 @dataclass(frozen=True)
@@ -53,9 +56,6 @@ class TargetJob(RoleJob):
     """A target rank's view: the tokenized data it captures features of."""
     dataset_path: str
     """The tokenized training data (data_cache/train-<key>.pt)."""
-    local: object = None
-    """comm.local.LocalLink on a colocated rank: the messages go to this rank's drafter half; None: over the
-    network."""
 
 
 @dataclass(frozen=True)
@@ -69,9 +69,6 @@ class DrafterJob(RoleJob):
     """What the run belongs to (checkpoint.identity), recorded in every checkpoint."""
     auto_split: Optional[dict]
     """topology.target_ranks=auto: the measured rates and the chosen split, logged once."""
-    local: object = None
-    """comm.local.LocalLink on a colocated rank: the messages come from this rank's target half; None: over the
-    network."""
 
 
 def role_view(job, role: str, local=None) -> RoleJob:

@@ -25,7 +25,7 @@ from dflash_dist.drafter.startup_report import host_syncs, startup_report
 from dflash_dist.drafter.trainer import LEAKY_MASK_ENV, DrafterTrainer
 from dflash_dist.eval.in_training import LeaderEval, eval_enabled, eval_record, eval_steps
 from dflash_dist.model.families import text_config
-from dflash_dist.planning.memory import drafter_plan
+from dflash_dist.planning.memory import plan_rank
 from dflash_dist.role_jobs import DrafterJob
 from dflash_dist.telemetry.flops import nominal_peak_tflops, target_peak_tflops
 from dflash_dist.telemetry.metrics import MetricsWriter, RateMeter, StreamWaitMeter, run_summary, target_window_metrics
@@ -70,8 +70,10 @@ def profiled_step(trainer, batch, first_step_s, job) -> None:
     topo, device = job.dist.topo, job.dist.device
     b_, s_pad, q_len = batch_shape(batch)
     q_len //= trainer.micro_batches  # the queries of one forward
-    plan = drafter_plan(job.cfg, text_config(job.hf_config), job.drafter, device.type, [(b_, s_pad)],
-                        topo.num_drafters)  # this step's plan, next to its measured peak
+    # this step's plan (a colocated rank's with its target half), next to its measured peak
+    plan = plan_rank(job.cfg, text_config(job.hf_config), job.hf_config, job.drafter,
+                     "colocated" if topo.colocated else "drafter", device.type, len(job.layer_ids), [(b_, s_pad)],
+                     topo.num_drafters)
     rep = startup_report(lambda: trainer.train_step(batch), trainer.model,
                          {"b": b_, "S_pad": s_pad, "Q": q_len, "first_step_s": first_step_s, "guard": trainer.guard,
                           "precompile_s": trainer.precompile_s, "memory_plan": plan},

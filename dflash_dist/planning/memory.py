@@ -286,7 +286,10 @@ def plan_rank(cfg: JobConfig, tc: Any, hf_config: Any, drafter_spec: Any, role: 
     if role in ("target", "colocated"):
         dp = _meta_numel(drafter_spec.build_model) if cfg.train.eval_prompts > 0 else 0
         plans.append(target_plan(cfg, tc, hf_config, num_feature_layers, device, dp, attn_implementation))
-    return plans[0] if len(plans) == 1 else _sum("colocated", plans[::-1])
+    if len(plans) == 1:
+        return plans[0]
+    plans[0].parts.pop("embedding + lm_head")  # a colocated drafter uses its target half's tensors
+    return _sum("colocated", plans[::-1])
 
 
 # ------------------------------------------------------------------------------------------------ the device
@@ -352,15 +355,18 @@ def device_memory(device: str) -> tuple[int, str]:
 # ------------------------------------------------------------------------------------------------ the check
 
 def _splits(cfg: JobConfig, world_size: Optional[int]) -> list:
-    """(targets, drafters) on this host for every split the job may run (``auto``: any; unknown world size:
-    one rank of each role alone)."""
+    """(targets, drafters, colocated) ranks on this host for every split the job may run (``auto``: any; unknown
+    world size: one rank of each role alone)."""
     if world_size is None:
-        return [(1, 0), (0, 1)]
+        return [(1, 0, 0), (0, 1, 0)]
+    from dflash_dist.config import split_targets
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    if cfg.topology.target_ranks != "auto" and local == world_size:
-        t = int(cfg.topology.target_ranks)
-        return [(t, world_size - t)]
-    return [(t, local - t) for t in range(0, local + 1)]
+    t = split_targets(cfg, world_size)
+    if t == 0:
+        return [(0, 0, local)]
+    if t != "auto" and local == world_size:
+        return [(t, world_size - t, 0)]
+    return [(0, 0, local)] + [(t, local - t, 0) for t in range(1, local)]
 
 
 def _refusal(what_needs: str, need: int, limit: int, what: str, plans: Sequence[MemoryPlan]) -> str:
@@ -375,6 +381,21 @@ def _refusal(what_needs: str, need: int, limit: int, what: str, plans: Sequence[
             f"(train.memory_check=warn or off to run anyway)")
 
 
+def plan_steps(lengths: Sequence[int], plan: Sequence[Sequence[int]], ctx_bucket: int) -> list:
+    """The distinct (b, S_pad) drafter steps of a batching plan (sample ids per message) over these lengths."""
+    return sorted({(len(m), max(1, math.ceil(max(lengths[i] for i in m) / ctx_bucket)) * ctx_bucket)
+                   for m in plan if m})
+
+
+def check_memory_for_data(cfg: JobConfig, checked: dict, lengths: Sequence[int], plan: Sequence,
+                          world_size: Optional[int], device: str) -> dict:
+    """``check_memory`` at the steps the tokenized data and its batching plan really make (refused here: before
+    any model loads), where the check before the data could only assume the largest message the batching allows."""
+    return check_memory(cfg, checked["text_config"], checked["hf_config"], checked["drafter"], device,
+                        len(checked["layer_ids"]), world_size, checked["attn_implementation"],
+                        steps=plan_steps(lengths, plan, cfg.drafter.tuning.ctx_bucket))
+
+
 def check_memory(cfg: JobConfig, tc: Any, hf_config: Any, spec: Any, device: str, num_feature_layers: int,
                  world_size: Optional[int], attn_implementation: str = "sdpa",
                  steps: Optional[Sequence] = None) -> dict:
@@ -382,25 +403,28 @@ def check_memory(cfg: JobConfig, tc: Any, hf_config: Any, spec: Any, device: str
     ``train.memory_check=refuse``, a warning within 10% of the limit (or over it with ``warn``). A GPU holds one
     rank; a CPU machine holds all of its ranks at once (every split of ``topology.target_ranks=auto``); a
     ``ulimit -v`` bounds each process. Returns {"plans": {role: MemoryPlan}, "limit": (bytes, what)}."""
+    from dflash_dist.config import split_targets
     mode = cfg.train.memory_check
-    drafters = 1 if world_size is None or cfg.topology.target_ranks == "auto" else \
-        world_size - int(cfg.topology.target_ranks)
+    split = None if world_size is None else split_targets(cfg, world_size)
+    drafters = 1 if split in (None, "auto") else (world_size - split if split else world_size)
+    roles = ("colocated",) if split == 0 else ("target", "drafter") if split != "auto" else \
+        ("target", "drafter", "colocated")
     plans = {r: plan_rank(cfg, tc, hf_config, spec, r, device, num_feature_layers, steps, drafters,
-                          attn_implementation) for r in ("target", "drafter")}
+                          attn_implementation) for r in roles}
     limit = device_memory(device)
     out = {"plans": plans, "limit": limit, "problems": []}
     if mode == "off":
         return out
     checks = []
-    if device == "cuda":
-        checks += [(f"a {r} rank", p.total, limit, [p]) for r, p in plans.items()]
+    if device == "cuda":  # auto: a split's ranks must fit (a colocated choice that would not: see the plan)
+        checks += [(f"a {r} rank", p.total, limit, [p]) for r, p in plans.items()
+                   if not (split == "auto" and r == "colocated")]
     else:
-        for t, d in _splits(cfg, world_size):
-            need = t * plans["target"].total + d * plans["drafter"].total
-            who = " + ".join(x for x in (f"{t} target rank{'s' * (t > 1)}" if t else "",
-                                         f"{d} drafter rank{'s' * (d > 1)}" if d else "") if x)
-            checks.append((who + " on this machine", need, limit,
-                           [p for r, p in plans.items() if (t if r == "target" else d)]))
+        for t, d, c in _splits(cfg, world_size):
+            count = {"target": t, "drafter": d, "colocated": c}
+            need = sum(n * plans[r].total for r, n in count.items() if n)
+            who = " + ".join(f"{n} {r} rank{'s' * (n > 1)}" for r, n in count.items() if n)
+            checks.append((who + " on this machine", need, limit, [plans[r] for r, n in count.items() if n]))
     per_process = address_space_left()
     if per_process is not None:
         checks += [(f"a {r} rank's process", p.total, per_process, [p]) for r, p in plans.items()]
@@ -409,9 +433,11 @@ def check_memory(cfg: JobConfig, tc: Any, hf_config: Any, spec: Any, device: str
     if need > cap:
         msg = _refusal(who, need, cap, what, ps)
         out["problems"].append(msg)
-        if mode == "refuse":
+        if mode == "refuse" and steps is not None:
             raise ConfigError(msg)
-        _warn(msg)
+        # before the data: the largest message the batching allows, which the data may never make
+        _warn(msg if steps is not None else msg + "; at the largest message target.max_batch_tokens and "
+              "target.max_batch_samples allow: checked again at the data's own batches before any model loads")
     elif need > WARN_FRACTION * cap:
         _warn(f"memory plan: {who} need {format_bytes(need)}, within 10% of {what} ({format_bytes(cap)})")
     return out

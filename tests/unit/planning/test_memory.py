@@ -19,7 +19,13 @@ from dflash_dist.planning import memory as M
 
 
 def checked(*overrides, world_size=3):
-    return check_job_config(compose_job_config(list(overrides)), world_size, "cpu")
+    """check_job_config (before the data: it only warns), then the check a job makes once its data is batched, here
+    at the largest steps the batching allows (a job passes its data's own steps: check_memory_for_data)."""
+    cfg = compose_job_config(list(overrides))
+    c = check_job_config(cfg, world_size, "cpu")
+    c["memory"] = M.check_memory(cfg, c["text_config"], c["hf_config"], c["drafter"], "cpu", len(c["layer_ids"]),
+                                 world_size, c["attn_implementation"], steps=M.largest_steps(cfg))
+    return c
 
 
 @pytest.fixture
@@ -80,7 +86,9 @@ def test_roles_and_the_colocated_sum():
     t = M.plan_rank(*args, "target", "cpu", 5)
     d = M.plan_rank(*args, "drafter", "cpu", 5)
     both = M.plan_rank(*args, "colocated", "cpu", 5)
-    assert both.total == t.total + d.total - M.PROCESS_BASE["cpu"]  # one process
+    # one process, and the drafter half uses its target half's embedding and lm_head (no copy of its own)
+    assert both.total == t.total + d.total - M.PROCESS_BASE["cpu"] - d.parts["embedding + lm_head"]
+    assert "drafter: embedding + lm_head" not in both.parts
     assert "target: capture buffer" in both.parts and "drafter: AdamW state" in both.parts
     with pytest.raises(ValueError):
         M.plan_rank(*args, "both", "cpu", 5)
