@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import sys
 import typing
 from typing import Any, Optional
 
@@ -229,14 +228,16 @@ def _counts(file, field, v):
 
 
 def code_name(file: str, field: str, name: Any, registry) -> None:
-    """A variant / objective named in a file: a registered one, or a ``module:Class`` whose module the calling
-    program imported itself. A file never makes this process import a module (that would run code it names)."""
+    """A variant / objective named in a file: a registered one, or a ``module:Class`` (a subclass of the kind's
+    base) whose module the calling program imported itself (model/registry ``get_named_in_file``). A file never
+    makes this process import a module or call what it names."""
+    from dflash_dist.config import ConfigError
     if not isinstance(name, str) or not name:
         raise fail(file, field, f"{name!r} is not a name")
-    if name in registry.names() or (":" in name and name.partition(":")[0] in sys.modules):
-        return
-    raise fail(file, field, f"{name!r}: a file may name only the registered {registry.kind}s "
-               f"({', '.join(registry.names())}); one of your own is used only when your program imports its module")
+    try:
+        registry.get_named_in_file(name)
+    except ConfigError as e:
+        raise fail(file, field, str(e)) from None
 
 
 def _drafter_settings(file, field, v):
