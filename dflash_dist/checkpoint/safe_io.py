@@ -60,7 +60,23 @@ def read_json(directory: str, name: str) -> dict:
         raise fail(path, "file", f"unreadable JSON ({str(e)[:200]})") from None
     if not isinstance(obj, dict):
         raise fail(path, "file", f"a JSON {type(obj).__name__}, expected an object")
+    bad = nonfinite_field(obj)
+    if bad is not None:
+        raise fail(path, bad[0], f"{bad[1]!r} is not a finite number")
     return obj
+
+
+def nonfinite_field(obj: Any, field: str = "") -> Optional[tuple[str, float]]:
+    """(dotted field, value) of the first NaN or infinite number in a parsed JSON value, or None. Python's json
+    reads NaN, Infinity and 1e999; no file this project writes holds one."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return field or "value", obj
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        bad = nonfinite_field(v, f"{field}[{k}]" if isinstance(k, int) else f"{field}.{k}" if field else str(k))
+        if bad is not None:
+            return bad
+    return None
 
 
 def is_int(v: Any) -> bool:
