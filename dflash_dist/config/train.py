@@ -81,6 +81,10 @@ class TrainConfig:
     eval_max_new_tokens: int = 128
     """Tokens generated per evaluation prompt."""
 
+    max_nonfinite_steps: int = 3
+    """Stop the job (exit code 3, no checkpoint) after this many optimizer steps in a row with a non-finite loss or
+    gradient norm; checked at each logging window, and before each save (where one such step already stops it)."""
+
     tuning: TrainTuning = field(default_factory=TrainTuning)
     """Scheduling knobs (``train.tuning.*``)."""
 
@@ -94,4 +98,5 @@ class TrainConfig:
         _require(self.grad_clip > 0, "train.grad_clip must be > 0")
         _require(self.checkpoint_every >= 0 and self.eval_every >= 0, "checkpoint_every/eval_every must be >= 0")
         _require(self.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1")
+        _require(self.max_nonfinite_steps >= 1, "train.max_nonfinite_steps must be >= 1")
         _require(len(self.betas) == 2, "train.betas needs two values")
