@@ -63,7 +63,7 @@ from dflash_dist.checkpoint.export_load import (
 from dflash_dist.checkpoint.claim import CLAIM_FILE
 from dflash_dist.checkpoint.identity import RUN_JSON
 from dflash_dist.checkpoint.meta import meta_block_size, meta_variant
-from dflash_dist.checkpoint.safe_io import local_dir
+from dflash_dist.checkpoint.safe_io import check_tokenizer_files, local_dir
 from dflash_dist.checkpoint.store import CheckpointError
 from dflash_dist.checkpoint.validate import bare_name, check_checkpoint
 from dflash_dist.model.drafter import DrafterModelConfig
@@ -489,6 +489,11 @@ def _load_tokenizer(tok_src: Optional[str], from_file: bool, meta_path: str):
                           "string, dflash_config.mask_token, even with --no-tokenizer)")
     from transformers import AutoTokenizer
     where = local_dir(tok_src, "tokenizer_config.json") if from_file else tok_src
+    if from_file and where is not None:
+        try:
+            check_tokenizer_files(where)   # a FIFO or /dev/zero link there would hang or flood the loader
+        except CheckpointError as e:
+            raise CheckpointInputError(f"{meta_path}: tokenizer: {e}") from None
     try:
         if where is None:
             raise FileNotFoundError("not a local directory and not in the local Hugging Face cache")

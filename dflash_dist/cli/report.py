@@ -26,6 +26,7 @@ import re
 import sys
 from typing import Optional
 
+from dflash_dist.checkpoint.safe_io import MAX_LOG_BYTES, CheckpointError, regular_file
 from dflash_dist.telemetry.metrics import capacity_metrics, position_values
 
 _TARGET_SPS = re.compile(r"target(\d+)_samples_per_s")
@@ -104,6 +105,7 @@ def _load_run(run_dir: str) -> tuple[list, list, dict]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no metrics.jsonl in {run_dir} (is it a training output_dir?)")
+    regular_file(run_dir, path, MAX_LOG_BYTES)   # a FIFO would block the read
     recs, bad = read_metrics(path)
     return [r for r in recs if r.get("kind", "train") == "train"], [r for r in recs if r.get("kind") == "eval"], bad
 
@@ -216,6 +218,9 @@ def main(argv: Optional[list] = None) -> int:
     try:
         res = write_report(args.run_dir, args.out)
     except FileNotFoundError as e:
+        print(f"dflash-report: {e}", file=sys.stderr)
+        return 2
+    except CheckpointError as e:
         print(f"dflash-report: {e}", file=sys.stderr)
         return 2
     bad = res["skipped"]
