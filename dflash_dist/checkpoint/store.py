@@ -213,7 +213,8 @@ def usable_problem(path: str) -> Optional[str]:
     read is a problem too (said, never raised: resume=auto goes on to an older checkpoint)."""
     from dflash_dist.checkpoint.safe_io import MAX_JSON_BYTES, regular_file
     try:
-        regular_file(path, os.path.join(path, "meta.json"), MAX_JSON_BYTES)   # a FIFO would block the read
+        if os.path.lexists(os.path.join(path, "meta.json")):   # a FIFO would block the read
+            regular_file(path, os.path.join(path, "meta.json"), MAX_JSON_BYTES)
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)
         if not isinstance(meta, dict):
