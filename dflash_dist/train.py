@@ -30,6 +30,7 @@ from dflash_dist.role_jobs import role_view
 log = logging.getLogger("dflash_dist")
 
 
+DIVERGED = "TrainingDiverged"  # drafter/trainer.TrainingDiverged, by name: a target rank never imports the drafter
 KEY_USAGE_ERROR = "dflash/usage_error"
 KEY_USAGE_ERROR_RANKS = "dflash/usage_error_ranks"
 _ROLES_RUNNING = False  # set once setup is done: a later ConfigError is one rank's, the others do not wait for it
@@ -68,6 +69,8 @@ def run(cfg: JobConfig) -> int:
             from dflash_dist.drafter.loop import run_drafter
             run_drafter(role_view(job, "drafter"))
     except BaseException as e:
+        if type(e).__name__ == DIVERGED:
+            diverged_exit(job.life, e)
         if isinstance(e, KeyboardInterrupt) or job.life.stop_now or STOPPED_AT_ONCE in (job.life.failure() or ""):
             stop_at_once(job.life)
         root = job.life.root_cause(settle_s=0.0 if isinstance(e, ConfigError) else 1.0)
@@ -75,6 +78,8 @@ def run(cfg: JobConfig) -> int:
             stop_at_once(job.life)  # a peer's second signal, posted after this rank's wait broke
         if root is not None and not root.startswith(f"rank {topo.rank} "):
             # a secondary error (a broken wait on a dead or failed peer): report the root cause once
+            if f"failed: {DIVERGED}: " in root:  # said once by the drafters' leader
+                diverged_exit(job.life, None)
             log.error("stopping without a checkpoint because %s (here: %s: %s)", root, type(e).__name__,
                       (str(e).splitlines() or [""])[0][:200])
             release_claims()
@@ -85,6 +90,20 @@ def run(cfg: JobConfig) -> int:
     dist.barrier(group=job.dist.ctrl)
     dist.destroy_process_group()
     return 0
+
+
+def diverged_exit(life: Lifecycle, e) -> None:
+    """Training diverged (drafter/trainer.TrainingDiverged ``e``; None on a rank that learnt it from a peer): the
+    drafters all find it at the same step; the leader says why in one line, every rank exits 3, no traceback."""
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(3))
+    if e is not None:
+        life.report_failure(f"rank {life.rank} ({life.role}) failed: {DIVERGED}: {e}")
+        if life.rank == 0:
+            print(f"dflash_dist: {e}", file=sys.stderr, flush=True)
+    release_claims()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(3)
 
 
 def stop_at_once(life: Lifecycle) -> None:

@@ -31,7 +31,9 @@ differently from how the drafter was trained (causal or windowed layers that one
 apply).
 
 The directory is written into a temporary sibling and renamed, so an interrupted export leaves nothing that
-looks complete.
+looks complete. It also holds ``.dflash-export`` (:data:`EXPORT_MARKER`), a small JSON record: ``--overwrite``
+replaces only a directory holding one, and no export is written to, over or into a checkpoint or run directory
+(:func:`check_out_dir`): a typo in OUT_DIR never deletes a run.
 """
 
 from __future__ import annotations
@@ -58,8 +60,10 @@ from dflash_dist.checkpoint.export_load import (
     safetensors_shapes,
     validate_export_tensors,
 )
+from dflash_dist.checkpoint.claim import CLAIM_FILE
+from dflash_dist.checkpoint.identity import RUN_JSON
 from dflash_dist.checkpoint.meta import meta_block_size, meta_variant
-from dflash_dist.checkpoint.safe_io import local_dir
+from dflash_dist.checkpoint.safe_io import check_tokenizer_files, local_dir
 from dflash_dist.checkpoint.store import CheckpointError
 from dflash_dist.checkpoint.validate import bare_name, check_checkpoint
 from dflash_dist.model.drafter import DrafterModelConfig
@@ -68,10 +72,16 @@ from dflash_dist.model.variants import variant_class
 log = logging.getLogger(__name__)
 
 
-__all__ = ["export_checkpoint", "build_export_config", "apply_variant_fields", "mask_token_string", "DTYPES"]
+__all__ = ["export_checkpoint", "build_export_config", "apply_variant_fields", "mask_token_string", "DTYPES",
+           "check_out_dir", "EXPORT_MARKER"]
 
 
 META_FORMAT = "dflash_dist.export/1"
+
+EXPORT_MARKER = ".dflash-export"
+"""The file every export holds; ``--overwrite`` replaces only a directory that has it."""
+
+_RUN_ENTRIES = (RUN_JSON, "checkpoints", CLAIM_FILE)   # any of them makes a directory a run directory
 
 
 MODELING_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), MODELING_NAME)
@@ -320,6 +330,8 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, dtype: str = "bfloat16"
     """
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: use one of {sorted(DTYPES)}")
+    out_dir = os.path.abspath(out_dir)
+    check_out_dir(out_dir, checkpoint_dir, overwrite)   # before anything is read
     weights, meta = _read_checkpoint(checkpoint_dir)
     dcfg = DrafterModelConfig(**meta["drafter_config"])
     tok_src = tokenizer_path or meta.get("tokenizer")
@@ -331,11 +343,6 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, dtype: str = "bfloat16"
                               variant=meta_variant(meta))
     tensors = _export_tensors(weights, cfg, dtype, variant)
 
-    out_dir = os.path.abspath(out_dir)
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise ExportError(f"{out_dir} exists and is not a directory")
-    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
-        raise ExportError(f"{out_dir} is not empty: pass --overwrite to replace it")
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".tmp_export_{os.path.basename(out_dir)}_{os.getpid()}")
@@ -344,10 +351,58 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, dtype: str = "bfloat16"
     try:
         _write_export(tmp, tensors, cfg, _side_meta(meta, checkpoint_dir, tok_src, dtype),
                       tok if tokenizer else None, variant)
+        with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
+            json.dump({"format": META_FORMAT, "source_checkpoint": os.path.abspath(checkpoint_dir)}, f)
         _publish(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def _training_dir_kind(path: str) -> Optional[str]:
+    """'a run directory' or 'a checkpoint directory' when ``path`` is one, else None."""
+    if any(os.path.lexists(os.path.join(path, n)) for n in _RUN_ENTRIES):
+        return "a run directory"
+    if all(os.path.lexists(os.path.join(path, n)) for n in ("meta.json", "model.safetensors")):
+        return "a checkpoint directory"
+    return None
+
+
+def _within(path: str, root: str) -> bool:
+    return os.path.commonpath([path, root]) == root
+
+
+def check_out_dir(out_dir: str, checkpoint_dir: str, overwrite: bool) -> None:
+    """Refuse (ExportError) an ``out_dir`` that is, holds or lies inside the checkpoint read or any checkpoint or
+    run directory, whatever ``overwrite`` says; a non-empty one unless ``overwrite``, and then only an earlier
+    export (it holds :data:`EXPORT_MARKER`): replacing it deletes what was there."""
+    out, ckpt = os.path.realpath(out_dir), os.path.realpath(checkpoint_dir)
+    if _within(out, ckpt) or _within(ckpt, out):
+        raise ExportError(f"{out_dir}: is, holds or lies inside the checkpoint {checkpoint_dir} being exported: "
+                          "choose an export directory outside it")
+    d = out
+    while True:
+        kind = _training_dir_kind(d) if os.path.isdir(d) else None
+        if kind:
+            where = "is" if d == out else f"lies inside {d}, which is"
+            raise ExportError(f"{out_dir} {where} {kind}: an export is never written into a training run's "
+                              "directories; choose a directory outside them")
+        if os.path.dirname(d) == d:
+            break
+        d = os.path.dirname(d)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ExportError(f"{out_dir} exists and is not a directory")
+    if not (os.path.isdir(out) and os.listdir(out)):
+        return
+    if not overwrite:
+        raise ExportError(f"{out_dir} is not empty: pass --overwrite to replace it (an earlier export only)")
+    if not os.path.isfile(os.path.join(out, EXPORT_MARKER)):
+        raise ExportError(f"{out_dir} is not an export of dflash-export (no {EXPORT_MARKER} in it): --overwrite "
+                          "replaces only those; remove it yourself or choose another directory")
+    for root, _, _ in os.walk(out):   # an earlier export with a run or checkpoint put inside it since
+        kind = _training_dir_kind(root)
+        if kind:
+            raise ExportError(f"{out_dir} holds {kind} ({root}): --overwrite would delete it; move it out first")
 
 
 def _validate_with_variant(tensors: dict, cfg: dict, variant) -> None:
@@ -434,6 +489,11 @@ def _load_tokenizer(tok_src: Optional[str], from_file: bool, meta_path: str):
                           "string, dflash_config.mask_token, even with --no-tokenizer)")
     from transformers import AutoTokenizer
     where = local_dir(tok_src, "tokenizer_config.json") if from_file else tok_src
+    if from_file and where is not None:
+        try:
+            check_tokenizer_files(where)   # a FIFO or /dev/zero link there would hang or flood the loader
+        except CheckpointError as e:
+            raise CheckpointInputError(f"{meta_path}: tokenizer: {e}") from None
     try:
         if where is None:
             raise FileNotFoundError("not a local directory and not in the local Hugging Face cache")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from typing import Any, Optional
 
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 __all__ = ["load_export", "export_problems", "drafter_config_from_export", "expected_tensor_shapes",
            "validate_export_tensors", "safetensors_shapes", "checked_export", "ExportError", "CheckpointInputError",
            "META_NAME", "MODELING_NAME", "AUTO_MAP", "DFLASH2_ARCHITECTURE", "auto_map_for", "is_dflash2",
-           "dflash2_problems", "dflash2_tensor_shapes", "dflash2_settings"]
+           "dflash2_problems", "dflash2_tensor_shapes", "dflash2_settings", "nonfinite_tensors"]
 
 
 META_NAME = "dflash_dist_meta.json"
@@ -83,10 +84,10 @@ def dflash2_problems(cfg: dict) -> list[str]:
         if key not in dfc:
             out.append(f"no dflash_config.{key} (write it: the engines' default would decide it)")
     mult, cap = dfc.get("output_multiplier", 1.0), dfc.get("final_logit_softcapping")
-    if not isinstance(mult, (int, float)) or not float(mult) > 0:
-        out.append(f"dflash_config.output_multiplier={mult!r}: must be > 0 (SGLang refuses anything else)")
-    if cap is not None and (not isinstance(cap, (int, float)) or float(cap) < 0):
-        out.append(f"dflash_config.final_logit_softcapping={cap!r}: use a cap > 0, or 0 for off")
+    if not isinstance(mult, (int, float)) or not 0 < float(mult) < math.inf:
+        out.append(f"dflash_config.output_multiplier={mult!r}: must be finite and > 0 (SGLang refuses anything else)")
+    if cap is not None and (not isinstance(cap, (int, float)) or not 0 <= float(cap) < math.inf):
+        out.append(f"dflash_config.final_logit_softcapping={cap!r}: use a finite cap > 0, or 0 for off")
     for where, holder in (("", cfg), ("dflash_config.", dfc)):
         scale = holder.get("input_embedding_scale", 1.0)
         if scale != 1.0:
@@ -261,6 +262,18 @@ def safetensors_shapes(path: str) -> dict[str, Any]:
     return {k: _Shape(shape) for k, (_, shape) in safetensors_header(path).items()}
 
 
+def nonfinite_tensors(path: str) -> list[str]:
+    """Names of the tensors of a safetensors file holding NaN or inf (one tensor in memory at a time)."""
+    from safetensors import safe_open
+    bad = []
+    with safe_open(path, framework="pt") as f:
+        for name in f.keys():
+            t = f.get_tensor(name)
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                bad.append(name)
+    return bad
+
+
 class _Shape:
     def __init__(self, shape):
         self.shape = tuple(shape)
@@ -419,6 +432,9 @@ def load_export(path: str, device: Any = "cpu", dtype: Optional[torch.dtype] = t
         raise CheckpointInputError(f"export {path} is unusable: {cfg_path}: {e}") from None
     validate_variant_tensors({k: _Shape(shape) for k, (_, shape) in header.items()}, cfg)  # before reading any
     tensors = load_file(st_path)
+    bad = [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise CheckpointInputError(f"export {path} is unusable: {st_path}: tensors {bad[:6]} hold NaN or inf")
     if dtype is None:
         dtype = next(iter(tensors.values())).dtype
     model = variant.build(dcfg, backend)

@@ -209,11 +209,14 @@ RUN_JSON = "run.json"
 
 
 def read_run_json(run_dir: str) -> Optional[dict]:
-    """The run's ``run.json`` (a JSON object), or None when absent or unreadable."""
+    """The run's ``run.json`` (a JSON object), or None when absent or unreadable (not a regular file of bounded
+    size included: a FIFO would block the read)."""
+    from dflash_dist.checkpoint.safe_io import MAX_JSON_BYTES, regular_file
     try:
+        regular_file(run_dir, os.path.join(run_dir, RUN_JSON), MAX_JSON_BYTES)
         with open(os.path.join(run_dir, RUN_JSON)) as f:
             rec = json.load(f)
-    except (OSError, ValueError, RecursionError):
+    except (OSError, ValueError, RecursionError):   # CheckpointError is a ValueError
         return None
     return rec if isinstance(rec, dict) else None
 

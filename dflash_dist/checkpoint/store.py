@@ -211,11 +211,16 @@ def checkpoint_problem(path: str, optimizer: bool = True) -> Optional[str]:
 def usable_problem(path: str) -> Optional[str]:
     """checkpoint_problem, and a meta.json that is not a JSON object (``[1]``) or that checkpoint_problem cannot
     read is a problem too (said, never raised: resume=auto goes on to an older checkpoint)."""
+    from dflash_dist.checkpoint.safe_io import MAX_JSON_BYTES, regular_file
     try:
+        if os.path.lexists(os.path.join(path, "meta.json")):   # a FIFO would block the read
+            regular_file(path, os.path.join(path, "meta.json"), MAX_JSON_BYTES)
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)
         if not isinstance(meta, dict):
             return f"meta.json holds a {type(meta).__name__}, not a JSON object"
+    except CheckpointError as e:
+        return str(e)
     except (OSError, ValueError):
         pass  # checkpoint_problem names it
     try:

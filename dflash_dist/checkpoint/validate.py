@@ -3,11 +3,11 @@
 Every check raises :class:`~dflash_dist.checkpoint.safe_io.CheckpointError` with one line that names the file and the
 field to look at. What is checked:
 
-* files: ``meta.json``'s ``files`` names plain files of this directory (no ``/``, no ``..``); no file read (or
-  listed) may be a symlink that leaves the directory;
+* files: ``meta.json``'s ``files`` names plain files of this directory (no ``/``, no ``..``); every file read is
+  a regular file of bounded size, no symlink out of the directory (``safe_io.regular_file``);
 * ``meta.json``: a schema (every known key with its type and range, unknown keys refused), the drafter's sizes
-  against sane bounds and against each other, the job's sections against the config dataclasses; where a target
-  is built from them (dflash-eval), its attention / experts implementations must be transformers' own
+  against sane bounds, each other and this machine's memory, the job's sections against the config dataclasses;
+  where a target is built from them (dflash-eval), its attention / experts implementations must be transformers' own
   (:func:`local_attention`, :func:`local_experts`) unless the command line names others;
 * ``model.safetensors``: the header (its length, JSON, dtypes, shapes, offsets) against the file's size, so a
   header of 2^60 bytes or a tensor past the end is refused before safetensors reads it;
@@ -23,17 +23,19 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import sys
 import typing
 from typing import Any, Optional
 
 from dflash_dist.checkpoint.safe_io import (
+    MAX_WEIGHTS_BYTES,
     CheckpointError,
-    check_link,
+    check_entries,
+    check_model_size,
     fail,
     inside,
     is_int,
     read_json,
+    regular_file,
     safetensors_header,
 )
 
@@ -69,10 +71,9 @@ def check_files(directory: str, meta: dict) -> None:
             raise fail(meta_path, "files", f"{name!r}: a checkpoint holds only {', '.join(CHECKPOINT_FILES)}")
         if not is_int(nbytes) or nbytes < 0:
             raise fail(meta_path, f"files.{name}", f"{nbytes!r} is not a byte count")
-        if not os.path.isfile(path):
-            raise fail(path, "file", "missing")
-        if os.path.getsize(path) != nbytes:
-            raise fail(path, "file", f"has {os.path.getsize(path)} bytes, expected {nbytes} (truncated?)")
+        have = regular_file(directory, path, MAX_WEIGHTS_BYTES)
+        if have != nbytes:
+            raise fail(path, "file", f"has {have} bytes, expected {nbytes} (truncated?)")
     if "model.safetensors" not in files:
         raise fail(meta_path, "files", "lists no model.safetensors")
 
@@ -193,7 +194,6 @@ def local_location(file: str, field: str, value: Any) -> Optional[str]:
     return value
 
 
-
 # ---------------------------------------------------------------------------------------------- meta.json
 
 def _nonneg(file, field, v):
@@ -229,14 +229,16 @@ def _counts(file, field, v):
 
 
 def code_name(file: str, field: str, name: Any, registry) -> None:
-    """A variant / objective named in a file: a registered one, or a ``module:Class`` whose module the calling
-    program imported itself. A file never makes this process import a module (that would run code it names)."""
+    """A variant / objective named in a file: a registered one, or a ``module:Class`` (a subclass of the kind's
+    base) whose module the calling program imported itself (model/registry ``get_named_in_file``). A file never
+    makes this process import a module or call what it names."""
+    from dflash_dist.config import ConfigError
     if not isinstance(name, str) or not name:
         raise fail(file, field, f"{name!r} is not a name")
-    if name in registry.names() or (":" in name and name.partition(":")[0] in sys.modules):
-        return
-    raise fail(file, field, f"{name!r}: a file may name only the registered {registry.kind}s "
-               f"({', '.join(registry.names())}); one of your own is used only when your program imports its module")
+    try:
+        registry.get_named_in_file(name)
+    except ConfigError as e:
+        raise fail(file, field, str(e)) from None
 
 
 def _drafter_settings(file, field, v):
@@ -340,6 +342,7 @@ def check_drafter_config(file: str, field: str, dc: Any) -> dict:
             raise fail(file, f"{field}.{k}", "missing")
     for k in _DRAFTER_SIZES:
         size(file, f"{field}.{k}", dc[k])
+    check_model_size(file, field, dc, "num_layers")   # built by every reader
     if dc.get("sliding_window") is not None:
         size(file, f"{field}.sliding_window", dc["sliding_window"])
     if dc.get("variant_settings") is not None:          # a variant's own section (drafter.domino): sizes bounded
@@ -373,6 +376,7 @@ def check_job_config(file: str, field: str, job: Any) -> None:
     for k in ("name_or_path", "tokenizer"):
         local_location(file, f"{field}.target.{k}", t.get(k))
     check_sizes(file, f"{field}.target.hf_config.", t.get("hf_config") or {})
+    check_model_size(file, f"{field}.target.hf_config", t.get("hf_config") or {})   # random init builds it
     try:  # each dataclass's own checks (choices, ranges) on what is now well-typed
         from dflash_dist.config import JobConfig
         JobConfig.from_dict({k: v for k, v in job.items()})
@@ -486,6 +490,7 @@ def _check_target(file: str, field: str, t: Any) -> None:
     from dflash_dist.config import TargetConfig
     check_section(file, field, t, TargetConfig)
     check_sizes(file, f"{field}.hf_config.", t.get("hf_config") or {})
+    check_model_size(file, f"{field}.hf_config", t.get("hf_config") or {})
 
 
 def _check_data(file: str, field: str, d: Any) -> None:
@@ -518,13 +523,13 @@ def check_export_dir(path: str, side_name: str = "dflash_dist_meta.json") -> tup
     """(config.json, {name: (dtype, shape)} of model.safetensors) of an export directory: no entry a symlink
     out of it, config.json's sizes typed and bounded, the safetensors header against the file, the
     provenance file (ours only) against its schema."""
-    for name in os.listdir(path):
-        check_link(path, os.path.join(path, name))
+    check_entries(path)
     cfg = read_json(path, "config.json")
     file = os.path.join(path, "config.json")
     for k in ("hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers", "vocab_size"):
         if k not in cfg:
             raise fail(file, k, "missing")
+    check_model_size(file, "num_hidden_layers", cfg)
     for k in _EXPORT_INTS:
         if cfg.get(k) is not None:
             count(file, k, cfg[k], 1, BOUNDS[_EXPORT_BOUND.get(k, k)])

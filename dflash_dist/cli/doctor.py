@@ -278,6 +278,7 @@ def check_export(doc: Doctor, path: str) -> None:
         checked_export,
         drafter_config_from_export,
         export_problems,
+        nonfinite_tensors,
         safetensors_shapes,
         validate_variant_tensors,
     )
@@ -295,6 +296,9 @@ def check_export(doc: Doctor, path: str) -> None:
     try:
         dcfg = drafter_config_from_export(cfg)
         validate_variant_tensors(safetensors_shapes(st_path), cfg)   # DFlash's and its variant's tensors
+        bad = nonfinite_tensors(st_path)    # a diverged drafter (codebooks included) serves garbage
+        if bad:
+            problems.append(f"tensors {bad[:6]} hold NaN or inf")
     except (ExportError, ValueError) as e:
         problems.append(str(e))
         dcfg = None

@@ -14,8 +14,8 @@ line, exit 2.
 
 Prompts default to the training run's held-out conversations (``data.split_holdout`` over the same source with
 the same seed): each one's messages before its first assistant turn, rendered with the chat template and the
-generation prompt. ``--prompts`` takes a JSONL of ``{"messages": [...]}`` (same rule) or ``{"prompt": "text"}``
-rows.
+generation prompt; a source other than a packaged corpus is read only when ``--data SOURCE`` names it.
+``--prompts`` takes a JSONL of ``{"messages": [...]}`` (same rule) or ``{"prompt": "text"}`` rows.
 
 Under torchrun (K processes on one node) the target is sharded over all K with transformers' tensor-parallel
 plan, as a training job's replica (``target.tensor_parallel``): every rank runs the verify forwards, rank 0 runs
@@ -34,6 +34,7 @@ Helpers used by training (no torch.distributed here): :func:`eos_token_ids`, :fu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -43,10 +44,11 @@ from typing import Optional
 import torch
 
 from dflash_dist.checkpoint.export_load import META_NAME
-from dflash_dist.checkpoint.safe_io import local_dir
+from dflash_dist.checkpoint.safe_io import check_tokenizer_files, local_dir
 from dflash_dist.checkpoint.store import CheckpointError
 from dflash_dist.checkpoint.validate import local_attention, local_experts
 from dflash_dist.config import ConfigError, DataConfig, TargetConfig
+from dflash_dist.data.conversations import PACKAGED_SOURCES
 from dflash_dist.data.sources import parse_template_kwargs
 from dflash_dist.eval.prompts import (
     check_pair,
@@ -77,6 +79,9 @@ def main(argv: Optional[list] = None) -> int:
                    "(default: the run's, if transformers' own)")
     p.add_argument("--tokenizer", default=None, help="tokenizer (default: the checkpoint's / export's)")
     p.add_argument("--prompts", default=None, help="JSONL of {messages} or {prompt} rows (default: held-out data)")
+    p.add_argument("--data", default=None, help="the run's data.source to take the held-out prompts from (default: "
+                   "the recorded one when it is a packaged corpus; a location named in a checkpoint or export is "
+                   "read only when given here)")
     p.add_argument("--num-prompts", type=int, default=256, help="prompts to evaluate (at most the held-out ones); 256: "
                    "tau's standard deviation over prompts is about 5%% of tau on the tiny default")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -176,7 +181,7 @@ def _evaluate(args, device: str, replica: Optional[EvalReplica]) -> int:
     if args.prompts:
         convs, prompt_source = prompts_from_jsonl(args.prompts), os.path.abspath(args.prompts)
     else:
-        convs = holdout_conversations(setup.data or DataConfig())
+        convs = holdout_conversations(_holdout_data(setup.data or DataConfig(), args.data, meta_file))
         prompt_source = "held-out conversations of the run's data"
     if len(convs) < args.num_prompts:
         log.warning("only %d prompts available (asked for %d): tau is less certain (see its standard error)",
@@ -217,6 +222,17 @@ def _evaluate(args, device: str, replica: Optional[EvalReplica]) -> int:
     return 0
 
 
+def _holdout_data(data: DataConfig, source: Optional[str], meta_file: str) -> DataConfig:
+    """The data section whose held-out split gives the prompts: the recorded one, its source replaced by
+    ``--data``; a recorded source other than a packaged corpus (a path or dataset named in a file) is refused."""
+    if source is not None:
+        return dataclasses.replace(data, source=source)
+    if data.source not in PACKAGED_SOURCES:
+        raise CheckpointError(f"{meta_file}: data.source: {data.source!r} is not read because a file names it: "
+                              f"pass --data {data.source} (its held-out conversations) or --prompts FILE")
+    return data
+
+
 def _from_file(meta_file: str, field: str, flag: str, location: str, from_file: bool, probe: str, load):
     """``load(location)``; a location read from the checkpoint or export (``from_file``) only from a local
     directory or its local Hugging Face cache snapshot (holding ``probe``), its failure a CheckpointError naming
@@ -224,6 +240,8 @@ def _from_file(meta_file: str, field: str, flag: str, location: str, from_file: 
     if not from_file:
         return load(location)
     where = local_dir(location, probe)
+    if where is not None:
+        check_tokenizer_files(where)   # a FIFO or /dev/zero link there would hang or flood the loader
     try:
         if where is None:
             raise FileNotFoundError(location)

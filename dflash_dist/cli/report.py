@@ -26,23 +26,36 @@ import re
 import sys
 from typing import Optional
 
+from dflash_dist.checkpoint.safe_io import MAX_LOG_BYTES, CheckpointError, regular_file
 from dflash_dist.telemetry.metrics import capacity_metrics, position_values
 
 _TARGET_SPS = re.compile(r"target(\d+)_samples_per_s")
 
 
-def read_metrics(path: str) -> list[dict]:
-    """The records of a metrics.jsonl (unreadable lines skipped: a run killed mid-write leaves half a line)."""
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
+def read_metrics(path: str) -> tuple[list[dict], dict]:
+    """(records, {"lines": skipped lines, "values": values left out}) of a metrics.jsonl. A line that is not
+    UTF-8, not JSON or not a record with an integer ``step`` is skipped (a run killed mid-write leaves half a
+    line); a value that is not a number (``kind`` aside) is left out of its record, so no figure meets it."""
+    out, bad = [], {"lines": 0, "values": 0}
+    with open(path, "rb") as f:
+        for raw in f:
             try:
-                rec = json.loads(line)
-            except ValueError:
+                rec = json.loads(raw.decode("utf-8"))
+            except (ValueError, RecursionError):   # UnicodeDecodeError is a ValueError
+                bad["lines"] += 1
                 continue
-            if isinstance(rec, dict) and "step" in rec:
-                out.append(rec)
-    return out
+            if not (isinstance(rec, dict) and _is_number(rec.get("step")) and isinstance(rec["step"], int)
+                    and isinstance(rec.get("kind", "train"), str)):
+                bad["lines"] += 1
+                continue
+            kept = {k: v for k, v in rec.items() if k == "kind" or _is_number(v)}
+            bad["values"] += len(rec) - len(kept)
+            out.append(kept)
+    return out, bad
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _series(recs: list, key: str) -> tuple[list, list]:
@@ -57,9 +70,10 @@ def _series(recs: list, key: str) -> tuple[list, list]:
 
 def write_report(run_dir: str, out_dir: Optional[str] = None) -> dict:
     """Write the PNGs of ``run_dir``'s metrics.jsonl into ``out_dir`` (default ``run_dir/report``).
-    Returns {"files": [...], "samples_per_s_peak": ..., "samples_per_s_mean": ...}."""
+    Returns {"files": [...], "samples_per_s_peak": ..., "samples_per_s_mean": ..., "skipped": {"lines": ...,
+    "values": ...}} (what :func:`read_metrics` could not use)."""
     plt = _pyplot()
-    train, evals = _load_run(run_dir)
+    train, evals, bad = _load_run(run_dir)
     out_dir = out_dir or os.path.join(run_dir, "report")
     os.makedirs(out_dir, exist_ok=True)
     files = []
@@ -72,7 +86,7 @@ def write_report(run_dir: str, out_dir: Optional[str] = None) -> dict:
             files.append(_save(plt, fig, os.path.join(out_dir, name)))
     _, sps = _series(train, "samples_per_s")
     return {"files": files, "samples_per_s_peak": max(sps) if sps else None,
-            "samples_per_s_mean": sum(sps) / len(sps) if sps else None}
+            "samples_per_s_mean": sum(sps) / len(sps) if sps else None, "skipped": bad}
 
 
 def _pyplot():
@@ -86,13 +100,14 @@ def _pyplot():
     return plt
 
 
-def _load_run(run_dir: str) -> tuple[list, list]:
-    """(training records, evaluation records) of ``run_dir``'s metrics.jsonl."""
+def _load_run(run_dir: str) -> tuple[list, list, dict]:
+    """(training records, evaluation records, what was skipped) of ``run_dir``'s metrics.jsonl."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no metrics.jsonl in {run_dir} (is it a training output_dir?)")
-    recs = read_metrics(path)
-    return [r for r in recs if r.get("kind", "train") == "train"], [r for r in recs if r.get("kind") == "eval"]
+    regular_file(run_dir, path, MAX_LOG_BYTES)   # a FIFO would block the read
+    recs, bad = read_metrics(path)
+    return [r for r in recs if r.get("kind", "train") == "train"], [r for r in recs if r.get("kind") == "eval"], bad
 
 
 def _save(plt, fig, path: str) -> str:
@@ -205,6 +220,13 @@ def main(argv: Optional[list] = None) -> int:
     except FileNotFoundError as e:
         print(f"dflash-report: {e}", file=sys.stderr)
         return 2
+    except CheckpointError as e:
+        print(f"dflash-report: {e}", file=sys.stderr)
+        return 2
+    bad = res["skipped"]
+    if bad["lines"] or bad["values"]:
+        print(f"dflash-report: skipped {bad['lines']} unreadable lines of metrics.jsonl (not UTF-8, not JSON or no "
+              f"integer step) and {bad['values']} values that are not numbers", file=sys.stderr)
     for f in res["files"]:
         print(f"wrote {f}")
     if res["samples_per_s_peak"] is not None:

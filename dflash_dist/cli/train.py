@@ -3,7 +3,8 @@
 The checks that need no model run first, in this process (a wrong setting is printed once, exit 2, no rank
 started); ``--help`` and ``--cfg job`` stop there. Then torch's elastic launcher (what torchrun runs, a standalone
 rendezvous on a free port) starts ``python -m dflash_dist.train`` once per rank. A configuration or data error of
-the ranks (they print it once and exit 2) ends this process with 2 as well, without the launcher's report. Ctrl-C
+the ranks (they print it once and exit 2) ends this process with 2 as well, without the launcher's report; a
+diverged training (``train.max_nonfinite_steps``: the leader prints one line, the ranks exit 3) with 3. Ctrl-C
 or SIGTERM is passed on to the ranks as SIGTERM, the graceful stop of ``comm/lifecycle.py`` (one checkpoint);
 then the command that continues the run is printed and this process exits 128 + the signal (130 / 143).
 Several nodes or SLURM: ``torchrun -m dflash_dist.train`` (``launch/multinode.sh``, ``launch/slurm.sbatch``).
@@ -224,11 +225,11 @@ def failure_summary(err) -> str:
     return "dflash-train: the job failed: " + ", ".join(parts) + " (the first rank's error is printed above)"
 
 
-def usage_failure(err) -> bool:
+def usage_failure(err, code: int = 2) -> bool:
     """The ranks stopped on a configuration or data error (each exits 2; the agent's SIGTERM may end a rank that
-    was still on its way to it)."""
+    was still on its way to it); ``code`` 3: on a diverged training (train.max_nonfinite_steps)."""
     codes = {f.exitcode for f in err.failures.values()}
-    return 2 in codes and all(c == 2 or c < 0 for c in codes)
+    return code in codes and all(c == code or c < 0 for c in codes)
 
 
 def train(relay: SignalRelay, nproc: int, overrides: list[str]) -> int:
@@ -243,6 +244,8 @@ def train(relay: SignalRelay, nproc: int, overrides: list[str]) -> int:
             return after_stop(relay, True, nproc, overrides, info_path)
         if usage_failure(e):
             return 2  # a rank printed what to change
+        if usage_failure(e, 3):
+            return 3  # the leader printed why training diverged
         print(failure_summary(e), file=sys.stderr, flush=True)
         return 1
     else:

@@ -89,6 +89,10 @@ class TrainConfig:
     largest parts and the setting that shrinks them, within 10% of it a warning; ``warn``: a warning either way;
     ``off``: no check (dflash-doctor still prints the plan)."""
 
+    max_nonfinite_steps: int = 3
+    """Stop the job (exit code 3, no checkpoint) after this many optimizer steps in a row with a non-finite loss or
+    gradient norm; checked at each logging window, and before each save (where one such step already stops it)."""
+
     tuning: TrainTuning = field(default_factory=TrainTuning)
     """Scheduling knobs (``train.tuning.*``)."""
 
@@ -102,4 +106,5 @@ class TrainConfig:
         _require(self.grad_clip > 0, "train.grad_clip must be > 0")
         _require(self.checkpoint_every >= 0 and self.eval_every >= 0, "checkpoint_every/eval_every must be >= 0")
         _require(self.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1")
+        _require(self.max_nonfinite_steps >= 1, "train.max_nonfinite_steps must be >= 1")
         _require(len(self.betas) == 2, "train.betas needs two values")

@@ -46,6 +46,11 @@ LEAKY_MASK_ENV = "DFLASH_LEAKY_MASK_DEMO"
 log = logging.getLogger("dflash_dist")
 
 
+class TrainingDiverged(RuntimeError):
+    """Training cannot go on: non-finite gradient norms for ``train.max_nonfinite_steps`` steps in a row (or at a
+    save), or a launch that trained none of its samples. The job stops without a checkpoint, exit code 3."""
+
+
 def empty_batch_inputs(feature_width: int, device, dtype):
     """A one-sample message with nothing supervised: every block is padding, the loss is exactly 0."""
     ids = torch.zeros(2, dtype=torch.long, device=device)
@@ -123,6 +128,10 @@ class DrafterTrainer:
         slots.update({"grad_norm": 1, "steps": 1, "model_flops": 1, "nonfinite_by_target": self.topo.num_replicas})
         self.stats = StepStats(slots, self.device)
         self.nonfinite_by_target = [0] * self.topo.num_replicas
+        # steps in a row whose gradient norm was not finite, and the first of them: device scalars (no sync), read
+        # by check_finite at the logging window and before a save
+        self.nonfinite_run = torch.zeros((), dtype=torch.long, device=self.device)
+        self.nonfinite_since = torch.zeros((), dtype=torch.long, device=self.device)
         self.micro_batches = cfg.drafter.tuning.micro_batches
         # A bug on purpose, for scripts/leak_demo.sh only (never a config key): blocks see the target state at
         # their own anchor (kv <= a), the classic leak of other trainers.
@@ -345,6 +354,9 @@ class DrafterTrainer:
             self.stats.add_all(self.objective.stats(parts))
             self.stats.add_all({k: v.detach() for k, v in parts.extra.items()})
             self.stats.add_all({"grad_norm": gnorm, "steps": 1.0, "model_flops": self.step_flops(batch)})
+            # the norm of the all-reduced gradients: the same on every drafter, non-finite when any rank's loss is
+            self.nonfinite_run = (self.nonfinite_run + 1) * ~torch.isfinite(gnorm)
+            self.nonfinite_since = torch.where(self.nonfinite_run == 1, self.step + 1, self.nonfinite_since)
         self.lr = cfg.train.lr * mult
 
     def step_flops(self, batch) -> torch.Tensor:
@@ -399,7 +411,31 @@ class DrafterTrainer:
             out[f"loss_{name}"] = v[name][0] / wsum
         out.update(self.model.window_metrics(v))
         out["skipped_nonfinite"] = sum(bad)
+        self.check_finite()
         return out
+
+    def check_finite(self, saving: bool = False) -> None:
+        """Raise TrainingDiverged once ``train.max_nonfinite_steps`` steps in a row had a non-finite gradient norm
+        (``saving``: after any such step, so no checkpoint holds non-finite weights and pruning, which follows a
+        save, never removes the newest finite one). Called at the logging window and before a save, where the
+        host already waits for the device: no sync is added to a step. Every drafter decides alike."""
+        run = int(self.nonfinite_run)
+        if run == 0 or (run < self.cfg.train.max_nonfinite_steps and not saving):
+            return
+        since, limit = int(self.nonfinite_since), self.cfg.train.max_nonfinite_steps
+        why = f"train.max_nonfinite_steps={limit}" if run >= limit else "a checkpoint now would hold them"
+        raise TrainingDiverged(
+            f"training diverged at step {since}: the loss or gradient norm was not finite for {run} step(s) in a "
+            f"row, through step {since + run - 1} ({why}); stopping without a checkpoint (the newest: "
+            f"{self.last_checkpoint or self.job.resume_from or 'none'}); lower train.lr or raise train.warmup_ratio")
+
+    def check_trained(self, launch: dict) -> None:
+        """A launch that received samples and trained none of them (all skipped) did not train: TrainingDiverged."""
+        if launch["received"] and launch["received"] == launch["skipped"]:
+            raise TrainingDiverged(
+                f"step {self.step}: this launch trained none of the {launch['received']} samples it received (all "
+                f"skipped: non-finite hidden states or features of the wrong width, see the warnings above); no "
+                f"final checkpoint written")
 
     def launch_counts(self) -> dict:
         """This launch's samples received and skipped so far, over all drafters (every drafter calls it at the
@@ -414,7 +450,10 @@ class DrafterTrainer:
 
     def save(self, final: bool = False, reason: str = "periodic") -> None:
         """Every drafter calls it at the same point (the run's totals are summed over them); the leader writes."""
+        self.check_finite(saving=True)
         launch = self.launch_counts()
+        if final:
+            self.check_trained(launch)
         if not self.topo.is_leader:
             return
         b = self.before

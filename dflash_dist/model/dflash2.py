@@ -17,6 +17,7 @@ FLOP counts and the export contract (config fields, weight names and shapes).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -50,11 +51,11 @@ class DFlash2Settings(DrafterDFlash2):
             if int(getattr(self, key)) < 1:
                 raise ConfigError(f"drafter.dflash2.{key}={getattr(self, key)}: must be >= 1")
             setattr(self, key, int(getattr(self, key)))
-        if not float(self.output_multiplier) > 0:
-            raise ConfigError(f"drafter.dflash2.output_multiplier={self.output_multiplier}: must be > 0 "
+        if not 0 < float(self.output_multiplier) < math.inf:
+            raise ConfigError(f"drafter.dflash2.output_multiplier={self.output_multiplier}: must be finite and > 0 "
                               "(SGLang refuses anything else)")
         cap = self.final_logit_softcapping
-        if cap is not None and float(cap) < 0:
+        if cap is not None and not 0 <= float(cap) < math.inf:
             raise ConfigError(f"drafter.dflash2.final_logit_softcapping={cap}: use a positive cap, or 0/null for off")
         self.final_logit_softcapping = float(cap) if cap else None
         if float(self.selector_loss_weight) < 0:

@@ -3,6 +3,7 @@ settings and unusable data exit 2 with one line and no traceback, Ctrl-C / SIGTE
 that continues the run, and exit 130 / 143."""
 
 import json
+import math
 import os
 import shlex
 import shutil
@@ -203,3 +204,29 @@ def test_a_dead_rank_fails_the_job_with_one_summary_line(tmp_path):
     (line,) = [x for x in out.splitlines() if x.startswith("dflash-train: the job failed: ")]
     assert "rank 1 killed by SIGKILL" in line and "rank 0 exit code 1" in line
     assert "Root Cause" not in out and "elastic/errors.html" not in out
+
+
+@pytest.mark.parametrize("checkpoint_every", [0, 1])
+def test_a_diverged_run_exits_3_with_one_line_and_no_nonfinite_checkpoint(tmp_path, checkpoint_every):
+    """train.lr=1e5: the gradient norm turns non-finite; the job stops after train.max_nonfinite_steps such steps
+    (checkpoint_every=0: found at the logging window) or at the first save after one (checkpoint_every=1), exit 3,
+    one line naming the step, no traceback, no 'run finished', every checkpoint left finite."""
+    from safetensors.torch import load_file
+    run = tmp_path / "run"
+    p = dflash_train(["--nproc-per-node", "2", *QUICK, "train.lr=1e5", "train.max_steps=40", "logging.log_every=1",
+                      f"train.checkpoint_every={checkpoint_every}", f"train.output_dir={run}",
+                      f"data.cache_dir={shared_data_cache()}"], cwd=tmp_path)
+    out = p.stdout + p.stderr
+    assert p.returncode == 3, out[-4000:]
+    (line,) = [x for x in out.splitlines() if "training diverged" in x]
+    assert line.startswith("dflash_dist: training diverged at step ")
+    assert ("for 3 step(s) in a row" in line) if checkpoint_every == 0 else ("a checkpoint now would hold" in line)
+    assert "Traceback" not in out and "run finished" not in out and "the job failed" not in out
+    ckpts = sorted((run / "checkpoints").glob("step_*")) if (run / "checkpoints").exists() else []
+    assert (ckpts == []) if checkpoint_every == 0 else (len(ckpts) >= 1)
+    for ck in ckpts:
+        assert all(t.isfinite().all() for t in load_file(str(ck / "model.safetensors")).values()), ck
+    recs = [json.loads(x) for x in open(run / "metrics.jsonl")]
+    first_bad = min(r["step"] for r in recs if r.get("kind") == "train"   # NaN is logged as null
+                    and (r["grad_norm"] is None or not math.isfinite(r["grad_norm"])))
+    assert f"at step {first_bad}:" in line, (line, recs)

@@ -15,10 +15,12 @@ from torch import Tensor
 from dflash_dist.model import head_shards as HS
 from dflash_dist.model import loss as L
 from dflash_dist.model.objectives.dpace import dpace_ce, dpace_serve, dpace_weighted, slot_sums
+from dflash_dist.model.objectives.registry import OBJECTIVES
 
 __all__ = ["Objective", "SlotWeightedCE"]
 
 
+@OBJECTIVES.set_base
 class Objective:
     """What the trainer and the head server ask of an objective. ``spec``: the resolved drafter description
     (model/spec.py): block size, loss settings (``spec.loss``: chunk rows, compiled, gamma)."""

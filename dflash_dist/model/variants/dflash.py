@@ -23,6 +23,7 @@ _CHECKPOINT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(o
 
 
 @VARIANTS.register
+@VARIANTS.set_base
 class DFlash:
     name = "dflash"
     model_class = DFlashDrafter

@@ -371,3 +371,54 @@ def test_scaled_rope_export_automodel_equals_load_export(tmp_path, rope):
                    attention_mask=mask)
     assert torch.equal(got, ref)
     assert auto.attention_scaling == back.rope.attention_scaling
+
+
+def _tree(path) -> dict:
+    """{relative path: bytes} of every file under ``path``."""
+    out = {}
+    for root, _, files in os.walk(path):
+        for n in files:
+            p = os.path.join(root, n)
+            out[os.path.relpath(p, path)] = open(p, "rb").read()
+    return out
+
+
+def test_export_never_replaces_a_run_or_a_checkpoint(tmp_path, capsys):
+    """OUT that is, holds or lies inside the checkpoint or a run directory is refused with one line, exit 2,
+    whatever --overwrite says; --overwrite replaces only an earlier export (its .dflash-export marker)."""
+    ckpt, _ = make_checkpoint(tmp_path)
+    run = os.path.dirname(os.path.dirname(ckpt))
+    with open(os.path.join(run, "run.json"), "w") as f:
+        json.dump({"identity": {}}, f)
+    before = _tree(run)
+    other = tmp_path / "other_run"
+    (other / "checkpoints").mkdir(parents=True)
+    claimed = tmp_path / "claimed"
+    claimed.mkdir()
+    (claimed / ".dflash-claim").write_text("{}")
+    for out in (run, ckpt, os.path.join(ckpt, "sub"), os.path.dirname(ckpt), os.path.join(run, "exports", "e"),
+                str(other), str(claimed / "e")):
+        for extra in ([], ["--overwrite"]):
+            capsys.readouterr()
+            assert main([ckpt, out, "--no-tokenizer", *extra]) == 2, (out, extra)
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and err[0].startswith("dflash-export: "), err
+    assert _tree(run) == before and os.path.isdir(other / "checkpoints") and (claimed / ".dflash-claim").exists()
+
+    # a directory of someone else's files is never replaced; an earlier export is, and its marker says so
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    assert main([ckpt, str(mine), "--overwrite", "--no-tokenizer"]) == 2
+    assert (mine / "notes.txt").read_text() == "keep"
+    out = str(tmp_path / "exported")
+    assert main([ckpt, out, "--no-tokenizer"]) == 0
+    assert json.load(open(os.path.join(out, ".dflash-export")))["source_checkpoint"] == os.path.abspath(ckpt)
+    assert main([ckpt, out, "--overwrite", "--no-tokenizer"]) == 0
+    # an earlier export that a checkpoint was copied into since is not replaced either
+    os.makedirs(os.path.join(out, "keep"))
+    for name in ("meta.json", "model.safetensors"):
+        with open(os.path.join(ckpt, name), "rb") as src, open(os.path.join(out, "keep", name), "wb") as dst:
+            dst.write(src.read())
+    assert main([ckpt, out, "--overwrite", "--no-tokenizer"]) == 2
+    assert os.path.exists(os.path.join(out, "keep", "meta.json"))

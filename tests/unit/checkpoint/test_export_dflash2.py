@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from dflash_dist.checkpoint.export import MODELING_SOURCE, apply_variant_fields, build_export_config
 from dflash_dist.checkpoint.export_load import ExportError, dflash2_settings, export_problems, validate_export_tensors
 from dflash_dist.cli import doctor
+from dflash_dist.config import ConfigError
 from dflash_dist.model import dflash2
 from dflash_dist.model.dflash2_selector import propose, transform_logits
 from dflash_dist.model.drafter import DrafterModelConfig
@@ -83,6 +84,14 @@ def test_a_dflash2_field_the_engines_refuse_is_refused_at_export():
     del fields["selector_rank"]
     with pytest.raises(ExportError, match="selector_rank"):
         apply_variant_fields(cfg, {"architectures": [dflash2.ARCHITECTURE], "dflash_config": fields})
+    for key, value in (("output_multiplier", float("inf")), ("output_multiplier", float("nan")),
+                       ("final_logit_softcapping", float("inf")), ("final_logit_softcapping", float("nan"))):
+        fields = dict(dflash2.export_fields(SETTINGS), **{key: value})
+        with pytest.raises(ExportError, match=key):
+            apply_variant_fields(dict(cfg, dflash_config=dict(cfg["dflash_config"])),
+                                 {"architectures": [dflash2.ARCHITECTURE], "dflash_config": fields})
+        with pytest.raises(ConfigError, match=key):   # nor can a job be configured so
+            dflash2.DFlash2Settings(**dict(vars(SETTINGS), **{key: value}))
 
 
 def renamed_codebook():
@@ -99,7 +108,24 @@ def swap_field(drop=None, **top):
     return cfg, None
 
 
+def dflash_field(**fields):
+    cfg = dflash2_config()
+    cfg["dflash_config"].update(fields)
+    return cfg, None
+
+
+def nan_codebook():
+    t = random_tensors()
+    t["candidate_selector.predecessor_codebook"][3, 1] = float("nan")
+    return dflash2_config(), t
+
+
 BROKEN = {
+    "multiplier_inf": (lambda: dflash_field(output_multiplier=float("inf")), "output_multiplier"),
+    "softcap_nan": (lambda: dflash_field(final_logit_softcapping=float("nan")), "final_logit_softcapping"),
+    "rope_nan": (lambda: swap_field(rope_parameters={"rope_type": "default", "rope_theta": float("nan")}),
+                 "rope_parameters.rope_theta"),
+    "codebook_nan": (nan_codebook, "predecessor_codebook"),
     "codebook_renamed": (renamed_codebook, "codebook.weight"),
     "no_selector_top_k": (lambda: swap_field(drop="selector_top_k"), "selector_top_k"),
     "embedding_scale": (lambda: swap_field(input_embedding_scale=2.0), "input_embedding_scale"),
@@ -193,6 +219,10 @@ def test_load_export_refuses_a_dflash2_config_an_engine_would_misread(tmp_path):
     from dflash_dist.checkpoint.export_load import load_export
     with pytest.raises(ExportError, match="conv_group_size"):
         load_export(write_export(tmp_path / "bad", cfg))
+    for case in ("multiplier_inf", "codebook_nan"):     # what the doctor fails, loading refuses too
+        cfg, tensors = BROKEN[case][0]()
+        with pytest.raises(ExportError, match=BROKEN[case][1]):
+            load_export(write_export(tmp_path / case, cfg, tensors))
 
 
 def test_automodel_of_a_dflash2_export_equals_load_export(tmp_path):

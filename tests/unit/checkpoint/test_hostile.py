@@ -335,3 +335,32 @@ def test_doctor_export_warns_on_modified_modeling_file_and_last_layer(tmp_path, 
     assert doc.rows[-1]["check"] == "export" and doc.rows[-1]["status"] == "PASS"
     write_huge_header(os.path.join(out, "model.safetensors"))  # the whole doctor: one line, exit 2
     refused(capsys, doctor_main, ["--no-flex", "--export", out], "model.safetensors", "header length")
+
+
+@pytest.mark.parametrize("name", ["sys:exit", "os:abort"])
+@pytest.mark.parametrize("field", ["variant", "loss.objective"])
+def test_a_callable_named_in_meta_is_never_called(tmp_path, capsys, caplog, monkeypatch, name, field):
+    """A file naming ``sys:exit`` / ``os:abort`` (modules every program has imported) as the variant or objective:
+    refused by the tools with one line, skipped by a resume with the reason, never called."""
+    from dflash_dist.cli.doctor import main as doctor_main
+    called = []
+    monkeypatch.setattr(sys, "exit", lambda *a: called.append("sys:exit"))
+    monkeypatch.setattr(os, "abort", lambda *a: called.append("os:abort"))
+    older, _ = make_checkpoint(tmp_path, step=3)
+    good, _ = make_checkpoint(tmp_path, run="good")
+    out = export_checkpoint(good, str(tmp_path / "e"), dtype="float32")
+    ckpt, _ = make_checkpoint(tmp_path, step=7)
+    settings = {"variant": "dflash", "loss": {"objective": "decayed_ce"}}
+    settings["variant" if field == "variant" else "loss"] = name if field == "variant" else {"objective": name}
+    edit_meta(ckpt, lambda m: m.__setitem__("drafter", settings))
+    refused(capsys, export_main, [ckpt, str(tmp_path / "x")], "meta.json", f"drafter.{field}")
+    refused(capsys, eval_main, eval_argv(tmp_path, ckpt), "meta.json", f"drafter.{field}")
+    assert f"drafter.{field}" in checkpoint_problem(ckpt)
+    assert find_latest(str(tmp_path / "run")) == older                  # train.resume=auto takes the older one
+    assert f"skipping checkpoint {ckpt}: " in caplog.text and f"drafter.{field}" in caplog.text
+    side = json.load(open(os.path.join(out, META_NAME)))
+    side["drafter"] = settings
+    json.dump(side, open(os.path.join(out, META_NAME), "w"))
+    refused(capsys, eval_main, eval_argv(tmp_path, export=out), META_NAME, f"drafter.{field}")
+    refused(capsys, doctor_main, ["--no-flex", "--export", out], META_NAME, f"drafter.{field}")
+    assert called == []
