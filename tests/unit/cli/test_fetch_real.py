@@ -145,3 +145,10 @@ def test_two_commands_on_one_directory_take_turns(tmp_path):
         assert done == []                                  # waits for it
     t.join(30)
     assert done == [man]
+
+
+def test_without_gguf_the_command_names_the_extra(tmp_path, monkeypatch, capsys):
+    import sys
+    monkeypatch.setitem(sys.modules, "gguf", None)   # import gguf raises ImportError
+    assert F.main([str(tmp_path / "real")]) == 1
+    assert "pip install 'dflash_dist[real]'" in capsys.readouterr().err
