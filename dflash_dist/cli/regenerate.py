@@ -272,6 +272,32 @@ class PartWriter:
         self.f.close()
 
 
+def check_paths(prompts: str, out: str, limit: Optional[int]) -> None:
+    """Refuse, before anything loads, an ``--out`` that would overwrite the prompts or is a directory, and a
+    negative ``--limit`` (a slice would silently drop rows from the end)."""
+    if os.path.isdir(out):
+        raise ConfigError(f"--out {out}: is a directory; give the output JSONL file's path")
+    if os.path.abspath(out) == os.path.abspath(prompts) or (
+            os.path.exists(out) and os.path.exists(prompts) and os.path.samefile(out, prompts)):
+        raise ConfigError(f"--out {out} is the --prompts file: the output would overwrite its own input")
+    if limit is not None and limit < 0:
+        raise ConfigError(f"--limit {limit}: must be >= 0 (leave it out for every row)")
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def progress_line(done: int, total: int, elapsed: float) -> str:
+    """``done/total rows (pct), rate rows/s, ETA`` of this run's rows (rows a resumed run found written are in
+    neither count)."""
+    rate = done / elapsed if elapsed > 0 else 0.0
+    eta = _duration((total - done) / rate) if rate > 0 else "?"
+    pct = 100.0 * done / total if total else 100.0
+    return f"{done}/{total} rows ({pct:.0f}%), {rate:.2f} rows/s, {_duration(elapsed)} elapsed, ETA {eta}"
+
+
 def main(argv: Optional[list] = None) -> int:
     p = argparse.ArgumentParser(prog="dflash-regenerate", description="Regenerate the final assistant reply of "
                                 "each conversation with the target (DFlash training-data recipe).")
@@ -288,7 +314,7 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--batch-size", type=int, default=None, help="prompts per generate call (default: 256 on "
                    "CUDA, 16 on CPU)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--limit", type=int, default=None, help="only the first N usable rows")
+    p.add_argument("--limit", type=int, default=None, help="only the first N usable rows (N >= 0; default: all)")
     p.add_argument("--on-empty", default="original", choices=["original", "drop", "keep"],
                    help="an empty generated reply: keep the original reply (or drop the row if none), drop, keep")
     p.add_argument("--chat-template-kwargs", default=None, help='JSON, e.g. \'{"enable_thinking": false}\', or a '
@@ -313,6 +339,7 @@ def _run(args) -> int:
 
     if args.max_new_tokens < 1 or (args.batch_size is not None and args.batch_size < 1) or args.temperature < 0:
         raise ConfigError("--max-new-tokens and --batch-size must be >= 1, --temperature >= 0")
+    check_paths(args.prompts, args.out, args.limit)
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank = int(os.environ.get("RANK", 0)) if distributed else 0
     world = int(os.environ.get("WORLD_SIZE", 1)) if distributed else 1
@@ -361,9 +388,10 @@ def _run(args) -> int:
         last = [0.0]
 
         def progress(done, total):
-            if rank == 0 and (time.monotonic() - last[0] > 10 or done == total):
-                last[0] = time.monotonic()
-                log.info("rank 0: %d/%d prompts (%.1f s)", done, total, time.monotonic() - t0)
+            now = time.monotonic()
+            if rank == 0 and (now - last[0] > 10 or done == total):
+                last[0] = now
+                log.info("rank 0: %s", progress_line(done, total, now - t_gen))
 
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         writer = PartWriter(_part_path(args.out, rank, world))

@@ -332,7 +332,36 @@ def check_target_paths(cfg: JobConfig) -> None:
                               f"such as Qwen/Qwen3-8B)")
 
 
+def unused_special_token(tok, chat_template_kwargs: Optional[dict] = None) -> Optional[int]:
+    """The highest id among the tokenizer's special tokens that no tokenized training row can hold, or None: a
+    special token (the data reader refuses content that spells one, and plain text never tokenizes to one) that
+    names no role (bos, eos, pad, unk, ...), does not appear in the chat template's source and is not written
+    by it into a probe conversation (SmolLM2: ``<empty_output>``, 16). It depends on the tokenizer alone, so
+    every rank picks the same one."""
+    roles = {getattr(tok, f"{r}_token_id", None) for r in ("bos", "eos", "pad", "unk", "sep", "cls", "mask")}
+    template = getattr(tok, "chat_template", None)
+    source = template if isinstance(template, str) else json.dumps(template or "")
+    written: set = set()
+    if template:
+        probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                 {"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}]
+        for msgs in (probe, probe[1:]):
+            try:
+                text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
+                                               **(chat_template_kwargs or {}))
+            except Exception:  # a template that refuses a system turn: the other probe still renders
+                continue
+            written.update(tok(text, add_special_tokens=False)["input_ids"])
+    free = [int(i) for i, t in (getattr(tok, "added_tokens_decoder", None) or {}).items()
+            if getattr(t, "special", False) and i not in roles and i not in written and str(t) not in source
+            and getattr(t, "content", str(t)) not in source]
+    return max(free) if free else None
+
+
 def resolve_mask_token_id(cfg: JobConfig, tok, vocab_size: int) -> int:
+    """MASK's token id: ``drafter.mask_token_id``; else the tokenizer's mask token (``mask_token`` or
+    ``<|MASK|>``); else the first embedding row no token uses (Qwen3: 151669); else a special token the training
+    data never holds (:func:`unused_special_token`; a target whose vocabulary has no spare row, SmolLM2)."""
     if cfg.drafter.mask_token_id is not None:
         return int(cfg.drafter.mask_token_id)
     if getattr(tok, "mask_token_id", None) is not None:
@@ -342,4 +371,11 @@ def resolve_mask_token_id(cfg: JobConfig, tok, vocab_size: int) -> int:
         return int(mid)
     if len(tok) < vocab_size:  # first embedding row no token uses (Qwen3: 151669)
         return len(tok)
+    mid = unused_special_token(tok, cfg.data.chat_template_kwargs)
+    if mid is not None and mid < vocab_size:
+        if os.environ.get("RANK", "0") == "0":
+            log.info("mask token: %d %r, a special token the chat template does not use (no mask token and no "
+                     "spare embedding row in a vocabulary of %d; drafter.mask_token_id overrides)", mid,
+                     tok.convert_ids_to_tokens(mid), vocab_size)
+        return mid
     raise ConfigError("no mask token: set drafter.mask_token_id to an id in the target vocabulary")

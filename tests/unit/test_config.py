@@ -16,6 +16,7 @@ def job(**sections) -> JobConfig:
 def test_default_layer_ids_match_dflash():
     assert default_layer_ids(36) == [1, 9, 17, 25, 33]  # Qwen3-8B
     assert default_layer_ids(28) == [1, 7, 13, 19, 25]  # Qwen3-0.6B
+    assert default_layer_ids(30) == [1, 8, 14, 20, 27]  # SmolLM2-135M (never the last layer, 29)
     assert default_layer_ids(8) == [1, 2, 3, 4, 5]
 
 

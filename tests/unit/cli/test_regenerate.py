@@ -143,3 +143,36 @@ def test_part_writer_trims_a_partial_last_line(tmp_path):
     w.close()
     rows, counts = read_parts(str(tmp_path / "o.jsonl"))
     assert rows == {0: {"a": 1}, 2: {"b": 2}} and counts == {"generated": 1}
+
+
+@pytest.mark.parametrize("case", ["same_file", "same_file_other_spelling", "directory", "negative_limit"])
+def test_bad_out_or_limit_is_refused_before_generating(tmp_path, case):
+    """--out equal to --prompts (however spelled), --out a directory and a negative --limit (rows[:-1] would drop the
+    last row) are refused with exit 2 before any model loads; the prompts file is left as it was."""
+    from dflash_dist.cli.regenerate import main
+    write_inputs(tmp_path / "in.jsonl")
+    before = (tmp_path / "in.jsonl").read_bytes()
+    (tmp_path / "outdir").mkdir()
+    out = {"same_file": tmp_path / "in.jsonl", "same_file_other_spelling": tmp_path / "outdir" / ".." / "in.jsonl",
+           "directory": tmp_path / "outdir", "negative_limit": tmp_path / "out.jsonl"}[case]
+    extra = ["--limit", "-1"] if case == "negative_limit" else []
+    import dflash_dist.model.hf as hf
+    loads = []
+    orig = hf.build_target_model
+    hf.build_target_model = lambda *a, **k: loads.append(1) or orig(*a, **k)
+    try:
+        rc = main(["--prompts", str(tmp_path / "in.jsonl"), "--out", str(out), "--device", "cpu", *extra])
+    finally:
+        hf.build_target_model = orig
+    assert rc == 2 and loads == []
+    assert (tmp_path / "in.jsonl").read_bytes() == before
+    assert not (tmp_path / "out.jsonl").exists() and not list(tmp_path.rglob("*.part*"))
+
+
+def test_limit_zero_and_none_and_progress_line(tmp_path):
+    from dflash_dist.cli.regenerate import check_paths, progress_line
+    check_paths(str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), 0)
+    check_paths(str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), None)
+    assert progress_line(30, 120, 15.0) == "30/120 rows (25%), 2.00 rows/s, 15s elapsed, ETA 45s"
+    assert progress_line(10, 1000, 100.0) == "10/1000 rows (1%), 0.10 rows/s, 1m40s elapsed, ETA 2h45m"
+    assert progress_line(0, 5, 3.0).endswith("ETA ?")
