@@ -10,7 +10,8 @@ import subprocess
 import time
 
 import pytest
-from helpers.launch_util import torchrun
+from helpers.launch_util import shared_data_cache, torchrun
+from test_dflash_train import QUICK, _signal_when_training, dflash_train
 from test_failures import _rank_pids, _wait_for_step
 from test_train_e2e import accounting, metrics, sample_log, train_records
 
@@ -123,3 +124,36 @@ def test_kill9_of_a_colocated_rank_is_named(tmp_path):
     assert p.returncode != 0 and time.time() - t0 < 60
     assert "rank 1 (colocated" in out and "died" in out, out[-3000:]
     assert not os.path.exists(tmp_path / "checkpoints"), "a failure must not write a checkpoint"
+
+
+def test_sigterm_to_a_one_gpu_style_job_checkpoints_and_resumes_as_a_split(tmp_path):
+    """dflash-train with one process (colocated) stopped by SIGTERM: a checkpoint, exit 143, the command that continues;
+    1 target + 1 drafter continues it from there."""
+    run = tmp_path / "run"
+    p = dflash_train(["--nproc-per-node", "1", *QUICK, "train.max_steps=400", "logging.log_every=1",
+                      f"train.output_dir={run}", f"data.cache_dir={shared_data_cache()}"], cwd=tmp_path, popen=True)
+    out = _signal_when_training(p, run, signal.SIGTERM, after_step=2)
+    assert p.returncode == 143, out[-4000:]
+    assert "[rank 0 colocated]" in out and "to continue: dflash-train --nproc-per-node 1" in out, out[-4000:]
+    (ckpt,) = os.listdir(run / "checkpoints")
+    meta = json.load(open(run / "checkpoints" / ckpt / "meta.json"))
+    assert meta["reason"] == "signal" and meta["step"] > 2
+    r = torchrun(2, JOB + [f"train.output_dir={run}", "train.resume=auto", f"train.max_steps={meta['step'] + 2}",
+                           "train.eval_prompts=0", "topology.target_ranks=1"], timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and f"resuming from {run / 'checkpoints' / ckpt}" in out, out[-3000:]
+    assert accounting(run)["run_samples_repeated"] == 0
+
+
+@pytest.mark.parametrize("overrides", [
+    ["drafter=tiny_dflash2"], ["drafter=tiny_domino"], ["drafter.loss.labels=target", "drafter.loss.kind=kl"],
+    ["drafter.loss.weighting=dpace"], ["target.quantization=fp8"],
+    ["drafter.tuning.loss_on_target=true", "drafter.tuning.micro_batches=2"]])
+def test_variants_objectives_and_fp8_targets_train_and_evaluate_colocated(tmp_path, overrides):
+    out = run_job(1, tmp_path, *overrides, "train.max_steps=6", "train.eval_every=6", "train.eval_prompts=2",
+                  "train.eval_max_new_tokens=16", "logging.log_every=2")
+    assert "topology: 1 colocated rank(s)" in out
+    (ev,) = [x for x in metrics(tmp_path) if x["kind"] == "eval"]
+    assert ev["step"] == 6 and ev["n_prompts"] == 2 and ev["tau"] >= 1.0
+    train = train_records(tmp_path)
+    assert train[-1]["step"] == 6 and train[-1]["loss"] < train[0]["loss"]
