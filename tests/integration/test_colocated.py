@@ -6,13 +6,11 @@ import glob
 import json
 import os
 import signal
-import subprocess
-import time
 
 import pytest
 from helpers.launch_util import shared_data_cache, torchrun
 from test_dflash_train import QUICK, _signal_when_training, dflash_train
-from test_failures import _rank_pids, _wait_for_step
+from test_failures import _wait_for_step, kill9_and_wait
 from test_train_e2e import accounting, metrics, sample_log, train_records
 
 from dflash_dist.cli.eval import main as eval_main
@@ -113,15 +111,8 @@ def test_kill9_of_a_colocated_rank_is_named(tmp_path):
     p = torchrun(2, JOB + [f"train.output_dir={tmp_path}", "train.max_steps=400", "train.eval_prompts=0",
                            "topology.target_ranks=0"], popen=True)
     _wait_for_step(tmp_path, 3, p)
-    pids = _rank_pids(p.pid)
-    t0 = time.time()
-    os.kill(pids[1], signal.SIGKILL)
-    try:
-        out, _ = p.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        pytest.fail("the other rank still runs 60 s after the kill")
-    assert p.returncode != 0 and time.time() - t0 < 60
+    out, took = kill9_and_wait(p, 1)
+    assert p.returncode != 0 and took < 60
     assert "rank 1 (colocated" in out and "died" in out, out[-3000:]
     assert not os.path.exists(tmp_path / "checkpoints"), "a failure must not write a checkpoint"
 

@@ -44,6 +44,20 @@ def _wait_for_step(run_dir, step, p, timeout=240):
     pytest.fail("job never reached step %d" % step)
 
 
+def kill9_and_wait(p, rank: int, within_s: float = 60) -> tuple[str, float]:
+    """SIGKILL one rank of a running torchrun job ``p``; the job's output and the seconds until it ended (a job still
+    running ``within_s`` after the kill fails the test)."""
+    pid = _rank_pids(p.pid)[rank]
+    t0 = time.time()
+    os.kill(pid, signal.SIGKILL)
+    try:
+        out, _ = p.communicate(timeout=within_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail(f"survivors still running {within_s:.0f} s after the kill")
+    return out, time.time() - t0
+
+
 ARGS = ["-m", "dflash_dist.train", "train.max_steps=400", "logging.log_every=1", "logging.progress_bar=false",
         "logging.wandb.mode=disabled", "train.eval_prompts=0"]
 
@@ -54,16 +68,9 @@ def test_kill9_any_rank_ends_the_job_fast_and_names_it(tmp_path, victim, role, r
     """rendezvous=true: the target may be polling the store for a dead drafter's receive; it must still say who."""
     p = torchrun(3, ARGS + [f"train.output_dir={tmp_path}", f"topology.tuning.rendezvous_sends={rendezvous}"], popen=True)
     _wait_for_step(tmp_path, 3, p)
-    pids = _rank_pids(p.pid)
-    t0 = time.time()
-    os.kill(pids[victim], signal.SIGKILL)
-    try:
-        out, _ = p.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        pytest.fail("survivors still running 60 s after the kill")
+    out, took = kill9_and_wait(p, victim)
     assert p.returncode != 0
-    assert time.time() - t0 < 60
+    assert took < 60
     assert f"rank {victim} ({role}" in out and "died" in out, out[-3000:]
     assert not os.path.exists(tmp_path / "checkpoints"), "a failure must not write a checkpoint"
 

@@ -87,23 +87,11 @@ def test_replica_of_two_trains_like_one_target_rank(tmp_path):
 def test_killed_replica_rank_ends_the_job_by_name(tmp_path):
     """kill -9 of the rank of a replica that sends nothing (rank 2 of replica [1, 2]): the job ends within 60 s,
     naming it, without a checkpoint."""
-    import signal
-    import subprocess
-    import time
-
-    from test_failures import ARGS, _rank_pids, _wait_for_step
+    from test_failures import ARGS, _wait_for_step, kill9_and_wait
     p = torchrun(3, ARGS + [f"train.output_dir={tmp_path}", "topology.target_ranks=2", "target.tensor_parallel=2"],
                  popen=True)
     _wait_for_step(tmp_path, 3, p)
-    pids = _rank_pids(p.pid)
-    t0 = time.time()
-    os.kill(pids[2], signal.SIGKILL)
-    try:
-        out, _ = p.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        pytest.fail("survivors still running 60 s after the kill")
-    took = time.time() - t0
+    out, took = kill9_and_wait(p, 2)
     assert p.returncode != 0 and took < 60
     assert "rank 2 (target" in out and "died" in out, out[-3000:]
     assert not os.path.exists(tmp_path / "checkpoints")
