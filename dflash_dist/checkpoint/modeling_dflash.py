@@ -29,9 +29,13 @@ A drafter variant's counterpart (dflash_dist/model/variants/) overrides the same
 convolution around attention and MLP in every layer and the candidate selector, with z-lab's API beyond the
 forward::
 
-    logits = model.compute_logits(hidden, lm_head)        # times output_multiplier, then the soft cap
-    tokens, candidates, q = model.propose(hidden, anchor_ids, lm_head, temperature)
+    draft_hidden = model(...)[:, 1 - block_size:]          # the B-1 mask slots (z-lab's dflash_generate)
+    logits = model.compute_logits(draft_hidden, lm_head)  # times output_multiplier, then the soft cap
+    tokens, candidates, q = model.propose(draft_hidden, anchor_ids, lm_head, temperature)   # tokens [n, B-1]
 
+``lm_head``: the target's output head as a module (``target.lm_head``, as z-lab passes it) or its weight [V, H].
+``propose`` takes the hidden states of the B-1 mask slots (z-lab's convention) or of the whole block [anchor,
+MASK x (B-1)] (B rows: the anchor's row is dropped); any other row count is a ValueError.
 (dflash_dist/model/dflash2.py and dflash2_selector.py compute the same; tests/unit/checkpoint/
 test_export_dflash2.py and tests/unit/model/test_dflash2_parity.py check both.)
 """
@@ -221,8 +225,9 @@ class DFlashDraftModel(PreTrainedModel):
             cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)
 
-    def compute_logits(self, hidden_states: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        return lm_head(hidden_states)
+    def compute_logits(self, hidden_states: torch.Tensor, lm_head) -> torch.Tensor:
+        """The target head's logits of any rows: ``lm_head`` a module (called) or its weight [V, H]."""
+        return _apply_head(hidden_states, lm_head)
 
     def forward(self, position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 noise_embedding: Optional[torch.Tensor] = None, target_hidden: Optional[torch.Tensor] = None,
@@ -337,8 +342,36 @@ class DFlash2CandidateSelector(nn.Module):
         return unary.float()[..., None, :] + torch.matmul(context, succ.transpose(-1, -2)).float()
 
 
-def _head_weight(lm_head) -> torch.Tensor:
-    return lm_head.weight if isinstance(lm_head, nn.Module) else lm_head
+def _apply_head(hidden_states: torch.Tensor, lm_head) -> torch.Tensor:
+    """The target's head on ``hidden_states``: a module called (``target.lm_head``), a weight [V, H] multiplied."""
+    if isinstance(lm_head, torch.Tensor):
+        return hidden_states.to(lm_head.dtype) @ lm_head.t()
+    if not callable(lm_head):
+        raise TypeError(f"lm_head: the target's output head as a module or its weight tensor [V, H], got "
+                        f"{type(lm_head).__name__}")
+    return lm_head(hidden_states)
+
+
+def _head_weight(lm_head) -> Optional[torch.Tensor]:
+    """The [V, H] weight that is the whole head: a tensor itself, or a bias-free module's 2-D ``weight``
+    (nn.Linear, a tied embedding); None for any other callable (called instead)."""
+    if isinstance(lm_head, torch.Tensor):
+        return lm_head
+    w = getattr(lm_head, "weight", None)
+    if isinstance(w, torch.Tensor) and w.dim() == 2 and getattr(lm_head, "bias", None) is None:
+        return w
+    if callable(lm_head):
+        return None
+    raise TypeError(f"lm_head: the target's output head as a module or its weight tensor [V, H], got "
+                    f"{type(lm_head).__name__}")
+
+
+def _head_logits(hidden_states: torch.Tensor, lm_head) -> torch.Tensor:
+    """``hidden_states`` times the head: the weight's matmul in its dtype, or the module's own call."""
+    w = _head_weight(lm_head)
+    if w is None:
+        return lm_head(hidden_states)
+    return hidden_states.to(w.dtype) @ w.t()
 
 
 class DFlash2DraftModel(DFlashDraftModel):
@@ -378,22 +411,35 @@ class DFlash2DraftModel(DFlashDraftModel):
 
     def compute_logits(self, hidden_states: torch.Tensor, lm_head) -> torch.Tensor:
         """The unary logits: the target head's, times ``output_multiplier``, then soft-capped (fp32)."""
-        w = _head_weight(lm_head)
-        return self._transform((hidden_states.to(w.dtype) @ w.t()).float())
+        return self._transform(_head_logits(hidden_states, lm_head).float())
+
+    def _mask_rows(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The B-1 mask slots' rows of one block per row of ``hidden_states``: given as they are (z-lab's
+        ``model(...)[:, 1 - block_size:]``), or the whole block's B rows with the anchor's row dropped."""
+        rows, bsz = hidden_states.shape[-2], self.block_size
+        if hidden_states.dim() != 3 or rows not in (bsz - 1, bsz):
+            raise ValueError(f"propose takes the final hidden states [n, {bsz - 1}, H] of a block's {bsz - 1} mask "
+                             f"slots (or [n, {bsz}, H] with the anchor's row first), got "
+                             f"{tuple(hidden_states.shape)}")
+        return hidden_states[:, 1:] if rows == bsz else hidden_states
 
     @torch.no_grad()
     def propose(self, hidden_states: torch.Tensor, anchor_ids: torch.Tensor, lm_head, temperature: float = 0.0,
                 generator: Optional[torch.Generator] = None):
-        """One block's proposal from the final hidden states [n, B, H] of [anchor, MASK x (B-1)] and the anchors
-        [n]: (tokens [n, B-1], candidates [n, B-1, K], q [n, B-1, K]). Candidates: the unary top-K per mask slot;
+        """One block's proposal from the final hidden states of its B-1 mask slots [n, B-1, H] (z-lab's
+        ``dflash_generate`` passes ``model(...)[:, 1 - block_size:]``; [n, B, H] of [anchor, MASK x (B-1)] is
+        taken too, its first row dropped), the anchors [n] and the target's head (module or weight [V, H]):
+        (tokens [n, B-1], candidates [n, B-1, K], q [n, B-1, K]). Candidates: the unary top-K per mask slot;
         the walk: idx_0 from the anchor's row, idx_j = choice over S[j, idx_{j-1}, :] (greedy: argmax, ties to
         the lowest index; T > 0: Gumbel-max on S / T); q = softmax(row / T), one-hot when greedy."""
-        w = _head_weight(lm_head)
-        top = (hidden_states[:, 1:].to(w.dtype) @ w.t()).topk(self.selector_top_k, dim=-1)
+        hidden = self._mask_rows(hidden_states)
+        top = _head_logits(hidden, lm_head).topk(self.selector_top_k, dim=-1)
         cand, unary = top.indices, self._transform(top.values.float())
         n, length, k = cand.shape
-        preds = torch.cat([anchor_ids.reshape(n, 1, 1).expand(n, 1, k), cand[:, :-1]], dim=1)
-        lattice = self.candidate_selector.scores(hidden_states[:, 1:], preds, cand, unary)   # [n, L, K, K]
+        if anchor_ids.numel() != n:
+            raise ValueError(f"{anchor_ids.numel()} anchor ids for {n} blocks")
+        preds = torch.cat([anchor_ids.reshape(n, 1, 1).to(cand.device).expand(n, 1, k), cand[:, :-1]], dim=1)
+        lattice = self.candidate_selector.scores(hidden, preds, cand, unary)   # [n, L, K, K]
         idx = torch.zeros(n, dtype=torch.long, device=cand.device)
         picks, rows = [], []
         for j in range(length):
@@ -439,9 +485,12 @@ class DominoDraftModel(DFlashDraftModel):
                              "block's tokens (anchor, then each slot's token)")
         b, q, h = hidden_states.shape
         bsz = self.block_size
+        if q % bsz:
+            raise ValueError(f"DominoDraftModel.compute_logits takes whole blocks of {bsz} rows (the anchor's row "
+                             f"first: slot k's correction reads the block's tokens before it), got {q} rows")
         x = token_embeds.to(hidden_states.dtype).reshape(b * (q // bsz), bsz, h)[:, :-1]
         out, _ = self.prefix_gru(x)
         states = torch.cat([out.new_zeros(out.shape[0], 1, out.shape[2]), out], dim=1).reshape(b, q, -1)
         corr = self.embed_proj(torch.cat([hidden_states, states.to(hidden_states.dtype)], dim=-1))
         slot = torch.arange(q, device=hidden_states.device) % bsz
-        return lm_head(hidden_states) + corr * (slot >= self.suffix_start).to(corr.dtype)[:, None]
+        return _apply_head(hidden_states, lm_head) + corr * (slot >= self.suffix_start).to(corr.dtype)[:, None]
