@@ -366,7 +366,8 @@ def _splits(cfg: JobConfig, world_size: Optional[int]) -> list:
         return [(0, 0, local)]
     if t != "auto" and local == world_size:
         return [(t, world_size - t, 0)]
-    return [(0, 0, local)] + [(t, local - t, 0) for t in range(1, local)]
+    # several nodes (this one holds some share of the split) or auto: any mix of the two roles on this host
+    return [(0, 0, local)] * (t == "auto") + [(n, local - n, 0) for n in range(0, local + 1)]
 
 
 def _refusal(what_needs: str, need: int, limit: int, what: str, plans: Sequence[MemoryPlan]) -> str:
@@ -407,8 +408,8 @@ def check_memory(cfg: JobConfig, tc: Any, hf_config: Any, spec: Any, device: str
     mode = cfg.train.memory_check
     split = None if world_size is None else split_targets(cfg, world_size)
     drafters = 1 if split in (None, "auto") else (world_size - split if split else world_size)
-    roles = ("colocated",) if split == 0 else ("target", "drafter") if split != "auto" else \
-        ("target", "drafter", "colocated")
+    roles = ("colocated",) if split == 0 else ("target", "drafter", "colocated") if split == "auto" else \
+        ("target", "drafter")
     plans = {r: plan_rank(cfg, tc, hf_config, spec, r, device, num_feature_layers, steps, drafters,
                           attn_implementation) for r in roles}
     limit = device_memory(device)

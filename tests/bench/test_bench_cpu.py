@@ -199,12 +199,13 @@ def test_threaded(runs):
 
 def test_plan_split(runs):
     d = _load(runs, "plan_split")
-    assert len(d["rows"]) == 7 and d["gpus"] == 8
+    assert [r["targets"] for r in d["rows"]] == list(range(8)) and d["gpus"] == 8  # colocated (0), then 1..7
     best = d["best"]
     assert best["samples_per_s"] == max(r["samples_per_s"] for r in d["rows"])
-    for r in d["rows"]:
-        assert r["samples_per_s"] == pytest.approx(min(r["targets"] * d["supply_per_target_gpu"],
-                                                       r["drafters"] * d["demand_per_drafter_gpu"]))
+    s, dm = d["supply_per_target_gpu"], d["demand_per_drafter_gpu"]
+    assert d["rows"][0]["samples_per_s"] == pytest.approx(8 / (1 / s + 1 / dm))
+    for r in d["rows"][1:]:
+        assert r["samples_per_s"] == pytest.approx(min(r["targets"] * s, r["drafters"] * dm))
 
 
 def test_summarize(runs, tmp_path):

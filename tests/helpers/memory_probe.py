@@ -2,7 +2,8 @@
 CPU, in a fresh process (its resident-set high-water mark is the step's alone).
 
 Builds the job of ``helpers.standalone_drafter`` for the given overrides (synthetic data), takes this drafter's
-largest planned step (the one the plan's shape names), and measures the peak resident memory (``ru_maxrss``) of
+largest planned step (the one the plan's shape names), and measures the peak resident memory (``VmHWM``, reset just
+before; ``ru_maxrss`` where it cannot be) of
 building the ``DrafterTrainer`` (model, optimizer, frozen embedding and lm_head) and running that step, less the
 resident memory before (the interpreter and imports: the plan's ``process`` part). Prints one JSON line."""
 
@@ -22,12 +23,27 @@ from dflash_dist.model.hf import text_config  # noqa: E402
 from dflash_dist.planning.memory import drafter_plan  # noqa: E402
 
 
-def rss() -> int:
+def status(field: str = "VmRSS") -> int:
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
+    raise RuntimeError(f"no {field}")
+
+
+def rss() -> int:
+    return status("VmRSS")
+
+
+def reset_peak() -> bool:
+    """Start the high-water mark (VmHWM) afresh: whatever this process held earlier (imports, the data) is not the
+    step's. Linux: writing 5 to clear_refs."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def main():
@@ -51,9 +67,10 @@ def main():
     msg = S.make_message(job, ds, j, cpu, feats)
     gc.collect()
     before = rss()
+    fresh = reset_peak()
     trainer = S.make_trainer(job)
     trainer.train_step(trainer.build(msg, job.start_cursor + j))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = status("VmHWM") if fresh else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     planned = plan.total - plan.parts["process"]
     out = {"overrides": args.overrides, "shape": plan.shape, "measured": peak - before, "planned": planned,
            "parts": plan.parts, "rss_before": before}

@@ -63,7 +63,7 @@ def test_family_trains_exports_reloads(family, tmp_path):
     assert acc["samples_trained"] > 0 and acc["samples_sent"] == acc["samples_received"]
 
     ckpt = tmp_path / "checkpoints" / f"step_{STEPS:08d}"
-    export = export_checkpoint(str(ckpt), str(tmp_path / "export"), dtype="float32")
+    export = export_checkpoint(str(ckpt), str(tmp_path.parent / f"{tmp_path.name}-export"), dtype="float32")
     cfg = json.load(open(os.path.join(export, "config.json")))
     assert cfg["rope_parameters"]["rope_type"] == rope_type
     assert "partial_rotary_factor" not in cfg["rope_parameters"] and "mrope_section" not in cfg["rope_parameters"]
