@@ -145,6 +145,6 @@ def test_variants_objectives_and_fp8_targets_train_and_evaluate_colocated(tmp_pa
                   "train.eval_max_new_tokens=16", "logging.log_every=2")
     assert "topology: 1 colocated rank(s)" in out
     (ev,) = [x for x in metrics(tmp_path) if x["kind"] == "eval"]
-    assert ev["step"] == 6 and ev["n_prompts"] == 2 and ev["tau"] >= 1.0
+    assert ev["step"] == 6 and ev["n_prompts"] == 2 and ev["acceptance_length"] >= 1.0
     train = train_records(tmp_path)
     assert train[-1]["step"] == 6 and train[-1]["loss"] < train[0]["loss"]
