@@ -50,14 +50,18 @@ def test_one_process_trains_as_one_target_and_one_drafter_and_its_tau_is_dflash_
 
     (ev,) = [x for x in metrics(tmp_path / "colo") if x["kind"] == "eval"]
     (split_ev,) = [x for x in metrics(tmp_path / "split") if x["kind"] == "eval"]
-    assert ev["tau"] == pytest.approx(split_ev["tau"], abs=1e-9)
+    assert ev["acceptance_length"] == pytest.approx(split_ev["acceptance_length"], abs=1e-9)
     ck = tmp_path / "colo" / "checkpoints" / "step_00000012"
     (holdout,) = glob.glob(str(tmp_path / "cache" / "holdout-*.jsonl"))
+    # no --max-new-tokens: dflash-eval generates the run's train.eval_max_new_tokens, as the in-training evaluation
     assert eval_main(["--checkpoint", str(ck), "--prompts", holdout, "--num-prompts", str(ev["n_prompts"]),
-                      "--max-new-tokens", str(ev["max_new_tokens"]), "--out", str(tmp_path / "e.json")]) == 0
+                      "--out", str(tmp_path / "e.json")]) == 0
     e = json.load(open(tmp_path / "e.json"))
     assert e["n_prompts"] == ev["n_prompts"] == 4 and e["lossless_fraction"] == 1.0
-    assert e["tau"] == pytest.approx(ev["tau"], abs=1e-9)
+    assert e["max_new_tokens"] == ev["max_new_tokens"] == 32
+    assert e["acceptance_length"] == pytest.approx(ev["acceptance_length"], abs=1e-9)
+    assert e["tau"] == ev["tau"] or e["tau"] == pytest.approx(ev["tau"], abs=1e-9)
+    assert e["prompts_one_step"] == ev["prompts_one_step"] and e["one_step_excluded"] == ev["one_step_excluded"]
     assert e["tau_pooled"] == pytest.approx(ev["tau_pooled"], abs=1e-9)
     assert [r["acceptance_lengths"] for r in e["per_prompt"]] == ev["acceptance_lengths"]
 
