@@ -108,7 +108,8 @@ def plan_for(lengths: list, cfg: JobConfig, epochs: int) -> list:
 
 
 def check_job_config(cfg: JobConfig, world_size: Optional[int], device_type: str) -> dict:
-    """The checks a job makes before any model loads (paths, target and tokenizer configs, the split, layer ids,
+    """The checks a job makes before any model loads (paths, target and tokenizer configs, data.max_length against
+    the target's positions, the split, layer ids,
     the drafter's shape, the target's attention implementation, fast paths and packing, the data source), shared
     by training and dflash-doctor so both refuse the same configs with the same message. ``world_size`` None
     skips the checks of the split. Returns what they resolved."""
@@ -129,6 +130,10 @@ def check_job_config(cfg: JobConfig, world_size: Optional[int], device_type: str
     check_target_paths(cfg)
     hf_config = load_hf_config(cfg.target)
     tc = text_config(hf_config)
+    from dflash_dist.model.rope import check_positions
+    scaled = check_positions(cfg.data.max_length, tc)  # longer samples than the target's positions: refused here
+    if scaled:
+        log.info("%s", scaled)
     tok_path = tokenizer_path(cfg.target)
     tok = AutoTokenizer.from_pretrained(tok_path)
     mask_id = resolve_mask_token_id(cfg, tok, tc.vocab_size)

@@ -1,12 +1,14 @@
 """One run directory, one job: rank 0 holds an exclusive claim on its run directory for the job's life.
 
 The claim is a file, ``<run_dir>/.dflash-claim``, created with ``O_CREAT | O_EXCL`` (atomic on local disks and
-on NFS v3+, unlike ``flock``), holding who took it: host, pid, the process's start time, the job id
-(SLURM_JOB_ID / TORCHELASTIC_RUN_ID) and a random token. The holder refreshes the file's mtime every
-``HEARTBEAT_S`` (a daemon thread that only touches the file). A claim whose holder is gone is stale and is
-taken over with a warning: on the same host when its pid no longer runs or runs another process (another start
-time); on another host when its heartbeat is older than ``STALE_AFTER_S``; anywhere when it is an earlier launch
-of this same job (same SLURM job and step or torchrun run id, a lower restart count). Released on every exit path that
+on NFS v3+, unlike ``flock``), holding who took it: host, pid, the process's start time, its PID namespace and
+boot id, the job id (SLURM_JOB_ID / TORCHELASTIC_RUN_ID) and a random token. The holder refreshes the file's mtime
+every ``HEARTBEAT_S`` (a daemon thread that only touches the file). A claim whose holder is gone is stale and is
+taken over with a warning: when its pid no longer runs or runs another process (another start time), judged only
+where that pid means the same process as here (same host name, PID namespace and boot); elsewhere (another host, a
+container with the host's name in its own PID namespace, another boot, a claim that does not say) only once its
+heartbeat is older than ``STALE_AFTER_S``, never while it is live; anywhere when it is an earlier launch of this
+same job (same SLURM job and step or torchrun run id, a lower restart count). Released on every exit path that
 can run code (the exit paths of ``train`` and the lifecycle call ``release_claims``; atexit covers the rest);
 a ``kill -9`` leaves it behind, which the next job detects as stale.
 """
@@ -47,6 +49,35 @@ def process_start(pid: int) -> Optional[int]:
         return None
 
 
+def pid_namespace() -> Optional[str]:
+    """This process's PID namespace (``pid:[inode]``), None where /proc does not say."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def boot_id() -> Optional[str]:
+    """This boot of the machine (a pid and a namespace inode are only meaningful within one), None if unknown."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def pid_space_differs(holder: dict) -> Optional[str]:
+    """Why the holder's pid may not name the same process here (None: it does: same PID namespace and boot).
+    Containers with host networking share the host name, not the process table."""
+    if "pid_ns" not in holder or "boot_id" not in holder:
+        return "the claim does not record its PID namespace"
+    if holder["boot_id"] != boot_id():
+        return "it was made in another boot or on another machine of this name"
+    if holder["pid_ns"] != pid_namespace():
+        return f"it runs in another PID namespace ({holder['pid_ns']})"
+    return None
+
+
 def _pid_runs(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -83,7 +114,8 @@ def stale_reason(holder: dict, mtime: float, now: Optional[float] = None) -> Opt
     restarted = _restarted(holder)
     if restarted:
         return restarted
-    if holder.get("host") == socket.gethostname():
+    elsewhere = pid_space_differs(holder) if holder.get("host") == socket.gethostname() else None
+    if holder.get("host") == socket.gethostname() and elsewhere is None:
         if not os.path.exists("/proc/self/stat"):  # no /proc: the pid alone
             return None if _pid_runs(pid) else f"pid {pid} is gone"
         start = process_start(pid)
@@ -92,9 +124,11 @@ def stale_reason(holder: dict, mtime: float, now: Optional[float] = None) -> Opt
         if holder.get("start_ticks") is not None and start != holder["start_ticks"]:
             return f"pid {pid} is another process now (it started later)"
         return None
+    # not provably gone by its pid: only a heartbeat older than the bound says so
     age = (now or time.time()) - mtime
     if age > STALE_AFTER_S:
-        return f"its heartbeat is {age:.0f} s old (a live holder refreshes it every {HEARTBEAT_S:.0f} s)"
+        return (f"its heartbeat is {age:.0f} s old (a live holder refreshes it every {HEARTBEAT_S:.0f} s)"
+                + (f"; its pid is not checked here: {elsewhere}" if elsewhere else ""))
     return None
 
 
@@ -158,6 +192,7 @@ def _read(path: str) -> tuple[dict, float]:
 
 def _record() -> dict:
     rec = {"host": socket.gethostname(), "pid": os.getpid(), "start_ticks": process_start(os.getpid()),
+           "pid_ns": pid_namespace(), "boot_id": boot_id(),
            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "token": uuid.uuid4().hex}
     rec.update({k: os.environ[k] for g in _RESTART_VARS for k in g if k and os.environ.get(k)})
     return rec
@@ -210,8 +245,11 @@ def claim_run_dir(run_dir: str, what: str = "train.output_dir") -> RunClaim:
             return next(c for c in _HELD if c.record["token"] == holder["token"])  # this process holds it
         why = stale_reason(holder, mtime)
         if why is None:
+            elsewhere = pid_space_differs(holder) if holder.get("host") == socket.gethostname() else None
+            live = (f"; {elsewhere}: live while its heartbeat (the file's mtime) is under {STALE_AFTER_S:.0f} s old, "
+                    f"now {time.time() - mtime:.0f} s" if elsewhere else "")
             raise ConfigError(
-                f"{what}={run_dir} is in use by another job ({describe(holder)}; claim file {path}): one run "
+                f"{what}={run_dir} is in use by another job ({describe(holder)}; claim file {path}{live}): one run "
                 f"directory takes one job. Wait for that job to end or stop it, or set another {what}.")
         log.warning("run directory %s: a stale claim left by a job that did not end cleanly (%s): %s; taking "
                     "it over", run_dir, describe(holder), why)

@@ -1,6 +1,6 @@
 """``dflash-eval``: acceptance length τ of a trained drafter with real greedy speculative decoding.
 
-    dflash-eval --checkpoint OUT/checkpoints/step_00001000 [--num-prompts 256] [--max-new-tokens 128]
+    dflash-eval --checkpoint OUT/checkpoints/step_00001000 [--num-prompts 256] [--max-new-tokens N]
     dflash-eval --export EXPORT_DIR [--target NAME_OR_PATH] [--prompts prompts.jsonl] [--out eval.json]
     torchrun --nproc-per-node K -m dflash_dist.cli.eval --export EXPORT_DIR ...   # a target too large for one GPU
 
@@ -23,7 +23,10 @@ the drafter (the target's embedding and lm_head read whole from its checkpoint) 
 proposals (eval/replica.py ``EvalReplica``). The result is that of one process (the same fields,
 ``tensor_parallel`` K).
 
-Prints a table (τ, acceptance per block slot, losslessness against the target's own greedy decoding) and
+Prints progress (prompts done, elapsed, ETA) as it goes, then a table (the pooled acceptance length, all
+accepted+1 tokens / all verify steps, first; z-lab's τ, the mean over prompts, beside it, the prompts that ended in
+their first block left out unless ``--include-one-step``; acceptance per block slot, losslessness against the
+target's own greedy decoding) and
 writes the full result as JSON beside what it read (``<checkpoint or export directory>.eval.json``, e.g.
 ``checkpoints/step_00001000.eval.json``), or to ``--out PATH``; never into the current directory.
 
@@ -39,6 +42,7 @@ import json
 import logging
 import os
 import sys
+import time
 from typing import Optional
 
 import torch
@@ -47,7 +51,7 @@ from dflash_dist.checkpoint.export_load import META_NAME
 from dflash_dist.checkpoint.safe_io import check_tokenizer_files, local_dir
 from dflash_dist.checkpoint.store import CheckpointError
 from dflash_dist.checkpoint.validate import local_attention, local_experts
-from dflash_dist.config import ConfigError, DataConfig, TargetConfig
+from dflash_dist.config import ConfigError, DataConfig, TargetConfig, TrainConfig
 from dflash_dist.data.conversations import PACKAGED_SOURCES
 from dflash_dist.data.sources import parse_template_kwargs
 from dflash_dist.eval.prompts import (
@@ -84,7 +88,12 @@ def main(argv: Optional[list] = None) -> int:
                    "read only when given here)")
     p.add_argument("--num-prompts", type=int, default=256, help="prompts to evaluate (at most the held-out ones); 256: "
                    "tau's standard deviation over prompts is about 5%% of tau on the tiny default")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=None, help="tokens generated per prompt (default: the "
+                   "checkpoint's train.eval_max_new_tokens, as its in-training evaluation; else %d)"
+                   % TrainConfig.eval_max_new_tokens)
+    p.add_argument("--include-one-step", action="store_true", help="count in z-lab's tau the prompts that ended "
+                   "inside their first block (left out by default, as train.eval_exclude_one_step; the headline "
+                   "pooled acceptance length counts every verify step either way)")
     p.add_argument("--block-size", type=int, default=None, help="drafted block size (default: the trained one)")
     p.add_argument("--no-lossless-check", action="store_true", help="skip the target-only greedy reference")
     p.add_argument("--use-cache", default="auto", choices=["auto", "yes", "no"], help="target KV cache")
@@ -103,6 +112,33 @@ def main(argv: Optional[list] = None) -> int:
     except ConfigError as e:
         print(f"dflash-eval: {e}", file=sys.stderr)
         return 2
+
+
+class Progress:
+    """``progress(done, total)`` of the evaluation: one line per prompt at most every ``every_s`` seconds (and the
+    last), with the elapsed time and the ETA at the mean time per prompt so far."""
+
+    def __init__(self, every_s: float = 5.0, clock=time.monotonic, write=None):
+        self.every_s, self.clock = every_s, clock
+        self.write = write or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.t0 = clock()
+        self.last = None
+
+    def __call__(self, done: int, total: int) -> None:
+        now = self.clock()
+        if done < total and self.last is not None and now - self.last < self.every_s:
+            return
+        self.last = now
+        elapsed = now - self.t0
+        eta = elapsed / done * (total - done) if done else float("nan")
+        self.write(f"dflash-eval: prompts {done}/{total}, elapsed {_hms(elapsed)}, ETA {_hms(eta)}")
+
+
+def _hms(s: float) -> str:
+    if s != s:
+        return "?"
+    s = int(round(s))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
 def result_path(args) -> str:
@@ -193,8 +229,10 @@ def _evaluate(args, device: str, replica: Optional[EvalReplica]) -> int:
     eos = eos_token_ids(tokenizer, target.config)
     block = args.block_size or setup.block_size
     use_cache = {"auto": None, "yes": True, "no": False}[args.use_cache]
+    # the same length as the run's in-training evaluation, so the two figures compare
+    max_new = args.max_new_tokens or setup.eval_max_new_tokens or TrainConfig.eval_max_new_tokens
     log.info("evaluating %s on %d prompts (%s), block %d, %d new tokens, eos %s, device %s", setup.source,
-             len(prompts), prompt_source, block, args.max_new_tokens, eos, device)
+             len(prompts), prompt_source, block, max_new, eos, device)
     drafter, embed, head = setup.drafter, None, None
     if replica is not None:
         tied = bool(getattr(target.config, "tie_word_embeddings", False))
@@ -202,8 +240,9 @@ def _evaluate(args, device: str, replica: Optional[EvalReplica]) -> int:
                                                 checkpoint_dir[0], tied, next(target.parameters()).dtype, block)
         log.info("target replica of %d ranks: every rank verifies, rank 0 drafts", replica.k)
     result = evaluate_prompts(target, drafter, embed, head, prompts, setup.layer_ids, setup.mask_token_id, block,
-                              args.max_new_tokens, eos, check_lossless=not args.no_lossless_check,
-                              use_cache=use_cache)
+                              max_new, eos, check_lossless=not args.no_lossless_check, use_cache=use_cache,
+                              exclude_one_step=not args.include_one_step,
+                              progress=Progress() if feeder else None)
     if not feeder:
         return 0
     result.update({"source": setup.source, "target": tcfg.name_or_path or tcfg.hf_config,

@@ -11,8 +11,8 @@ Writes (each only when the run logged what it needs):
   job did: the lower capacity is the bottleneck;
 - ``acceptance_per_position.png``: measured acceptance per block position of each in-training evaluation, and
   the training accuracy per slot of the last training window;
-- ``tau.png``: tau per evaluation, both ways (z-lab's mean over prompts, and pooled over verify steps), with the
-  tau the training accuracy predicts.
+- ``tau.png``: the acceptance length per evaluation (pooled over verify steps: the headline, drawn first), z-lab's
+  tau (mean over prompts) beside it, and the tau the training accuracy predicts.
 
 Needs matplotlib (``pip install 'dflash_dist[report]'``). Prints the written paths and the peak and mean samples/s.
 """
@@ -198,12 +198,14 @@ def _acceptance_figure(plt, train: list, evals: list):
 
 
 def _tau_figure(plt, evals: list):
-    """tau per evaluation, both ways, and the tau the training accuracy predicts."""
-    if not _series(evals, "tau")[0]:
+    """The pooled acceptance length per evaluation first, z-lab's tau beside it, and the tau the training accuracy
+    predicts. Runs before the pooled figure had its own key carry it as ``tau_pooled``."""
+    pooled = "acceptance_length" if _series(evals, "acceptance_length")[0] else "tau_pooled"
+    if not _series(evals, pooled)[0] and not _series(evals, "tau")[0]:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
+    _plot(ax, evals, pooled, marker="s", linewidth=2.5, label="acceptance length (pooled: tokens / verify steps)")
     _plot(ax, evals, "tau", marker="o", label="tau (z-lab: mean over prompts)")
-    _plot(ax, evals, "tau_pooled", marker="s", label="tau pooled (tokens / verify steps)")
     _plot(ax, evals, "tau_from_train_acc", linestyle=":", label="tau predicted by training accuracy")
     _finish(ax, "step", "acceptance length", "acceptance length")
     return fig

@@ -16,7 +16,9 @@ class DataConfig:
     ``{"messages": [{"role": ..., "content": ...}]}`` conversations (loss on assistant tokens only)."""
 
     max_length: int = 3072
-    """Longest sample in tokens (the paper's 3072)."""
+    """Longest sample in tokens (the paper's 3072). At most the target's positions: its max_position_embeddings,
+    or further where its RoPE scaling reaches (factor x original_max_position_embeddings; logged); refused before
+    any model loads otherwise."""
 
     overlong: Literal["truncate", "skip"] = "truncate"
     """What to do with a sample longer than max_length: truncate or skip (counted either way)."""

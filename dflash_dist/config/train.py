@@ -79,7 +79,14 @@ class TrainConfig:
     """Held-out prompts per evaluation (0 disables in-training evaluation)."""
 
     eval_max_new_tokens: int = 128
-    """Tokens generated per evaluation prompt."""
+    """Tokens generated per evaluation prompt; dflash-eval generates as many by default (the checkpoint's value)."""
+
+    eval_exclude_one_step: bool = True
+    """Leave out of z-lab's tau (the mean over prompts of each prompt's mean acceptance length) the prompts whose
+    generation ended inside their first block: accepted in one verify step, each adds a figure near the block size
+    that says little about the drafter (counted as ``prompts_one_step``). The headline, ``acceptance_length``
+    (pooled: all accepted+1 tokens / all verify steps), counts every step either way; dflash-eval's
+    ``--include-one-step`` is the same setting."""
 
     memory_check: Literal["refuse", "warn", "off"] = "refuse"
     """Before any model loads, each rank's memory is planned from the config (dflash_dist/planning/memory.py:

@@ -147,7 +147,7 @@ class DrafterRun:
         self.leader_eval = LeaderEval(job, self.trainer.model) if eval_enabled(job) and self.topo.is_leader else None
         self.eval_at = set(eval_steps(job)) if self.leader_eval is not None else set()
         self.last_window = None
-        self.last_tau = None  # (step, tau) of the newest in-training evaluation
+        self.last_tau = None  # (step, pooled acceptance length, z-lab's tau) of the newest in-training evaluation
         self.plan_check = plan_check_for(job) if self.topo.is_leader else None  # planned vs measured samples/s
         self.first_step_s = None
         self.t_start = time.monotonic()
@@ -349,7 +349,7 @@ class DrafterRun:
     def log_evaluation(self, at: int, res) -> dict:
         rec = eval_record(res, self.last_window)
         self.writer.log(at, rec, kind="eval")
-        self.last_tau = (at, rec.get("tau"))
+        self.last_tau = (at, rec.get("acceptance_length"), rec.get("tau"))
         return rec
 
     def evaluation_tick(self) -> None:
@@ -395,10 +395,12 @@ class DrafterRun:
             return
         for at, res in self.leader_eval.ready(block_s=self.cfg.topology.warmup_timeout_s):
             rec = self.log_evaluation(at, res)
-            log.info("acceptance at step %d: tau %.3f (z-lab: mean over prompts), pooled %.3f (training accuracy "
-                     "predicts %.3f) on %d held-out prompts", at, rec["tau"] or float("nan"),
-                     rec.get("tau_pooled") or float("nan"), rec.get("tau_from_train_acc") or float("nan"),
-                     rec["n_prompts"])
+            log.info("acceptance at step %d: acceptance length %.3f (pooled over verify steps; training accuracy "
+                     "predicts %.3f), z-lab's tau %.3f (mean over prompts%s) on %d held-out prompts", at,
+                     rec.get("acceptance_length") or float("nan"), rec.get("tau_from_train_acc") or float("nan"),
+                     rec.get("tau") or float("nan"),
+                     f", {rec.get('prompts_one_step')} that ended in their first block left out"
+                     if rec.get("one_step_excluded") and rec.get("prompts_one_step") else "", rec["n_prompts"])
 
     def report(self, accounting: dict) -> None:
         """(Leader) the job-wide accounting and the last lines of the run: what it did and where the results are."""

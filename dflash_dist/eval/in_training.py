@@ -30,6 +30,9 @@ log = logging.getLogger("dflash_dist")
 REQ, READY, RES = "dflash/eval_req/", "dflash/eval_ready/", "dflash/eval_res/"
 CLOSED = "dflash/eval_closed"  # the target stopped early and takes no more requests
 SKIP = "skip"  # request value of an evaluation the leader skipped
+# what an evaluation's result carries from spec_decode's summary to the leader and metrics.jsonl
+SUMMARY_KEYS = ("acceptance_length", "tau_pooled", "tau", "tau_stderr", "tau_all_prompts", "n_prompts",
+                "max_new_tokens", "prompts_one_step", "prompts_in_tau", "one_step_excluded")
 # how long the target waits for the leader's next evaluation request after its stream (each request restarts it)
 EVAL_REQUEST_PATIENCE_S = 120.0
 
@@ -327,7 +330,7 @@ class TargetEval:
             drafter = self.link.broadcasting(make_dflash_draft_fn(self.drafter, self.embed, self.head))
         steps = evaluate_steps(self.model, drafter, self.embed, self.head, self.prompts, self.job.layer_ids,
                                self.job.mask_token_id, self.job.drafter.block_size, c.train.eval_max_new_tokens, self.eos,
-                               check_lossless=False)
+                               check_lossless=False, exclude_one_step=c.train.eval_exclude_one_step)
         self.running = _Running(r.n, r.step, steps, r.taken_at, time.monotonic() - r.taken_at)
 
     def work(self) -> bool:
@@ -383,17 +386,20 @@ class TargetEval:
         res = {"step": step, "n_prompts": 0, "seconds": r["wall_s"], "weights_s": recv_s,
                "span_s": time.monotonic() - run.taken_at, "slices": slices}
         if self.prompts:
-            res.update({"tau": r["tau"], "tau_pooled": r["tau_pooled"], "tau_stderr": r.get("tau_stderr"),
-                        "n_prompts": r["n_prompts"], "max_new_tokens": r["max_new_tokens"],
-                        "prompts_one_step": r.get("prompts_one_step"),
-                        "per_position_acceptance": r["per_position_acceptance"],
+            res.update({k: r.get(k) for k in SUMMARY_KEYS})
+            res.update({"per_position_acceptance": r["per_position_acceptance"],
                         "acceptance_lengths": [p["acceptance_lengths"] for p in r["per_prompt"]]})
         self.store.set(f"{RES}{n}", json.dumps(res))
-        log.info("evaluation at step %d: tau %.3f (z-lab: mean over prompts), pooled %.3f, on %d held-out prompts "
-                 "(%s ended in their first block; max %s new tokens; %.1f s of target time%s; weights "
-                 "in after %.1f s)", step, res.get("tau") or float("nan"), res.get("tau_pooled") or float("nan"),
-                 res["n_prompts"], res.get("prompts_one_step"), res.get("max_new_tokens"), res["seconds"],
+        log.info("evaluation at step %d: acceptance length %.3f (pooled over verify steps), z-lab's tau %.3f (mean "
+                 "over prompts%s) on %d held-out prompts (%s ended in their first block; max %s new tokens; %.1f s of "
+                 "target time%s; weights in after %.1f s)", step, _nan(res.get("acceptance_length")),
+                 _nan(res.get("tau")), ", those left out" if res.get("one_step_excluded") else "", res["n_prompts"],
+                 res.get("prompts_one_step"), res.get("max_new_tokens"), res["seconds"],
                  f" in {slices} slices over {res['span_s']:.1f} s" if slices else "", recv_s)
+
+
+def _nan(x) -> float:
+    return float("nan") if x is None else x
 
 
 class FollowerEval:
@@ -433,7 +439,8 @@ class FollowerEval:
         job = self.job
         b = job.drafter.block_size
         return evaluate_steps(self.model, self.link.receiving(b), None, None, self.prompts, job.layer_ids,
-                              job.mask_token_id, b, job.cfg.train.eval_max_new_tokens, self.eos, check_lossless=False)
+                              job.mask_token_id, b, job.cfg.train.eval_max_new_tokens, self.eos, check_lossless=False,
+                              exclude_one_step=job.cfg.train.eval_exclude_one_step)
 
     def _advance(self) -> None:
         """One step of the evaluation under way, as the feeder's next(): its end is the feeder's end too."""
@@ -445,17 +452,18 @@ class FollowerEval:
 
 
 def eval_record(result: dict, train_window: dict | None) -> dict:
-    rec = {"tau": result.get("tau"), "tau_pooled": result.get("tau_pooled"), "tau_stderr": result.get("tau_stderr"),
-           "n_prompts": result.get("n_prompts"), "max_new_tokens": result.get("max_new_tokens"),
-           "prompts_one_step": result.get("prompts_one_step"), "eval_seconds": result.get("seconds"),
-           "eval_span_s": result.get("span_s"), "eval_slices": result.get("slices"),
-           "eval_weights_s": result.get("weights_s"),
-           "acceptance_lengths": result.get("acceptance_lengths")}  # per prompt, as dflash-eval's per_prompt
+    """The metrics.jsonl record of an evaluation: ``acceptance_length`` (pooled, the headline) first, z-lab's
+    ``tau`` beside it; ``train_serve_gap``: the acceptance length the training accuracy predicts (a per-step
+    figure) minus the pooled one measured."""
+    rec = {k: result.get(k) for k in SUMMARY_KEYS}
+    rec.update({"eval_seconds": result.get("seconds"), "eval_span_s": result.get("span_s"),
+                "eval_slices": result.get("slices"), "eval_weights_s": result.get("weights_s"),
+                "acceptance_lengths": result.get("acceptance_lengths")})  # per prompt, as dflash-eval's per_prompt
     for k, v in enumerate(result.get("per_position_acceptance") or [], start=1):
         rec[f"accept_pos_{k}"] = v
     if train_window:
         rec["train_acc"] = train_window.get("acc")
         rec["tau_from_train_acc"] = train_window.get("tau_from_acc")
-        if rec["tau"] is not None and rec["tau_from_train_acc"]:
-            rec["train_serve_gap"] = rec["tau_from_train_acc"] - rec["tau"]
+        if rec["acceptance_length"] is not None and rec["tau_from_train_acc"]:
+            rec["train_serve_gap"] = rec["tau_from_train_acc"] - rec["acceptance_length"]
     return rec

@@ -144,6 +144,7 @@ class EvalSetup:
     tokenizer: Optional[str]
     source: str
     chat_template_kwargs: Optional[dict] = None  # what training rendered the chat template with
+    eval_max_new_tokens: Optional[int] = None  # the run's in-training evaluation length (checkpoints only)
 
 
 def load_drafter(checkpoint: Optional[str] = None, export: Optional[str] = None, device: str = "cpu") -> EvalSetup:
@@ -173,8 +174,10 @@ def load_drafter(checkpoint: Optional[str] = None, export: Optional[str] = None,
         tgt = TargetConfig(**job["target"]) if job.get("target") else None
         dat = DataConfig(**job["data"]) if job.get("data") else None
         kw = meta.get("chat_template_kwargs", (job.get("data") or {}).get("chat_template_kwargs"))
+        n_new = (job.get("train") or {}).get("eval_max_new_tokens")
         return EvalSetup(model, list(meta["layer_ids"]), int(meta["mask_token_id"]), meta_block_size(meta), tgt,
-                         dat, meta.get("tokenizer"), os.path.abspath(checkpoint), kw)
+                         dat, meta.get("tokenizer"), os.path.abspath(checkpoint), kw,
+                         int(n_new) if isinstance(n_new, int) and n_new > 0 else None)
     from dflash_dist.checkpoint.export_load import ExportError, load_export
     try:
         model, meta = load_export(export, device=device)

@@ -313,28 +313,32 @@ def target_greedy(target, prompt_ids: Union[Tensor, Sequence[int]], max_new_toke
 
 # ----------------------------------------------------------------------------------------------- evaluation
 
-def summarize_acceptance(per_prompt_lengths: Sequence[Sequence[int]], block_size: int) -> dict:
-    """τ and per-position acceptance from the acceptance lengths (acc+1 per verify step) of each prompt.
+def summarize_acceptance(per_prompt_lengths: Sequence[Sequence[int]], block_size: int,
+                         exclude_one_step: bool = True) -> dict:
+    """Acceptance lengths (acc+1 per verify step) of each prompt, summarized.
 
-    ``tau``: mean over prompts of each prompt's mean acceptance length: z-lab's benchmark figure ("Average
-    Acceptance length" of ``dflash/benchmark.py``: ``np.mean([np.mean(r.acceptance_lengths) for r in
-    responses])``), where a prompt that ends in one verify step weighs as much as one that runs 100;
-    ``tau_stderr``: its standard error over prompts (None under 2 prompts); ``tau_pooled``: all acc+1 tokens /
-    all verify steps (every verify step weighs the same: what a long generation sees); ``prompts_scored``:
-    prompts with a verify step; ``prompts_one_step``: prompts whose generation ended inside their first
-    block (one verify step: their whole output came from one draft, and they pull ``tau`` towards that block's
-    acceptance). ``per_position_acceptance[k-1]``:
-    fraction of verify steps whose draft slot k was accepted (acceptance length >= k+1);
-    ``per_position_conditional[k-1]``: the same among steps that accepted slots 1..k-1 (None if none did);
-    ``acceptance_histogram[L]``: fraction of steps with acceptance length L (0..B). Prompts without a verify
-    step are left out of τ.
+    ``acceptance_length`` (the headline; also ``tau_pooled``): all acc+1 tokens / all verify steps, every verify
+    step weighing the same: what a long generation sees. ``tau``: z-lab's benchmark figure ("Average Acceptance
+    length" of ``dflash/benchmark.py``, the mean over prompts of each prompt's mean acceptance length) over the
+    prompts it counts: with ``exclude_one_step`` those whose generation ended inside their first block are left
+    out (``prompts_one_step`` counts them): their whole output came from one draft, accepted in one step, so each
+    adds a per-prompt figure near the block size however the drafter does on longer text. ``tau_all_prompts``:
+    z-lab's mean over every prompt (what z-lab's script prints); ``tau_stderr``: ``tau``'s standard error over
+    its prompts (None under 2); ``prompts_scored``: prompts with a verify step; ``prompts_in_tau``: those ``tau``
+    counts. ``per_position_acceptance[k-1]``: fraction of verify steps whose draft slot k was accepted
+    (acceptance length >= k+1); ``per_position_conditional[k-1]``: the same among steps that accepted slots
+    1..k-1 (None if none did); ``acceptance_histogram[L]``: fraction of steps with acceptance length L (0..B).
+    Prompts without a verify step are left out of every figure.
     """
     B = int(block_size)
     lens = [int(x) for seq in per_prompt_lengths for x in seq]
     bad = [x for x in lens if not 1 <= x <= B]
     if bad:
         raise ValueError(f"acceptance lengths must be in 1..{B}, got {bad[:5]}")
-    means = [sum(s) / len(s) for s in per_prompt_lengths if len(s)]
+    scored = [s for s in per_prompt_lengths if len(s)]
+    counted = [s for s in scored if len(s) > 1] if exclude_one_step else scored
+    means = [sum(s) / len(s) for s in counted]
+    all_means = [sum(s) / len(s) for s in scored]
     n = len(lens)
     tau = (sum(means) / len(means)) if means else None
     # standard error of tau (mean over prompts): the spread of the per-prompt means / sqrt(prompts)
@@ -342,12 +346,17 @@ def summarize_acceptance(per_prompt_lengths: Sequence[Sequence[int]], block_size
            if len(means) > 1 else None)
     reached = [sum(1 for x in lens if x >= k) for k in range(1, B + 1)]      # slot k-1 accepted or k==1
     accepted = [sum(1 for x in lens if x >= k + 1) for k in range(1, B)]     # slot k accepted
+    pooled = (sum(lens) / n) if n else None
     return {
+        "acceptance_length": pooled,
+        "tau_pooled": pooled,
         "tau": tau,
         "tau_stderr": sem,
-        "tau_pooled": (sum(lens) / n) if n else None,
-        "prompts_scored": len(means),
+        "tau_all_prompts": (sum(all_means) / len(all_means)) if all_means else None,
+        "prompts_scored": len(scored),
         "prompts_one_step": sum(1 for s in per_prompt_lengths if len(s) == 1),
+        "prompts_in_tau": len(means),
+        "one_step_excluded": bool(exclude_one_step),
         "per_position_acceptance": [a / n if n else None for a in accepted],
         "per_position_conditional": [accepted[k - 1] / reached[k - 1] if reached[k - 1] else None
                                      for k in range(1, B)],
@@ -367,11 +376,13 @@ def _first_mismatch(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
 def evaluate_steps(target, drafter: Union[nn.Module, DraftFn], embed: Optional[Tensor], lm_head: Optional[Tensor],
                    prompts: Sequence[Union[Tensor, Sequence[int]]], layer_ids: Sequence[int], mask_token_id: int,
                    block_size: int, max_new_tokens: int, eos_ids: Iterable[int] = (), check_lossless: bool = True,
-                   use_cache: Optional[bool] = None, keep_outputs: bool = False) -> Generator[None, None, dict]:
+                   use_cache: Optional[bool] = None, keep_outputs: bool = False, exclude_one_step: bool = True,
+                   progress: Optional[Callable[[int, int], None]] = None) -> Generator[None, None, dict]:
     """:func:`evaluate_prompts` as a generator: yields None wherever :func:`speculative_steps` does (after each
     target forward of the speculative path; the :func:`target_greedy` reference runs whole inside one slice) and
     returns the same summary; ``wall_s`` and ``tokens_per_s`` exclude the time spent suspended. The drafter's
-    train/eval mode is restored when the generator finishes or is closed."""
+    train/eval mode is restored when the generator finishes or is closed. ``progress(done, total)`` is called
+    after each prompt."""
     clock = _Clock()
     eos = [int(i) for i in eos_ids]
     was_training = drafter.training if isinstance(drafter, nn.Module) else None
@@ -403,10 +414,12 @@ def evaluate_steps(target, drafter: Union[nn.Module, DraftFn], embed: Optional[T
                 row["tokens"] = toks
             per_prompt.append(row)
             all_lens.append(st["acceptance_lengths"])
+            if progress is not None:
+                progress(len(per_prompt), len(prompts))
     finally:
         if was_training:
             drafter.train()
-    summary = summarize_acceptance(all_lens, block_size)
+    summary = summarize_acceptance(all_lens, block_size, exclude_one_step)
     n = len(per_prompt)
     summary.update({
         "n_prompts": n,
@@ -424,10 +437,11 @@ def evaluate_steps(target, drafter: Union[nn.Module, DraftFn], embed: Optional[T
 def evaluate_prompts(target, drafter: Union[nn.Module, DraftFn], embed: Optional[Tensor], lm_head: Optional[Tensor],
                      prompts: Sequence[Union[Tensor, Sequence[int]]], layer_ids: Sequence[int], mask_token_id: int,
                      block_size: int, max_new_tokens: int, eos_ids: Iterable[int] = (), check_lossless: bool = True,
-                     use_cache: Optional[bool] = None, keep_outputs: bool = False) -> dict:
+                     use_cache: Optional[bool] = None, keep_outputs: bool = False, exclude_one_step: bool = True,
+                     progress: Optional[Callable[[int, int], None]] = None) -> dict:
     """Speculative decoding over ``prompts`` (token-id lists); no torch.distributed, safe on any rank.
 
-    Returns ``tau``, ``tau_pooled``, ``per_position_acceptance``, ``per_position_conditional``,
+    Returns :func:`summarize_acceptance`'s figures (``acceptance_length`` the headline, ``tau`` z-lab's), ``per_position_acceptance``, ``per_position_conditional``,
     ``acceptance_histogram``, ``lossless_fraction`` (fraction of prompts whose output equals
     :func:`target_greedy`; None when ``check_lossless`` is False), ``n_prompts``, ``total_steps``,
     ``mean_new_tokens``, ``tokens_per_s`` (speculative path, this implementation), ``wall_s`` and
@@ -436,21 +450,28 @@ def evaluate_prompts(target, drafter: Union[nn.Module, DraftFn], embed: Optional
     """
     return run_to_end(evaluate_steps(target, drafter, embed, lm_head, prompts, layer_ids, mask_token_id, block_size,
                                      max_new_tokens, eos_ids, check_lossless=check_lossless, use_cache=use_cache,
-                                     keep_outputs=keep_outputs))
+                                     keep_outputs=keep_outputs, exclude_one_step=exclude_one_step,
+                                     progress=progress))
 
 
 def format_table(result: dict) -> str:
-    """A short human-readable report of :func:`evaluate_prompts`' result."""
+    """A short human-readable report of :func:`evaluate_prompts`' result: the pooled acceptance length first,
+    z-lab's per-prompt mean beside it."""
     def f(x, spec=".3f"):
         return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
     se = result.get("tau_stderr")
+    one = result.get("prompts_one_step", "-")
+    excluded = result.get("one_step_excluded", False)
+    pooled = result.get("acceptance_length", result.get("tau_pooled"))
     lines = [f"prompts {result['n_prompts']}  block {result['block_size']}  max_new_tokens {result['max_new_tokens']}"
              f"  mean new tokens {f(result['mean_new_tokens'], '.1f')}  verify steps {result['total_steps']}"
-             f"  ended in their first block {result.get('prompts_one_step', '-')}",
-             f"tau (z-lab: mean over prompts of each prompt's mean acceptance length) {f(result['tau'])}"
-             + (f" +- {f(se)} (std. error)" if se is not None else ""),
-             f"tau pooled (all accepted+1 tokens / all verify steps) {f(result['tau_pooled'])}   lossless "
+             f"  ended in their first block {one}",
+             f"acceptance length (pooled: all accepted+1 tokens / all verify steps) {f(pooled)}   lossless "
              f"{f(result['lossless_fraction'])}",
+             f"tau (z-lab: mean over prompts of each prompt's mean acceptance length) {f(result['tau'])}"
+             + (f" +- {f(se)} (std. error)" if se is not None else "")
+             + (f", the {one} prompts that ended in their first block left out (all prompts: "
+                f"{f(result.get('tau_all_prompts'))}; --include-one-step counts them)" if excluded and one else ""),
              "slot  accepted  conditional"]
     for k, (a, c) in enumerate(zip(result["per_position_acceptance"], result["per_position_conditional"]), start=1):
         lines.append(f"{k:>4}  {f(a):>8}  {f(c):>11}")

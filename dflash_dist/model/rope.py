@@ -113,6 +113,64 @@ def drafter_rope_parameters(target_config: Any) -> dict:
     return out
 
 
+def _text(cfg: Any) -> Any:
+    """A multimodal wrapper's text config (object or dict), else the config itself."""
+    if not isinstance(cfg, dict) and hasattr(cfg, "get_text_config"):
+        return cfg.get_text_config()
+    if isinstance(cfg, dict) and isinstance(cfg.get("text_config"), dict):
+        return cfg["text_config"]
+    return cfg
+
+
+# rope types whose ``factor`` stretches the positions the model was trained on
+_SCALING_TYPES = ("linear", "dynamic", "yarn", "longrope", "llama3")
+
+
+def position_limit(target_config: Any) -> tuple[Optional[int], Optional[str]]:
+    """(the most positions the target covers, how RoPE scaling reaches them or None): ``max_position_embeddings``,
+    or a scaled RoPE's ``factor`` x ``original_max_position_embeddings`` (else x ``max_position_embeddings``)
+    where that is more; per-layer-type RoPE: the smallest of its types. (None, None) where the config names no
+    ``max_position_embeddings``."""
+    target_config = _text(target_config)
+    mpe = _get(target_config, "max_position_embeddings")
+    if not isinstance(mpe, int) or mpe <= 0:
+        return None, None
+    params = _get(target_config, "rope_parameters") or {}
+    scaling = _get(target_config, "rope_scaling") or {}
+    params = params if isinstance(params, dict) else {}
+    scaling = scaling if isinstance(scaling, dict) else {}
+    kinds = [v for v in params.values() if isinstance(v, dict)] if _is_nested(params) else [{**scaling, **params}]
+    best = None
+    for p in kinds or [{}]:
+        kind = p.get("rope_type") or p.get("type") or "default"
+        factor, base = p.get("factor"), p.get("original_max_position_embeddings") or mpe
+        covered, how = mpe, None
+        if kind in _SCALING_TYPES and isinstance(factor, (int, float)) and factor > 1 and isinstance(base, int):
+            scaled = int(factor * base)
+            if scaled > mpe:
+                covered, how = scaled, f"{kind} RoPE scaling, factor {factor:g} x {base}"
+        if best is None or covered < best[0]:
+            best = (covered, how)
+    return best
+
+
+def check_positions(max_length: int, target_config: Any) -> Optional[str]:
+    """Refuse samples longer than the target's positions reach (a ConfigError naming both); returns a note when
+    RoPE scaling is what lets ``max_length`` past ``max_position_embeddings``, None otherwise."""
+    limit, how = position_limit(target_config)
+    if limit is None:
+        return None
+    mpe = _get(_text(target_config), "max_position_embeddings")
+    if max_length > limit:
+        raise ConfigError(f"data.max_length={max_length} is beyond the target's positions: max_position_embeddings "
+                          f"{mpe}" + (f", {how} = {limit}" if how else " and no RoPE scaling that reaches further")
+                          + f"; set data.max_length <= {limit}")
+    if max_length > mpe:
+        return (f"data.max_length={max_length} is beyond the target's max_position_embeddings {mpe}: allowed by its "
+                f"{how} = {limit} positions")
+    return None
+
+
 class DrafterRope:
     """cos/sin of the drafter's RoPE: transformers' init function for ``rope_parameters`` on a Qwen3 config of
     the drafter's attention shape (what a serving engine builds from the export). fp32 on the CPU, moved to the

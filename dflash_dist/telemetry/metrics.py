@@ -37,22 +37,25 @@ def wandb_mode(requested: Optional[str]) -> str:
 # wandb sections (the part of a key before its first "/"): each reads as one dashboard panel group.
 THROUGHPUT_KEYS = ("samples_per_s", "tokens_per_s", "link_gb_per_s", "epoch_progress",
                    "target_capacity_samples_per_s", "drafter_capacity_samples_per_s")
-ACCEPTANCE_EVAL_KEYS = ("tau", "tau_pooled", "tau_stderr", "tau_from_train_acc", "train_serve_gap", "train_acc",
-                        "n_prompts", "max_new_tokens", "prompts_one_step")
+# acceptance_length (pooled, the headline) sorts first in its section: the dashboard's first acceptance chart
+ACCEPTANCE_EVAL_KEYS = ("acceptance_length", "tau", "tau_pooled", "tau_stderr", "tau_all_prompts", "tau_from_train_acc",
+                        "train_serve_gap", "train_acc", "n_prompts", "max_new_tokens", "prompts_one_step",
+                        "prompts_in_tau")
 _TARGET = re.compile(r"target(\d+)_(.+)")
 _SLOT = re.compile(r"acc_slot_(\d+)")
 _POS = re.compile(r"accept_pos_(\d+)")
 # define_metric summaries: (key, aggregations)
 SUMMARIES = (("throughput/samples_per_s", "max,mean,last"), ("throughput/tokens_per_s", "max,mean"),
              ("throughput/link_gb_per_s", "max,mean"), ("train/loss", "min,last"),
-             ("acceptance/tau", "max,last"), ("acceptance/tau_pooled", "max,last"))
+             ("acceptance/acceptance_length", "max,last"), ("acceptance/tau", "max,last"),
+             ("acceptance/tau_pooled", "max,last"))
 
 
 def dashboard_key(kind: str, key: str) -> Optional[str]:
     """The wandb key of a metrics.jsonl value: ``throughput/`` (job samples/s, tokens/s, link GB/s, supply and
     demand capacity), ``target/`` (per target rank: ``rank<r>_tokens_per_s``, busy/wait fractions, MFU),
     ``drafter/`` (busy, stream wait, MFU, step time), ``train/`` (loss, lr, grad norm, accuracy),
-    ``acceptance/`` (tau both ways, the tau training accuracy predicts), ``eval/`` (evaluation timings), other
+    ``acceptance/`` (the pooled acceptance length, z-lab's tau, the tau training accuracy predicts), ``eval/`` (evaluation timings), other
     kinds under their kind. None: a per-position value, logged as one chart instead (:func:`position_values`)."""
     if "/" in key:
         return key
@@ -211,14 +214,17 @@ def run_summary(*, stopped: bool, steps: int, steps_this_run: int, samples: int,
                 launch: Optional[dict] = None, plan: Optional[str] = None) -> str:
     """The few lines a run ends with (leader): what it trained and where its results are; ``totals``: the run's
     sample totals over all its launches (``run_*`` keys of the accounting record) next to this ``launch``'s;
-    ``plan``: the planned-vs-measured line of a job started from a plan (telemetry/plan_check.py)."""
+    ``plan``: the planned-vs-measured line of a job started from a plan (telemetry/plan_check.py); ``tau``: (step,
+    pooled acceptance length, z-lab's per-prompt tau) of the last evaluation."""
     def fmt(x, spec):
         return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
     lines = [f"run {'stopped' if stopped else 'finished'}: {steps} steps"
              + (f" ({steps_this_run} in this launch)" if steps_this_run != steps else "")
              + f", {samples} samples in {wall_s:.1f} s ({samples / max(wall_s, 1e-9):.1f} samples/s), "
                f"final loss {fmt(loss, '.4f')}"
-             + (f", tau {fmt(tau[1], '.3f')} (acceptance at step {tau[0]})" if tau else ", tau not evaluated")]
+             + (f", acceptance length {fmt(tau[1], '.3f')} (pooled over verify steps; z-lab's tau "
+                f"{fmt(tau[2] if len(tau) > 2 else None, '.3f')}) at step {tau[0]}" if tau
+                else ", acceptance not evaluated")]
     if totals:
         n = int(totals["run_launches"])
         lines.append(f"  samples:    over the run's {n} launch{'es' if n != 1 else ''}: "

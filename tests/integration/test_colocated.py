@@ -50,14 +50,18 @@ def test_one_process_trains_as_one_target_and_one_drafter_and_its_tau_is_dflash_
 
     (ev,) = [x for x in metrics(tmp_path / "colo") if x["kind"] == "eval"]
     (split_ev,) = [x for x in metrics(tmp_path / "split") if x["kind"] == "eval"]
-    assert ev["tau"] == pytest.approx(split_ev["tau"], abs=1e-9)
+    assert ev["acceptance_length"] == pytest.approx(split_ev["acceptance_length"], abs=1e-9)
     ck = tmp_path / "colo" / "checkpoints" / "step_00000012"
     (holdout,) = glob.glob(str(tmp_path / "cache" / "holdout-*.jsonl"))
+    # no --max-new-tokens: dflash-eval generates the run's train.eval_max_new_tokens, as the in-training evaluation
     assert eval_main(["--checkpoint", str(ck), "--prompts", holdout, "--num-prompts", str(ev["n_prompts"]),
-                      "--max-new-tokens", str(ev["max_new_tokens"]), "--out", str(tmp_path / "e.json")]) == 0
+                      "--out", str(tmp_path / "e.json")]) == 0
     e = json.load(open(tmp_path / "e.json"))
     assert e["n_prompts"] == ev["n_prompts"] == 4 and e["lossless_fraction"] == 1.0
-    assert e["tau"] == pytest.approx(ev["tau"], abs=1e-9)
+    assert e["max_new_tokens"] == ev["max_new_tokens"] == 32
+    assert e["acceptance_length"] == pytest.approx(ev["acceptance_length"], abs=1e-9)
+    assert e["tau"] == ev["tau"] or e["tau"] == pytest.approx(ev["tau"], abs=1e-9)
+    assert e["prompts_one_step"] == ev["prompts_one_step"] and e["one_step_excluded"] == ev["one_step_excluded"]
     assert e["tau_pooled"] == pytest.approx(ev["tau_pooled"], abs=1e-9)
     assert [r["acceptance_lengths"] for r in e["per_prompt"]] == ev["acceptance_lengths"]
 
@@ -145,6 +149,6 @@ def test_variants_objectives_and_fp8_targets_train_and_evaluate_colocated(tmp_pa
                   "train.eval_max_new_tokens=16", "logging.log_every=2")
     assert "topology: 1 colocated rank(s)" in out
     (ev,) = [x for x in metrics(tmp_path) if x["kind"] == "eval"]
-    assert ev["step"] == 6 and ev["n_prompts"] == 2 and ev["tau"] >= 1.0
+    assert ev["step"] == 6 and ev["n_prompts"] == 2 and ev["acceptance_length"] >= 1.0
     train = train_records(tmp_path)
     assert train[-1]["step"] == 6 and train[-1]["loss"] < train[0]["loss"]

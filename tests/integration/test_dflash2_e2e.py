@@ -35,7 +35,7 @@ def test_dflash2_trains_logs_its_statistics_and_refuses_a_dflash_checkpoint(tmp_
     assert last["gold_in_topk"] > first["gold_in_topk"] and last["acc_selected"] > 0
     assert {"acc_unary_slot_1", "acc_selected_slot_7", "tau_selector"} <= set(last)
     (ev,) = [x for x in rows if x.get("kind") == "eval"]
-    assert ev["step"] == 30 and ev["tau"] > 1.0
+    assert ev["step"] == 30 and ev["acceptance_length"] > 1.0
     ck = run / "checkpoints" / sorted(os.listdir(run / "checkpoints"))[-1]
     meta = json.load(open(ck / "meta.json"))
     assert meta["drafter"]["variant"] == "dflash2"

@@ -71,6 +71,7 @@ def test_cfg_job_prints_the_checked_config_once(tmp_path):
     (["--nproc-per-node", "3", "train.lr_typo=1"], "unknown key 'train.lr_typo'"),
     (["--nproc-per-node", "3", "topology.target_ranks=5"], "topology.target_ranks=5 leaves no drafter rank"),
     (["--nproc-per-nodes", "3"], "unknown option '--nproc-per-nodes'"),
+    (["--nproc-per-node", "3", "data.max_length=8192"], "data.max_length=8192 is beyond the target's positions"),
 ])
 def test_wrong_settings_print_one_line_and_exit_2(tmp_path, args, needle):
     r = dflash_train(args + [f"train.output_dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=120)

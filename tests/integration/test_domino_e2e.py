@@ -91,7 +91,7 @@ def test_tiny_domino_trains_evaluates_and_exports(tmp_path):
     assert train[-1]["step"] == STEPS and all("loss_domino" in x for x in train)
     assert train[-1]["loss"] < 0.9 * train[0]["loss"], [round(x["loss"], 3) for x in train]
     evals = [x for x in rows if x.get("kind") == "eval"]
-    assert evals and evals[-1]["step"] == STEPS and evals[-1]["tau"] >= 1.0, evals
+    assert evals and evals[-1]["step"] == STEPS and evals[-1]["acceptance_length"] >= 1.0, evals
     meta = json.load(open(ck / "meta.json"))
     assert meta["drafter"]["variant"] == "domino" and meta["drafter_config"]["variant_settings"]["emb_dim"] == 32
 

@@ -22,7 +22,7 @@ def test_a_prequantized_target_trains_and_evaluates(tmp_path):
             "GEMM: reference: dequantize-then-matmul") in out, out[-4000:]
     rows = [json.loads(x) for x in open(run / "metrics.jsonl")]
     evals = [x for x in rows if "tau" in x]
-    assert any("loss" in x for x in rows) and evals and evals[-1]["n_prompts"] == 2 and evals[-1]["tau"] >= 1.0
+    assert any("loss" in x for x in rows) and evals and evals[-1]["n_prompts"] == 2 and evals[-1]["acceptance_length"] >= 1.0
 
 
 def test_an_fp8_replica_trains_and_evaluates_like_dflash_eval_on_one_rank(tmp_path):

@@ -174,6 +174,6 @@ def test_loss_on_target_with_the_evaluation_in_slices(tmp_path):
     assert "in-training evaluation: one verify step at a time while waiting for the drafters" in out
     assert "32 head requests served" in out, out[-3000:]  # 8 steps x 2 drafters x 2 groups
     evals = [x for x in metrics(run) if x["kind"] == "eval"]
-    assert evals and evals[-1]["step"] == 8 and evals[-1]["tau"] >= 1.0, evals
+    assert evals and evals[-1]["step"] == 8 and evals[-1]["acceptance_length"] >= 1.0, evals
     assert len(evals) + out.count(" skipped: the one of step") == 2  # requested at 4 and after the last step
     check_accounting(accounting(run))

@@ -41,7 +41,8 @@ def _limit(gib: int):
 
 @pytest.mark.parametrize("args, role, knob", [
     (["drafter.num_anchors=512"], "drafter", "drafter.num_anchors"),
-    (["target.max_batch_tokens=262144", "data.max_length=32768"], "target",
+    (["target=tiny_mistral", "target.hf_config.max_position_embeddings=32768", "target.max_batch_tokens=262144",
+      "data.max_length=32768"], "target",
      "target.max_batch_tokens"),
 ])
 def test_a_rank_under_ulimit_v_is_refused_with_numbers(tmp_path, args, role, knob):

@@ -241,7 +241,7 @@ def test_replica_evaluates_in_training_like_dflash_eval_on_one_rank(tmp_path):
     assert evals[0]["eval_slices"] > 0  # between messages, during the stream
     (holdout,) = [str(p) for p in (run / "data_cache").glob("holdout-*.jsonl")]
     for ev in (evals[0], evals[-1]):
-        assert ev["n_prompts"] == 16 and ev["max_new_tokens"] == 64
+        assert ev["n_prompts"] == 16 and ev["max_new_tokens"] == 128
         ck, res = run / "checkpoints" / f"step_{ev['step']:08d}", tmp_path / f"e{ev['step']}.json"
         assert eval_main(["--checkpoint", str(ck), "--prompts", holdout, "--num-prompts", "16", "--max-new-tokens",
                           "64", "--no-lossless-check", "--out", str(res)]) == 0

@@ -61,7 +61,7 @@ def test_default_job_one_target_two_drafters(tmp_path):
     # one is still running, then it is skipped and said so) and always at the end
     evals = [x for x in metrics(tmp_path) if x["kind"] == "eval"]
     skipped = out.count(" skipped: the one of step")
-    assert evals and evals[-1]["step"] == 30 and evals[-1]["n_prompts"] > 0 and evals[-1]["tau"] >= 1.0, evals
+    assert evals and evals[-1]["step"] == 30 and evals[-1]["n_prompts"] > 0 and evals[-1]["acceptance_length"] >= 1.0, evals
     assert len(evals) + skipped == 3, (evals, skipped)
 
 
@@ -80,7 +80,11 @@ def test_evaluation_in_slices_on_idle_target_time(tmp_path):
     evals = [x for x in metrics(tmp_path) if x["kind"] == "eval"]
     skipped = out.count(" skipped: the one of step")
     assert len(evals) + skipped == 4, (evals, skipped)  # requested at 4, 8, 12 and after the last step (16)
-    assert evals[-1]["step"] == 16 and evals[-1]["n_prompts"] == 16 and evals[-1]["tau"] >= 1.0
+    assert evals[-1]["step"] == 16 and evals[-1]["n_prompts"] == 16 and evals[-1]["acceptance_length"] >= 1.0
+    # the log's headline is the pooled acceptance length, z-lab's tau beside it; the summary says the same
+    line = next(x for x in out.splitlines() if "evaluation at step 16:" in x)
+    assert f"acceptance length {evals[-1]['acceptance_length']:.3f} (pooled over verify steps), z-lab's tau" in line
+    assert f"acceptance length {evals[-1]['acceptance_length']:.3f} (pooled over verify steps; z-lab's tau" in out
     sliced = [x for x in evals if x["eval_slices"]]
     assert sliced, evals  # at least one ran on the target's waits, a verify step per slice
     assert all(x["eval_span_s"] >= x["eval_seconds"] > 0 for x in sliced)

@@ -255,3 +255,26 @@ def test_a_cache_hit_reports_what_the_build_did_and_applies_the_bad_row_limit(tm
     c.data.max_bad_fraction = 0.01
     with pytest.raises(DataError, match="more than data.max_bad_fraction=0.01"):
         jobmod.prepare_data(c, 0, None, str(tmp_path / "cache"), TINY_DIR, 2048, "k")
+
+
+def test_max_length_beyond_the_targets_positions_is_refused_before_any_model_loads(monkeypatch, caplog):
+    """data.max_length against a tiny target's max_position_embeddings: refused in check_job_config (one line),
+    allowed where its RoPE scaling reaches it, and the log says so."""
+    import logging
+
+    from helpers.standalone_drafter import compose_job_config
+
+    from dflash_dist.model import hf
+
+    def no_model(*a, **k):
+        raise AssertionError("a model was built")
+    monkeypatch.setattr(hf, "build_target_model", no_model)
+    base = ["target=tiny_mistral", "target.hf_config.max_position_embeddings=256", "data.max_length=300"]
+    with pytest.raises(ConfigError) as e:
+        jobmod.check_job_config(compose_job_config(base), 3, "cpu")
+    assert "\n" not in str(e.value) and str(e.value).startswith(
+        "data.max_length=300 is beyond the target's positions: max_position_embeddings 256")
+    scaled = base + ["++target.hf_config.rope_parameters={rope_type: linear, rope_theta: 1000000.0, factor: 2.0}"]
+    with caplog.at_level(logging.INFO, logger="dflash_dist"):
+        jobmod.check_job_config(compose_job_config(scaled), 3, "cpu")
+    assert "allowed by its linear RoPE scaling, factor 2 x 256 = 512 positions" in caplog.text

@@ -1,5 +1,6 @@
 """The run directory's claim: exclusive across processes, the holder named, stale claims (dead pid, a pid now
-another process, an old heartbeat of another host) taken over with a warning, released on exit."""
+another process, an old heartbeat of another host, PID namespace or boot) taken over with a warning, a live
+heartbeat never, released on exit."""
 
 import json
 import logging
@@ -34,7 +35,8 @@ def _write_claim(run_dir, **rec):
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, CLAIM_FILE)
     with open(path, "w") as f:
-        json.dump(dict({"host": socket.gethostname(), "started": "2026-01-01 00:00:00", "token": "x"}, **rec), f)
+        json.dump(dict({"host": socket.gethostname(), "started": "2026-01-01 00:00:00", "token": "x",
+                        "pid_ns": claimmod.pid_namespace(), "boot_id": claimmod.boot_id()}, **rec), f)
     return path
 
 
@@ -151,3 +153,60 @@ def test_a_claim_file_still_being_written_is_not_taken_over(tmp_path, monkeypatc
     os.utime(run / CLAIM_FILE, (old, old))
     monkeypatch.setattr(claimmod, "_read", real_read)
     claim_run_dir(str(run)).release()
+
+
+def _dead_pid():
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    return dead.pid
+
+
+def test_the_claim_records_its_pid_namespace_and_boot(tmp_path):
+    c = claim_run_dir(str(tmp_path / "run"))
+    rec = json.load(open(tmp_path / "run" / CLAIM_FILE))
+    assert rec["pid_ns"] == os.readlink("/proc/self/ns/pid") and rec["pid_ns"].startswith("pid:[")
+    assert rec["boot_id"] == open("/proc/sys/kernel/random/boot_id").read().strip()
+    c.release()
+
+
+@pytest.mark.parametrize("where", ["namespace", "boot", "unrecorded"])
+def test_a_live_claim_from_another_pid_namespace_or_boot_is_never_taken_over(tmp_path, monkeypatch, caplog, where):
+    """A container with the host's name and its own PID namespace: its pid means nothing here (this one is gone
+    here), so only its heartbeat can say it is gone; while that is live the claim is refused, naming why."""
+    run = tmp_path / "run"
+    rec = {"namespace": {"pid_ns": "pid:[4026539999]"}, "boot": {"boot_id": "another-boot"}, "unrecorded": {}}[where]
+    path = _write_claim(run, pid=_dead_pid(), start_ticks=1, **rec)
+    if where == "unrecorded":  # a claim that does not say where its pid lives
+        holder = json.load(open(path))
+        del holder["pid_ns"], holder["boot_id"]
+        json.dump(holder, open(path, "w"))
+    with pytest.raises(ConfigError) as e:
+        claim_run_dir(str(run))
+    assert "is in use by another job" in str(e.value) and "heartbeat" in str(e.value)
+    assert {"namespace": "another PID namespace (pid:[4026539999])", "boot": "another boot",
+            "unrecorded": "does not record its PID namespace"}[where] in str(e.value)
+    # still live just under the bound; gone once its heartbeat is older
+    fresh = time.time() - claimmod.STALE_AFTER_S + 30
+    os.utime(path, (fresh, fresh))
+    with pytest.raises(ConfigError):
+        claim_run_dir(str(run))
+    old = time.time() - claimmod.STALE_AFTER_S - 10
+    os.utime(path, (old, old))
+    with caplog.at_level(logging.WARNING):
+        c = claim_run_dir(str(run))
+    assert "heartbeat is" in caplog.text and "its pid is not checked here" in caplog.text
+    assert json.load(open(path))["token"] == c.record["token"]
+    c.release()
+
+
+def test_this_process_seen_from_another_namespace_is_judged_by_its_heartbeat(tmp_path, monkeypatch):
+    """The other way round: the claim is this namespace's, the checker runs in another one (faked): a pid that is
+    gone in the checker's table proves nothing, the live heartbeat keeps the claim."""
+    run = tmp_path / "run"
+    _write_claim(run, pid=_dead_pid(), start_ticks=1)
+    monkeypatch.setattr(claimmod, "pid_namespace", lambda: "pid:[4026530001]")
+    with pytest.raises(ConfigError, match="another PID namespace"):
+        claim_run_dir(str(run))
+    monkeypatch.undo()
+    c = claim_run_dir(str(run))  # in the same namespace the dead pid proves it gone at once
+    c.release()

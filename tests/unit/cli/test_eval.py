@@ -48,3 +48,44 @@ def test_a_data_source_named_by_a_checkpoint_is_read_only_when_passed(tmp_path, 
         assert len(err) == 1 and "checkpoint error:" in err[0] and "data.source" in err[0] and "--data" in err[0]
     assert eval_main(["--checkpoint", ckpt, *common, "--data", str(rows)]) == 0
     assert json.load(open(tmp_path / "o.json"))["n_prompts"] == 2
+
+
+def test_generation_length_is_the_runs_and_progress_shows_an_eta(tmp_path, capsys):
+    """Without --max-new-tokens dflash-eval generates as many tokens as the run's in-training evaluation
+    (train.eval_max_new_tokens, from the checkpoint); it reports prompts done / total, elapsed and ETA as it goes."""
+    import torch
+
+    from dflash_dist.checkpoint.store import save_checkpoint
+    from dflash_dist.cli.eval import Progress
+    from dflash_dist.config import JobConfig, TargetConfig, TrainConfig
+    from tests.unit.checkpoint import test_export as E
+    model = E.make_drafter()
+    job = JobConfig(target=TargetConfig(hf_config=dict(E.TARGET_HF), tokenizer=E.TINY_DIR, layer_ids=E.LAYER_IDS),
+                    train=TrainConfig(eval_max_new_tokens=3))
+    meta = {"cursor": 5, "total_messages": 10, "layer_ids": E.LAYER_IDS, "mask_token_id": E.MASK,
+            "block_size": E.BLOCK, "drafter_config": model.config.__dict__, "target_config": E.target_config_dict(),
+            "tokenizer": E.TINY_DIR, "job_config": job.to_dict(), "final": False}
+    ckpt = save_checkpoint(str(tmp_path / "run"), 7, model.state_dict(), None, meta)
+    rows = tmp_path / "p.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Hello", "How are you?")))
+    out = tmp_path / "o.json"
+    torch.manual_seed(0)
+    assert eval_main(["--checkpoint", ckpt, "--prompts", str(rows), "--no-lossless-check", "--out", str(out)]) == 0
+    res = json.load(open(out))
+    assert res["max_new_tokens"] == 3 and all(r["new_tokens"] <= 3 for r in res["per_prompt"])
+    err = capsys.readouterr().err
+    assert "dflash-eval: prompts 2/2, elapsed" in err and "ETA 0:00:00" in err
+    assert eval_main(["--checkpoint", ckpt, "--prompts", str(rows), "--no-lossless-check", "--out", str(out),
+                      "--max-new-tokens", "2", "--include-one-step"]) == 0
+    res = json.load(open(out))
+    assert res["max_new_tokens"] == 2 and res["one_step_excluded"] is False and res["tau"] == res["tau_all_prompts"]
+
+    # the ETA is the mean time per prompt so far times the prompts left; lines at most every every_s seconds
+    now, lines = [0.0], []
+    p = Progress(every_s=5.0, clock=lambda: now[0], write=lines.append)
+    for done, t in ((1, 10.0), (2, 12.0), (3, 20.0), (4, 40.0)):
+        now[0] = t
+        p(done, 4)
+    assert lines == ["dflash-eval: prompts 1/4, elapsed 0:00:10, ETA 0:00:30",
+                     "dflash-eval: prompts 3/4, elapsed 0:00:20, ETA 0:00:07",
+                     "dflash-eval: prompts 4/4, elapsed 0:00:40, ETA 0:00:00"]

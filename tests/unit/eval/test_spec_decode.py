@@ -161,6 +161,10 @@ def test_features_and_draft_match_training(target):
 
 def test_summarize_acceptance_by_hand():
     r = summarize_acceptance([[4, 1, 2], [3], []], 4)
+    # [3] ended in its first block: out of z-lab's tau by default, in the pooled figure always
+    assert r["tau"] == pytest.approx(7 / 3) and r["tau_pooled"] == pytest.approx(10 / 4)
+    assert r["acceptance_length"] == r["tau_pooled"] and r["tau_all_prompts"] == pytest.approx((7 / 3 + 3) / 2)
+    r = summarize_acceptance([[4, 1, 2], [3], []], 4, exclude_one_step=False)
     assert r["tau"] == pytest.approx((7 / 3 + 3) / 2) and r["tau_pooled"] == pytest.approx(10 / 4)
     assert r["per_position_acceptance"] == pytest.approx([3 / 4, 2 / 4, 1 / 4])
     assert r["per_position_conditional"] == pytest.approx([3 / 4, 2 / 3, 1 / 2])
@@ -174,24 +178,36 @@ def test_summarize_acceptance_by_hand():
 
 def test_tau_both_ways_on_a_hand_made_trace():
     """The README's situation: short prompts that end inside their first block weigh as much as long ones in
-    z-lab's tau (mean over prompts of per-prompt means), and the pooled tau (tokens / verify steps) differs."""
+    z-lab's tau (mean over prompts of per-prompt means) and inflate it; the headline is the pooled acceptance
+    length (tokens / verify steps), and z-lab's tau leaves those prompts out unless asked to count them."""
     B = 16
     trace = [[12], [9], [16], [2, 1, 3, 1, 2, 1, 1, 3], [1, 2, 1, 1, 2, 1], [3, 1, 2, 2]]
-    r = summarize_acceptance(trace, B)
+    r = summarize_acceptance(trace, B, exclude_one_step=False)
     per_prompt = [12, 9, 16, 14 / 8, 8 / 6, 8 / 4]
     assert r["tau"] == pytest.approx(sum(per_prompt) / 6)             # 7.01: z-lab's "Average Acceptance length"
     assert r["tau_pooled"] == pytest.approx((12 + 9 + 16 + 14 + 8 + 8) / (1 + 1 + 1 + 8 + 6 + 4))  # 67/21 = 3.19
+    assert r["acceptance_length"] == r["tau_pooled"] and r["tau_all_prompts"] == r["tau"]
     assert r["prompts_one_step"] == 3 and r["prompts_scored"] == 6 and r["total_steps"] == 21
+    assert r["prompts_in_tau"] == 6 and r["one_step_excluded"] is False
     m = sum(per_prompt) / 6
     sd = (sum((x - m) ** 2 for x in per_prompt) / 5) ** 0.5
     assert r["tau_stderr"] == pytest.approx(sd / 6 ** 0.5)
+    # by default the one-step prompts are counted and left out of z-lab's tau: it comes close to the pooled figure
+    d = summarize_acceptance(trace, B)
+    assert d["one_step_excluded"] is True and d["prompts_one_step"] == 3 and d["prompts_in_tau"] == 3
+    assert d["tau"] == pytest.approx(sum(per_prompt[3:]) / 3) and abs(d["tau"] - d["acceptance_length"]) < 1.5
+    assert d["acceptance_length"] == r["acceptance_length"] and d["tau_all_prompts"] == pytest.approx(r["tau"])
     # without the one-step prompts both figures are close: the gap comes from how prompts are weighed
     r2 = summarize_acceptance(trace[3:], B)
     assert r2["prompts_one_step"] == 0 and abs(r2["tau"] - r2["tau_pooled"]) < 0.2
-    assert summarize_acceptance([[3]], B)["tau_stderr"] is None
-    table = format_table({**r, "n_prompts": 6, "block_size": B, "max_new_tokens": 64, "mean_new_tokens": 11.2,
+    assert summarize_acceptance([[3]], B)["tau"] is None                       # its only prompt left out
+    assert summarize_acceptance([[3]], B, exclude_one_step=False)["tau_stderr"] is None
+    table = format_table({**d, "n_prompts": 6, "block_size": B, "max_new_tokens": 64, "mean_new_tokens": 11.2,
                           "lossless_fraction": None})
-    assert "z-lab" in table and "pooled" in table and "ended in their first block 3" in table
+    first, second, third = table.splitlines()[:3]
+    assert "ended in their first block 3" in first
+    assert second.startswith("acceptance length (pooled") and "3.190" in second
+    assert "z-lab" in third and "left out" in third and "all prompts: 7.014" in third
     assert "max_new_tokens 64" in table and "prompts 6" in table
 
 
@@ -335,6 +351,7 @@ def test_dflash_eval_cli(tmp_path):
     assert res["n_prompts"] == 2 and res["lossless_fraction"] == 1.0 and res["eos_ids"] == [0, 2]
     assert res["chat_template_kwargs"] == {"enable_thinking": False}  # what training recorded
     assert res["prompts_one_step"] is not None and res["tau_pooled"] is not None
+    assert res["acceptance_length"] == res["tau_pooled"] and res["one_step_excluded"] is True
     exp = export_checkpoint(ckpt, str(tmp_path / "export"), dtype="float32")
     out2 = tmp_path / "eval2.json"
     assert eval_main(["--export", exp, "--prompts", str(rows), "--max-new-tokens", "6", "--out", str(out2)]) == 0

@@ -13,7 +13,13 @@ from dflash_dist.checkpoint.export import build_export_config
 from dflash_dist.checkpoint.export_load import drafter_config_from_export
 from dflash_dist.config import ConfigError
 from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig, rotary_cos_sin
-from dflash_dist.model.rope import DrafterRope, default_rope_parameters, drafter_rope_parameters
+from dflash_dist.model.rope import (
+    DrafterRope,
+    check_positions,
+    default_rope_parameters,
+    drafter_rope_parameters,
+    position_limit,
+)
 
 H, HEADS, D = 64, 4, 16
 BASE = {"hidden_size": H, "num_attention_heads": HEADS, "num_key_value_heads": 2, "head_dim": D,
@@ -207,3 +213,33 @@ def test_unmirrorable_families_refused_by_name():
     g2 = Gemma2Config(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=100, head_dim=16)
     with pytest.raises(ConfigError, match="gemma2: logit softcapping"):
         DrafterModelConfig.from_target(g2, num_layers=1, num_feature_layers=2, block_size=4)
+
+
+def test_positions_a_target_covers_and_max_length_against_them():
+    """max_position_embeddings, or a scaled RoPE's factor x original positions where that is more; a longer
+    data.max_length is refused naming both, one that only RoPE scaling allows is said."""
+    from transformers import Qwen3Config
+    plain = Qwen3Config(max_position_embeddings=512, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    assert position_limit(plain) == (512, None)
+    assert check_positions(512, plain) is None
+    with pytest.raises(ConfigError) as e:
+        check_positions(513, plain)
+    assert str(e.value) == ("data.max_length=513 is beyond the target's positions: max_position_embeddings 512 and "
+                            "no RoPE scaling that reaches further; set data.max_length <= 512")
+    yarn = {"max_position_embeddings": 512, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4,
+                                                                  "factor": 4.0, "original_max_position_embeddings": 256}}
+    assert position_limit(yarn) == (1024, "yarn RoPE scaling, factor 4 x 256")
+    assert check_positions(1000, yarn) == ("data.max_length=1000 is beyond the target's max_position_embeddings 512: "
+                                           "allowed by its yarn RoPE scaling, factor 4 x 256 = 1024 positions")
+    with pytest.raises(ConfigError, match=r"max_position_embeddings 512, yarn RoPE scaling, factor 4 x 256 = 1024"):
+        check_positions(1025, yarn)
+    # transformers 4's rope_scaling, no original: the factor stretches max_position_embeddings
+    assert position_limit({"max_position_embeddings": 100, "rope_scaling": {"type": "linear", "factor": 2}})[0] == 200
+    # llama3 configs already say the scaled length (131072 >= 8 x 8192): nothing more
+    assert position_limit({"max_position_embeddings": 131072, "rope_parameters": {
+        "rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}}) == (131072, None)
+    # per-layer-type RoPE: the smallest reach; no max_position_embeddings: nothing to check
+    nested = {"max_position_embeddings": 64, "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 4.0}, "sliding_attention": {"rope_type": "default"}}}
+    assert position_limit(nested) == (64, None)
+    assert position_limit({"rope_parameters": {}}) == (None, None) and check_positions(10 ** 6, {}) is None

@@ -76,7 +76,9 @@ def test_a_process_limit_names_the_role_that_does_not_fit(monkeypatch):
     with pytest.raises(ConfigError, match=r"a drafter rank's process need [\d.]+ GiB but ulimit -v"):
         checked("drafter.num_anchors=256")
     with pytest.raises(ConfigError, match=r"a target rank's process need [\d.]+ GiB but ulimit -v.*target\.max_batch_tokens"):
-        checked("target.max_batch_tokens=262144", "data.max_length=32768", "target.max_batch_samples=1")
+        # a target whose positions reach 32,768 (longer samples are refused before the memory plan)
+        checked("target=tiny_mistral", "target.hf_config.max_position_embeddings=32768",
+                "target.max_batch_tokens=262144", "data.max_length=32768", "target.max_batch_samples=1")
 
 
 def test_roles_and_the_colocated_sum():

@@ -24,6 +24,10 @@ def test_dashboard_keys_fall_into_sections():
     assert dashboard_key("train", "acc_slot_7") is None
     assert dashboard_key("train", "tau_from_acc") == "acceptance/tau_from_train_acc"
     assert dashboard_key("eval", "tau_pooled") == "acceptance/tau_pooled"
+    # the pooled acceptance length is the headline: the first chart of the acceptance section (sorted by name)
+    acceptance = sorted(dashboard_key("eval", k) for k in ("tau", "tau_pooled", "acceptance_length", "tau_stderr",
+                                                           "tau_all_prompts", "prompts_one_step"))
+    assert acceptance[0] == "acceptance/acceptance_length" < "acceptance/per_position"
     assert dashboard_key("eval", "eval_seconds") == "eval/eval_seconds"
     assert dashboard_key("eval", "accept_pos_3") is None
     assert dashboard_key("train", "compile/recompiles") == "compile/recompiles"
@@ -95,7 +99,7 @@ def test_offline_wandb_history_holds_the_sectioned_keys(tmp_path, monkeypatch):
                       progress_bar=False)
     for step in (1, 10, 20, 30):
         w.log(step, _train_window(step))
-    w.log(30, {"tau": 3.2, "tau_pooled": 2.5, "tau_stderr": 0.1, "n_prompts": 64, "max_new_tokens": 128,
+    w.log(30, {"acceptance_length": 2.5, "tau": 3.2, "tau_pooled": 2.5, "tau_stderr": 0.1, "n_prompts": 64, "max_new_tokens": 128,
                "prompts_one_step": 3, "eval_seconds": 4.0, **{f"accept_pos_{k}": 0.7 ** k for k in range(1, 16)}},
           kind="eval")
     w.close()
@@ -114,7 +118,7 @@ def test_offline_wandb_history_holds_the_sectioned_keys(tmp_path, monkeypatch):
               "throughput/target_capacity_samples_per_s", "throughput/drafter_capacity_samples_per_s",
               "target/rank2_tokens_per_s", "target/rank2_busy_frac", "target/rank2_wait_frac", "target/rank2_mfu",
               "drafter/busy_frac", "drafter/stream_wait_frac", "drafter/mfu", "drafter/step_time_s",
-              "train/loss", "train/lr", "train/grad_norm", "acceptance/tau", "acceptance/tau_pooled",
+              "train/loss", "train/lr", "train/grad_norm", "acceptance/acceptance_length", "acceptance/tau", "acceptance/tau_pooled",
               "acceptance/tau_from_train_acc", "acceptance/per_position", "acceptance/train_acc_per_position"):
         assert any(h == k or h.startswith(k + "_table/") for h in keys), (k, sorted(keys))  # plot.line: <k>_table
     assert not any("acc_slot" in k or "accept_pos" in k for k in keys), sorted(keys)

@@ -41,16 +41,18 @@ def test_stream_wait_counts_a_pair_once_it_is_complete():
 
 def test_run_summary_names_the_results():
     from dflash_dist.telemetry.metrics import run_summary
-    s = run_summary(stopped=False, steps=30, steps_this_run=10, samples=600, wall_s=20.0, loss=1.25, tau=(30, 3.5),
+    s = run_summary(stopped=False, steps=30, steps_this_run=10, samples=600, wall_s=20.0, loss=1.25, tau=(30, 2.25, 3.5),
                     checkpoint="r/checkpoints/step_00000030", metrics_path="r/metrics.jsonl",
                     wandb_dir="r/wandb/offline-run-x", wandb_mode="offline")
     assert "30 steps (10 in this launch)" in s and "600 samples" in s and "30.0 samples/s" in s
-    assert "final loss 1.2500" in s and "tau 3.500" in s
+    assert "final loss 1.2500" in s
+    # the pooled acceptance length is the headline, z-lab's per-prompt tau beside it
+    assert "acceptance length 2.250 (pooled over verify steps; z-lab's tau 3.500) at step 30" in s
     assert "r/checkpoints/step_00000030" in s and "r/metrics.jsonl" in s
     assert "wandb sync r/wandb/offline-run-x" in s
     s = run_summary(stopped=True, steps=3, steps_this_run=3, samples=0, wall_s=1.0, loss=None, tau=None,
                     checkpoint=None, metrics_path="m", wandb_dir=None, wandb_mode="disabled")
-    assert "stopped" in s and "tau not evaluated" in s and "wandb" not in s
+    assert "stopped" in s and "acceptance not evaluated" in s and "wandb" not in s
 
 
 def test_log_lines_never_land_on_the_progress_bar():
