@@ -225,6 +225,23 @@ def test_load_export_refuses_a_dflash2_config_an_engine_would_misread(tmp_path):
             load_export(write_export(tmp_path / case, cfg, tensors))
 
 
+def random_dflash2(target_config: dict, block_size: int, num_feature_layers: int, seed: int = 8):
+    """(resolved spec, model, generator) of a 2-layer DFlash2 drafter of the tests' settings, every weight random (norms
+    near 1); the generator goes on where the weights left it."""
+    from dflash_dist.config import DrafterConfig
+    from dflash_dist.model.spec import resolve_drafter
+    dc = DrafterConfig(num_layers=2, block_size=block_size, variant="dflash2",
+                       dflash2={"conv_group_size": 8, "selector_rank": 6, "selector_top_k": 5,
+                                "output_multiplier": 0.7, "final_logit_softcapping": 3.0})
+    spec = resolve_drafter(dc, target_config, num_feature_layers, "cpu")
+    model = spec.build_model().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1 + (1.0 if name.endswith("norm.weight") else 0.0))
+    return spec, model, g
+
+
 def test_automodel_of_a_dflash2_export_equals_load_export(tmp_path):
     """A trained-shape DFlash2 checkpoint (the dflash2 variant, every weight random) through dflash-export:
     load_export rebuilds the variant, AutoModel(trust_remote_code) builds modeling_dflash.DFlash2DraftModel, and
@@ -234,20 +251,11 @@ def test_automodel_of_a_dflash2_export_equals_load_export(tmp_path):
     from dflash_dist.checkpoint.export import export_checkpoint
     from dflash_dist.checkpoint.export_load import load_export
     from dflash_dist.checkpoint.store import save_checkpoint
-    from dflash_dist.config import DrafterConfig, JobConfig, TargetConfig
+    from dflash_dist.config import JobConfig, TargetConfig
     from dflash_dist.model.hf import TINY_DIR
-    from dflash_dist.model.spec import resolve_drafter
     from tests.unit.checkpoint.test_export import TARGET_HF, multi_block_inputs
 
-    dc = DrafterConfig(num_layers=2, block_size=BLOCK, variant="dflash2",
-                       dflash2={"conv_group_size": 8, "selector_rank": 6, "selector_top_k": 5,
-                                "output_multiplier": 0.7, "final_logit_softcapping": 3.0})
-    spec = resolve_drafter(dc, target_config_dict(), len(LAYER_IDS), "cpu")
-    model = spec.build_model().eval()
-    g = torch.Generator().manual_seed(8)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.1 + (1.0 if name.endswith("norm.weight") else 0.0))
+    spec, model, g = random_dflash2(target_config_dict(), BLOCK, len(LAYER_IDS))
     settings = spec.to_meta()
     job = JobConfig(target=TargetConfig(hf_config=dict(TARGET_HF), tokenizer=TINY_DIR, layer_ids=LAYER_IDS))
     meta = {"cursor": 5, "total_messages": 10, "layer_ids": LAYER_IDS, "mask_token_id": MASK,

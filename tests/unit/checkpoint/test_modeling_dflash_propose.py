@@ -12,12 +12,12 @@ from transformers import DynamicCache
 
 from dflash_dist.checkpoint.export import export_checkpoint
 from dflash_dist.checkpoint.store import save_checkpoint
-from dflash_dist.config import DrafterConfig, JobConfig, TargetConfig
+from dflash_dist.config import JobConfig, TargetConfig
 from dflash_dist.eval.prompts import load_drafter
 from dflash_dist.eval.spec_decode import evaluate_prompts
 from dflash_dist.eval.target_runner import crop_cache
 from dflash_dist.model.hf import TINY_DIR, build_target_model
-from dflash_dist.model.spec import resolve_drafter
+from tests.unit.checkpoint.test_export_dflash2 import random_dflash2
 
 V, H, BLOCK, MASK, LAYER_IDS = 12, 32, 4, 11, [1, 3, 4]   # a small vocabulary: random drafts get accepted
 TARGET_HF = dict(model_type="qwen3", vocab_size=V, hidden_size=H, intermediate_size=96, num_hidden_layers=6,
@@ -41,15 +41,7 @@ def setup(tmp_path_factory):
     from transformers import AutoModel
     tmp = tmp_path_factory.mktemp("propose")
     target, tcfg = _target()
-    dc = DrafterConfig(num_layers=2, block_size=BLOCK, variant="dflash2",
-                       dflash2={"conv_group_size": 8, "selector_rank": 6, "selector_top_k": 5,
-                                "output_multiplier": 0.7, "final_logit_softcapping": 3.0})
-    spec = resolve_drafter(dc, target.config.to_dict(), len(LAYER_IDS), "cpu")
-    model = spec.build_model().eval()
-    g = torch.Generator().manual_seed(8)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.1 + (1.0 if name.endswith("norm.weight") else 0.0))
+    spec, model, _ = random_dflash2(target.config.to_dict(), BLOCK, len(LAYER_IDS))
     settings = spec.to_meta()
     meta = {"cursor": 5, "total_messages": 10, "layer_ids": LAYER_IDS, "mask_token_id": MASK,
             "drafter_config": settings.pop("model"), "drafter": settings, "target_config": target.config.to_dict(),
