@@ -14,7 +14,8 @@ USAGE = """\
 usage: dflash-train [--nproc-per-node N] [--cfg job] [--help] [key=value | group=option ...]
 
 Starts the ranks of one training job on this machine (torch's elastic launcher, a standalone rendezvous):
-the last topology.target_ranks ranks run the frozen target, the others train the drafter.
+the last topology.target_ranks ranks run the frozen target, the others train the drafter; with
+topology.target_ranks=0 (and in a job of one process: one GPU) every rank does both, capture then step.
 
 options:
   --nproc-per-node N  processes to start (default: one per visible GPU; 3 on a machine without one)
