@@ -217,7 +217,7 @@ def test_an_objective_without_slice_math_is_served_whole_by_the_feeder(tmp_path)
 
 
 def test_replica_evaluates_in_training_like_dflash_eval_on_one_rank(tmp_path):
-    """1 drafter + one replica of 2 with the default presets (in-training evaluation on: 16 held-out prompts, 64 new
+    """1 drafter + one replica of 2 with the default presets (in-training evaluation on: 16 held-out prompts, 128 new
     tokens), evaluating and saving every 4 of 12 steps: exit 0; the first evaluation ran in slices between messages
     and the last one after the stream, both ranks of the replica running their verify forwards; for both,
     dflash-eval of that step's checkpoint with a whole target on one process, on the same prompts, gives the same
@@ -244,7 +244,7 @@ def test_replica_evaluates_in_training_like_dflash_eval_on_one_rank(tmp_path):
         assert ev["n_prompts"] == 16 and ev["max_new_tokens"] == 128
         ck, res = run / "checkpoints" / f"step_{ev['step']:08d}", tmp_path / f"e{ev['step']}.json"
         assert eval_main(["--checkpoint", str(ck), "--prompts", holdout, "--num-prompts", "16", "--max-new-tokens",
-                          "64", "--no-lossless-check", "--out", str(res)]) == 0
+                          "128", "--no-lossless-check", "--out", str(res)]) == 0
         e = json.load(open(res))
         assert [p["acceptance_lengths"] for p in e["per_prompt"]] == ev["acceptance_lengths"], ev["step"]
         assert e["tau"] == pytest.approx(ev["tau"], abs=1e-12)
@@ -255,7 +255,7 @@ def test_replica_evaluates_in_training_like_dflash_eval_on_one_rank(tmp_path):
     # dflash-eval itself on a replica of 2 (torchrun): the same lengths, the target's greedy output reproduced
     res2 = tmp_path / "e_tp2.json"
     r = torchrun(2, ["-m", "dflash_dist.cli.eval", "--checkpoint", str(ck), "--prompts", holdout, "--num-prompts",
-                     "16", "--max-new-tokens", "64", "--out", str(res2)], timeout=300)
+                     "16", "--max-new-tokens", "128", "--out", str(res2)], timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     assert "target replica of 2 ranks: every rank verifies, rank 0 drafts" in r.stdout + r.stderr
     tp = json.load(open(res2))
