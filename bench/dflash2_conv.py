@@ -3,7 +3,7 @@
 
 Formulations of the same math on the same weights and inputs:
 
-- ``reduce``: the package's (``dflash_dist.model.dflash2.GroupedDynamicConv``): coefficients base + delta
+- ``reduce``: the package's (``dflash_dist.model.variants.dflash2.layers.GroupedDynamicConv``): coefficients base + delta
   broadcast over the group's channels, so autograd makes the group sum and the base kernel's gradient
   reductions over [Q, H].
 - ``triton``: one Triton kernel per direction (``bench/_conv_triton.py``; CUDA only). Measured no faster in the
@@ -30,7 +30,7 @@ import _common as C  # noqa: E402  (puts the repo root on sys.path)
 import torch  # noqa: E402
 from _conv_triton import available, grouped_dynamic_conv  # noqa: E402
 
-from dflash_dist.model.dflash2 import GroupedDynamicConv  # noqa: E402
+from dflash_dist.model.variants.dflash2.layers import GroupedDynamicConv  # noqa: E402
 
 
 def matmul_conv(conv: GroupedDynamicConv, x, delta, side: int, block_size: int):

@@ -11,13 +11,12 @@ The directory holds:
   (:func:`build_export_config` says which reads what): ``rope_theta`` + ``rope_scaling`` (transformers 4.x) next
   to ``rope_parameters`` (5.x); ``eagle_aux_hidden_state_layer_ids`` (vLLM's capture points, = layer ids + 1);
   ``layer_types`` / ``use_sliding_window`` / ``sliding_window`` / ``is_causal: false``; ``auto_map``.
-* a variant's fields (its ``export_fields``, :func:`apply_variant_fields`): DFlash2 writes ``architectures:
-  ["DFlash2DraftModel"]``, ``dflash_config.{conv_kernel_size, conv_group_size, selector_rank, selector_top_k}``
-  (vLLM reads them with ``[]``), ``output_multiplier`` and ``final_logit_softcapping`` (read with defaults, written
-  anyway), no ``input_embedding_scale`` (SGLang ignores it), and ``auto_map`` ``modeling_dflash.DFlash2DraftModel``;
-  its tensors add ``layers.i.{attention,mlp}_conv.*`` and ``candidate_selector.*`` (codebooks without ``.weight``).
-* ``modeling_dflash.py``: the drafter as a standalone transformers model (checkpoint/modeling_dflash.py), so
-  ``AutoModel.from_pretrained(dir, trust_remote_code=True)`` builds it with the same outputs as load_export's.
+* a variant's fields (its ``export_fields``, :func:`apply_variant_fields`): its ``architectures``, ``auto_map``
+  class and ``dflash_config`` fields, checked by its ``export_problems`` (each variant's ``export_description``
+  says what it adds; ``dflash-export --help`` lists them); its tensors (``export_names``).
+* ``modeling_dflash.py``: the drafter as a standalone transformers model, assembled from the variants' serving
+  parts (checkpoint/serving.py), so ``AutoModel.from_pretrained(dir, trust_remote_code=True)`` builds it with the
+  same outputs as load_export's.
 * ``model.safetensors``: ``layers.*``, ``fc.weight`` [H, n*H], ``hidden_norm.weight``, ``norm.weight``; no
   ``model.`` prefix, no embedding, no lm_head (both are the target's), bf16 by default.
 * the target tokenizer (``AutoTokenizer.save_pretrained``), so the directory is self-contained.
@@ -46,28 +45,26 @@ from typing import Any, Optional
 
 import torch
 
+from dflash_dist.checkpoint.claim import CLAIM_FILE
 from dflash_dist.checkpoint.export_load import (
     META_NAME,
-    MODELING_NAME,
     CheckpointInputError,
     ExportError,
-    auto_map_for,
-    dflash2_problems,
-    dflash2_tensor_shapes,
+    check_variant_fields,
+    config_tensor_shapes,
     drafter_config_from_export,
     export_problems,
-    is_dflash2,
     safetensors_shapes,
     validate_export_tensors,
 )
-from dflash_dist.checkpoint.claim import CLAIM_FILE
 from dflash_dist.checkpoint.identity import RUN_JSON
 from dflash_dist.checkpoint.meta import meta_block_size, meta_variant
 from dflash_dist.checkpoint.safe_io import check_tokenizer_files, local_dir
+from dflash_dist.checkpoint.serving import write_modeling
 from dflash_dist.checkpoint.store import CheckpointError
 from dflash_dist.checkpoint.validate import bare_name, check_checkpoint
 from dflash_dist.model.drafter import DrafterModelConfig
-from dflash_dist.model.variants import variant_class
+from dflash_dist.model.variants import variant_class, variant_of_export
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +80,6 @@ EXPORT_MARKER = ".dflash-export"
 
 _RUN_ENTRIES = (RUN_JSON, "checkpoints", CLAIM_FILE)   # any of them makes a directory a run directory
 
-
-MODELING_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), MODELING_NAME)
 
 SGLANG_DEFAULT_MASK_TOKEN = "<|MASK|>"
 """SGLang's ``DEFAULT_DFLASH_MASK_TOKEN`` (python/sglang/srt/speculative/dflash_utils.py)."""
@@ -151,16 +146,15 @@ def build_export_config(drafter_config: DrafterModelConfig, target_config: dict,
 
 def apply_variant_fields(cfg: dict, fields: dict) -> dict:
     """``cfg`` with a variant's ``export_fields`` merged in: its ``architectures``, its ``dflash_config`` fields,
-    its top-level fields; a DFlash2 config gets modeling_dflash's ``DFlash2DraftModel`` as ``auto_map`` and is
-    refused when either engine would load it wrongly (export_load.dflash2_problems)."""
+    its top-level fields; the config gets the ``auto_map`` class of the variant it then means (its ``auto_model``)
+    and is refused when a variant's fields in it are not what both engines load (its ``export_problems``)."""
     cfg["architectures"] = list(fields.get("architectures", cfg["architectures"]))
     cfg["dflash_config"].update(fields.get("dflash_config") or {})
     cfg.update({k: v for k, v in fields.items() if k not in ("architectures", "dflash_config")})  # top level
-    if is_dflash2(cfg):
-        cfg["auto_map"] = auto_map_for(cfg)
-    problems = dflash2_problems(cfg)
-    if problems:
-        raise ExportError("the DFlash2 fields are not what both engines load: " + "; ".join(problems))
+    meant = variant_of_export(cfg, by_fields=True)
+    if meant is not None:
+        cfg["auto_map"] = {"AutoModel": meant.auto_model}
+    check_variant_fields(cfg, "the {title} fields are not what both engines load: ")
     return cfg
 
 
@@ -280,18 +274,6 @@ def _attention_fields(dc: DrafterModelConfig) -> dict[str, Any]:
     }
 
 
-
-
-
-
-
-
-
-
-
-
-
-
 def _strip_prefixes(weights: dict) -> dict:
     out = {}
     for k, v in weights.items():
@@ -406,9 +388,9 @@ def check_out_dir(out_dir: str, checkpoint_dir: str, overwrite: bool) -> None:
 
 
 def _validate_with_variant(tensors: dict, cfg: dict, variant) -> None:
-    """The names and shapes the config implies (export_load.validate_export_tensors: DFlash's, and DFlash2's from
-    its fields) and the variant's own beyond them."""
-    known = dflash2_tensor_shapes(cfg)
+    """The names and shapes the config implies (export_load.validate_export_tensors: DFlash's, and a variant's
+    from its fields) and the variant's own beyond them."""
+    known = config_tensor_shapes(cfg)
     extra = {k: v for k, v in variant.extra_tensor_shapes(cfg).items() if k not in known}
     validate_export_tensors({k: v for k, v in tensors.items() if k not in extra}, cfg)
     have = {k: tuple(v.shape) for k, v in tensors.items() if k in extra}
@@ -445,14 +427,14 @@ def _side_meta(meta: dict, checkpoint_dir: str, tok_src: Optional[str], dtype: s
 
 
 def _write_export(tmp: str, tensors: dict, cfg: dict, side: dict, tok: Any, variant) -> None:
-    """Every file of the export into ``tmp`` (the tokenizer's unless ``tok`` is None; the variant's standalone
-    module as modeling_dflash.py), then read back as a consumer reads it."""
+    """Every file of the export into ``tmp`` (the tokenizer's unless ``tok`` is None; the standalone module the
+    variant's serving parts assemble as modeling_dflash.py), then read back as a consumer reads it."""
     from safetensors.torch import save_file
     save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
         f.write("\n")
-    shutil.copyfile(variant.modeling_source, os.path.join(tmp, MODELING_NAME))
+    write_modeling(variant, tmp)
     if tok is not None:
         tok.save_pretrained(tmp)
     with open(os.path.join(tmp, META_NAME), "w") as f:

@@ -12,135 +12,51 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from typing import Any, Optional
 
 import torch
 
+from dflash_dist.checkpoint.serving import MODELING_NAME
 from dflash_dist.checkpoint.store import CheckpointError
 from dflash_dist.config import ConfigError
 from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
 from dflash_dist.model.rope import drafter_rope_parameters
-from dflash_dist.model.variants import VARIANTS, variant_of_export
+from dflash_dist.model.variants import VARIANTS, DFlash, registered_variants, variant_of_export
 
 log = logging.getLogger(__name__)
 
 
 __all__ = ["load_export", "export_problems", "drafter_config_from_export", "expected_tensor_shapes",
-           "validate_export_tensors", "safetensors_shapes", "checked_export", "ExportError", "CheckpointInputError",
-           "META_NAME", "MODELING_NAME", "AUTO_MAP", "DFLASH2_ARCHITECTURE", "auto_map_for", "is_dflash2",
-           "dflash2_problems", "dflash2_tensor_shapes", "dflash2_settings", "nonfinite_tensors"]
+           "validate_export_tensors", "validate_variant_tensors", "safetensors_shapes", "checked_export",
+           "ExportError", "CheckpointInputError", "META_NAME", "MODELING_NAME", "config_tensor_shapes",
+           "check_variant_fields", "nonfinite_tensors"]
 
 
 META_NAME = "dflash_dist_meta.json"
 
 
-MODELING_NAME = "modeling_dflash.py"
-"""The standalone modeling file copied into every export (``auto_map`` names its DFlashDraftModel)."""
-
-AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
-
-DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
-"""The one architecture string both engines serve DFlash2 under (model/dflash2.ARCHITECTURE)."""
-
-DFLASH2_REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-"""dflash_config fields vLLM reads with ``[]``: a missing one is a KeyError at load."""
-
-DFLASH2_WRITTEN = ("output_multiplier", "final_logit_softcapping")
-"""dflash_config fields the engines read with a default; written explicitly so no default decides them."""
+def _variant_problems(cfg: dict) -> list[str]:
+    """Every registered variant's problems with ``cfg`` (each answers only for a config of its own)."""
+    return [p for v in registered_variants() for p in v.export_problems(cfg)]
 
 
-def auto_map_for(cfg: dict) -> dict:
-    """The ``auto_map`` an export of ours carries: modeling_dflash's class named like its architecture."""
-    return ({"AutoModel": f"modeling_dflash.{DFLASH2_ARCHITECTURE}"} if is_dflash2(cfg) else dict(AUTO_MAP))
-
-
-def is_dflash2(cfg: dict) -> bool:
-    """The export means to be DFlash2: it says so, or carries any DFlash2 field (SGLang turns the conv on for
-    ``conv_kernel_size`` under any architecture)."""
-    dfc = cfg.get("dflash_config") or {}
-    return (DFLASH2_ARCHITECTURE in (cfg.get("architectures") or [])
-            or any(k in dfc for k in DFLASH2_REQUIRED + DFLASH2_WRITTEN))
-
-
-def dflash2_problems(cfg: dict) -> list[str]:
-    """What in a DFlash2 ``config.json`` vLLM or SGLang would refuse, read differently from the other, or serve
-    silently degraded (empty: none; also empty for a DFlash export)."""
-    if not is_dflash2(cfg):
-        return []
-    out, dfc = [], cfg.get("dflash_config") or {}
-    if cfg.get("architectures") != [DFLASH2_ARCHITECTURE]:
-        out.append(f"architectures={cfg.get('architectures')}: a DFlash2 export needs exactly "
-                   f"[{DFLASH2_ARCHITECTURE!r}] (vLLM drafts anything else as DFlash, SGLang builds no selector)")
-    if cfg.get("model_type") != "qwen3":
-        out.append(f"model_type={cfg.get('model_type')!r}: both engines build the DFlash2 drafter from a qwen3 config")
-    for key in DFLASH2_REQUIRED:
-        v = dfc.get(key)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            out.append(f"dflash_config.{key}={v!r}: must be an integer >= 1 (vLLM reads it with [], KeyError "
-                       "when missing)")
-    for key in DFLASH2_WRITTEN:
-        if key not in dfc:
-            out.append(f"no dflash_config.{key} (write it: the engines' default would decide it)")
-    mult, cap = dfc.get("output_multiplier", 1.0), dfc.get("final_logit_softcapping")
-    if not isinstance(mult, (int, float)) or not 0 < float(mult) < math.inf:
-        out.append(f"dflash_config.output_multiplier={mult!r}: must be finite and > 0 (SGLang refuses anything else)")
-    if cap is not None and (not isinstance(cap, (int, float)) or not 0 <= float(cap) < math.inf):
-        out.append(f"dflash_config.final_logit_softcapping={cap!r}: use a finite cap > 0, or 0 for off")
-    for where, holder in (("", cfg), ("dflash_config.", dfc)):
-        scale = holder.get("input_embedding_scale", 1.0)
-        if scale != 1.0:
-            out.append(f"{where}input_embedding_scale={scale!r}: SGLang ignores it and vLLM applies it, so only 1.0 "
-                       "(or no field) serves alike")
-    for key in ("mask_token_id", "target_layer_ids", "block_size"):
-        if dfc.get(key) is None:
-            out.append(f"no dflash_config.{key}")
-    if "is_causal" not in cfg:
-        out.append("no top-level is_causal (vLLM then falls back to dflash_config.causal or the layer kind)")
-    if isinstance(dfc.get("conv_kernel_size"), int) and isinstance(dfc.get("block_size"), int) \
-            and dfc["conv_kernel_size"] > dfc["block_size"]:
-        out.append(f"dflash_config.conv_kernel_size={dfc['conv_kernel_size']} exceeds block_size={dfc['block_size']}")
-    group = dfc.get("conv_group_size")
-    if isinstance(group, int) and group > 0 and int(cfg.get("hidden_size") or 0) % group:
-        out.append(f"dflash_config.conv_group_size={group} does not divide hidden_size={cfg.get('hidden_size')}")
-    top_k = dfc.get("selector_top_k")
-    if isinstance(top_k, int) and top_k > int(cfg.get("vocab_size") or 0):
-        out.append(f"dflash_config.selector_top_k={top_k} exceeds vocab_size={cfg.get('vocab_size')}")
+def config_tensor_shapes(cfg: dict) -> dict[str, tuple]:
+    """The tensors beyond DFlash's that ``cfg``'s fields imply (every registered variant's
+    ``config_tensor_shapes``; {} for a DFlash export)."""
+    out: dict[str, tuple] = {}
+    for v in registered_variants():
+        out.update(v.config_tensor_shapes(cfg))
     return out
 
 
-def dflash2_settings(cfg: dict):
-    """The DFlash2 settings (model/dflash2.DFlash2Settings) a DFlash2 ``config.json`` records; training-only
-    fields keep their defaults."""
-    from dflash_dist.model.dflash2 import DFlash2Settings
-    problems = dflash2_problems(cfg)
-    if problems:
-        raise ExportError("config.json is not a DFlash2 export both engines load alike: " + "; ".join(problems))
-    dfc = cfg["dflash_config"]
-    return DFlash2Settings(**{k: dfc[k] for k in DFLASH2_REQUIRED + DFLASH2_WRITTEN})
-
-
-def dflash2_tensor_shapes(cfg: dict) -> dict[str, tuple]:
-    """The DFlash2 tensors beyond DFlash's a ``config.json`` implies (from its fields, independent of the module
-    code): per layer the two convs, then the selector with bare codebooks (no ``.weight``); {} unless DFlash2
-    (or when its fields are unusable: :func:`dflash2_problems` names them)."""
-    dfc = cfg.get("dflash_config") or {}
-    if not is_dflash2(cfg) or any(not isinstance(dfc.get(k), int) or dfc[k] < 1 for k in DFLASH2_REQUIRED):
-        return {}
-    h, v = int(cfg["hidden_size"]), int(cfg["vocab_size"])
-    k, groups, r = dfc["conv_kernel_size"], h // dfc["conv_group_size"], dfc["selector_rank"]
-    shapes: dict[str, tuple] = {}
-    for i in range(int(cfg["num_hidden_layers"])):
-        for conv in ("attention_conv", "mlp_conv"):
-            shapes[f"layers.{i}.{conv}.base_kernel"] = (2, k, h)
-            shapes[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * k * groups, h)
-    shapes.update({"candidate_selector.hidden_projection.weight": (r, h),
-                   "candidate_selector.predecessor_codebook": (v, r),
-                   "candidate_selector.successor_codebook": (v, r)})
-    return shapes
-
-
+def check_variant_fields(cfg: dict, prefix: str) -> None:
+    """ExportError (``prefix``, then the problems) when a variant's fields in ``cfg`` are not what the serving
+    engines load alike."""
+    for v in registered_variants():
+        problems = v.export_problems(cfg)
+        if problems:
+            raise ExportError(prefix.format(title=v.title) + "; ".join(problems))
 
 
 class ExportError(ValueError):
@@ -178,8 +94,8 @@ def export_problems(cfg: dict, path: Optional[str] = None) -> list[str]:
         out.append("no eagle_aux_hidden_state_layer_ids (older vLLM reads only it for the capture layers)")
     elif [int(i) for i in aux] != [int(i) + 1 for i in ids]:
         out.append(f"eagle_aux_hidden_state_layer_ids {aux} != target_layer_ids + 1 ({[int(i) + 1 for i in ids]})")
-    variant = variant_of_export(cfg)
-    auto = variant.auto_model if variant is not None else auto_map_for(cfg)["AutoModel"]
+    variant = variant_of_export(cfg, by_fields=True)
+    auto = variant.auto_model if variant is not None else DFlash.auto_model
     if (cfg.get("auto_map") or {}).get("AutoModel") != auto:
         out.append(f"auto_map.AutoModel is not {auto!r} (AutoModel(trust_remote_code) would build "
                    "a plain Qwen3Model)")
@@ -187,7 +103,7 @@ def export_problems(cfg: dict, path: Optional[str] = None) -> list[str]:
         out.append(f"no {MODELING_NAME} (auto_map names it)")
     if cfg.get("is_causal") is not False:
         out.append("is_causal is not false (vLLM and the z-lab model make sliding layers causal unless told)")
-    return out + dflash2_problems(cfg)
+    return out + _variant_problems(cfg)
 
 
 def expected_tensor_shapes(cfg: dict) -> dict[str, tuple]:
@@ -224,7 +140,7 @@ def expected_tensor_shapes(cfg: dict) -> dict[str, tuple]:
 
 def validate_export_tensors(tensors: dict, cfg: dict) -> None:
     """Raise ExportError unless ``tensors`` has exactly the names and shapes ``cfg`` implies."""
-    want = {**expected_tensor_shapes(cfg), **dflash2_tensor_shapes(cfg)}   # a DFlash2 export's convs and selector
+    want = {**expected_tensor_shapes(cfg), **config_tensor_shapes(cfg)}   # a variant's, from its fields
     have = {k: tuple(v.shape) for k, v in tensors.items()}
     missing = sorted(set(want) - set(have))
     extra = sorted(set(have) - set(want))
@@ -235,8 +151,7 @@ def validate_export_tensors(tensors: dict, cfg: dict) -> None:
             parts.append(f"missing {missing[:6]}{' ...' if len(missing) > 6 else ''}")
         if extra:
             parts.append(f"unexpected {extra[:6]}{' ...' if len(extra) > 6 else ''}")
-            if any(k.endswith("codebook.weight") for k in extra):
-                parts.append("a codebook has a .weight suffix: SGLang skips it and serves zeros without an error")
+            parts += [h for v in registered_variants() for h in v.tensor_hints(extra)]
         if wrong:
             parts.append("wrong shapes " + ", ".join(f"{k}: {have[k]} != {want[k]}" for k in wrong[:6]))
         raise ExportError("drafter tensors do not match the exported config: " + "; ".join(parts))
@@ -246,7 +161,7 @@ def validate_variant_tensors(tensors: dict, cfg: dict) -> None:
     """:func:`validate_export_tensors` for DFlash's tensors, and the names and shapes of the variant's own (its
     ``extra_tensor_shapes``; the variant ``architectures`` names) for the rest."""
     variant = variant_of_export(cfg)
-    known = dflash2_tensor_shapes(cfg)   # checked by validate_export_tensors from the config's fields
+    known = config_tensor_shapes(cfg)   # checked by validate_export_tensors from the config's fields
     extra = {k: v for k, v in (variant.extra_tensor_shapes(cfg) if variant is not None else {}).items()
              if k not in known}
     validate_export_tensors({k: v for k, v in tensors.items() if k not in extra}, cfg)
@@ -282,7 +197,7 @@ class _Shape:
 def checked_export(path: str) -> tuple[dict, dict]:
     """(config.json, safetensors header) of an export whose files check out (checkpoint/validate.py), else
     :class:`CheckpointInputError` naming the file and field."""
-    from dflash_dist.checkpoint.validate import check_export_dir
+    from dflash_dist.checkpoint.validate_export import check_export_dir
     try:
         return check_export_dir(path, META_NAME)
     except CheckpointError as e:
@@ -412,8 +327,7 @@ def load_export(path: str, device: Any = "cpu", dtype: Optional[torch.dtype] = t
     if not (os.path.exists(cfg_path) and os.path.exists(st_path)):
         raise ExportError(f"{path}: not an export directory (needs config.json and model.safetensors)")
     cfg, header = checked_export(path)
-    if is_dflash2(cfg):
-        dflash2_settings(cfg)   # refuses a config either engine would load wrongly
+    check_variant_fields(cfg, "config.json is not a {title} export both engines load alike: ")
     try:
         variant = _export_variant(cfg)
     except ExportError as e:

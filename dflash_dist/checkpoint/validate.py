@@ -29,7 +29,6 @@ from typing import Any, Optional
 from dflash_dist.checkpoint.safe_io import (
     MAX_WEIGHTS_BYTES,
     CheckpointError,
-    check_entries,
     check_model_size,
     fail,
     inside,
@@ -45,10 +44,18 @@ BOUNDS = {
     "num_hidden_layers": 1024, "num_attention_heads": 1024, "num_key_value_heads": 1024, "head_dim": 4096,
     "num_feature_layers": 256, "block_size": 4096, "max_position_embeddings": 1 << 24, "sliding_window": 1 << 24,
     "num_experts": 1 << 14, "moe_intermediate_size": 1 << 19,
-    "emb_dim": 1 << 16, "gru_hidden_dim": 1 << 16, "pure_draft_prefix_len": 4096,   # a variant's (Domino's)
-    # a variant's sizes (drafter_config.variant_settings: DFlash2's convolutions and selector)
-    "conv_kernel_size": 4096, "conv_group_size": 1 << 16, "selector_rank": 1 << 14, "selector_top_k": 1 << 14,
 }
+
+
+def bounds() -> dict[str, int]:
+    """:data:`BOUNDS` and every registered drafter variant's ``size_bounds`` (its ``variant_settings`` sizes)."""
+    from dflash_dist.model.variants import registered_variants
+    out = dict(BOUNDS)
+    for v in registered_variants():
+        out.update(v.size_bounds)
+    return out
+
+
 MAX_LAYER_ID = 4096
 CHECKPOINT_FILES = ("model.safetensors", "optimizer.pt")
 # attention / experts implementations transformers runs from its own code or an installed package (no Hub kernel
@@ -95,13 +102,14 @@ def count(file: str, field: str, v: Any, lo: int = 0, hi: int = 1 << 62) -> int:
 
 def size(file: str, field: str, v: Any) -> int:
     """A model size (the last part of ``field`` names its bound)."""
-    return count(file, field, v, 1, BOUNDS[field.rsplit(".", 1)[-1]])
+    return count(file, field, v, 1, bounds()[field.rsplit(".", 1)[-1]])
 
 
 def check_sizes(file: str, prefix: str, cfg: dict) -> None:
     """Every bounded size key of an HF-style config dict (and of its ``text_config``) is in range."""
+    known = bounds()
     for k, v in cfg.items():
-        if k in BOUNDS and v is not None:
+        if k in known and v is not None:
             size(file, f"{prefix}{k}", v)
     if isinstance(cfg.get("text_config"), dict):
         check_sizes(file, f"{prefix}text_config.", cfg["text_config"])
@@ -345,10 +353,11 @@ def check_drafter_config(file: str, field: str, dc: Any) -> dict:
     check_model_size(file, field, dc, "num_layers")   # built by every reader
     if dc.get("sliding_window") is not None:
         size(file, f"{field}.sliding_window", dc["sliding_window"])
-    if dc.get("variant_settings") is not None:          # a variant's own section (drafter.domino): sizes bounded
+    if dc.get("variant_settings") is not None:          # a variant's own section: its sizes bounded
         _obj(file, f"{field}.variant_settings", dc["variant_settings"])
+        known = bounds()
         for k, v in dc["variant_settings"].items():
-            if k in BOUNDS:
+            if k in known:
                 size(file, f"{field}.variant_settings.{k}", v)
     if dc["num_attention_heads"] % dc["num_key_value_heads"]:
         raise fail(file, f"{field}.num_key_value_heads", f"{dc['num_key_value_heads']} does not divide "
@@ -479,81 +488,3 @@ def check_checkpoint(path: str) -> tuple[dict, dict]:
         from dflash_dist.checkpoint.meta import meta_variant
         check_weights(st, header, meta["drafter_config"], meta_variant(meta))
     return meta, header
-
-
-def _optional(check):
-    """``check``, or nothing for a null value."""
-    return lambda file, field, v: None if v is None else check(file, field, v)
-
-
-def _check_target(file: str, field: str, t: Any) -> None:
-    from dflash_dist.config import TargetConfig
-    check_section(file, field, t, TargetConfig)
-    check_sizes(file, f"{field}.hf_config.", t.get("hf_config") or {})
-    check_model_size(file, f"{field}.hf_config", t.get("hf_config") or {})
-
-
-def _check_data(file: str, field: str, d: Any) -> None:
-    from dflash_dist.config import DataConfig
-    check_section(file, field, d, DataConfig)
-
-
-# the keys of an export's dflash_dist_meta.json (checkpoint/export.py _side_meta) and the check of each
-SIDE_SCHEMA = {
-    "format": _opt_str, "source_checkpoint": _opt_str, "tokenizer_source": local_location, "dtype": _opt_str,
-    "step": _optional(_nonneg), "cursor": _optional(_nonneg), "final": _optional(_bool), "layer_ids": _layer_ids,
-    "mask_token_id": _nonneg, "block_size": size, "drafter_config": check_drafter_config, "drafter": _drafter_settings,
-    "target": _optional(_check_target), "data": _optional(_check_data), "chat_template_kwargs": _obj,
-}
-_EXPORT_INTS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-                "num_hidden_layers", "vocab_size", "max_position_embeddings", "block_size", "sliding_window",
-                "num_target_layers", "target_hidden_size", "emb_dim")
-# the other config.json fields load_export reads, with their types
-_EXPORT_TYPES = {
-    "rms_norm_eps": Optional[float], "rope_theta": Optional[float], "initializer_range": Optional[float],
-    "hidden_act": Optional[str], "layer_types": Optional[list[str]], "rope_parameters": Optional[dict],
-    "rope_scaling": Optional[dict], "use_sliding_window": Optional[bool], "is_causal": Optional[bool],
-    "attention_bias": Optional[bool], "eagle_aux_hidden_state_layer_ids": Optional[list[int]],
-    "architectures": Optional[list[str]], "auto_map": Optional[dict], "dflash_config": Optional[dict],
-}
-_EXPORT_BOUND = {"num_target_layers": "num_hidden_layers", "target_hidden_size": "hidden_size"}
-
-
-def check_export_dir(path: str, side_name: str = "dflash_dist_meta.json") -> tuple[dict, dict]:
-    """(config.json, {name: (dtype, shape)} of model.safetensors) of an export directory: no entry a symlink
-    out of it, config.json's sizes typed and bounded, the safetensors header against the file, the
-    provenance file (ours only) against its schema."""
-    check_entries(path)
-    cfg = read_json(path, "config.json")
-    file = os.path.join(path, "config.json")
-    for k in ("hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers", "vocab_size"):
-        if k not in cfg:
-            raise fail(file, k, "missing")
-    check_model_size(file, "num_hidden_layers", cfg)
-    for k in _EXPORT_INTS:
-        if cfg.get(k) is not None:
-            count(file, k, cfg[k], 1, BOUNDS[_EXPORT_BOUND.get(k, k)])
-    for k, tp in _EXPORT_TYPES.items():
-        if k in cfg:
-            check_type(file, k, cfg[k], tp)
-    dfc = cfg.get("dflash_config") or {}
-    _obj(file, "dflash_config", dfc)
-    check_type(file, "dflash_config.mask_token", dfc.get("mask_token"), Optional[str])
-    if "target_layer_ids" in dfc:
-        _layer_ids(file, "dflash_config.target_layer_ids", dfc["target_layer_ids"])
-    for k in ("emb_dim", "gru_hidden_dim", "pure_draft_prefix_len"):   # Domino's
-        if dfc.get(k) is not None:
-            size(file, f"dflash_config.{k}", dfc[k])
-    for k in ("mask_token_id", "block_size"):
-        if dfc.get(k) is not None:
-            count(file, f"dflash_config.{k}", dfc[k], 0 if k == "mask_token_id" else 1, BOUNDS["block_size"]
-                  if k == "block_size" else BOUNDS["vocab_size"])
-    header = safetensors_header(os.path.join(path, "model.safetensors"))
-    if os.path.lexists(os.path.join(path, side_name)):
-        side = read_json(path, side_name)
-        side_file = os.path.join(path, side_name)
-        for k, v in side.items():
-            if k not in SIDE_SCHEMA:
-                raise fail(side_file, k, f"unknown key (known: {', '.join(sorted(SIDE_SCHEMA))})")
-            SIDE_SCHEMA[k](side_file, k, v)
-    return cfg, header

@@ -18,8 +18,8 @@ Prints one row per check with PASS / WARN / FAIL / N/A and exits non-zero if any
   bounds, the safetensors header against the file; else a ``checkpoint error:`` line and exit 2), the export
   carries every field vLLM, SGLang, the z-lab model and transformers 4.x/5.x read
   (``checkpoint.export_load.export_problems``), its attention settings read the same in all of them, the tensors
-  match the config (the checks ``load_export`` makes, without loading the weights; a DFlash2 export also every
-  field and tensor name vLLM and SGLang read, e.g. a codebook SGLang would load as zeros); WARN rows for what
+  match the config (the checks ``load_export`` makes, without loading the weights; a variant's export also its
+  variant's ``export_problems``: every field and tensor name vLLM and SGLang read); WARN rows for what
   dflash-export warns about and for a ``modeling_dflash.py`` that differs from this version's (it runs as code
   under trust_remote_code).
 
@@ -312,30 +312,24 @@ def check_export(doc: Doctor, path: str) -> None:
             + (f", window {dcfg.sliding_window}" if dcfg.sliding_window else "") + f"), block {dcfg.block_size}, "
             f"target layers {dfc['target_layer_ids']} (vLLM aux {cfg['eagle_aux_hidden_state_layer_ids']}), mask "
             f"{dfc['mask_token']!r} = {dfc['mask_token_id']}, rope_theta {cfg['rope_theta']:g}"
-            + _dflash2_detail(cfg))
+            + _variant_detail(cfg))
 
 
-def _dflash2_detail(cfg: dict) -> str:
-    """The DFlash2 fields of a passing DFlash2 export and how to serve it; '' for DFlash."""
-    from dflash_dist.checkpoint.export_load import is_dflash2
-    if not is_dflash2(cfg):
-        return ""
-    dfc = cfg["dflash_config"]
-    return (f"; DFlash2: conv k={dfc['conv_kernel_size']} g={dfc['conv_group_size']}, selector r="
-            f"{dfc['selector_rank']} K={dfc['selector_top_k']}, multiplier {dfc['output_multiplier']}, softcap "
-            f"{dfc['final_logit_softcapping']} (vLLM: method dflash, num_speculative_tokens "
-            f"{int(dfc['block_size']) - 1}, VLLM_USE_V2_MODEL_RUNNER=1; SGLang: DFLASH)")
+def _variant_detail(cfg: dict) -> str:
+    """A variant's fields of a passing export and how to serve it (its ``export_detail``); '' for DFlash."""
+    from dflash_dist.model.variants import registered_variants
+    return "".join(v.export_detail(cfg) for v in registered_variants())
 
 
 def _export_warnings(doc: Doctor, path: str, cfg: dict, dcfg) -> None:
     """WARN rows for what dflash-export warns about, and for a modeling file that is not the one this version
     writes (serving engines run it as code under trust_remote_code)."""
-    from dflash_dist.checkpoint.export import MODELING_SOURCE
-    from dflash_dist.checkpoint.export_load import MODELING_NAME
+    from dflash_dist.checkpoint.serving import MODELING_NAME, modeling_source
+    from dflash_dist.model.variants import DFlash, variant_of_export
     mine = os.path.join(path, MODELING_NAME)
     if os.path.isfile(mine):
-        with open(mine, "rb") as a, open(MODELING_SOURCE, "rb") as b:
-            if a.read() != b.read():
+        with open(mine, "rb") as a:
+            if a.read() != modeling_source(variant_of_export(cfg) or DFlash()).encode("utf-8"):
                 doc.add("export modeling", WARN, f"{mine} differs from the {MODELING_NAME} this version writes: it "
                         "runs as code under trust_remote_code; diff it or re-export with dflash-export")
     ids = (cfg.get("dflash_config") or {}).get("target_layer_ids") or []

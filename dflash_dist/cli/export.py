@@ -19,8 +19,11 @@ log = logging.getLogger(__name__)
 
 
 def main(argv: Optional[list] = None) -> int:
+    from dflash_dist.model.variants import registered_variants
     p = argparse.ArgumentParser(prog="dflash-export", description="Export a dflash_dist checkpoint as a z-lab "
-                                "DFlashDraftModel directory (vLLM / SGLang).")
+                                "DFlashDraftModel directory (vLLM / SGLang).",
+                                epilog="What each drafter variant's export holds: "
+                                + "; ".join(v.export_description for v in registered_variants()) + ".")
     p.add_argument("checkpoint_dir", help="a checkpoint directory (…/checkpoints/step_XXXXXXXX)")
     p.add_argument("out_dir", help="the export directory to write")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="weight dtype (default bfloat16)")

@@ -160,7 +160,8 @@ class DrafterLoss:
 @dataclass
 class DrafterDomino:
     """The Domino variant's additions (``drafter.domino.*``, read when ``drafter.variant=domino``): a GRU over
-    the block's previous tokens whose projection corrects the logits (model/domino.py checks the values)."""
+    the block's previous tokens whose projection corrects the logits (model/variants/domino/head.py checks the
+    values)."""
 
     emb_dim: int = 256
     """Width E of the correction's hidden layer (Linear(H + G_r -> E) -> SiLU -> Linear(E -> V))."""
@@ -178,8 +179,9 @@ class DrafterDomino:
 
 @dataclass
 class DrafterDFlash2:
-    """The DFlash2 additions (``drafter.dflash2.*``, used when ``drafter.variant=dflash2``); ``model/dflash2``'s
-    ``DFlash2Settings`` is this class with its values checked against each other and the drafter's shape."""
+    """The DFlash2 additions (``drafter.dflash2.*``, used when ``drafter.variant=dflash2``);
+    ``model/variants/dflash2/layers``'s ``DFlash2Settings`` is this class with its values checked against each
+    other and the drafter's shape."""
 
     conv_kernel_size: int = 2
     """Taps k of each grouped dynamic convolution (tap t reads the token t slots earlier in the same block)."""

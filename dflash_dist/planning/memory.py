@@ -257,18 +257,8 @@ def step_activations(cfg: JobConfig, spec: Any, device: str, b: int, s_pad: int,
 
 
 def _variant_rows(spec: Any, rows: int, chunk: int, ab: int) -> int:
-    """A variant's activations beyond the layers: Domino's GRU states and correction features per row and its
-    loss chunk's base and corrected logits, recomputed in the backward; DFlash2's convolutions and the candidate
-    selector's rows."""
-    s = spec.model.variant_settings or {}
-    if spec.variant == "domino":
-        per_row = 4 * int(s.get("gru_hidden_dim", 0)) + 3 * int(s.get("emb_dim", 0)) + spec.model.hidden_size
-        return rows * per_row * ab + 7 * chunk * spec.model.vocab_size * 4
-    if spec.variant == "dflash2":
-        per_layer = 15 * spec.model.hidden_size
-        return rows * (spec.model.num_layers * per_layer + 4 * int(s.get("selector_rank", 0))
-                       + 4 * int(s.get("selector_top_k", 0))) * ab
-    return 0
+    """A variant's activations beyond the layers (its ``extra_activation_bytes``)."""
+    return int(spec.variant_impl().extra_activation_bytes(spec.model, rows, chunk, ab))
 
 
 # ------------------------------------------------------------------------------------------------ the rank

@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers.launch_util import REPO
 
-from dflash_dist.model.dflash2 import GroupedDynamicConv
+from dflash_dist.model.variants.dflash2.layers import GroupedDynamicConv
 
 sys.path.insert(0, os.path.join(REPO, "bench"))
 import _conv_triton as DC  # noqa: E402

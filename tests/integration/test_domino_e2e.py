@@ -15,9 +15,9 @@ from dflash_dist.checkpoint.export_load import load_export
 from dflash_dist.cli import doctor
 from dflash_dist.cli.eval import main as eval_main
 from dflash_dist.eval.spec_decode import make_dflash_draft_fn
-from dflash_dist.model import domino as D
+from dflash_dist.model.variants.domino import head as D
 from dflash_dist.model.masks import dense_mask
-from dflash_dist.model.variants.domino import DominoDrafter, settings_from_export
+from dflash_dist.model.variants.domino.variant import DominoDrafter, settings_from_export
 
 STEPS = 16
 

@@ -286,3 +286,58 @@ def test_figure_finder_finds_figures():
     assert not FIGURE.search("at most 10% of the data") and not FIGURE.search("sleeping 10 us")
     assert _prose('"""Doc.\n\nSecond 5 ms."""\n# a\n# b\nx = 1\n\ny = 2  # c\n') == [
         (1, "Doc."), (1, "Second 5 ms."), (4, "# a # b"), (8, "# c")]
+
+
+def _code_words(src: str) -> list:
+    """(line, text) of a module's identifiers and of its string literals that are not docstrings (comments and
+    docstrings are prose: they may name an example)."""
+    import io
+    import tokenize
+    docstrings = set()
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                docstrings.add(body[0].lineno)
+        if isinstance(node, (ast.Module, ast.ClassDef)):      # attribute docstrings: a string after an assignment
+            for a, b in zip(node.body, node.body[1:]):
+                if isinstance(a, (ast.Assign, ast.AnnAssign)) and isinstance(b, ast.Expr) \
+                        and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str):
+                    docstrings.add(b.lineno)
+    out = []
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.NAME or (tok.type == tokenize.STRING and tok.start[0] not in docstrings):
+            out.append((tok.start[0], tok.string))
+    return out
+
+
+# the drafter variants other than the base, with the package files besides their folder that may name them:
+# the registry (model/variants/__init__.py) and their config sections (config/drafter.py, re-exported by config/)
+VARIANT_FOLDERS = ("dflash2", "domino")
+MAY_NAME_VARIANTS = ("dflash_dist/model/variants/__init__.py", "dflash_dist/config/drafter.py",
+                     "dflash_dist/config/__init__.py")
+
+
+def test_a_variant_lives_in_its_folder():
+    """A drafter variant is its folder (model/variants/<name>/), its config section and one registration line:
+    no other package file names it in code (an identifier or a string; prose may), so the export, the
+    validators, the tools and the loops only ask the variant's hooks."""
+    names = re.compile("|".join(VARIANT_FOLDERS), re.I)
+    found = []
+    for path in glob.glob(os.path.join(PKG, "**", "*.py"), recursive=True):
+        rel = os.path.relpath(path, REPO)
+        if rel in MAY_NAME_VARIANTS:
+            continue
+        own = rel.split("/")[3] if rel.startswith("dflash_dist/model/variants/") and rel.count("/") > 3 else None
+        for line, text in _code_words(open(path).read()):
+            hits = {m.lower() for m in names.findall(text)} - {own}
+            if hits:
+                found.append(f"{rel}:{line}: {text[:60]}")
+    assert found == []
+    assert sorted(os.path.basename(os.path.dirname(p)) for p in
+                  glob.glob(os.path.join(PKG, "model", "variants", "*", "variant.py"))) == ["dflash", *VARIANT_FOLDERS]
+
+
+def test_variant_finder_finds_names():
+    assert [t for _, t in _code_words('"""DFlash2 doc."""\nx = Domino.y  # dflash2\ns = "drafter.dflash2"\n')
+            if re.search("dflash2|domino", t, re.I)] == ["Domino", '"drafter.dflash2"']

@@ -4,18 +4,20 @@ names and shapes, ``dflash-doctor --export`` on good and broken exports, and the
 
 import json
 import os
-import shutil
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from dflash_dist.checkpoint.export import MODELING_SOURCE, apply_variant_fields, build_export_config
-from dflash_dist.checkpoint.export_load import ExportError, dflash2_settings, export_problems, validate_export_tensors
+from dflash_dist.checkpoint.export import apply_variant_fields, build_export_config
+from dflash_dist.checkpoint.export_load import ExportError, export_problems, validate_export_tensors
+from dflash_dist.checkpoint.serving import modeling_source, write_modeling
 from dflash_dist.cli import doctor
 from dflash_dist.config import ConfigError
-from dflash_dist.model import dflash2
-from dflash_dist.model.dflash2_selector import propose, transform_logits
+from dflash_dist.model.variants.dflash2 import layers as dflash2
+from dflash_dist.model.variants import DFlash2
+from dflash_dist.model.variants.dflash2.export_checks import dflash2_settings
+from dflash_dist.model.variants.dflash2.selector import propose, transform_logits
 from dflash_dist.model.drafter import DrafterModelConfig
 from tests.unit.checkpoint.test_export import BLOCK, LAYER_IDS, MASK, H, target_config_dict
 
@@ -31,14 +33,14 @@ def drafter_config() -> DrafterModelConfig:
 
 def dflash2_config(settings=SETTINGS) -> dict:
     """The config.json a DFlash2 export carries: DFlash's, with the fields the DFlash2 variant's export_fields
-    gives (model/dflash2.export_fields) merged as build_export_config merges them."""
+    gives (its layers.export_fields) merged as build_export_config merges them."""
     cfg = build_export_config(drafter_config(), target_config_dict(), LAYER_IDS, MASK, BLOCK, "float32")
     return apply_variant_fields(cfg, {"architectures": [dflash2.ARCHITECTURE],
                                       "dflash_config": dflash2.export_fields(settings)})
 
 
 def random_tensors(seed=0, scale=0.3) -> dict:
-    """Every tensor of the contract (model/dflash2.expected_shapes) random, norms around 1."""
+    """Every tensor of the contract (the variant's layers.expected_shapes) random, norms around 1."""
     g = torch.Generator().manual_seed(seed)
     return {k: torch.randn(s, generator=g) * scale + (1.0 if k.endswith("norm.weight") else 0.0)
             for k, s in dflash2.expected_shapes(drafter_config(), SETTINGS).items()}
@@ -50,8 +52,16 @@ def write_export(path, cfg=None, tensors=None) -> str:
     save_file(tensors if tensors is not None else random_tensors(), os.path.join(path, "model.safetensors"))
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg if cfg is not None else dflash2_config(), f, indent=2)
-    shutil.copyfile(MODELING_SOURCE, os.path.join(path, "modeling_dflash.py"))
+    write_modeling(DFlash2(), path)
     return str(path)
+
+
+def modeling_module():
+    """The exported modeling_dflash.py as a module, without an export directory."""
+    import types
+    mod = types.ModuleType("modeling_dflash")
+    exec(compile(modeling_source(DFlash2()), "modeling_dflash.py", "exec"), mod.__dict__)
+    return mod
 
 
 def unique_dir(tmp_path, name):
@@ -162,7 +172,7 @@ def auto_model(path):
 
 def test_automodel_builds_dflash2_with_the_projects_math(tmp_path):
     """AutoModel(trust_remote_code) of a DFlash2 export loads every tensor, its layers compute
-    model/dflash2.DFlash2DecoderLayer's, and compute_logits / propose give dflash2_selector's results."""
+    the variant's layers.DFlash2DecoderLayer's, and compute_logits / propose give its selector.py's results."""
     tensors = random_tensors(seed=3, scale=0.1)
     auto = auto_model(write_export(unique_dir(tmp_path, "d2auto"), tensors=tensors))
     assert {k: tuple(v.shape) for k, v in auto.state_dict().items()} == {k: tuple(v.shape) for k, v in

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_dist.config import ConfigError
-from dflash_dist.model.dflash2 import (
+from dflash_dist.model.variants.dflash2.layers import (
     DFlash2DecoderLayer,
     DFlash2Settings,
     GroupedDynamicConv,
@@ -20,7 +20,7 @@ from dflash_dist.model.dflash2 import (
     reset_dflash2_parameters,
     selector_flops_per_row,
 )
-from dflash_dist.model.dflash2_selector import (
+from dflash_dist.model.variants.dflash2.selector import (
     CandidateSelector,
     accepted_lengths,
     block_gold,

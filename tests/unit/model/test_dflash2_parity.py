@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from helpers.ref_packages import install
 from test_dflash2 import BS, HEADS, INTER, KV, D, H, V, cfg, layer_inputs, randomize
 
-from dflash_dist.model.dflash2 import DFlash2DecoderLayer, DFlash2Settings, GroupedDynamicConv
-from dflash_dist.model.dflash2_selector import (
+from dflash_dist.model.variants.dflash2.layers import DFlash2DecoderLayer, DFlash2Settings, GroupedDynamicConv
+from dflash_dist.model.variants.dflash2.selector import (
     CandidateSelector,
     greedy_walk,
     lattice,
@@ -220,7 +220,7 @@ def spec_walk(m, hidden, anchors, head):
 def export_gap(spec, export_dir, served, seed=1):
     """(max |d| of the unary logits, max |d| of the lattice scores, greedy tokens equal) between speculators on
     the export's files and ``served``: the project's DFlash2 drafter with the weights it was exported from."""
-    from dflash_dist.model.dflash2_selector import lattice as our_lattice
+    from dflash_dist.model.variants.dflash2.selector import lattice as our_lattice
     from tests.unit.checkpoint.test_export_dflash2 import LAYER_IDS
     m = spec_drafter(spec, export_dir)
     g = torch.Generator().manual_seed(seed)
@@ -242,13 +242,13 @@ def export_gap(spec, export_dir, served, seed=1):
 
 
 def served_model(cfg, tensors):
-    """The project's DFlash2 drafter as served (checkpoint/modeling_dflash.DFlash2DraftModel, which
-    tests/unit/checkpoint/test_export_dflash2.py checks against model/dflash2.py) holding ``tensors`` in memory,
-    not read back from the export: a naming mistake in the file shows as a gap."""
+    """The project's DFlash2 drafter as served (the exported modeling_dflash.DFlash2DraftModel, which
+    tests/unit/checkpoint/test_export_dflash2.py checks against the variant's layers.py) holding ``tensors`` in
+    memory, not read back from the export: a naming mistake in the file shows as a gap."""
     from transformers import Qwen3Config
 
-    from dflash_dist.checkpoint import modeling_dflash
-    model = modeling_dflash.DFlash2DraftModel(Qwen3Config(**cfg))
+    from tests.unit.checkpoint.test_export_dflash2 import modeling_module
+    model = modeling_module().DFlash2DraftModel(Qwen3Config(**cfg))
     model.load_state_dict(tensors, strict=True)
     return model.eval()
 

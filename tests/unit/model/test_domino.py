@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from dflash_dist.config import ConfigError
-from dflash_dist.model.domino import (
+from dflash_dist.model.variants.domino.head import (
     DominoHead,
     DominoSettings,
     domino_loss,

@@ -19,7 +19,7 @@ from helpers.ref_packages import install
 from test_domino import BS, E, G, H, N, V, crossing_corrected, inputs, make_head
 from torch import nn
 
-from dflash_dist.model.domino import DominoSettings, domino_loss, domino_rows, expected_shapes, lambda_base, propose
+from dflash_dist.model.variants.domino.head import DominoSettings, domino_loss, domino_rows, expected_shapes, lambda_base, propose
 
 TOL = dict(rtol=0, atol=1e-5)
 

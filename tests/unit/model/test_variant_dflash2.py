@@ -9,13 +9,13 @@ from test_spec import TARGET
 
 from dflash_dist.config import ConfigError, DrafterConfig, JobConfig, compose_config
 from dflash_dist.eval.spec_decode import make_dflash_draft_fn
-from dflash_dist.model import dflash2 as D2
-from dflash_dist.model import dflash2_selector as SEL
+from dflash_dist.model.variants.dflash2 import layers as D2
+from dflash_dist.model.variants.dflash2 import selector as SEL
 from dflash_dist.model.drafter import DFlashDrafter
 from dflash_dist.model.masks import dense_mask
 from dflash_dist.model.spec import resolve_drafter
 from dflash_dist.model.variants import DFlash2, variant_class
-from dflash_dist.model.variants.dflash2 import DFlash2Drafter
+from dflash_dist.model.variants.dflash2.variant import DFlash2Drafter
 from dflash_dist.paths import CONF_DIR
 
 SMALL = {"conv_group_size": 8, "selector_rank": 8, "selector_top_k": 6}

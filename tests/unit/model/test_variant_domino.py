@@ -7,12 +7,12 @@ from test_spec import TARGET
 
 from dflash_dist.config import DrafterConfig, DrafterDomino, JobConfig
 from dflash_dist.eval.spec_decode import make_dflash_draft_fn
-from dflash_dist.model import domino as D
+from dflash_dist.model.variants.domino import head as D
 from dflash_dist.model.blocks import make_batch
 from dflash_dist.model.masks import dense_mask
 from dflash_dist.model.spec import resolve_drafter
 from dflash_dist.model.variants import variant_class
-from dflash_dist.model.variants.domino import Domino, DominoDrafter, settings_of
+from dflash_dist.model.variants.domino.variant import Domino, DominoDrafter, settings_of
 
 B, V, H = 4, 64, 32
 
@@ -134,7 +134,8 @@ def test_checkpoint_and_export_checks_bound_the_domino_sizes(tmp_path):
     import json
 
     from dflash_dist.checkpoint.store import CheckpointError
-    from dflash_dist.checkpoint.validate import check_drafter_config, check_export_dir
+    from dflash_dist.checkpoint.validate import check_drafter_config
+    from dflash_dist.checkpoint.validate_export import check_export_dir
     dc = dataclasses.asdict(_spec().model)
     assert check_drafter_config("meta.json", "drafter_config", dc)["variant_settings"]["emb_dim"] == 8
     dc["variant_settings"]["gru_hidden_dim"] = 1 << 30

@@ -11,7 +11,7 @@ The context keys/values (``ctx``) get no convolution. The convolution is causal 
 only (the flattened query index mod B): a tap never reaches into the previous block or the context. At init it
 is the identity (tap 0 = 1, other taps 0, projection 0), so a fresh DFlash2 layer computes the DFlash layer.
 
-The candidate selector after the layers is ``dflash2_selector.py``; this module also holds the settings, the
+The candidate selector after the layers is ``selector.py``; this module also holds the settings, the
 FLOP counts and the export contract (config fields, weight names and shapes).
 """
 
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from dflash_dist.config import ConfigError, DrafterDFlash2
-from dflash_dist.model.dflash2_selector import CandidateSelector
+from dflash_dist.model.variants.dflash2.selector import CandidateSelector
 from dflash_dist.model.drafter import DFlashDecoderLayer, DrafterModelConfig
 
 __all__ = ["ARCHITECTURE", "DFlash2Settings", "GroupedDynamicConv", "DFlash2DecoderLayer", "reset_dflash2_parameters",

@@ -1,9 +1,9 @@
 """DFlash2 (``drafter.variant=dflash2``): DFlash with a grouped dynamic causal convolution around attention and
 around the MLP of every layer, and a candidate selector that re-ranks the unary top-K by the previous token.
 
-What vLLM (``DFlash2DraftModel``) and SGLang (``DFLASH``) serve. The math is ``model/dflash2.py`` (the layers, the
-settings, the FLOPs and the export contract) and ``model/dflash2_selector.py`` (the selector, its walk and its
-loss); this module puts them on the variant seam. At init the convolutions are the identity and the successor
+What vLLM (``DFlash2DraftModel``) and SGLang (``DFLASH``) serve. The math is ``layers.py`` (the layers, the
+settings, the FLOPs and the export contract) and ``selector.py`` (the selector, its walk and its loss), the
+export's checks ``export_checks.py``, the served class ``serving.py``; this module puts them on the variant seam. At init the convolutions are the identity and the successor
 codebook is zero, so a fresh DFlash2 drafter's unary logits are those of a DFlash drafter with the same weights.
 
 Training adds the selector's K-way cross-entropy with teacher-forced predecessors over the unary top-K, each row
@@ -15,15 +15,17 @@ selector's greedy walk from the anchor, ties to the lowest candidate index, as t
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
-from dflash_dist.model import dflash2 as D2
-from dflash_dist.model import dflash2_selector as SEL
 from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
-from dflash_dist.model.variants.dflash import DFlash
+from dflash_dist.model.variants.dflash.variant import DFlash
+from dflash_dist.model.variants.dflash2 import export_checks as CHECKS
+from dflash_dist.model.variants.dflash2 import layers as D2
+from dflash_dist.model.variants.dflash2 import selector as SEL
 from dflash_dist.model.variants.registry import VARIANTS
 
 __all__ = ["DFlash2", "DFlash2Drafter", "settings_of"]
@@ -127,8 +129,17 @@ class DFlash2(DFlash):
     name = "dflash2"
     model_class = DFlash2Drafter
     architecture = D2.ARCHITECTURE
+    title = "DFlash2"
+    serving_source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serving.py")
     auto_model = "modeling_dflash.DFlash2DraftModel"
-    """checkpoint/modeling_dflash.py's DFlash2 class (trust_remote_code)."""
+    """serving.py's DFlash2 class in the exported modeling_dflash.py (trust_remote_code)."""
+    export_description = (
+        "DFlash2: architectures [\"DFlash2DraftModel\"], dflash_config.{conv_kernel_size, conv_group_size, "
+        "selector_rank, selector_top_k} (vLLM reads them with []), output_multiplier and final_logit_softcapping "
+        "(read with defaults, written anyway), no input_embedding_scale (SGLang ignores it); tensors "
+        "layers.i.{attention,mlp}_conv.* and candidate_selector.* (codebooks without .weight)")
+    size_bounds = {"conv_kernel_size": 4096, "conv_group_size": 1 << 16, "selector_rank": 1 << 14,
+                   "selector_top_k": 1 << 14}
 
     settings_key = "dflash2"
     """The ``drafter.*`` section of the variant's settings (``identity_fields``; ``model_settings`` checks it)."""
@@ -160,7 +171,14 @@ class DFlash2(DFlash):
         selector = rows_l * 3.0 * (sel["matmul"] + sel["gathered"])
         return float(convs + selector)
 
-    # ---- export (model/dflash2.py holds the contract)
+    def extra_activation_bytes(self, model_config: DrafterModelConfig, rows: int, chunk: int, ab: int) -> int:
+        """The convolutions of every layer and the candidate selector's rows."""
+        s = model_config.variant_settings or {}
+        per_layer = 15 * model_config.hidden_size
+        return rows * (model_config.num_layers * per_layer + 4 * int(s.get("selector_rank", 0))
+                       + 4 * int(s.get("selector_top_k", 0))) * ab
+
+    # ---- export (layers.py holds the contract, export_checks.py what the engines need of it)
     def export_fields(self, model_config: DrafterModelConfig) -> dict[str, Any]:
         fields = super().export_fields(model_config)
         fields["dflash_config"] = D2.export_fields(settings_of(model_config))
@@ -179,6 +197,24 @@ class DFlash2(DFlash):
     def settings_from_export(self, config: dict) -> Optional[dict]:
         """The DFlash2 settings an export's ``dflash_config`` records (training-only fields at their defaults)."""
         return _model_config_of(config).variant_settings
+
+    def claims_export(self, config: dict) -> bool:
+        """Its architecture, or any DFlash2 field (SGLang turns the conv on for ``conv_kernel_size`` under any
+        architecture)."""
+        return CHECKS.is_dflash2(config)
+
+    def export_problems(self, config: dict) -> list[str]:
+        return CHECKS.dflash2_problems(config)
+
+    def config_tensor_shapes(self, config: dict) -> dict[str, tuple]:
+        return CHECKS.dflash2_tensor_shapes(config)
+
+    def tensor_hints(self, unexpected: list) -> list[str]:
+        return (["a codebook has a .weight suffix: SGLang skips it and serves zeros without an error"]
+                if any(k.endswith("codebook.weight") for k in unexpected) else [])
+
+    def export_detail(self, config: dict) -> str:
+        return CHECKS.dflash2_detail(config)
 
 
 def _model_config_of(config: dict) -> DrafterModelConfig:

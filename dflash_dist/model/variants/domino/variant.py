@@ -1,7 +1,7 @@
 """Domino: DFlash plus a bias-free GRU over the block's previous tokens whose projection corrects the logits.
 
-The math (head, teacher tokens, chunked loss, greedy decode, curriculum, FLOPs, export layout) is
-``model/domino.py``; this module wires it into the variant seam. Training adds one loss term to the
+The math (head, teacher tokens, chunked loss, greedy decode, curriculum, FLOPs, export layout) is ``head.py``,
+the served class ``serving.py``; this module wires them into the variant seam. Training adds one loss term to the
 objective's base cross-entropy so that the step's loss is SpecForge's mix::
 
     objective:  sum w CE(base)
@@ -14,6 +14,7 @@ target's embedding, which the trainer hands over through ``set_context``; evalua
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import torch
@@ -22,9 +23,9 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from dflash_dist.config import ConfigError
-from dflash_dist.model import domino as D
 from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
-from dflash_dist.model.variants.dflash import DFlash
+from dflash_dist.model.variants.dflash.variant import DFlash
+from dflash_dist.model.variants.domino import head as D
 from dflash_dist.model.variants.registry import VARIANTS
 
 __all__ = ["Domino", "DominoDrafter", "settings_of"]
@@ -106,9 +107,17 @@ class Domino(DFlash):
     name = "domino"
     model_class = DominoDrafter
     architecture = D.ARCHITECTURE
+    title = "Domino"
+    serving_source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serving.py")
     auto_model = "modeling_dflash.DominoDraftModel"
+    export_description = (
+        "Domino: architectures [\"DominoDraftModel\"] (SGLang's), emb_dim, dflash_config.{projector_type, emb_dim, "
+        "gru_hidden_dim, pure_draft_prefix_len, shift_label}; tensors prefix_gru.* and embed_proj.*")
     settings_key = "domino"
     """The ``drafter.*`` section the model config carries as ``variant_settings``."""
+    size_bounds = {"emb_dim": 1 << 16, "gru_hidden_dim": 1 << 16, "pure_draft_prefix_len": 4096}
+    export_size_fields = ("emb_dim", "dflash_config.emb_dim", "dflash_config.gru_hidden_dim",
+                          "dflash_config.pure_draft_prefix_len")
 
     def extra_flops(self, model_config: DrafterModelConfig, b: int, s_pad: int, n_blocks: int, vocab: int) -> float:
         """The head's forward FLOPs per slot (``domino.flops_per_block_token``) x3 with backward, over the
@@ -116,6 +125,13 @@ class Domino(DFlash):
         per = D.flops_per_block_token(model_config.hidden_size, vocab, model_config.block_size,
                                       settings_of(model_config))
         return 3.0 * sum(per.values()) * b * n_blocks * model_config.block_size
+
+    def extra_activation_bytes(self, model_config: DrafterModelConfig, rows: int, chunk: int, ab: int) -> int:
+        """The GRU states and correction features per row and its loss chunk's base and corrected logits,
+        recomputed in the backward."""
+        s = model_config.variant_settings or {}
+        per_row = 4 * int(s.get("gru_hidden_dim", 0)) + 3 * int(s.get("emb_dim", 0)) + model_config.hidden_size
+        return rows * per_row * ab + 7 * chunk * model_config.vocab_size * 4
 
     def export_fields(self, model_config: DrafterModelConfig) -> dict[str, Any]:
         return D.export_fields(settings_of(model_config))
