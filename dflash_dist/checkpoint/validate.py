@@ -1,6 +1,6 @@
-"""A checkpoint or export directory is data from elsewhere: check it before anything is opened, built or allocated.
+"""A checkpoint directory is data from elsewhere: check it before anything is opened, built or allocated.
 
-Every check raises :class:`~dflash_dist.checkpoint.safe_io.CheckpointError` with one line that names the file and the
+The value checks here also serve an export directory's (export/validate.py). Every check raises :class:`~dflash_dist.checkpoint.safe_io.CheckpointError` with one line that names the file and the
 field to look at. What is checked:
 
 * files: ``meta.json``'s ``files`` names plain files of this directory (no ``/``, no ``..``); every file read is

@@ -14,10 +14,10 @@ Prints one row per check with PASS / WARN / FAIL / N/A and exits non-zero if any
 * the Hydra config (``conf/config.yaml`` + overrides) composes into ``JobConfig`` and passes the checks training
   makes before any model loads (``job.check_job_config``; the split's with ``--world-size N``): a config
   training refuses FAILs here with the same message;
-* with ``--export DIR``: its files check out (checkpoint/validate.py: no symlink out of the directory, sizes in
+* with ``--export DIR``: its files check out (export/validate.py: no symlink out of the directory, sizes in
   bounds, the safetensors header against the file; else a ``checkpoint error:`` line and exit 2), the export
   carries every field vLLM, SGLang, the z-lab model and transformers 4.x/5.x read
-  (``checkpoint.export_load.export_problems``), its attention settings read the same in all of them, the tensors
+  (``export.load.export_problems``), its attention settings read the same in all of them, the tensors
   match the config (the checks ``load_export`` makes, without loading the weights; a variant's export also its
   variant's ``export_problems``: every field and tensor name vLLM and SGLang read); WARN rows for what
   dflash-export warns about and for a ``modeling_dflash.py`` that differs from this version's (it runs as code
@@ -272,7 +272,7 @@ def check_config(doc: Doctor, overrides: list[str], world_size: Optional[int] = 
 
 
 def check_export(doc: Doctor, path: str) -> None:
-    from dflash_dist.checkpoint.export_load import (
+    from dflash_dist.export.load import (
         CheckpointInputError,
         ExportError,
         checked_export,
@@ -324,7 +324,7 @@ def _variant_detail(cfg: dict) -> str:
 def _export_warnings(doc: Doctor, path: str, cfg: dict, dcfg) -> None:
     """WARN rows for what dflash-export warns about, and for a modeling file that is not the one this version
     writes (serving engines run it as code under trust_remote_code)."""
-    from dflash_dist.checkpoint.serving import MODELING_NAME, modeling_source
+    from dflash_dist.export.serving import MODELING_NAME, modeling_source
     from dflash_dist.model.variants import DFlash, variant_of_export
     mine = os.path.join(path, MODELING_NAME)
     if os.path.isfile(mine):

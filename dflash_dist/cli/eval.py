@@ -47,7 +47,7 @@ from typing import Optional
 
 import torch
 
-from dflash_dist.checkpoint.export_load import META_NAME
+from dflash_dist.export.load import META_NAME
 from dflash_dist.checkpoint.safe_io import check_tokenizer_files, local_dir
 from dflash_dist.checkpoint.store import CheckpointError
 from dflash_dist.checkpoint.validate import local_attention, local_experts

@@ -1,4 +1,4 @@
-"""``dflash-export CKPT_DIR OUT_DIR``: write the z-lab DFlash layout (see checkpoint/export.py)."""
+"""``dflash-export CKPT_DIR OUT_DIR``: write the z-lab DFlash layout (see export/write.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Optional
 
 import torch
 
-from dflash_dist.checkpoint.export import DTYPES, export_checkpoint
-from dflash_dist.checkpoint.export_load import ExportError, safetensors_shapes
+from dflash_dist.export.write import DTYPES, export_checkpoint
+from dflash_dist.export.load import ExportError, safetensors_shapes
 from dflash_dist.checkpoint.store import CheckpointError
 
 log = logging.getLogger(__name__)

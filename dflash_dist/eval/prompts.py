@@ -178,7 +178,7 @@ def load_drafter(checkpoint: Optional[str] = None, export: Optional[str] = None,
         return EvalSetup(model, list(meta["layer_ids"]), int(meta["mask_token_id"]), meta_block_size(meta), tgt,
                          dat, meta.get("tokenizer"), os.path.abspath(checkpoint), kw,
                          int(n_new) if isinstance(n_new, int) and n_new > 0 else None)
-    from dflash_dist.checkpoint.export_load import ExportError, load_export
+    from dflash_dist.export.load import ExportError, load_export
     try:
         model, meta = load_export(export, device=device)
     except CheckpointError:

@@ -4,7 +4,7 @@ What an export of ours must carry for every loader (:func:`export_problems`, als
 the tensors its ``config.json`` implies (:func:`expected_tensor_shapes`), the drafter config it describes
 (:func:`drafter_config_from_export`, refusing attention settings a loader would read differently from how the
 drafter was trained) and the drafter itself (:func:`load_export`, ours or a z-lab release with default RoPE).
-``checkpoint/export.py`` writes such directories and checks them with the same functions before renaming them
+``export/write.py`` writes such directories and checks them with the same functions before renaming them
 into place.
 """
 
@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from dflash_dist.checkpoint.serving import MODELING_NAME
+from dflash_dist.export.serving import MODELING_NAME
 from dflash_dist.checkpoint.store import CheckpointError
 from dflash_dist.config import ConfigError
 from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
@@ -195,9 +195,9 @@ class _Shape:
 
 
 def checked_export(path: str) -> tuple[dict, dict]:
-    """(config.json, safetensors header) of an export whose files check out (checkpoint/validate.py), else
+    """(config.json, safetensors header) of an export whose files check out (export/validate.py), else
     :class:`CheckpointInputError` naming the file and field."""
-    from dflash_dist.checkpoint.validate_export import check_export_dir
+    from dflash_dist.export.validate import check_export_dir
     try:
         return check_export_dir(path, META_NAME)
     except CheckpointError as e:

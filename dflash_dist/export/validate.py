@@ -55,7 +55,7 @@ def _check_data(file: str, field: str, d: Any) -> None:
     check_section(file, field, d, DataConfig)
 
 
-# the keys of an export's dflash_dist_meta.json (checkpoint/export.py _side_meta) and the check of each
+# the keys of an export's dflash_dist_meta.json (export/write.py _side_meta) and the check of each
 SIDE_SCHEMA = {
     "format": _opt_str, "source_checkpoint": _opt_str, "tokenizer_source": local_location, "dtype": _opt_str,
     "step": _optional(_nonneg), "cursor": _optional(_nonneg), "final": _optional(_bool), "layer_ids": _layer_ids,

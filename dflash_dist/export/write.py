@@ -15,7 +15,7 @@ The directory holds:
   class and ``dflash_config`` fields, checked by its ``export_problems`` (each variant's ``export_description``
   says what it adds; ``dflash-export --help`` lists them); its tensors (``export_names``).
 * ``modeling_dflash.py``: the drafter as a standalone transformers model, assembled from the variants' serving
-  parts (checkpoint/serving.py), so ``AutoModel.from_pretrained(dir, trust_remote_code=True)`` builds it with the
+  parts (export/serving.py), so ``AutoModel.from_pretrained(dir, trust_remote_code=True)`` builds it with the
   same outputs as load_export's.
 * ``model.safetensors``: ``layers.*``, ``fc.weight`` [H, n*H], ``hidden_norm.weight``, ``norm.weight``; no
   ``model.`` prefix, no embedding, no lm_head (both are the target's), bf16 by default.
@@ -23,7 +23,7 @@ The directory holds:
 * ``dflash_dist_meta.json``: provenance for this project (source checkpoint, step, the job's target section)
   so ``dflash-eval --export`` can rebuild the same target. Serving engines ignore it.
 
-``load_export(dir)`` (checkpoint/export_load.py) reads such a directory (ours, or a z-lab release with default
+``load_export(dir)`` (export/load.py) reads such a directory (ours, or a z-lab release with default
 RoPE) back into a :class:`~dflash_dist.model.drafter.DFlashDrafter`; it refuses one of ours that lacks any field
 above (:func:`export_problems`, also ``dflash-doctor --export DIR``) and any attention setting a loader would read
 differently from how the drafter was trained (causal or windowed layers that one loader or another would not
@@ -46,7 +46,7 @@ from typing import Any, Optional
 import torch
 
 from dflash_dist.checkpoint.claim import CLAIM_FILE
-from dflash_dist.checkpoint.export_load import (
+from dflash_dist.export.load import (
     META_NAME,
     CheckpointInputError,
     ExportError,
@@ -60,7 +60,7 @@ from dflash_dist.checkpoint.export_load import (
 from dflash_dist.checkpoint.identity import RUN_JSON
 from dflash_dist.checkpoint.meta import meta_block_size, meta_variant
 from dflash_dist.checkpoint.safe_io import check_tokenizer_files, local_dir
-from dflash_dist.checkpoint.serving import write_modeling
+from dflash_dist.export.serving import write_modeling
 from dflash_dist.checkpoint.store import CheckpointError
 from dflash_dist.checkpoint.validate import bare_name, check_checkpoint
 from dflash_dist.model.drafter import DrafterModelConfig
@@ -388,7 +388,7 @@ def check_out_dir(out_dir: str, checkpoint_dir: str, overwrite: bool) -> None:
 
 
 def _validate_with_variant(tensors: dict, cfg: dict, variant) -> None:
-    """The names and shapes the config implies (export_load.validate_export_tensors: DFlash's, and a variant's
+    """The names and shapes the config implies (load.validate_export_tensors: DFlash's, and a variant's
     from its fields) and the variant's own beyond them."""
     known = config_tensor_shapes(cfg)
     extra = {k: v for k, v in variant.extra_tensor_shapes(cfg).items() if k not in known}

@@ -1,6 +1,6 @@
 """The drafter's rotary embedding, computed by transformers' own RoPE code for the config the drafter exports.
 
-A served DFlash drafter is a ``model_type: qwen3`` model (``checkpoint/export.py``): the z-lab
+A served DFlash drafter is a ``model_type: qwen3`` model (``export/write.py``): the z-lab
 ``DFlashDraftModel``, vLLM and SGLang build its rotary embedding from the exported ``rope_parameters``
 (transformers: ``Qwen3RotaryEmbedding`` -> ``ROPE_INIT_FUNCTIONS[rope_type]``). The drafter trains with exactly
 that embedding: :class:`DrafterRope` builds a ``Qwen3Config`` from the drafter's rope parameters and asks

@@ -10,7 +10,7 @@ import os
 import pytest
 from helpers.launch_util import torchrun
 
-from dflash_dist.checkpoint.export import export_checkpoint
+from dflash_dist.export.write import export_checkpoint
 from dflash_dist.cli.eval import main as eval_main
 
 QUICK = ["-m", "dflash_dist.train", "logging.progress_bar=false", "logging.wandb.mode=disabled"]

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from helpers.launch_util import torchrun
 from safetensors import safe_open
 
-from dflash_dist.checkpoint.export import export_checkpoint
-from dflash_dist.checkpoint.export_load import load_export
+from dflash_dist.export.write import export_checkpoint
+from dflash_dist.export.load import load_export
 from dflash_dist.cli import doctor
 from dflash_dist.cli.eval import main as eval_main
 from dflash_dist.eval.spec_decode import make_dflash_draft_fn

@@ -40,8 +40,8 @@ def _drafter_logits(model, lm_head, hidden, n_feat, seed=1):
 def test_family_trains_exports_reloads(family, tmp_path):
     from safetensors.torch import load_file
 
-    from dflash_dist.checkpoint.export import export_checkpoint
-    from dflash_dist.checkpoint.export_load import load_export
+    from dflash_dist.export.write import export_checkpoint
+    from dflash_dist.export.load import load_export
     from dflash_dist.config import TargetConfig
     from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
     from dflash_dist.model.hf import build_target_model

@@ -13,7 +13,7 @@ import time
 import pytest
 from helpers.launch_util import REPO, torchrun
 
-from dflash_dist.checkpoint.export import export_checkpoint
+from dflash_dist.export.write import export_checkpoint
 from dflash_dist.cli.eval import main as eval_main
 
 CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dflash_dist", "real")

@@ -11,7 +11,7 @@ from helpers.launch_util import REPO, torchrun
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from dflash_dist.checkpoint.export import export_checkpoint
+from dflash_dist.export.write import export_checkpoint
 
 TOY_DIR = os.path.join(REPO, "tests")
 VARIANT, OBJECTIVE = "helpers.toy_seams:ScaledDFlash", "helpers.toy_seams:UniformCE"

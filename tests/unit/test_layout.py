@@ -341,3 +341,17 @@ def test_a_variant_lives_in_its_folder():
 def test_variant_finder_finds_names():
     assert [t for _, t in _code_words('"""DFlash2 doc."""\nx = Domino.y  # dflash2\ns = "drafter.dflash2"\n')
             if re.search("dflash2|domino", t, re.I)] == ["Domino", '"drafter.dflash2"']
+
+
+def test_the_served_format_has_its_own_room():
+    """export/ (writing, loading and checking the served format) reads checkpoints; checkpoint/ (the run's own
+    state: store, resume, claim, identity, meta) never reaches the served format, and only the readers of an export
+    (the tools in cli/ and evaluation) and export/ itself import it: the training loops never do."""
+    g = import_graph()
+    reaching = [(u, v) for u, deps in g.items() for v in deps if v.startswith("dflash_dist.export")
+                and not u.startswith(("dflash_dist.export", "dflash_dist.cli", "dflash_dist.eval"))]
+    assert reaching == []
+    assert {m.rsplit(".", 1)[-1] for m in g if m.startswith("dflash_dist.export.")} == \
+        {"write", "load", "validate", "serving"}
+    assert not [m for m in g if m.startswith("dflash_dist.checkpoint.") and
+                m.rsplit(".", 1)[-1] in ("export", "export_load", "serving", "modeling_dflash")]

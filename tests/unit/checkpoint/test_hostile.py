@@ -18,8 +18,8 @@ import pytest
 import torch
 from test_export import make_checkpoint
 
-from dflash_dist.checkpoint.export import export_checkpoint
-from dflash_dist.checkpoint.export_load import META_NAME, CheckpointInputError, load_export
+from dflash_dist.export.write import export_checkpoint
+from dflash_dist.export.load import META_NAME, CheckpointInputError, load_export
 from dflash_dist.checkpoint.store import CheckpointError, checkpoint_problem, find_latest, load_checkpoint
 from dflash_dist.cli.doctor import Doctor, check_export
 from dflash_dist.cli.eval import main as eval_main

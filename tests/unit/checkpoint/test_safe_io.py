@@ -11,7 +11,7 @@ import pytest
 from test_export import make_checkpoint
 from test_hostile import edit_meta, eval_argv, refused
 
-from dflash_dist.checkpoint.export import export_checkpoint
+from dflash_dist.export.write import export_checkpoint
 from dflash_dist.checkpoint.identity import read_run_json
 from dflash_dist.checkpoint.store import checkpoint_problem, find_latest
 from dflash_dist.cli import report

@@ -112,8 +112,8 @@ def test_optimizer_pickle_with_code_is_refused_and_never_runs(tmp_path):
 def test_export_and_eval_never_open_the_optimizer_file(tmp_path, monkeypatch):
     """dflash-export and dflash-eval --checkpoint of a checkpoint whose optimizer.pt would run code: both work, and
     neither opens that file (torch.load is watched; the payload's marker never appears)."""
-    from dflash_dist.checkpoint.export import export_checkpoint
-    from dflash_dist.checkpoint.export_load import load_export
+    from dflash_dist.export.write import export_checkpoint
+    from dflash_dist.export.load import load_export
     from dflash_dist.cli.eval import main as eval_main
     ckpt, model = make_checkpoint(tmp_path)
     marker = tmp_path / "marker"

@@ -54,8 +54,8 @@ def test_network_probe_is_bounded():
 
 
 def test_export_check_passes_a_complete_export_and_names_what_is_missing(tmp_path):
-    from dflash_dist.checkpoint.export import export_checkpoint
-    from tests.unit.checkpoint.test_export import make_checkpoint, make_drafter
+    from dflash_dist.export.write import export_checkpoint
+    from tests.unit.export.test_export import make_checkpoint, make_drafter
     model = make_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
     ckpt, _ = make_checkpoint(tmp_path, model)
     out = export_checkpoint(ckpt, str(tmp_path / "e"), tokenizer=False)

@@ -4,9 +4,9 @@ directory."""
 import json
 import os
 
-from dflash_dist.checkpoint.export import export_checkpoint
+from dflash_dist.export.write import export_checkpoint
 from dflash_dist.cli.eval import main as eval_main
-from tests.unit.checkpoint.test_export import make_checkpoint
+from tests.unit.export.test_export import make_checkpoint
 
 
 def test_result_lands_beside_what_was_evaluated_or_at_out(tmp_path, monkeypatch):
@@ -58,7 +58,7 @@ def test_generation_length_is_the_runs_and_progress_shows_an_eta(tmp_path, capsy
     from dflash_dist.checkpoint.store import save_checkpoint
     from dflash_dist.cli.eval import Progress
     from dflash_dist.config import JobConfig, TargetConfig, TrainConfig
-    from tests.unit.checkpoint import test_export as E
+    from tests.unit.export import test_export as E
     model = E.make_drafter()
     job = JobConfig(target=TargetConfig(hf_config=dict(E.TARGET_HF), tokenizer=E.TINY_DIR, layer_ids=E.LAYER_IDS),
                     train=TrainConfig(eval_max_new_tokens=3))

@@ -326,7 +326,7 @@ def test_sliced_wall_time_excludes_suspension(target):
 
 def test_dflash_eval_cli(tmp_path):
     """checkpoint -> dflash-eval --checkpoint and export -> dflash-eval --export on a random-init target."""
-    from dflash_dist.checkpoint.export import export_checkpoint
+    from dflash_dist.export.write import export_checkpoint
     from dflash_dist.checkpoint.store import save_checkpoint
     from dflash_dist.cli.eval import main as eval_main
     from dflash_dist.config import JobConfig, TargetConfig

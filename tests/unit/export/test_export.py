@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dflash_dist.checkpoint.export import export_checkpoint, mask_token_string
-from dflash_dist.checkpoint.export_load import (
+from dflash_dist.export.write import export_checkpoint, mask_token_string
+from dflash_dist.export.load import (
     META_NAME,
     ExportError,
     expected_tensor_shapes,

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dflash_dist.checkpoint.export import apply_variant_fields, build_export_config
-from dflash_dist.checkpoint.export_load import ExportError, export_problems, validate_export_tensors
-from dflash_dist.checkpoint.serving import modeling_source, write_modeling
+from dflash_dist.export.write import apply_variant_fields, build_export_config
+from dflash_dist.export.load import ExportError, export_problems, validate_export_tensors
+from dflash_dist.export.serving import modeling_source, write_modeling
 from dflash_dist.cli import doctor
 from dflash_dist.config import ConfigError
 from dflash_dist.model.variants.dflash2 import layers as dflash2
@@ -19,7 +19,7 @@ from dflash_dist.model.variants import DFlash2
 from dflash_dist.model.variants.dflash2.export_checks import dflash2_settings
 from dflash_dist.model.variants.dflash2.selector import propose, transform_logits
 from dflash_dist.model.drafter import DrafterModelConfig
-from tests.unit.checkpoint.test_export import BLOCK, LAYER_IDS, MASK, H, target_config_dict
+from tests.unit.export.test_export import BLOCK, LAYER_IDS, MASK, H, target_config_dict
 
 SETTINGS = dflash2.DFlash2Settings(conv_kernel_size=2, conv_group_size=8, selector_rank=6, selector_top_k=5,
                                    output_multiplier=0.7, final_logit_softcapping=3.0)
@@ -226,7 +226,7 @@ def _linear(weight):
 def test_load_export_refuses_a_dflash2_config_an_engine_would_misread(tmp_path):
     cfg = dflash2_config()
     del cfg["dflash_config"]["conv_group_size"]
-    from dflash_dist.checkpoint.export_load import load_export
+    from dflash_dist.export.load import load_export
     with pytest.raises(ExportError, match="conv_group_size"):
         load_export(write_export(tmp_path / "bad", cfg))
     for case in ("multiplier_inf", "codebook_nan"):     # what the doctor fails, loading refuses too
@@ -258,12 +258,12 @@ def test_automodel_of_a_dflash2_export_equals_load_export(tmp_path):
     both give the same hidden states and the same selector proposals."""
     from transformers import AutoModel
 
-    from dflash_dist.checkpoint.export import export_checkpoint
-    from dflash_dist.checkpoint.export_load import load_export
+    from dflash_dist.export.write import export_checkpoint
+    from dflash_dist.export.load import load_export
     from dflash_dist.checkpoint.store import save_checkpoint
     from dflash_dist.config import JobConfig, TargetConfig
     from dflash_dist.model.hf import TINY_DIR
-    from tests.unit.checkpoint.test_export import TARGET_HF, multi_block_inputs
+    from tests.unit.export.test_export import TARGET_HF, multi_block_inputs
 
     spec, model, g = random_dflash2(target_config_dict(), BLOCK, len(LAYER_IDS))
     settings = spec.to_meta()

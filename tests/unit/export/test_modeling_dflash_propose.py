@@ -10,14 +10,14 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from dflash_dist.checkpoint.export import export_checkpoint
+from dflash_dist.export.write import export_checkpoint
 from dflash_dist.checkpoint.store import save_checkpoint
 from dflash_dist.config import JobConfig, TargetConfig
 from dflash_dist.eval.prompts import load_drafter
 from dflash_dist.eval.spec_decode import evaluate_prompts
 from dflash_dist.eval.target_runner import crop_cache
 from dflash_dist.model.hf import TINY_DIR, build_target_model
-from tests.unit.checkpoint.test_export_dflash2 import random_dflash2
+from tests.unit.export.test_export_dflash2 import random_dflash2
 
 V, H, BLOCK, MASK, LAYER_IDS = 12, 32, 4, 11, [1, 3, 4]   # a small vocabulary: random drafts get accepted
 TARGET_HF = dict(model_type="qwen3", vocab_size=V, hidden_size=H, intermediate_size=96, num_hidden_layers=6,

@@ -221,7 +221,7 @@ def export_gap(spec, export_dir, served, seed=1):
     """(max |d| of the unary logits, max |d| of the lattice scores, greedy tokens equal) between speculators on
     the export's files and ``served``: the project's DFlash2 drafter with the weights it was exported from."""
     from dflash_dist.model.variants.dflash2.selector import lattice as our_lattice
-    from tests.unit.checkpoint.test_export_dflash2 import LAYER_IDS
+    from tests.unit.export.test_export_dflash2 import LAYER_IDS
     m = spec_drafter(spec, export_dir)
     g = torch.Generator().manual_seed(seed)
     ctx, block, hsz = 11, m.cfg["block_size"], m.cfg["hidden_size"]
@@ -243,11 +243,11 @@ def export_gap(spec, export_dir, served, seed=1):
 
 def served_model(cfg, tensors):
     """The project's DFlash2 drafter as served (the exported modeling_dflash.DFlash2DraftModel, which
-    tests/unit/checkpoint/test_export_dflash2.py checks against the variant's layers.py) holding ``tensors`` in
+    tests/unit/export/test_export_dflash2.py checks against the variant's layers.py) holding ``tensors`` in
     memory, not read back from the export: a naming mistake in the file shows as a gap."""
     from transformers import Qwen3Config
 
-    from tests.unit.checkpoint.test_export_dflash2 import modeling_module
+    from tests.unit.export.test_export_dflash2 import modeling_module
     model = modeling_module().DFlash2DraftModel(Qwen3Config(**cfg))
     model.load_state_dict(tensors, strict=True)
     return model.eval()
@@ -257,7 +257,7 @@ def test_export_parity_with_speculators(spec, tmp_path):
     """Speculators' drafter built from the exported config.json and loaded strictly from the exported
     model.safetensors: the same unary logits (fp32, max |d| <= 1e-5), selector scores and greedy choices as the
     project's drafter on the same hidden states and block inputs."""
-    from tests.unit.checkpoint.test_export_dflash2 import dflash2_config, random_tensors, write_export
+    from tests.unit.export.test_export_dflash2 import dflash2_config, random_tensors, write_export
     cfg, tensors = dflash2_config(), random_tensors(seed=5, scale=0.1)
     out = write_export(tmp_path / "export", cfg, tensors)
     unary_gap, score_gap, same = export_gap(spec, out, served_model(cfg, tensors))
@@ -268,7 +268,7 @@ def test_export_parity_fails_on_a_renamed_or_swapped_codebook(spec, tmp_path):
     """The parity check sees both mistakes: a codebook saved as ``...codebook.weight`` does not load strictly
     (SGLang would skip it silently), and a file with the predecessor and successor codebooks swapped scores
     differently from the drafter it was exported from."""
-    from tests.unit.checkpoint.test_export_dflash2 import dflash2_config, random_tensors, write_export
+    from tests.unit.export.test_export_dflash2 import dflash2_config, random_tensors, write_export
     cfg, tensors = dflash2_config(), random_tensors(seed=5, scale=0.1)
     a, b = "candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook"
     renamed = {(k + ".weight" if k == b else k): v for k, v in tensors.items()}

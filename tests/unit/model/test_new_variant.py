@@ -12,16 +12,16 @@ import textwrap
 import pytest
 import torch
 
-from dflash_dist.checkpoint.export import export_checkpoint
-from dflash_dist.checkpoint.export_load import ExportError, export_problems, load_export
-from dflash_dist.checkpoint.serving import MARKER, modeling_source
+from dflash_dist.export.write import export_checkpoint
+from dflash_dist.export.load import ExportError, export_problems, load_export
+from dflash_dist.export.serving import MARKER, modeling_source
 from dflash_dist.checkpoint.store import save_checkpoint
 from dflash_dist.cli import doctor
 from dflash_dist.config import JobConfig, TargetConfig
 from dflash_dist.model.drafter import DrafterModelConfig
 from dflash_dist.model.hf import TINY_DIR
 from dflash_dist.model.variants import VARIANTS, DFlash, variant_class
-from tests.unit.checkpoint.test_export import (
+from tests.unit.export.test_export import (
     BLOCK,
     LAYER_IDS,
     MASK,

@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 
-from dflash_dist.checkpoint.export import build_export_config
-from dflash_dist.checkpoint.export_load import drafter_config_from_export
+from dflash_dist.export.write import build_export_config
+from dflash_dist.export.load import drafter_config_from_export
 from dflash_dist.config import ConfigError
 from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig, rotary_cos_sin
 from dflash_dist.model.rope import (

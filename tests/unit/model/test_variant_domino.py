@@ -135,7 +135,7 @@ def test_checkpoint_and_export_checks_bound_the_domino_sizes(tmp_path):
 
     from dflash_dist.checkpoint.store import CheckpointError
     from dflash_dist.checkpoint.validate import check_drafter_config
-    from dflash_dist.checkpoint.validate_export import check_export_dir
+    from dflash_dist.export.validate import check_export_dir
     dc = dataclasses.asdict(_spec().model)
     assert check_drafter_config("meta.json", "drafter_config", dc)["variant_settings"]["emb_dim"] == 8
     dc["variant_settings"]["gru_hidden_dim"] = 1 << 30

@@ -4,7 +4,7 @@ import torch
 from helpers.toy_seams import ScaledDFlash, ScaledDrafter
 from test_spec import TARGET
 
-from dflash_dist.checkpoint.export import build_export_config
+from dflash_dist.export.write import build_export_config
 from dflash_dist.checkpoint.identity import differences, drafter_identity
 from dflash_dist.config import DrafterConfig, JobConfig
 from dflash_dist.model.drafter import DFlashDrafter

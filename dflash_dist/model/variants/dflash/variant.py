@@ -73,7 +73,7 @@ class DFlash:
 
     def export_fields(self, model_config: DrafterModelConfig) -> dict[str, Any]:
         """config.json fields of the export beyond DFlash's: ``architectures`` and a ``dflash_config`` dict merged
-        into DFlash's (checkpoint/export.build_export_config)."""
+        into DFlash's (export/write.build_export_config)."""
         return {"architectures": [self.architecture], "dflash_config": {}}
 
     def extra_activation_bytes(self, model_config: DrafterModelConfig, rows: int, chunk: int, ab: int) -> int:
