@@ -45,8 +45,8 @@ import _common as C  # noqa: E402  (puts the repo root on sys.path)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from dflash_dist.drafter import startup_report as SR  # noqa: E402  (the flex kernel names of both families)
-from dflash_dist.drafter.optim import make_step  # noqa: E402
+from dflash_dist.roles.drafter_rank import startup_report as SR  # noqa: E402  (the flex kernel names of both families)
+from dflash_dist.roles.drafter_rank.optim import make_step  # noqa: E402
 from dflash_dist.model.blocks import make_batch  # noqa: E402
 from dflash_dist.model.compute_weights import Shadows  # noqa: E402
 from dflash_dist.model.compute_weights import resolve_mode as resolve_compute_weights  # noqa: E402

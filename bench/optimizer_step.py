@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The drafter's optimizer step alone: the gradient norm, the clip and AdamW over a drafter's parameters.
 
-Each ``drafter.tuning.optimizer_step`` (``dflash_dist.drafter.optim``) from the same weights, gradients and moments:
+Each ``drafter.tuning.optimizer_step`` (``dflash_dist.roles.drafter_rank.optim``) from the same weights, gradients and moments:
 ``fused`` (the norm, then torch's fused AdamW with the clip factor as its ``grad_scale``), ``compiled`` (the
 clip and torch's multi-tensor AdamW in one compiled region), and ``fused-noclip`` (torch's fused AdamW alone: the
 floor of the fused kernel). Two modes that are not the package's, for what a different layout would give:
@@ -29,7 +29,7 @@ import _common as C  # noqa: E402  (puts the repo root on sys.path)
 import torch  # noqa: E402
 from drafter_step import drafter_spec, drafter_variant_config  # noqa: E402
 
-from dflash_dist.drafter.optim import clip_factor, make_step  # noqa: E402
+from dflash_dist.roles.drafter_rank.optim import clip_factor, make_step  # noqa: E402
 
 BYTES_PER_PARAM = 28  # read p, g, m, v (fp32), write p, m, v
 COPY_BYTES_PER_PARAM = 8  # the copy mode: read and write one fp32 value

@@ -36,7 +36,7 @@ MESSAGES = [[30, 25, 40], [18, 22], [300, 200], [60, 41, 17, 9], [1500, 900, 400
 
 def run_rule(rule: str, target: str) -> dict:
     import dflash_dist.model.hf as H
-    import dflash_dist.target.capture as T
+    import dflash_dist.roles.target_rank.capture as T
     from dflash_dist.config import default_layer_ids
     if rule == "unpadded":
         T.packed_row_tokens = lambda total, device_type: total  # the CUDA rule before the fix

@@ -32,8 +32,8 @@ from dflash_dist.model.hf import decoder_layers, text_config  # noqa: E402
 from dflash_dist.model.quant.compare import layer_cosines  # noqa: E402
 from dflash_dist.model.quant.fp8 import default_kernel  # noqa: E402
 from dflash_dist.model.quant.load import quantize_linears  # noqa: E402
-from dflash_dist.target.batch import pad_batch  # noqa: E402
-from dflash_dist.target.capture import FeatureCapture  # noqa: E402
+from dflash_dist.roles.target_rank.batch import pad_batch  # noqa: E402
+from dflash_dist.roles.target_rank.capture import FeatureCapture  # noqa: E402
 from dflash_dist.telemetry.flops import nominal_peak_tflops  # noqa: E402
 
 

@@ -30,7 +30,7 @@ from torch._dynamo.utils import counters  # noqa: E402
 
 from dflash_dist.config import default_layer_ids  # noqa: E402
 from dflash_dist.model.hf import text_config  # noqa: E402
-from dflash_dist.target.capture import FeatureCapture  # noqa: E402
+from dflash_dist.roles.target_rank.capture import FeatureCapture  # noqa: E402
 
 VARIANTS = {"padded": (False, False), "padded_compiled": (False, True), "packed": (True, False),
             "packed_compiled": (True, True)}

@@ -39,8 +39,8 @@ from pipeline import add_job_args, finish_job_args, overrides  # noqa: E402
 # torch._dynamo (importlib's module lock reports a deadlock).
 from dflash_dist.comm.transport import Message  # noqa: E402
 from dflash_dist.model.fast_path import check_target_fast_path  # noqa: E402
-from dflash_dist.target.batch import pad_batch  # noqa: E402
-from dflash_dist.target.capture import build_capture  # noqa: E402
+from dflash_dist.roles.target_rank.batch import pad_batch  # noqa: E402
+from dflash_dist.roles.target_rank.capture import build_capture  # noqa: E402
 
 COMPILE_MARKERS = ("torch._dynamo", "torch._inductor", "torch/_dynamo", "torch/_inductor", "torch.fx", "torch/fx",
                    "FX", "symbolic_trace", "is_fx_tracing", "compile", "Dynamo", "Inductor", "BackendCompilerFailed")

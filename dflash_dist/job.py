@@ -126,7 +126,7 @@ def check_job_config(cfg: JobConfig, world_size: Optional[int], device_type: str
         tokenizer_path,
     )
     from dflash_dist.model.spec import resolve_drafter
-    from dflash_dist.target.capture import check_packing_config
+    from dflash_dist.roles.target_rank.capture import check_packing_config
     check_target_paths(cfg)
     hf_config = load_hf_config(cfg.target)
     tc = text_config(hf_config)

@@ -30,7 +30,7 @@ from dflash_dist.role_jobs import role_view
 log = logging.getLogger("dflash_dist")
 
 
-DIVERGED = "TrainingDiverged"  # drafter/trainer.TrainingDiverged, by name: a target rank never imports the drafter
+DIVERGED = "TrainingDiverged"  # roles/drafter_rank/trainer.TrainingDiverged, by name: a target rank never imports the drafter
 KEY_USAGE_ERROR = "dflash/usage_error"
 KEY_USAGE_ERROR_RANKS = "dflash/usage_error_ranks"
 _ROLES_RUNNING = False  # set once setup is done: a later ConfigError is one rank's, the others do not wait for it
@@ -60,13 +60,13 @@ def run(cfg: JobConfig) -> int:
     job.life = Lifecycle(job.dist.store, topo.rank, topo.role, topo.world_size, topo.role_of)
     try:
         if topo.role == "target":
-            from dflash_dist.target.loop import run_target
+            from dflash_dist.roles.target_rank.loop import run_target
             run_target(role_view(job, "target"))
         elif topo.role == "colocated":
-            from dflash_dist.colocated import run_colocated
+            from dflash_dist.roles.colocated import run_colocated
             run_colocated(job)
         else:
-            from dflash_dist.drafter.loop import run_drafter
+            from dflash_dist.roles.drafter_rank.loop import run_drafter
             run_drafter(role_view(job, "drafter"))
     except BaseException as e:
         if type(e).__name__ == DIVERGED:
@@ -93,7 +93,7 @@ def run(cfg: JobConfig) -> int:
 
 
 def diverged_exit(life: Lifecycle, e) -> None:
-    """Training diverged (drafter/trainer.TrainingDiverged ``e``; None on a rank that learnt it from a peer): the
+    """Training diverged (roles/drafter_rank/trainer.TrainingDiverged ``e``; None on a rank that learnt it from a peer): the
     drafters all find it at the same step; the leader says why in one line, every rank exits 3, no traceback."""
     signal.signal(signal.SIGTERM, lambda *_: os._exit(3))
     if e is not None:

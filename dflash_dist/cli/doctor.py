@@ -164,7 +164,7 @@ def check_gpus(doc: Doctor) -> None:
 
 
 def check_inductor_cache(doc: Doctor) -> None:
-    from dflash_dist.drafter.startup_report import inductor_cache_dir
+    from dflash_dist.roles.drafter_rank.startup_report import inductor_cache_dir
     info = inductor_cache_dir()
     path = info.get("dir")
     try:

@@ -124,7 +124,7 @@ def check_causal_conv1d(doc) -> None:
 def check_flex(doc) -> None:
     import torch
 
-    from dflash_dist.drafter.compile_guard import FLEX_EAGER_WARNING_RE
+    from dflash_dist.roles.drafter_rank.compile_guard import FLEX_EAGER_WARNING_RE
     from dflash_dist.model.drafter import flex_attention_compiled
     from dflash_dist.model.masks import dense_mask, flex_block_mask
     cuda = torch.cuda.is_available()

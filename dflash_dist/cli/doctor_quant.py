@@ -10,8 +10,8 @@ PASS, WARN, NA = "PASS", "WARN", "N/A"  # dflash-doctor's row statuses
 def _capture(model, layer_ids, samples, device):
     import torch
 
-    from dflash_dist.target.batch import pad_batch
-    from dflash_dist.target.capture import FeatureCapture
+    from dflash_dist.roles.target_rank.batch import pad_batch
+    from dflash_dist.roles.target_rank.capture import FeatureCapture
     cap = FeatureCapture(model, layer_ids, packing=False, compile=False)
     try:
         with torch.inference_mode():

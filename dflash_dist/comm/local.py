@@ -2,7 +2,7 @@
 its drafter half on the same device, beside the point-to-point link of ``transport.py``.
 
 The drafter pulls: completing a posted receive runs the target half's next message (``LocalLink.producer``, set by
-``dflash_dist.colocated``), so one thread alternates a capture and a training step and holds one message at a time.
+``dflash_dist.roles.colocated``), so one thread alternates a capture and a training step and holds one message at a time.
 A message crosses as the network would deliver it (the meta tensor packed and unpacked, cu_seqlens on the host), and
 its features stay where the capture put them: no copy, no process group. The same link carries what a split job
 sends once or rarely: the target's embedding and lm_head, and the drafter weights of an in-training evaluation.

@@ -42,12 +42,12 @@ class DrafterTuning:
     forward through TMA on sm90+ GPUs (measured faster: docs/benchmarks.md#long-context-mask); {}: inductor's
     defaults only. ``python bench/flex_tune.py`` autotunes them for your shapes and prints the dict to paste here.
     ``{BACKEND: FLASH}``: flex's FlashAttention-4 kernels instead of Triton's (Hopper or newer, the
-    ``flash-attn-4`` package; refused before the model builds where either is missing). Measured on one layer
-    only, forward + backward with static shapes: 1.71x (3K) and 1.74x (32K) the Triton kernels on an H200
-    (docs/benchmarks.md#flash-backend); the job's dynamic-shape compile with it has not run on a GPU yet."""
+    ``flash-attn-4`` package; refused before the model builds where either is missing). Faster than Triton's in
+    the job's full step with dynamic shapes (docs/benchmarks.md#flash-full-step); opt-in because it needs a
+    pre-release package and its results differ from Triton's by bf16 rounding."""
 
     optimizer_step: Literal["auto", "fused", "compiled"] = "auto"
-    """How the gradient clip and the AdamW update run (dflash_dist/drafter/optim.py; the same update and optimizer
+    """How the gradient clip and the AdamW update run (dflash_dist/roles/drafter_rank/optim.py; the same update and optimizer
     state either way): ``fused`` (the norm, then torch's AdamW, fused on CUDA), ``compiled`` (CUDA: the clip and
     torch's multi-tensor AdamW in one torch.compile region, which writes no gradient back: 8.9 vs 11.5 ms over
     the 1.05B parameters of the Qwen3-8B DFlash drafter on an H200, measured: docs/benchmarks.md#optimizer-step;

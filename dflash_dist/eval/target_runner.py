@@ -57,7 +57,7 @@ class TargetRunner:
     """Full forwards of the HF target returning logits and the selected layers' outputs.
 
     Layer id i is the output of decoder layer i (HF ``hidden_states[i+1]``); the last layer's output is taken
-    after the final norm, as HF and :class:`~dflash_dist.target.capture.FeatureCapture` do, so the drafter sees the
+    after the final norm, as HF and :class:`~dflash_dist.roles.target_rank.capture.FeatureCapture` do, so the drafter sees the
     features it was trained on. Use inside :meth:`attached`, which registers the hooks and, for its duration,
     sets aside any other forward hooks on the decoder layers (a training FeatureCapture's hooks would
     otherwise stop the forward), restoring them afterwards.

@@ -3,7 +3,7 @@
 Under bf16 autocast every forward casts each fp32 Linear weight to bf16 (a read of 4 and a write of 2 bytes per
 parameter, every step). ``Shadows`` keeps that bf16 copy as a buffer instead: the optimizer writes it with the
 update (the compiled AdamW step emits it as one more output of the kernel that already holds the new weight,
-``drafter/optim.py``), and the Linear's forward multiplies by it directly. The numbers do not change: the copy is
+``roles/drafter_rank/optim.py``), and the Linear's forward multiplies by it directly. The numbers do not change: the copy is
 the same cast of the same fp32 weight, the input is cast as autocast casts it, and the weight's gradient is the bf16
 product cast to fp32, as autocast's cast backward makes it. Every in-place change of a master weight (the
 optimizer's, a checkpoint load, DDP's broadcast) bumps the tensor's version counter; ``ensure_fresh`` compares

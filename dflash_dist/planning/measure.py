@@ -51,8 +51,8 @@ def measure_target_supply(job, device: torch.device, batches: Optional[int] = No
     from dflash_dist.data.tokenize import TokenizedDataset
     from dflash_dist.model.fast_path import check_target_fast_path
     from dflash_dist.model.hf import build_target_model
-    from dflash_dist.target.batch import pad_batch
-    from dflash_dist.target.capture import build_capture
+    from dflash_dist.roles.target_rank.batch import pad_batch
+    from dflash_dist.roles.target_rank.capture import build_capture
     cfg = job.cfg
     ks = calibration_messages(job, batches or cfg.topology.plan_target_batches)
     t0 = time.monotonic()
@@ -108,7 +108,7 @@ def plan_message(job, ds, k: int, features, src: int):
     features' device, cu_seqlens on the host. ``features``: a callable from the message's token count to the
     features [tokens, n_layers * H]."""
     from dflash_dist.comm.transport import Message
-    from dflash_dist.target.batch import pad_batch
+    from dflash_dist.roles.target_rank.batch import pad_batch
     _, lengths, ids, mask = pad_batch([ds[i] for i in job.plan[k]], "cpu")
     feats = features(int(lengths.sum()))
     return Message.build(k, job.plan[k], Message.cu_of(lengths), ids.to(feats.device), mask.to(feats.device),
@@ -133,7 +133,7 @@ def measure_drafter_demand(job, device: torch.device, steps: Optional[int] = Non
     from dflash_dist.comm.topology import Topology
     from dflash_dist.config import resolve_backend
     from dflash_dist.data.tokenize import TokenizedDataset
-    from dflash_dist.drafter.trainer import DrafterTrainer
+    from dflash_dist.roles.drafter_rank.trainer import DrafterTrainer
     from dflash_dist.model.hf import text_config
     cfg = job.cfg
     ks = calibration_messages(job, steps or cfg.topology.plan_drafter_steps)

@@ -11,9 +11,9 @@ one device). After the last message the target half says END, as over the networ
 from __future__ import annotations
 
 from dflash_dist.comm.local import LocalLink
-from dflash_dist.drafter.loop import run_drafter
+from dflash_dist.roles.drafter_rank.loop import run_drafter
 from dflash_dist.role_jobs import role_view
-from dflash_dist.target.loop import TargetRun, load_target
+from dflash_dist.roles.target_rank.loop import TargetRun, load_target
 
 
 def run_colocated(job) -> None:

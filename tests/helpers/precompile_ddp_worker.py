@@ -1,4 +1,4 @@
-"""Worker for tests/unit/drafter/test_drafter_loop.py, run under torchrun (gloo): two drafter ranks in one DDP group run a
+"""Worker for tests/unit/roles/drafter_rank/test_drafter_loop.py, run under torchrun (gloo): two drafter ranks in one DDP group run a
 different number of dry steps (``DrafterTrainer.precompile``), then one real training step each. The dry steps
 must make no collective: were one to all-reduce, the ranks' collectives would pair up wrongly and the job would
 hang or fail. Each rank writes its weights' checksum after the real step (DDP keeps them equal)."""

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import helpers.standalone_drafter as S  # noqa: E402
 
 from dflash_dist.comm.topology import Topology  # noqa: E402
-from dflash_dist.drafter import trainer as trainer_mod  # noqa: E402
+from dflash_dist.roles.drafter_rank import trainer as trainer_mod  # noqa: E402
 from dflash_dist.model.blocks import split_anchors  # noqa: E402
 
 STEPS = 5

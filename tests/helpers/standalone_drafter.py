@@ -97,7 +97,7 @@ def make_job(cfg, world_size: int, device: torch.device, run_dir: str):
 def make_trainer(job):
     """``DrafterTrainer`` for job: a checkpoint target's embedding / lm_head read from it, a random-init target's
     made here (the real drafter receives them from the target rank: same shapes and dtype)."""
-    from dflash_dist.drafter.trainer import DrafterTrainer
+    from dflash_dist.roles.drafter_rank.trainer import DrafterTrainer
     from dflash_dist.model.hf import resolve_source
     from dflash_dist.planning.measure import random_head_weights
     path, _ = resolve_source(job.cfg.target)

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from dflash_dist.config import TargetConfig
 from dflash_dist.model.hf import build_target_model, build_target_replica, local_parameter_bytes, resolve_source
 from dflash_dist.model.quant import FP8Linear
-from dflash_dist.target.capture import FeatureCapture
+from dflash_dist.roles.target_rank.capture import FeatureCapture
 
 TINY = {"model_type": "qwen3", "vocab_size": 2048, "hidden_size": 128, "intermediate_size": 384,
         "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,

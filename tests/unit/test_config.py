@@ -4,7 +4,7 @@ import pytest
 from helpers.launch_util import torchrun
 
 from dflash_dist.config import ConfigError, JobConfig, default_layer_ids, validate_job
-from dflash_dist.drafter.trainer import cosine_lr
+from dflash_dist.roles.drafter_rank.trainer import cosine_lr
 
 
 def job(**sections) -> JobConfig:

@@ -69,17 +69,34 @@ def test_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
+def _room(mod: str) -> str:
+    """A module's room: the package folder it sits in under dflash_dist (roles/<role> for a role's modules)."""
+    parts = mod.split(".")[1:]
+    return "/".join(parts[:2]) if parts[:1] == ["roles"] else (parts[0] if parts else "")
+
+
 def test_roles_never_import_each_other():
     g = import_graph()
-    crossing = [(u, v) for u, deps in g.items() for v in deps
-                if {u.split(".")[1:2][0] if "." in u else "", v.split(".")[1:2][0] if "." in v else ""}
-                == {"target", "drafter"}]
+    roles = {"roles/target_rank", "roles/drafter_rank"}
+    crossing = [(u, v) for u, deps in g.items() for v in deps if {_room(u), _room(v)} == roles]
     assert crossing == []
     # what sits below the roles never reaches up into them
     below = ("dflash_dist.model", "dflash_dist.comm", "dflash_dist.data", "dflash_dist.telemetry")
     upward = [(u, v) for u, deps in g.items() if u.startswith(below) for v in deps
-              if v.startswith(("dflash_dist.target", "dflash_dist.drafter", "dflash_dist.cli"))]
+              if v.startswith(("dflash_dist.roles", "dflash_dist.cli"))]
     assert upward == []
+
+
+def test_no_room_is_named_like_build_output():
+    """No package folder (of Python modules) is named as common tools' build output: a gitignore's ``target/``
+    matches at any depth, so a new file there would not show in git status. The roles' rooms sit together under
+    roles/. (The presets' Hydra group conf/target is a user-facing name, not a package folder.)"""
+    folders = {os.path.relpath(os.path.dirname(p), PKG) for p in glob.glob(os.path.join(PKG, "**", "*.py"),
+                                                                           recursive=True)}
+    build_like = {"target", "build", "dist", "out", "output", "bin", "obj"}
+    assert not [f for f in folders if set(f.rstrip(os.sep).split(os.sep)) & build_like], folders
+    assert {"roles/target_rank", "roles/drafter_rank"} <= {f.rstrip(os.sep) for f in folders}
+    assert not os.path.exists(os.path.join(PKG, "target")) and not os.path.exists(os.path.join(PKG, "drafter"))
 
 
 def test_presets_hold_no_defaults():
@@ -146,7 +163,8 @@ def test_roles_read_only_their_view_of_the_job():
 
     from dflash_dist.role_jobs import DrafterJob, RoleJob, TargetJob
     outside = []
-    for pattern, cls in (("target/*.py", TargetJob), ("drafter/*.py", DrafterJob), ("eval/in_training.py", RoleJob)):
+    for pattern, cls in (("roles/target_rank/*.py", TargetJob), ("roles/drafter_rank/*.py", DrafterJob),
+                         ("eval/in_training.py", RoleJob)):
         names = {f.name for f in fields(cls)}
         for path in glob.glob(os.path.join(PKG, pattern)):
             used = set(re.findall(r"\bjob\.([a-z_]+)", open(path).read()))
@@ -201,7 +219,8 @@ def test_one_constructor_builds_a_message():
     measurement), never by calling the dataclass directly in the package."""
     assert _calls("Message") == []
     builders = {c.rsplit(":", 1)[0] for c in _calls("build")}
-    assert {"dflash_dist/comm/transport.py", "dflash_dist/target/loop.py", "dflash_dist/planning/measure.py"} <= builders
+    assert {"dflash_dist/comm/transport.py", "dflash_dist/roles/target_rank/loop.py",
+            "dflash_dist/planning/measure.py"} <= builders
 
 
 def test_call_finder_finds_calls():

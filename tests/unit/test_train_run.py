@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-import dflash_dist.drafter.loop as drafter_loop
+import dflash_dist.roles.drafter_rank.loop as drafter_loop
 from dflash_dist import train
 from dflash_dist.comm.lifecycle import STOPPED_AT_ONCE
 

@@ -443,12 +443,6 @@ class CompileGuard:
         with self.step(shape):
             return fn(*args, **kwargs)
 
-    def check_shape(self, shape: Sequence[int]) -> bool:
-        """True if ``shape`` may run without raising for a *shape* reason: seen before, planned, or warm-up."""
-        shape = tuple(int(v) for v in shape)
-        return (not self.steady or shape in self.seen
-                or (self.expected is not None and shape in self.expected))
-
     def summary(self) -> dict:
         return {"steps": self.steps, "steady": self.steady, "shapes_seen": len(self.seen),
                 "warmup_shapes": [list(s) for s in self.warmup_shapes],

@@ -20,9 +20,9 @@ from dflash_dist.comm.distributed import shorten_timeouts
 from dflash_dist.comm.faults import fault_for, stall_if_due
 from dflash_dist.comm.head_offload import HeadLossClient, head_channels, head_servers
 from dflash_dist.comm.transport import EndOfStream, Receiver, job_channel
-from dflash_dist.drafter.compile_guard import batch_shape, dynamo_counters, report_graph_breaks
-from dflash_dist.drafter.startup_report import host_syncs, startup_report
-from dflash_dist.drafter.trainer import LEAKY_MASK_ENV, DrafterTrainer
+from dflash_dist.roles.drafter_rank.compile_guard import batch_shape, dynamo_counters, report_graph_breaks
+from dflash_dist.roles.drafter_rank.startup_report import host_syncs, startup_report
+from dflash_dist.roles.drafter_rank.trainer import LEAKY_MASK_ENV, DrafterTrainer
 from dflash_dist.eval.in_training import LeaderEval, eval_enabled, eval_record, eval_steps
 from dflash_dist.model.families import text_config
 from dflash_dist.planning.memory import plan_rank

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from dflash_dist.drafter.compile_guard import dynamo_counters, graph_break_reasons
+from dflash_dist.roles.drafter_rank.compile_guard import dynamo_counters, graph_break_reasons
 
 __all__ = ["startup_report", "format_startup_report", "StartupCheckError", "dense_attention_bytes",
            "flex_kernels", "flex_problems", "flex_kernel_family",

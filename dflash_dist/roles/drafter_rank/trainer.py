@@ -23,14 +23,14 @@ from dflash_dist.checkpoint.store import (
     space_problem,
     state_bytes,
 )
-from dflash_dist.drafter.compile_guard import (
+from dflash_dist.roles.drafter_rank.compile_guard import (
     batch_shape,
     expected_shapes,
     install_guard,
     plan_step_lengths,
     precompile_steps,
 )
-from dflash_dist.drafter.optim import make_step
+from dflash_dist.roles.drafter_rank.optim import make_step
 from dflash_dist.model.blocks import make_batch, split_anchors, target_labels
 from dflash_dist.model.compute_weights import Shadows
 from dflash_dist.model.compute_weights import resolve_mode as resolve_compute_weights
@@ -99,7 +99,7 @@ class DrafterTrainer:
                                                                          self.device) == "shadow" else None)
         if self.shadows is not None:
             log.info("drafter compute weights: %s", self.shadows.describe())
-        self.opt_step = make_step(self.opt, cfg.drafter.tuning.optimizer_step, self.shadows)  # drafter/optim.py
+        self.opt_step = make_step(self.opt, cfg.drafter.tuning.optimizer_step, self.shadows)  # roles/drafter_rank/optim.py
         self.step = job.start_step
         self.cursor = job.start_cursor
         self.last_checkpoint = None  # the newest checkpoint this run wrote (the leader)

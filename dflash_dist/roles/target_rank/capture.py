@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -238,12 +237,6 @@ def resolve_pad_multiple(tcfg: TargetConfig, model, device_type: str, packed: bo
 
 class StopForward(Exception):
     """Raised by the hook of the last needed layer: the rest of the model does not run."""
-
-
-@dataclass
-class CaptureResult:
-    features: torch.Tensor  # [T, n*H] packed over the batch's real tokens
-    cu_seqlens: torch.Tensor
 
 
 class FeatureCapture:

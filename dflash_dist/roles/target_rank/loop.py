@@ -42,8 +42,8 @@ from dflash_dist.model.hf import (
     text_config,
 )
 from dflash_dist.role_jobs import TargetJob
-from dflash_dist.target.batch import pad_batch
-from dflash_dist.target.capture import build_capture
+from dflash_dist.roles.target_rank.batch import pad_batch
+from dflash_dist.roles.target_rank.capture import build_capture
 from dflash_dist.telemetry.flops import target_capture_flops, target_layers_profile
 from dflash_dist.telemetry.step_trace import TraceWindow, format_timeline, phase
 

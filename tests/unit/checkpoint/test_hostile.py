@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from test_export import make_checkpoint
+from tests.unit.export.test_export import make_checkpoint
 
 from dflash_dist.export.write import export_checkpoint
 from dflash_dist.export.load import META_NAME, CheckpointInputError, load_export
@@ -291,7 +291,7 @@ def test_optimizer_of_wrong_structure(tmp_path, state, field):
 
 
 def test_well_formed_optimizer_passes(tmp_path):
-    from test_export import make_drafter
+    from tests.unit.export.test_export import make_drafter
     model = make_drafter()
     opt = torch.optim.AdamW(model.parameters())
     model.fc.weight.sum().backward()

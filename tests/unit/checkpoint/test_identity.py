@@ -4,7 +4,7 @@ are differences or refusals, never a crash; what the drafter's identity holds, a
 import json
 
 import pytest
-from test_export import make_checkpoint
+from tests.unit.export.test_export import make_checkpoint
 
 from dflash_dist.checkpoint import identity as ident
 from dflash_dist.checkpoint.store import checkpoint_problem

@@ -8,7 +8,7 @@ import shutil
 import signal
 
 import pytest
-from test_export import make_checkpoint
+from tests.unit.export.test_export import make_checkpoint
 from test_hostile import edit_meta, eval_argv, refused
 
 from dflash_dist.export.write import export_checkpoint

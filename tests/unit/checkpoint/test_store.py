@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from test_export import make_checkpoint
+from tests.unit.export.test_export import make_checkpoint
 
 from dflash_dist.checkpoint.store import (
     CheckpointError,
@@ -19,7 +19,7 @@ from dflash_dist.checkpoint.store import (
     save_checkpoint,
 )
 from dflash_dist.config import TrainConfig
-from dflash_dist.drafter.trainer import cosine_lr
+from dflash_dist.roles.drafter_rank.trainer import cosine_lr
 
 
 class _RunsCode:

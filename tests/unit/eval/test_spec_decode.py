@@ -24,7 +24,7 @@ from dflash_dist.eval.spec_decode import (
 from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig, RMSNorm
 from dflash_dist.model.hf import head_weights
 from dflash_dist.model.masks import dense_mask
-from dflash_dist.target.capture import FeatureCapture
+from dflash_dist.roles.target_rank.capture import FeatureCapture
 
 V, H, L, B, MASK = 96, 32, 5, 4, 95
 LAYER_IDS = [1, 2, 4]          # 4 = last layer: taken after the final norm, as in training

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from dflash_dist.config.drafter import DrafterTuning
-from dflash_dist.drafter.optim import make_step
+from dflash_dist.roles.drafter_rank.optim import make_step
 from dflash_dist.model.compute_weights import Shadows, resolve_mode
 
 

@@ -8,7 +8,7 @@ import dflash_dist.model.families.hybrid_packing as HP
 from dflash_dist.config import ConfigError, TargetConfig
 from dflash_dist.model.families import family_for, text_config
 from dflash_dist.model.hf import build_target_model, load_hf_config
-from dflash_dist.target.capture import FeatureCapture, check_packing_config, packing_problem, resolve_packing
+from dflash_dist.roles.target_rank.capture import FeatureCapture, check_packing_config, packing_problem, resolve_packing
 
 
 def _tcfg(name, **over):

@@ -13,7 +13,7 @@ def test_importing_the_compiled_modules_loads_no_compiler():
     torch.compile would load both in every process, ~2 s of CPU)."""
     code = ("import sys\n"
             "import dflash_dist.model.drafter, dflash_dist.model.masks, dflash_dist.model.loss\n"
-            "import dflash_dist.target.capture, dflash_dist.drafter.compile_guard\n"
+            "import dflash_dist.roles.target_rank.capture, dflash_dist.roles.drafter_rank.compile_guard\n"
             "print(sorted(m for m in ('torch._dynamo', 'torch._inductor.compile_fx') if m in sys.modules))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -259,7 +259,7 @@ def test_dflash2_layers_compile_whole_without_recompiles():
     backward, so the forward only)."""
     from helpers.compile_settings import compile_settings_restored
 
-    from dflash_dist.drafter import compile_guard as cg
+    from dflash_dist.roles.drafter_rank import compile_guard as cg
     from dflash_dist.model.masks import flex_block_mask
     torch.manual_seed(0)
     model = _spec().build_model("flex")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers.toy_seams import ScaledDFlash
 
-from dflash_dist.drafter.trainer import DrafterTrainer
+from dflash_dist.roles.drafter_rank.trainer import DrafterTrainer
 from dflash_dist.model.blocks import make_batch
 from dflash_dist.model.drafter import DrafterModelConfig
 from dflash_dist.model.variants import DFlash

@@ -18,7 +18,7 @@ from dflash_dist.model.hf import build_target_model, decoder_layers, load_hf_con
 from dflash_dist.model.quant import apply_quantization, quantization_report, shards
 from dflash_dist.model.quant.compare import layer_cosines
 from dflash_dist.model.quant.fp8 import FP8Linear
-from dflash_dist.target.capture import FeatureCapture
+from dflash_dist.roles.target_rank.capture import FeatureCapture
 from dflash_dist.telemetry.flops import target_layers_profile, target_peak_tflops
 
 LAYERS = [1, 3, 6]

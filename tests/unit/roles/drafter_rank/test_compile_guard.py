@@ -14,8 +14,8 @@ import torch._dynamo
 import torch.nn.functional as F
 from helpers.compile_settings import compile_settings_restored
 
-from dflash_dist.drafter import compile_guard as cg
-from dflash_dist.drafter.startup_report import dense_attention_bytes, startup_report
+from dflash_dist.roles.drafter_rank import compile_guard as cg
+from dflash_dist.roles.drafter_rank.startup_report import dense_attention_bytes, startup_report
 from dflash_dist.model.blocks import make_batch
 from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
 from dflash_dist.model.loss import decayed_ce
@@ -242,7 +242,7 @@ def test_startup_report_names_sdpa_backend_on_cpu():
 
 def test_dense_score_matrix_detection():
     """A hand-written dense attention on CPU is flagged (the check the CUDA path asserts on)."""
-    from dflash_dist.drafter import startup_report as sr
+    from dflash_dist.roles.drafter_rank import startup_report as sr
     q, k = torch.randn(1, 2, 12, 8), torch.randn(1, 2, 44, 8)
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -256,7 +256,7 @@ def test_cuda_flex_assertions_on_fake_kernel_events():
     """The decision the H200 run makes, fed with a kernel list like the profiler's (no GPU needed)."""
     from types import SimpleNamespace
 
-    from dflash_dist.drafter import startup_report as sr
+    from dflash_dist.roles.drafter_rank import startup_report as sr
     cuda = torch.autograd.DeviceType.CUDA
 
     def ev(name, device_type=cuda, shapes=()):
@@ -285,7 +285,7 @@ def test_projection_with_a_score_like_shape_is_not_a_score_matrix():
     same shapes with a head dimension, or a one-head model, still are."""
     from types import SimpleNamespace
 
-    from dflash_dist.drafter import startup_report as sr
+    from dflash_dist.roles.drafter_rank import startup_report as sr
     cpu = torch.autograd.DeviceType.CPU
 
     def ev(name, shapes):
@@ -302,7 +302,7 @@ def test_projection_with_a_score_like_shape_is_not_a_score_matrix():
 def test_precompile_steps_pick_one_and_several_samples_two_lengths_each():
     """One-sample and several-sample batches apart (dynamo specialises a size of 1), the first two context
     lengths of each, in plan order; the steps after them compile nothing new."""
-    from dflash_dist.drafter.compile_guard import precompile_steps
+    from dflash_dist.roles.drafter_rank.compile_guard import precompile_steps
     plan = [[100, 90], [80, 70, 60], [300, 10], [120], [700, 5], [260], [900], [2]]
     # S_pad at bucket 256: 256, 256, 512, 256, 768, 512, 1024, 256
     assert precompile_steps(plan, 256) == [[100, 90], [300, 10], [120], [260]]
@@ -315,7 +315,7 @@ def test_activation_whose_width_equals_the_micro_batch_queries_is_not_a_score_ma
     dimension is the batch, not heads or batch x heads; a real [b, heads, Q, K] or [b*heads, Q, K] still counts."""
     from types import SimpleNamespace
 
-    from dflash_dist.drafter import startup_report as sr
+    from dflash_dist.roles.drafter_rank import startup_report as sr
     cpu = torch.autograd.DeviceType.CPU
 
     def ev(name, shapes):

@@ -4,7 +4,7 @@ import helpers.standalone_drafter as S
 import torch
 import torch.distributed as dist
 
-from dflash_dist.drafter.compile_guard import plan_step_lengths, precompile_steps
+from dflash_dist.roles.drafter_rank.compile_guard import plan_step_lengths, precompile_steps
 
 
 def test_precompile_dry_steps_update_nothing(tmp_path):
@@ -55,7 +55,7 @@ def test_the_drafters_last_collective_comes_before_the_wait_for_the_final_evalua
     """The leader waits for the final evaluation up to the warm-up limit; the other drafters must not be left in a
     collective meanwhile (it runs under the short topology.timeout_s: a final evaluation longer than that killed a
     2-drafter job). The accounting all-reduce runs first, then the wait, then the report."""
-    import dflash_dist.drafter.loop as L
+    import dflash_dist.roles.drafter_rank.loop as L
     order = []
     run = object.__new__(L.DrafterRun)
     run.stopped, run.trainer, run.d, run.target_stats = False, type("T", (), {"save": lambda *a, **k: None})(), None, {}

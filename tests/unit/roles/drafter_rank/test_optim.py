@@ -1,4 +1,4 @@
-"""drafter/optim.py: the clip and the AdamW step, fused (the clip folded into the fused kernel's own pass) and
+"""roles/drafter_rank/optim.py: the clip and the AdamW step, fused (the clip folded into the fused kernel's own pass) and
 compiled (the clip inside torch's multi-tensor AdamW, one compiled region)."""
 
 import copy
@@ -8,7 +8,7 @@ import torch
 
 from dflash_dist.config import ConfigError
 from dflash_dist.config.drafter import DrafterTuning
-from dflash_dist.drafter.optim import CompiledClippedAdamW, _clipped_adamw, clip_factor, fused_clipped_step, make_step
+from dflash_dist.roles.drafter_rank.optim import CompiledClippedAdamW, _clipped_adamw, clip_factor, fused_clipped_step, make_step
 
 clipped_step = fused_clipped_step
 

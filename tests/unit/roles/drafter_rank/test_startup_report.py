@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from dflash_dist.drafter.startup_report import host_syncs, sync_warnings_recorded
+from dflash_dist.roles.drafter_rank.startup_report import host_syncs, sync_warnings_recorded
 
 
 def test_sync_warnings_are_recorded_with_their_location():
@@ -40,7 +40,7 @@ def test_flash_backend_kernels_are_the_flex_path_it_asks_for():
     FLASH was asked for, and FLASH kernels when Triton was, naming what ran instead."""
     from types import SimpleNamespace
 
-    from dflash_dist.drafter import startup_report as sr
+    from dflash_dist.roles.drafter_rank import startup_report as sr
     cuda = torch.autograd.DeviceType.CUDA
 
     def ev(name):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dflash_dist.config import ConfigError, TrainConfig
-from dflash_dist.drafter.trainer import DrafterTrainer, TrainingDiverged
+from dflash_dist.roles.drafter_rank.trainer import DrafterTrainer, TrainingDiverged
 
 
 def _trainer(run: int, since: int = 5, limit: int = 3):

@@ -15,7 +15,7 @@ import torch
 import dflash_dist.model.families.hybrid_packing as HP
 from dflash_dist.config import TargetConfig
 from dflash_dist.model.hf import build_target_model
-from dflash_dist.target.capture import FeatureCapture, packing_problem
+from dflash_dist.roles.target_rank.capture import FeatureCapture, packing_problem
 
 HAVE_KERNELS = all(importlib.util.find_spec(p) for p in ("fla", "causal_conv1d"))
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -167,7 +167,7 @@ def test_a_hybrid_packs_with_its_kernels_bound_on_cuda_or_when_asked():
     compiled around the GatedDeltaNet modules) and on asks for it anywhere; without them auto stays padded and
     on is refused."""
     from dflash_dist.config import ConfigError
-    from dflash_dist.target.capture import build_capture, resolve_compile, resolve_packing
+    from dflash_dist.roles.target_rank.capture import build_capture, resolve_compile, resolve_packing
     model = _model("qwen3_5", "cpu")
     tcfg = TargetConfig(hf_config=_hf("qwen3_5", "cpu"), fast_path="allow")
     assert resolve_packing(tcfg, model, "cuda") is False  # transformers' PyTorch fallback bound

@@ -10,9 +10,9 @@ import yaml
 from dflash_dist.config import TargetConfig
 from dflash_dist.model.families import family_for, text_config
 from dflash_dist.model.hf import build_target_model
-from dflash_dist.target.capture import FeatureCapture, packing_problem
+from dflash_dist.roles.target_rank.capture import FeatureCapture, packing_problem
 
-CONF = os.path.join(os.path.dirname(__file__), "..", "..", "..", "conf", "target")
+CONF = os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "conf", "target")
 
 
 def _model(name: str, **hf_over):
@@ -55,7 +55,7 @@ def test_packed_equals_padded(name, windows):
 
 def test_packed_without_the_window_would_differ():
     """The check above can fail: the same packed row with the full mask on the sliding layers differs."""
-    import dflash_dist.target.capture as capture
+    import dflash_dist.roles.target_rank.capture as capture
     model = _model("tiny_mistral", sliding_window=8).eval()
     ids, lengths, packed = _batch([37, 12, 25])
     ref_cap = FeatureCapture(model, [4])
@@ -87,7 +87,7 @@ def test_sink_lse_renormalisation_matches_eager_sinks():
     softmax over [scores | sink]; run here with flex uncompiled on tiny sizes."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    import dflash_dist.target.capture as capture
+    import dflash_dist.roles.target_rank.capture as capture
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 4, 128, 8, generator=g) for _ in range(3))
     sinks = torch.randn(4, generator=g)

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3Ne
 from dflash_dist.config import TargetConfig
 from dflash_dist.model.drafter import _torch_version
 from dflash_dist.model.hf import build_target_model, load_hf_config
-from dflash_dist.target.capture import FeatureCapture
+from dflash_dist.roles.target_rank.capture import FeatureCapture
 
 
 def tiny(kind):
@@ -112,8 +112,8 @@ def test_packed_capture_equals_padded(qwen3, monkeypatch):
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    from dflash_dist.drafter.compile_guard import FLEX_EAGER_WARNING_RE
-    from dflash_dist.target.capture import PACKED_ATTN, packed_stats
+    from dflash_dist.roles.drafter_rank.compile_guard import FLEX_EAGER_WARNING_RE
+    from dflash_dist.roles.target_rank.capture import PACKED_ATTN, packed_stats
     ids, lengths, packed = _batch([11, 5, 8])
     layer_ids = [3, 7]  # a middle layer and the last one (final norm)
     ref = _capture(qwen3, layer_ids, ids, lengths)
@@ -150,7 +150,7 @@ def test_packed_capture_equals_padded(qwen3, monkeypatch):
 def test_packed_row_tokens():
     """The packed row is padded (with one more sample) so the compiled flex kernels never meet a one-block row:
     CPU to a power of two >= 256, CUDA to at least 256 tokens and no further."""
-    from dflash_dist.target.capture import packed_row_tokens
+    from dflash_dist.roles.target_rank.capture import packed_row_tokens
     assert [packed_row_tokens(t, "cpu") for t in (1, 100, 256, 257, 3000)] == [256, 256, 256, 512, 4096]
     assert [packed_row_tokens(t, "cuda") for t in (1, 100, 128, 256, 257, 3000)] == [256, 256, 256, 256, 257, 3000]
 
@@ -178,7 +178,7 @@ def test_compiled_layers_equal_uncompiled(qwen3):
 
 def test_packing_resolution_and_hybrid_refused():
     from dflash_dist.config import ConfigError
-    from dflash_dist.target.capture import check_packing_config, resolve_packing
+    from dflash_dist.roles.target_rank.capture import check_packing_config, resolve_packing
     dense = AutoModelForCausalLM.from_config(tiny("qwen3")).eval()
     hybrid = AutoModelForCausalLM.from_config(tiny("qwen3_next")).eval()
     cfg = lambda packing, hf=tiny("qwen3"): TargetConfig(hf_config=dict(hf.to_dict(), model_type=hf.model_type),
@@ -200,7 +200,7 @@ def test_packing_resolution_and_hybrid_refused():
 
 
 def test_compile_resolution():
-    from dflash_dist.target.capture import resolve_compile
+    from dflash_dist.roles.target_rank.capture import resolve_compile
     dense = AutoModelForCausalLM.from_config(tiny("qwen3")).eval()
     hybrid = AutoModelForCausalLM.from_config(tiny("qwen3_next")).eval()
     cfg = lambda compile: TargetConfig(hf_config={"builtin": "tiny"}, compile=compile)  # noqa: E731
@@ -213,7 +213,7 @@ def test_compile_resolution():
 
 def test_pad_multiple_resolution_and_the_built_capture():
     from dflash_dist.config import ConfigError
-    from dflash_dist.target.capture import build_capture, resolve_pad_multiple
+    from dflash_dist.roles.target_rank.capture import build_capture, resolve_pad_multiple
     dense = AutoModelForCausalLM.from_config(tiny("qwen3")).eval()
     hybrid = AutoModelForCausalLM.from_config(tiny("qwen3_next")).eval()
     cfg = lambda pad, **kw: TargetConfig(hf_config={"builtin": "tiny"}, tuning={"pad_multiple": pad}, **kw)  # noqa: E731
@@ -234,7 +234,7 @@ def test_capture_flops_count_the_rows_as_they_run():
     """The target's MFU counts a padded message at its rounded length, a packed one per sample."""
     from types import SimpleNamespace
 
-    from dflash_dist.target.loop import capture_flops_fn
+    from dflash_dist.roles.target_rank.loop import capture_flops_fn
     from dflash_dist.telemetry.flops import target_forward_flops
     model = AutoModelForCausalLM.from_config(tiny("qwen3")).eval()
     job = SimpleNamespace(layer_ids=[1, 3], hf_config=model.config)

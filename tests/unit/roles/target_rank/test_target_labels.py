@@ -11,7 +11,7 @@ from dflash_dist.checkpoint.identity import drafter_identity
 from dflash_dist.config import ConfigError, DrafterLoss, JobConfig
 from dflash_dist.model.blocks import IGNORE_INDEX, make_batch, target_labels
 from dflash_dist.model.spec import LossSpec
-from dflash_dist.target.capture import FeatureCapture, top_next_tokens
+from dflash_dist.roles.target_rank.capture import FeatureCapture, top_next_tokens
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def test_top_k_distribution_is_renormalised_over_the_k(model):
     # in row chunks (LABEL_CHUNK_ROWS) as in one piece
     head = model.get_output_embeddings()
     h = torch.randn(9, 32)
-    import dflash_dist.target.capture as capture
+    import dflash_dist.roles.target_rank.capture as capture
     whole = top_next_tokens(h, head, 3, True)
     old, capture.LABEL_CHUNK_ROWS = capture.LABEL_CHUNK_ROWS, 2
     try:
@@ -157,7 +157,7 @@ def test_identity_records_the_label_source_and_kind():
 
 
 def test_flops_count_every_layer_and_the_head_with_own_labels(model):
-    from dflash_dist.target.loop import capture_flops_fn
+    from dflash_dist.roles.target_rank.loop import capture_flops_fn
     job = SimpleNamespace(layer_ids=[1, 3], hf_config=model.config)
     truncated, full = capture_flops_fn(model, job)([20, 10]), capture_flops_fn(model, job, own_labels=True)([20, 10])
     layers = SimpleNamespace(layer_ids=[5], hf_config=model.config)

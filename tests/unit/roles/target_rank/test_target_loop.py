@@ -2,7 +2,7 @@
 
 from types import SimpleNamespace
 
-import dflash_dist.target.loop as TL
+import dflash_dist.roles.target_rank.loop as TL
 
 
 class FakeEvaluator:
