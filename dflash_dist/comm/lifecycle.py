@@ -128,9 +128,6 @@ class Lifecycle:
     def announce_stop(self, step: int) -> None:
         self.store.set(KEY_STOP_AT, str(step))
 
-    def stop_announced(self) -> bool:
-        return self._has(KEY_STOP_AT)
-
     def stop_step(self) -> Optional[int]:
         """The step after which every drafter stops, once the leader has fixed it."""
         if not self._has(KEY_STOP_AT):

@@ -386,19 +386,6 @@ class Sender:
         ctrl = self.ch.ctrl_group
         self._inflight[dst].append(_Outgoing([(dist.isend(h, dst, group=ctrl), ctrl)], (h,), data=False))
 
-    def send_error(self, dst: int, text: str, timeout_s: float = 5.0) -> bool:
-        """Best effort: tell a peer why this rank is failing. Returns False if it could not be delivered."""
-        data = torch.tensor(list(text.encode("utf-8", "replace")[:4000]), dtype=torch.uint8)
-        h = self._header(KIND_ERROR)
-        h[H_ERRLEN] = data.numel()
-        try:
-            works = [dist.isend(h, dst, group=self.ch.ctrl_group), dist.isend(data, dst, group=self.ch.ctrl_group)]
-            for w in works:
-                _wait(w, f"error delivery to rank {dst}", timeout_s, None, self.ch._pollable(self.ch.ctrl_group))
-            return True
-        except Exception:
-            return False
-
     def flush(self) -> None:
         for dst in list(self._inflight):
             self._throttle(dst, 1)  # waits until nothing is in flight to dst

@@ -53,13 +53,13 @@ class Setup:
                                                 "drafter, 550-token samples, 256 anchors, 4-sample messages)")
     samples_per_step: Value = Value(4, "measured config: 4-sample messages (dflash-plan, 2026-11-29), one message per drafter step")
     tokens_per_sample: Value = Value(550, "measured config: synthetic:550 (dflash-plan, 2026-11-29)")
-    feature_bytes_per_token: Value = Value(40 * 1024, "measured: Qwen3-8B, 5 layers x 4096 x bf16 (ARCHITECTURE.md); "
+    feature_bytes_per_token: Value = Value(40 * 1024, "measured: Qwen3-8B, 5 layers x 4096 x bf16 (docs/benchmarks.md); "
                                                      "the same for Qwen3-235B-A22B (hidden 4096)")
     drafter_params: Value = Value(1.05e9, "measured: 5-layer Qwen3-8B-shaped drafter (docs/benchmarks.md); assumed "
                                           "the same for the 235B target (same hidden size 4096)")
     grad_bytes_per_param: Value = Value(2, "assumed: bf16 gradient all-reduce (DDP in this repo reduces fp32 "
                                            "gradients today: 4 bytes, twice the traffic)")
-    nvlink_p2p: Value = Value(369 * GB, "measured: H200 NVLink send/recv (ARCHITECTURE.md)")
+    nvlink_p2p: Value = Value(369 * GB, "measured: H200 NVLink send/recv (docs/benchmarks.md)")
     nvlink_allreduce_busbw: Value = Value(300 * GB, "assumed: NCCL ring all-reduce bus bandwidth inside an H200 node "
                                                      "(not measured here: no 8-GPU run was lent)")
     nic_per_gpu: Value = Value(40 * GB, "assumed: one 400 Gb/s NIC per GPU at 80% efficiency (InfiniBand NDR)")
