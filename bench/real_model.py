@@ -220,33 +220,36 @@ def eval_jobs(args, label: str, export: str) -> list:
 def stage_eval(args, res: dict) -> None:
     os.makedirs(os.path.join(args.work, "evals"), exist_ok=True)
     res.setdefault("runs", {})
-    plan = []
+    exports = {}
     for label in args.runs:
-        r = res["runs"].setdefault(label, {})
         ck = last_checkpoint(os.path.join(args.work, "runs", label))
-        if ck is None:
-            r["eval_error"] = "no checkpoint"
-            continue
-        export = os.path.join(args.work, "exports", label)
-        rc, _ = run(PY + ["dflash_dist.cli.export", ck, export, "--overwrite"],
-                    os.path.join(args.out, f"export-{label}.log"), 600)
-        rc2, _ = run(PY + ["dflash_dist.cli.doctor", "--export", export],
-                     os.path.join(args.out, f"doctor-{label}.log"), 600)
-        r.update(checkpoint=ck, export_rc=rc, doctor_rc=rc2)
+        res["runs"].setdefault(label, {})["checkpoint"] = ck
+        if ck is not None:
+            exports[label] = (ck, os.path.join(args.work, "exports", label))
+    done = parallel([(PY + ["dflash_dist.cli.export", ck, export, "--overwrite"],
+                      os.path.join(args.out, f"export-{label}.log"), 600) for label, (ck, export) in exports.items()],
+                    args.eval_parallel)
+    plan = []
+    for (label, (ck, export)), (rc, _) in zip(exports.items(), done):
+        res["runs"][label]["export_rc"] = rc
         if rc == 0:
+            plan.append((label, "doctor", PY + ["dflash_dist.cli.doctor", "--export", export]))
             plan += [(label, key, cmd) for key, cmd in eval_jobs(args, label, export)]
     t0 = time.monotonic()
     out = parallel([(cmd, os.path.join(args.out, f"eval-{label}-{key}.log"), args.eval_timeout)
                     for label, key, cmd in plan], args.eval_parallel)
     res["eval_wall_s"] = round(time.monotonic() - t0, 1)
     for (label, key, cmd), (rc, s) in zip(plan, out):
+        if key == "doctor":
+            res["runs"][label]["doctor_rc"] = rc
+            continue
         path = cmd[cmd.index("--out") + 1]
         r = res["runs"][label].setdefault("evals", {})
         r[key] = {"rc": rc, "seconds": round(s, 1)}
         if rc == 0 and os.path.exists(path):
             e = json.load(open(path))
             r[key].update({k: e.get(k) for k in ("acceptance_length", "tau", "tau_stderr", "tau_all_prompts",
-                                                 "prompts_scored", "prompts_one_step", "lossless",
+                                                 "prompts_scored", "prompts_one_step", "lossless_fraction",
                                                  "per_position_acceptance", "quantization")})
         say(f"eval {label} {key}: rc {rc} {r[key].get('acceptance_length')}")
 
