@@ -138,9 +138,6 @@ def check_job_config(cfg: JobConfig, world_size: Optional[int], device_type: str
     tok = AutoTokenizer.from_pretrained(tok_path)
     mask_id = resolve_mask_token_id(cfg, tok, tc.vocab_size)
     layer_ids = validate_job(cfg, world_size, tc.num_hidden_layers, tc.vocab_size, mask_id)
-    if cfg.topology.plan and world_size is not None:  # the plan's split, typed and checked against the world size
-        from dflash_dist.planning.startup import split_from_plan_file
-        split_from_plan_file(cfg.topology.plan, world_size)
     drafter = resolve_drafter(cfg.drafter, tc, len(layer_ids), device_type)  # the drafter's settings, derived once
     attn = resolve_attn_implementation(cfg.target, hf_config, device_type)
     fast_path = check_fast_path_for_config(hf_config, cfg.target.fast_path, device_type, attn,
