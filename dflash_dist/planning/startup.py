@@ -50,11 +50,13 @@ def wait_for(store, name: str, rank: int, what: str, timeout_s: float) -> dict:
 
 
 def write_plan_json(path: str, res: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    from dflash_dist.storage import writing
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(res, f, indent=1)
-    os.replace(tmp, path)
+    with writing(path, "the split plan"):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(res, f, indent=1)
+        os.replace(tmp, path)
 
 
 def split_from_plan_file(path: str, world: int) -> dict:
