@@ -36,8 +36,8 @@ from dflash_dist.checkpoint.safe_io import (
     is_int,
     read_json,
     regular_file,
-    safetensors_header,
 )
+from dflash_dist.checkpoint.tensor_types import float_header
 
 # sane upper bounds of what a drafter (and the target it reads) can be; far above every released model
 BOUNDS = {
@@ -474,7 +474,7 @@ def check_checkpoint(path: str) -> tuple[dict, dict]:
     check_files(path, meta)
     check_meta(path, meta)
     st = os.path.join(path, "model.safetensors")
-    header = safetensors_header(st)
+    header = float_header(st)
     if "drafter_config" in meta:
         from dflash_dist.checkpoint.meta import meta_variant
         check_weights(st, header, meta["drafter_config"], meta_variant(meta))
@@ -548,7 +548,7 @@ def check_export_dir(path: str, side_name: str = "dflash_dist_meta.json") -> tup
         if dfc.get(k) is not None:
             count(file, f"dflash_config.{k}", dfc[k], 0 if k == "mask_token_id" else 1, BOUNDS["block_size"]
                   if k == "block_size" else BOUNDS["vocab_size"])
-    header = safetensors_header(os.path.join(path, "model.safetensors"))
+    header = float_header(os.path.join(path, "model.safetensors"))
     if os.path.lexists(os.path.join(path, side_name)):
         side = read_json(path, side_name)
         side_file = os.path.join(path, side_name)

@@ -27,6 +27,7 @@ from dflash_dist.eval.in_training import LeaderEval, eval_enabled, eval_record, 
 from dflash_dist.model.families import text_config
 from dflash_dist.planning.memory import plan_rank
 from dflash_dist.role_jobs import DrafterJob
+from dflash_dist.storage import writing
 from dflash_dist.telemetry.flops import nominal_peak_tflops, target_peak_tflops
 from dflash_dist.telemetry.metrics import MetricsWriter, RateMeter, StreamWaitMeter, run_summary, target_window_metrics
 from dflash_dist.telemetry.plan_check import plan_check_for, plan_line
@@ -79,7 +80,8 @@ def profiled_step(trainer, batch, first_step_s, job) -> None:
                           "precompile_s": trainer.precompile_s, "memory_plan": plan},
                          device, print_fn=log.info if topo.is_leader else log.debug)
     if topo.is_leader:
-        with open(os.path.join(job.run_dir, "startup_report.json"), "w") as f:
+        path = os.path.join(job.run_dir, "startup_report.json")
+        with writing(path, "the startup report"), open(path, "w") as f:
             json.dump(rep, f, indent=1, default=str)
     breaks = report_graph_breaks(raise_on_break=False)
     if breaks:
