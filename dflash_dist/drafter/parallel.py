@@ -202,7 +202,11 @@ class DrafterParallel:
         optim = get_optimizer_state_dict(self.model, opt, options=options) if opt is not None else {}
         if not leader:
             return {}, {}
-        return weights, (optimizer_state_by_index(optim, self.names) if optim else {})
+        if not optim:
+            return weights, {}
+        whole = optimizer_state_by_index(optim, self.names)
+        whole["param_groups"] = opt.state_dict()["param_groups"]  # the settings as torch.optim writes them
+        return weights, whole
 
     def gathered_weights(self) -> Optional[dict]:
         """Under FSDP, the whole weights on the leader ({} elsewhere; every drafter calls it at the same step);
@@ -218,6 +222,8 @@ class DrafterParallel:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
         set_optimizer_state_dict(self.model, opt, optimizer_state_by_name(state, self.names),
                                  options=StateDictOptions(full_state_dict=True))
+        for group, saved in zip(opt.param_groups, state["param_groups"]):  # the settings as saved (a tuple stays
+            group.update({k: v for k, v in saved.items() if k != "params"})  # one), as load_state_dict keeps them
 
     def fingerprint(self) -> float:
         """A cheap fingerprint of the weights: the sum of the first trainable parameter (under FSDP, of this rank's
