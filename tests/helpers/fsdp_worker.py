@@ -25,6 +25,8 @@ CASES = {
     "fsdp-micro2": (4, ["drafter.parallel=fsdp", "drafter.tuning.micro_batches=2"]),
     "ddp-dflash2": (4, ["drafter.parallel=ddp", "drafter=tiny_dflash2"]),
     "fsdp-dflash2": (4, ["drafter.parallel=fsdp", "drafter=tiny_dflash2"]),
+    "ddp-h8192": (4, ["drafter.parallel=ddp", "drafter=tiny_dflash_h8192", "target=tiny_h8192"]),
+    "fsdp-h8192": (4, ["drafter=tiny_dflash_h8192", "target=tiny_h8192"]),  # the preset shards
     "fsdp-bf16": (5, ["drafter.parallel=fsdp", "drafter.tuning.grad_reduce_dtype=bfloat16"]),
 }
 
@@ -33,8 +35,9 @@ def train(args, rank: int, world: int, name: str) -> dict:
     steps, extra = CASES[name]
     run_dir = os.path.join(args.out, f"run{world}_{rank}_{name}")
     drafter = next((x.split("=")[1] for x in extra if x.startswith("drafter=")), None)
-    extra = [x for x in extra if not x.startswith("drafter=")] + ["train.warmup_ratio=0"]
-    cfg = S.compose_job_config(S.job_overrides(True, None, drafter, 48, 256, 256, 4, steps, steps, run_dir, extra))
+    target = next((x.split("=")[1] for x in extra if x.startswith("target=")), None)
+    extra = [x for x in extra if not x.startswith(("drafter=", "target="))] + ["train.warmup_ratio=0"]
+    cfg = S.compose_job_config(S.job_overrides(True, target, drafter, 48, 256, 256, 4, steps, steps, run_dir, extra))
     job, ds = S.make_job(cfg, world + 1, torch.device("cpu"), run_dir)   # + 1 target (not started)
     job.dist.topo = Topology(world + 1, rank, 1)
     job.total_messages = 20 * world  # one lr schedule for every case: a shorter one trains its first steps

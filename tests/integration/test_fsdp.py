@@ -1,6 +1,7 @@
 """FSDP2 drafters (drafter.parallel=fsdp) train as DDP drafters do, and their checkpoints are DDP's: the same
 per-step losses to 1e-5 over 20 steps on 2 and 3 drafter ranks (gloo, fp32), with micro-batches and with a variant
-whose loss reads its weights after the forward (DFlash2's selector); a run resumes from DDP under FSDP2 on another
+whose loss reads its weights after the forward (DFlash2's selector), and the CPU twin of the hidden-8192 preset
+(tiny_dflash_h8192 on tiny_h8192, FSDP2 by its preset); a run resumes from DDP under FSDP2 on another
 number of drafter ranks and from there under DDP again, every message of the plan trained exactly once, the
 resumed steps and the checkpoint written under FSDP2 those of DDP."""
 
@@ -27,7 +28,7 @@ def test_fsdp_drafters_train_with_ddp_losses(tmp_path, world):
     r = torchrun(world, [WORKER, "--out", tmp_path], timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = torch.load(tmp_path / f"world{world}.pt", weights_only=False)
-    for case in ("", "-micro2", "-dflash2"):
+    for case in ("", "-micro2", "-dflash2", "-h8192"):
         ddp, fsdp = out[f"ddp{case}"], out[f"fsdp{case}"]
         assert (ddp["mode"], fsdp["mode"]) == ("ddp", "fsdp")
         assert len(fsdp["losses"]) == len(ddp["losses"]) == (20 if not case else 4)
