@@ -61,11 +61,12 @@ def run(cmd: list, log: str, timeout: float) -> tuple[int, float]:
     return parallel([(cmd, log, timeout)], 1)[0]
 
 
-def parallel(jobs: list, n: int) -> list:
+def parallel(jobs: list, n: int, grace: float = 90.0) -> list:
     """``jobs``: [(cmd, log, timeout)], ``n`` processes at a time (they share the device); [(rc, seconds)] in
-    order, 124 for one past its timeout."""
+    order, 124 for one past its timeout (stopped with SIGTERM, killed ``grace`` seconds later)."""
     out: list = [None] * len(jobs)
     running: dict = {}
+    stopped: set = set()
     todo = list(enumerate(jobs))
     while todo or running:
         while todo and len(running) < max(1, n):
@@ -77,13 +78,15 @@ def parallel(jobs: list, n: int) -> list:
                           timeout)
         for i, (proc, f, t0, timeout) in list(running.items()):
             rc = proc.poll()
-            if rc is None and time.monotonic() - t0 > timeout:
+            over = time.monotonic() - t0 - timeout
+            if rc is None and over > 0 and i not in stopped:
+                proc.terminate()  # dflash-train checkpoints on SIGTERM and exits 143
+                stopped.add(i)
+            elif rc is None and over > grace:
                 proc.kill()
-                proc.wait()
-                rc = 124
             if rc is not None:
                 f.close()
-                out[i] = (rc, time.monotonic() - t0)
+                out[i] = (124 if i in stopped else rc, time.monotonic() - t0)
                 del running[i]
         time.sleep(0.5)
     return out
