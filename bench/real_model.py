@@ -42,7 +42,8 @@ SETS = {"humaneval": "humaneval.jsonl", "mtbench": "mtbench.jsonl", "holdout": "
 # label -> (data size, overrides): every run has the same steps and batching; only these differ
 RUNS = {
     "dflash_small": ("small", ["drafter=dflash"]),
-    "dflash": ("large", ["drafter=dflash"]),
+    "dflash": ("large", ["drafter=dflash", "train.eval_every=200", "train.checkpoint_every=200",
+                         "train.keep_checkpoints=50"]),
     "dflash2": ("large", ["drafter=dflash2"]),
     "domino": ("large", ["drafter=domino"]),
     "dpace": ("large", ["drafter=dflash", "drafter.loss.weighting=dpace"]),
@@ -207,10 +208,22 @@ def eval_jobs(args, label: str, export: str) -> list:
         if label not in args.lossless:
             cmd.append("--no-lossless-check")
         jobs.append((name, cmd))
-    size = RUNS[label][0]
-    jobs.append(("own_holdout", PY + ["dflash_dist.cli.eval", "--export", export, "--data", data_file(args, size),
-                                      "--num-prompts", str(args.eval_prompts), "--no-lossless-check", "--out",
-                                      os.path.join(args.work, "evals", f"{label}-own_holdout.json")]))
+    return jobs
+
+
+def own_holdout_job(args, label: str) -> tuple | None:
+    """The run's last in-training evaluation that has a checkpoint of its step: (step, checkpoint) for
+    ``dflash-eval --export`` of that checkpoint on the same held-out prompts (the two must agree)."""
+    run_dir = os.path.join(args.work, "runs", label)
+    for rec in reversed([x for x in read_metrics(run_dir) if x.get("kind") == "eval"]):
+        ck = os.path.join(run_dir, "checkpoints", f"step_{rec['step']:08d}")
+        if os.path.isdir(ck):
+            return rec["step"], ck
+    return None
+
+
+def fp8_jobs(args, label: str, export: str) -> list:
+    jobs = []
     if label == "dflash" and "fp8_target" in args.runs:  # the bf16-trained drafter against the FP8 target
         for name, rel in SETS.items():
             jobs.append((f"{name}_on_fp8", PY + [
@@ -223,21 +236,33 @@ def eval_jobs(args, label: str, export: str) -> list:
 def stage_eval(args, res: dict) -> None:
     os.makedirs(os.path.join(args.work, "evals"), exist_ok=True)
     res.setdefault("runs", {})
-    exports = {}
+    exports = {}  # key -> (label, checkpoint, export directory)
     for label in args.runs:
         ck = last_checkpoint(os.path.join(args.work, "runs", label))
         res["runs"].setdefault(label, {})["checkpoint"] = ck
         if ck is not None:
-            exports[label] = (ck, os.path.join(args.work, "exports", label))
+            exports[label] = (label, ck, os.path.join(args.work, "exports", label))
+        own = own_holdout_job(args, label)
+        if own is not None:
+            res["runs"][label]["own_holdout_step"] = own[0]
+            exports[label + "@eval"] = (label, own[1], os.path.join(args.work, "exports", f"{label}-step{own[0]}"))
     done = parallel([(PY + ["dflash_dist.cli.export", ck, export, "--overwrite"],
-                      os.path.join(args.out, f"export-{label}.log"), 600) for label, (ck, export) in exports.items()],
+                      os.path.join(args.out, f"export-{key}.log"), 600) for key, (_, ck, export) in exports.items()],
                     args.eval_parallel)
     plan = []
-    for (label, (ck, export)), (rc, _) in zip(exports.items(), done):
+    for (key, (label, ck, export)), (rc, _) in zip(exports.items(), done):
+        if key.endswith("@eval"):
+            size = RUNS[label][0]
+            if rc == 0:
+                plan.append((label, "own_holdout", PY + [
+                    "dflash_dist.cli.eval", "--export", export, "--data", data_file(args, size), "--num-prompts",
+                    str(args.eval_prompts), "--no-lossless-check",
+                    "--out", os.path.join(args.work, "evals", f"{label}-own_holdout.json")]))
+            continue
         res["runs"][label]["export_rc"] = rc
         if rc == 0:
             plan.append((label, "doctor", PY + ["dflash_dist.cli.doctor", "--export", export]))
-            plan += [(label, key, cmd) for key, cmd in eval_jobs(args, label, export)]
+            plan += [(label, k, cmd) for k, cmd in eval_jobs(args, label, export) + fp8_jobs(args, label, export)]
     t0 = time.monotonic()
     out = parallel([(cmd, os.path.join(args.out, f"eval-{label}-{key}.log"), args.eval_timeout)
                     for label, key, cmd in plan], args.eval_parallel)
@@ -270,9 +295,11 @@ def stage_report(args, res: dict) -> None:
                  train_acc=train[-1].get("acc") if train else None,
                  samples_per_s=sorted(x["samples_per_s"] for x in train[len(train) // 2:])[len(train[len(train) // 2:]) // 2]
                  if train else None)
+        step = r.get("own_holdout_step")
+        evals = [x for x in evals if x.get("step") == step] or evals
         if evals:
             e = evals[-1]
-            r["in_training_eval"] = {k: e.get(k) for k in ("acceptance_length", "tau", "train_serve_gap",
+            r["in_training_eval"] = {k: e.get(k) for k in ("step", "acceptance_length", "tau", "train_serve_gap",
                                                           "tau_from_train_acc", "train_acc")}
 
 
