@@ -30,6 +30,7 @@ from dflash_dist.data.conversations import PACKAGED_SOURCES, DataError
 from dflash_dist.data.prepare import build_dataset, cache_paths
 from dflash_dist.data.tokenize import TokenizedDataset, cache_key
 from dflash_dist.planning.memory import check_memory_for_data
+from dflash_dist.storage import StorageError
 
 log = logging.getLogger("dflash_dist")
 
@@ -63,19 +64,21 @@ class Job:
     drafter: object = None               # model.spec.DrafterSpec: the drafter resolved once (shape, backend, loss)
 
 
+USAGE_ERRORS = (StorageError, ConfigError, DataError, CheckpointError)  # a subclass before its base
+
+
 def on_rank0(ctrl, rank: int, fn):
     """Run ``fn`` on rank 0 and hand its result to every rank (``ctrl``: gloo group of all ranks; None: one process).
     A ConfigError, DataError or CheckpointError of rank 0 is raised on every rank with the same message, so that every rank stops
     at the same point with the same exit status and none is left waiting in a collective on a dead peer."""
     if ctrl is None:
         return fn()
-    payload: list = [None]
-    err = None
+    payload, err = [None], None
     if rank == 0:
         try:
             payload = [("ok", fn())]
-        except (ConfigError, DataError, CheckpointError) as e:
-            err, payload = e, [(type(e).__name__, str(e))]
+        except USAGE_ERRORS as e:
+            err, payload = e, [(next(c.__name__ for c in USAGE_ERRORS if isinstance(e, c)), str(e))]
         except BaseException as e:
             err, payload = e, [("failed", f"rank 0 failed: {type(e).__name__}: {e}")]
     dist.broadcast_object_list(payload, src=0, group=ctrl)
@@ -84,12 +87,9 @@ def on_rank0(ctrl, rank: int, fn):
         return value
     if err is not None:
         raise err
-    if kind == "ConfigError":
-        raise ConfigError(value)
-    if kind == "DataError":
-        raise DataError(value)
-    if kind == "CheckpointError":
-        raise CheckpointError(value)
+    for cls in USAGE_ERRORS:  # raised here as on rank 0
+        if kind == cls.__name__:
+            raise cls(value)
     raise RuntimeError(value)
 
 

@@ -84,7 +84,7 @@ def run(cfg: JobConfig) -> int:
                       (str(e).splitlines() or [""])[0][:200])
             release_claims()
             # a save that failed (disk, quota) is the user's to fix, like a setting: the whole job exits 2
-            os._exit(2 if "failed: CheckpointSaveError: " in root else 1)
+            os._exit(2 if any(f"failed: {n}: " in root for n in ("CheckpointSaveError", "StorageError")) else 1)
         job.life.report_failure(f"rank {topo.rank} ({topo.role}) failed: {type(e).__name__}: {e}")
         raise
     dist.barrier(group=job.dist.ctrl)
@@ -145,9 +145,11 @@ def tell_launcher(run_dir: str) -> None:
     command that continues the run after a stop signal."""
     path = os.environ.get("DFLASH_LAUNCH_INFO")
     if path and int(os.environ.get("RANK", "0")) == 0:
-        with open(path + ".tmp", "w") as f:
-            json.dump({"run_dir": run_dir}, f)
-        os.replace(path + ".tmp", path)
+        from dflash_dist.storage import writing
+        with writing(path, "the run directory's name for dflash-train"):
+            with open(path + ".tmp", "w") as f:
+                json.dump({"run_dir": run_dir}, f)
+            os.replace(path + ".tmp", path)
 
 
 def _first_to_report(text: str) -> bool:
@@ -185,8 +187,8 @@ def usage_error_exit(e: Exception) -> None:
     stopping the group once a worker exited) exits 2 as well."""
     signal.signal(signal.SIGTERM, lambda *_: os._exit(2))
     release_claims()
-    kind = ("configuration error" if isinstance(e, ConfigError) else "data error" if isinstance(e, DataError)
-            else "checkpoint error")
+    kind = getattr(e, "kind", None) or ("configuration error" if isinstance(e, ConfigError) else "data error"
+                                        if isinstance(e, DataError) else "checkpoint error")
     if "RANK" in os.environ and not _ROLES_RUNNING:
         _wait_for_peers()
     if _first_to_report(str(e)):

@@ -228,7 +228,14 @@ def _take_over(path: str, stale: dict) -> None:
 
 
 def claim_run_dir(run_dir: str, what: str = "train.output_dir") -> RunClaim:
-    """Take the claim on ``run_dir`` (created if missing), or raise a ConfigError naming the live holder."""
+    """Take the claim on ``run_dir`` (created if missing), or raise a ConfigError naming the live holder (a
+    StorageError when the disk refuses the directory or the claim file)."""
+    from dflash_dist.storage import writing
+    with writing(os.path.join(run_dir, CLAIM_FILE), f"the claim of {what}={run_dir}"):
+        return _claim_run_dir(run_dir, what)
+
+
+def _claim_run_dir(run_dir: str, what: str) -> RunClaim:
     made_dir = not os.path.isdir(run_dir)
     os.makedirs(run_dir, exist_ok=True)
     path, rec = os.path.join(run_dir, CLAIM_FILE), _record()

@@ -180,18 +180,21 @@ def check_resume_point(meta: dict, path: str) -> None:
 
 def write_run_files(job) -> None:
     """Rank 0: run.json (what the run belongs to) and config.json (this launch's resolved config; a resume keeps
-    the earlier launch's as config.before-step<N>.json)."""
+    the earlier launch's as config.before-step<N>.json). A full disk: one StorageError line naming the file."""
+    from dflash_dist.storage import writing
     d = job.run_dir
-    os.makedirs(d, exist_ok=True)
-    run = {"created": time.strftime("%Y-%m-%d %H:%M:%S")} if job.resume_from is None \
-        else dict(read_run_json(d) or {}, resumed=time.strftime("%Y-%m-%d %H:%M:%S"))
-    run["messages_per_epoch"] = job.epoch_messages
-    write_run_json(d, job.identity, run)
+    with writing(os.path.join(d, "run.json"), "the run's record"):
+        os.makedirs(d, exist_ok=True)
+        run = {"created": time.strftime("%Y-%m-%d %H:%M:%S")} if job.resume_from is None \
+            else dict(read_run_json(d) or {}, resumed=time.strftime("%Y-%m-%d %H:%M:%S"))
+        run["messages_per_epoch"] = job.epoch_messages
+        write_run_json(d, job.identity, run)
     path = os.path.join(d, "config.json")
-    if job.resume_from is not None and os.path.exists(path):
-        os.replace(path, os.path.join(d, f"config.before-step{job.start_step}.json"))
-    with open(path, "w") as f:
-        json.dump(job.cfg.to_dict(), f, indent=1)
+    with writing(path, "the launch's resolved config"):
+        if job.resume_from is not None and os.path.exists(path):
+            os.replace(path, os.path.join(d, f"config.before-step{job.start_step}.json"))
+        with open(path, "w") as f:
+            json.dump(job.cfg.to_dict(), f, indent=1)
 
 
 def resume_command(run_dir: str) -> str:

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from dflash_dist.checkpoint.safe_io import CheckpointError  # noqa: F401  (store's callers import it from here)
+from dflash_dist.storage import WRITE_ERRORS, errno_of
 
 log = logging.getLogger(__name__)
 STEP_RE = re.compile(r"^step_(\d{8})$")
@@ -77,29 +78,10 @@ class CheckpointSaveError(CheckpointError):
         self.errno, self.needed, self.fix = errno_, needed, fix
 
 
-def _os_error_of(e: BaseException) -> Optional[OSError]:
-    """The OSError behind a failed write: itself, or the one torch's RuntimeError wrapped (its context)."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno is not None:
-            return e
-        e = e.__cause__ or e.__context__
-    return None
-
-
-def _errno_of(e: BaseException) -> Optional[int]:
-    ose = _os_error_of(e)
-    if ose is not None:
-        return ose.errno
-    m = re.search(r"os error (\d+)|Errno (\d+)", str(e))  # safetensors (Rust) names it in its message only
-    return int(m.group(1) or m.group(2)) if m else None
-
-
 def save_failure(path: str, e: BaseException, needed: int) -> CheckpointSaveError:
     """A one-line account of a failed save: the path, the errno, the bytes needed and free."""
     import errno as errno_mod
-    code = _errno_of(e)
+    code = errno_of(e)
     name = errno_mod.errorcode.get(code, "no errno") if code is not None else "no errno"
     cause = {errno_mod.ENOSPC: "the disk is full", errno_mod.EDQUOT: "the disk quota is exceeded",
              errno_mod.EFBIG: "a file grew past the file size limit (ulimit -f)",
@@ -120,8 +102,9 @@ def save_failure(path: str, e: BaseException, needed: int) -> CheckpointSaveErro
 def save_checkpoint(output_dir: str, step: int, model_state: dict, optimizer_state: Optional[dict],
                     meta: dict, keep: int = 2) -> str:
     """Write one checkpoint atomically; returns its directory. Only one rank (the leader) calls this. A failed
-    write (any OSError, or torch's RuntimeError around one) removes the temporary directory and raises
-    ``CheckpointSaveError``; the earlier checkpoints are untouched (pruning runs only after a complete save)."""
+    write (any OSError, torch's RuntimeError around one, safetensors' own error) removes the temporary directory
+    and raises ``CheckpointSaveError``; the earlier checkpoints are untouched (pruning runs only after a complete
+    save)."""
     root = checkpoint_root(output_dir)
     final = os.path.join(root, f"step_{step:08d}")
     tmp = os.path.join(root, f".tmp_step_{step:08d}_{os.getpid()}")
@@ -135,7 +118,7 @@ def save_checkpoint(output_dir: str, step: int, model_state: dict, optimizer_sta
             shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync_dir(root)
-    except (OSError, RuntimeError) as e:
+    except WRITE_ERRORS as e:  # safetensors' own error type too
         shutil.rmtree(tmp, ignore_errors=True)
         raise save_failure(final, e, needed) from e
     _prune(root, keep)

@@ -35,8 +35,8 @@ from dflash_dist.checkpoint.safe_io import (
     is_int,
     read_json,
     regular_file,
-    safetensors_header,
 )
+from dflash_dist.checkpoint.tensor_types import float_header
 
 # sane upper bounds of what a drafter (and the target it reads) can be; far above every released model
 BOUNDS = {
@@ -483,7 +483,7 @@ def check_checkpoint(path: str) -> tuple[dict, dict]:
     check_files(path, meta)
     check_meta(path, meta)
     st = os.path.join(path, "model.safetensors")
-    header = safetensors_header(st)
+    header = float_header(st)
     if "drafter_config" in meta:
         from dflash_dist.checkpoint.meta import meta_variant
         check_weights(st, header, meta["drafter_config"], meta_variant(meta))

@@ -77,6 +77,9 @@ def main(argv: Optional[list] = None) -> int:
     src.add_argument("--export", help="a dflash-export directory (or a z-lab release with --target)")
     p.add_argument("--target", default=None, help="target name_or_path (default: the run's target section)")
     p.add_argument("--target-dtype", default=None, choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--target-quantization", default=None, choices=["none", "fp8"], help="quantize the target on "
+                   "load (fp8) or not (none); default: as the run trained (e.g. a bf16-trained drafter against the "
+                   "FP8 target it will be served with)")
     p.add_argument("--attn-implementation", default=None, help="the target's attention implementation (default: "
                    "the run's; a Hub kernel org/name only from here, never from a checkpoint)")
     p.add_argument("--experts-implementation", default=None, help="an MoE target's experts implementation "
@@ -181,6 +184,8 @@ def _evaluate(args, device: str, replica: Optional[EvalReplica]) -> int:
         raise ConfigError(f"{setup.source} does not say which target it was trained on: pass --target NAME_OR_PATH")
     if args.target_dtype:
         tcfg.dtype = args.target_dtype
+    if args.target_quantization:
+        tcfg.quantization = None if args.target_quantization == "none" else args.target_quantization
     meta_file = os.path.join(setup.source, "meta.json" if args.checkpoint else META_NAME)
     section = "job_config.target" if args.checkpoint else "target"
     # what the checkpoint or export names: transformers' own implementations, locations loaded local-only;

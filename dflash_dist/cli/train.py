@@ -95,6 +95,9 @@ def check(overrides: list[str], world_size: int):
     device_type = resolve_device(cfg)
     check_gpus(device_type, world_size)
     check_job_config(cfg, world_size, device_type)  # the split of one node included (config.check_split)
+    if cfg.topology.plan:  # the plan's split, typed and checked against the world size (the ranks read it again)
+        from dflash_dist.planning.startup import split_from_plan_file
+        split_from_plan_file(cfg.topology.plan, world_size)
     return dcfg
 
 

@@ -60,6 +60,12 @@ class DrafterTuning:
     the optimizer writes the copies instead: measured on an H200 no faster, docs/benchmarks.md#shadow-weights).
     CPU: cast (it trains in fp32)."""
 
+    grad_reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The dtype the drafter ranks reduce gradients in: ``float32``, or ``bfloat16`` (half the bytes of the
+    reduction, the all-reduce across nodes being the first limit of scaling: docs/scaling.md; DDP: torch's
+    ``bf16_compress_hook``, FSDP2: ``MixedPrecisionPolicy(reduce_dtype=bfloat16)``). The master weights, the
+    optimizer state and the update stay fp32. bfloat16 has not been measured safe on a GPU yet."""
+
     loss_chunk_rows: int = 2048
     """Rows of the vocab projection computed at once (the [rows, V] logits never exist whole)."""
 
@@ -278,6 +284,14 @@ class DrafterConfig:
     intermediate_size: Optional[int] = None
     """MLP width; None: the target's."""
 
+    parallel: Literal["auto", "ddp", "fsdp"] = "auto"
+    """How the drafter ranks share the training state (dflash_dist/roles/drafter_rank/parallel.py): ``ddp`` (every rank holds
+    the whole drafter, its gradients and fp32 AdamW state: 16-20 bytes per parameter), ``fsdp`` (FSDP2's
+    ``fully_shard``, per decoder layer then the root: each rank holds 1/D of them and gathers one layer's weights at
+    a time, in bf16 where the drafter computes in bf16), or ``auto`` (fsdp where the memory plan says DDP does not fit
+    the device, else ddp). Checkpoints hold whole tensors either way: a run resumes under the other and on another
+    number of drafter ranks. FSDP's step time against DDP's has not been measured on a GPU."""
+
     tuning: DrafterTuning = field(default_factory=DrafterTuning)
     """Compile, kernel and scheduling knobs (``drafter.tuning.*``); the defaults are the measured best."""
 
@@ -315,6 +329,11 @@ class DrafterConfig:
                      f"drafter.sliding_window={self.sliding_window}: must be >= drafter.block_size="
                      f"{self.block_size} (a block sees itself whole)")
             self.sliding_window = int(self.sliding_window)
+        if self.parallel == "fsdp":
+            _require(self.tuning.compute_weights == "cast", "drafter.parallel=fsdp gathers the weights in bf16 "
+                     "itself: set drafter.tuning.compute_weights=cast")
+            _require(self.tuning.optimizer_step != "compiled", "drafter.parallel=fsdp steps torch's AdamW on the "
+                     "shards: set drafter.tuning.optimizer_step=auto or fused")
         if self.attention_backend == "flex" and not self.compile:
             raise ConfigError("drafter.attention_backend=flex needs drafter.compile=true: uncompiled flex_attention "
                               "runs the dense fallback (43x slower, 200x the memory). Use sdpa to run without compile.")

@@ -114,4 +114,12 @@ class TrainConfig:
         _require(self.checkpoint_every >= 0 and self.eval_every >= 0, "checkpoint_every/eval_every must be >= 0")
         _require(self.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1")
         _require(self.max_nonfinite_steps >= 1, "train.max_nonfinite_steps must be >= 1")
-        _require(len(self.betas) == 2, "train.betas needs two values")
+        self.betas = _check_betas(self.betas)
+
+
+def _check_betas(betas) -> list:
+    """AdamW's two betas as floats, each in [0, 1) (a string, a bool or a non-number refused)."""
+    ok = isinstance(betas, (list, tuple)) and len(betas) == 2 and all(
+        isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)
+    _require(ok, f"train.betas={betas!r}: give two numbers in [0, 1), e.g. [0.9, 0.95]")
+    return [float(b) for b in betas]

@@ -23,7 +23,14 @@ def cache_paths(cache: str, key: str) -> tuple[str, str, str]:
 
 def build_dataset(data: DataConfig, cache: str, tok_path: str, vocab: int, key: str) -> tuple[str, str]:
     """Tokenize ``data`` into ``cache`` unless it is there (then report what its build logged); returns the paths
-    of the training samples and the held-out conversations. Raises DataError for unusable data."""
+    of the training samples and the held-out conversations. Raises DataError for unusable data, a StorageError
+    (one line: the path and the errno) when the disk refuses the cache."""
+    from dflash_dist.storage import writing
+    with writing(cache, "the tokenized data cache"):
+        return _build_dataset(data, cache, tok_path, vocab, key)
+
+
+def _build_dataset(data: DataConfig, cache: str, tok_path: str, vocab: int, key: str) -> tuple[str, str]:
     ds_path, ho_path, info_path = cache_paths(cache, key)
     if data.source.startswith("synthetic:"):
         if not os.path.exists(ds_path):

@@ -143,9 +143,10 @@ class LeaderEval:
         self._deferred = None  # the last step's evaluation, while the one before it still runs: never skipped
         connect(job, leader=True)
 
-    def request(self, step: int) -> None:
+    def request(self, step: int, weights: Optional[dict] = None) -> None:
         """Request an evaluation of the current weights, unless the previous one is still running (then skip:
-        never block training on it)."""
+        never block training on it). ``weights``: the whole state gathered from a sharded drafter (FSDP), on the
+        host; None: the model's own."""
         from dflash_dist.eval.spec_decode import pack_state
         if self._inflight is not None:
             prev = self._inflight.n
@@ -160,7 +161,8 @@ class LeaderEval:
                 self.n += 1
                 return
             self._inflight = None  # its weights arrived (the result exists)
-        flat = pack_state(self.model, wire_dtype(self.job.dist.device))
+        flat = pack_state(self.model if weights is None else weights, wire_dtype(self.job.dist.device))
+        flat = flat.to(self.job.dist.device)
         self.store.set(f"{REQ}{self.n}", str(step))
         self._inflight = _Request(self.n, flat)
         self.sent.append(self.n)

@@ -94,12 +94,13 @@ def make_dflash_draft_fn(drafter: nn.Module, embed: Tensor, lm_head: Tensor) -> 
     return draft
 
 
-def pack_state(model: nn.Module, dtype: torch.dtype = torch.float32) -> Tensor:
-    """All of ``model``'s state (state_dict order) as one contiguous 1-D tensor on its device, e.g. for the
-    leader drafter to ``dist.send`` to a target rank. The receiver allocates ``torch.empty(n)`` with
-    ``n = sum(v.numel() for v in DFlashDrafter(same config).state_dict().values())`` and calls
-    :func:`unpack_state_`."""
-    return torch.cat([v.detach().reshape(-1).to(dtype) for v in _unwrap(model).state_dict().values()])
+def pack_state(model, dtype: torch.dtype = torch.float32) -> Tensor:
+    """All of ``model``'s state (state_dict order; or a state dict in that order) as one contiguous 1-D tensor on
+    its device, e.g. for the leader drafter to ``dist.send`` to a target rank. The receiver allocates
+    ``torch.empty(n)`` with ``n = sum(v.numel() for v in DFlashDrafter(same config).state_dict().values())`` and
+    calls :func:`unpack_state_`."""
+    state = model if isinstance(model, dict) else _unwrap(model).state_dict()
+    return torch.cat([v.detach().reshape(-1).to(dtype) for v in state.values()])
 
 
 @torch.no_grad()

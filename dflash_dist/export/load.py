@@ -173,7 +173,7 @@ def validate_variant_tensors(tensors: dict, cfg: dict) -> None:
 def safetensors_shapes(path: str) -> dict[str, Any]:
     """{name: an object with the tensor's ``.shape``} of a safetensors file, from its header (no tensor is read),
     for :func:`validate_export_tensors`."""
-    from dflash_dist.checkpoint.validate import safetensors_header
+    from dflash_dist.checkpoint.safe_io import safetensors_header
     return {k: _Shape(shape) for k, (_, shape) in safetensors_header(path).items()}
 
 

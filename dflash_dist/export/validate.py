@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from dflash_dist.checkpoint.safe_io import check_entries, check_model_size, fail, read_json, safetensors_header
+from dflash_dist.checkpoint.safe_io import check_entries, check_model_size, fail, read_json
+from dflash_dist.checkpoint.tensor_types import float_header
 from dflash_dist.checkpoint.validate import (
     BOUNDS,
     _bool,
@@ -110,7 +111,7 @@ def check_export_dir(path: str, side_name: str = "dflash_dist_meta.json") -> tup
         if dfc.get(k) is not None:
             count(file, f"dflash_config.{k}", dfc[k], 0 if k == "mask_token_id" else 1, BOUNDS["block_size"]
                   if k == "block_size" else BOUNDS["vocab_size"])
-    header = safetensors_header(os.path.join(path, "model.safetensors"))
+    header = float_header(os.path.join(path, "model.safetensors"))
     if os.path.lexists(os.path.join(path, side_name)):
         side = read_json(path, side_name)
         side_file = os.path.join(path, side_name)

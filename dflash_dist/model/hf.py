@@ -38,16 +38,33 @@ def resolve_source(tcfg: TargetConfig) -> tuple[Optional[str], Optional[dict]]:
 
 
 def load_hf_config(tcfg: TargetConfig):
-    """The target's HF config without loading weights (used to validate before anything heavy)."""
+    """The target's HF config without loading weights (used to validate before anything heavy): a local directory's
+    files and a ``target.hf_config`` dict are checked before transformers reads them, and the loaded config's RoPE
+    values after (model/target_files.py); transformers' errors on them are one ConfigError line."""
     from transformers import CONFIG_MAPPING, AutoConfig
+
+    from dflash_dist.model.target_files import CONFIG_ERRORS, check_model_type, check_rope, check_target_dir, config_error
     path, cfg = resolve_source(tcfg)
+    where = f"target.name_or_path={path}" if path is not None else "target.hf_config"
     if path is not None:
-        return AutoConfig.from_pretrained(path)
-    cfg = dict(cfg)
-    model_type = cfg.pop("model_type")
-    for k in ("architectures", "transformers_version", "builtin"):
-        cfg.pop(k, None)
-    return CONFIG_MAPPING[model_type](**cfg)
+        check_target_dir(path)
+        try:
+            hf_config = AutoConfig.from_pretrained(path)
+        except CONFIG_ERRORS as e:
+            raise config_error(where, e) from None
+    else:
+        cfg = dict(cfg)
+        check_model_type(cfg, where)
+        check_rope(cfg, where)
+        model_type = cfg.pop("model_type")
+        for k in ("architectures", "transformers_version", "builtin"):
+            cfg.pop(k, None)
+        try:
+            hf_config = CONFIG_MAPPING[model_type](**cfg)
+        except CONFIG_ERRORS as e:
+            raise config_error(where, e) from None
+    check_rope(hf_config, where)
+    return hf_config
 
 
 def causal_lm_config(hf_config):
@@ -161,7 +178,7 @@ def build_target_model(tcfg: TargetConfig, device: str, local_files_only: bool =
     if path is not None:
         # a multimodal checkpoint (Qwen3.5 ...ForConditionalGeneration): AutoModelForCausalLM maps it to the text
         # model (transformers drops the vision tower's weights), which is all the capture runs
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw,
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True, **kw,
                                                      **({"local_files_only": True} if local_files_only else {}))
     else:
         # random init of a multimodal wrapper config: the text model from its text_config (no vision tower)
@@ -306,7 +323,7 @@ def build_target_replica(tcfg: TargetConfig, device: str, group, random_dir: Opt
             ready[1]()
         path = random_dir
     attn = resolve_attn_implementation(tcfg, hf_config, device)
-    model = _from_pretrained_tp(path, group, device, dtype=dtype, attn_implementation=attn, **kw)
+    model = _from_pretrained_tp(path, group, device, dtype=dtype, attn_implementation=attn, use_safetensors=True, **kw)
     model.eval().requires_grad_(False)
     local, full = local_parameter_bytes(model)
     if local >= full:

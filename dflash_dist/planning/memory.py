@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 from dflash_dist.config import ConfigError, JobConfig
 
 __all__ = ["MemoryPlan", "target_plan", "drafter_plan", "plan_rank", "device_memory", "check_memory",
-           "largest_steps", "format_bytes"]
+           "choose_parallel", "drafter_units", "largest_steps", "format_bytes"]
 
 log = logging.getLogger("dflash_dist")
 
@@ -189,26 +189,66 @@ def layer_saved(R: int, C: int, H: int, heads: int, kv: int, d: int, inter: int)
     return q_side + kv_side
 
 
+def drafter_units(spec: Any, num_drafters: int = 1) -> dict:
+    """The drafter's parameter counts as FSDP2 sees them (built on the meta device): ``total``, ``layers`` (each
+    decoder layer, a unit of its own), ``root`` (the rest: fc, the norms, a variant's modules after the layers) and
+    ``shard``, what one of ``num_drafters`` ranks holds (each tensor split on its first dimension, padded to a
+    multiple of the ranks as fully_shard pads it)."""
+    import torch
+    with torch.device("meta"):
+        m = spec.build_model()
+    shapes = [tuple(p.shape) for p in m.parameters()]
+    D = max(1, int(num_drafters))
+    shard = sum(math.ceil(s[0] / D) * math.prod(s[1:]) if s else 1 for s in shapes)
+    layers = [int(sum(p.numel() for p in layer.parameters())) for layer in m.layers]
+    total = int(sum(math.prod(s) for s in shapes))
+    return {"total": total, "layers": layers, "root": total - sum(layers), "shard": int(shard)}
+
+
+def _training_state(plan: MemoryPlan, spec: Any, device: str, num_drafters: int, parallel: str,
+                    cfg: JobConfig) -> None:
+    """The drafter's own training state in ``plan.parts``. DDP: fp32 parameters, gradients (and DDP's bucket copy
+    with more than one drafter), AdamW's two moments on every rank. FSDP: the same divided by the drafters (each
+    rank's shard), plus the gathered weights alive at once (the root's, held from its forward to the end of the
+    backward, and two layers': the one computing and the next, prefetched) in the compute dtype, and the gathered
+    gradients of the root and one layer in the compute dtype and the reduction's."""
+    u = drafter_units(spec, num_drafters if parallel == "fsdp" else 1)
+    n = u["total"]
+    if parallel == "fsdp":
+        cb = 2 if device == "cuda" else 4  # weights gathered in bf16 where the drafter computes in bf16
+        rb = 2 if cfg.drafter.tuning.grad_reduce_dtype == "bfloat16" else 4
+        layer = max(u["layers"] or [0])
+        plan.parts["parameters (shard)"] = 4 * u["shard"]
+        plan.parts["gradients (shard)"] = 4 * u["shard"]
+        plan.parts["AdamW state (shard)"] = 8 * u["shard"]
+        plan.parts["gathered weights"] = cb * (u["root"] + 2 * layer)
+        plan.parts["gathered gradients"] = (cb + rb) * (u["root"] + layer)
+        for k in ("parameters (shard)", "gradients (shard)", "AdamW state (shard)"):
+            plan.knobs[k] = "more drafter ranks, drafter.num_layers"
+        plan.knobs["gathered weights"] = plan.knobs["gathered gradients"] = "drafter.num_layers"
+        return
+    plan.parts["parameters"] = 4 * n
+    plan.parts["gradients"] = 4 * n * (2 if num_drafters > 1 else 1)
+    plan.parts["AdamW state"] = 8 * n
+    if device == "cuda" and cfg.drafter.tuning.compute_weights == "shadow":
+        plan.parts["bf16 weight copies"] = 2 * n
+    for k in ("parameters", "gradients", "AdamW state"):
+        plan.knobs[k] = "drafter.num_layers" + (", drafter.parallel=fsdp" if num_drafters > 1 else "")
+
+
 def drafter_plan(cfg: JobConfig, tc: Any, spec: Any, device: str, steps: Optional[Sequence] = None,
-                 num_drafters: int = 1) -> MemoryPlan:
+                 num_drafters: int = 1, parallel: str = "ddp") -> MemoryPlan:
     """The drafter rank at its largest step (``steps``: the planned (b, S_pad) pairs; None: every one the config
-    allows, ``largest_steps``): the fp32 parameters, gradients (and DDP's bucket copy with more than one drafter),
-    AdamW's two moments, the frozen embedding and lm_head, and the step's activations for the resolved backend."""
+    allows, ``largest_steps``): its training state for ``parallel`` (``ddp``, or ``fsdp`` over ``num_drafters``:
+    ``_training_state``), the frozen embedding and lm_head, and the step's activations for the resolved backend."""
     m = spec.model
-    n = _meta_numel(spec.build_model)
     ab = 2 if device == "cuda" else 4  # activations: bf16 autocast on CUDA, fp32 on CPU
     H, V = m.hidden_size, m.vocab_size
     head_b = _dtype_bytes(cfg.target.dtype, device)
     base = MemoryPlan("drafter", device)
-    base.parts["parameters"] = 4 * n
-    base.parts["gradients"] = 4 * n * (2 if num_drafters > 1 else 1)
-    base.parts["AdamW state"] = 8 * n
-    if device == "cuda" and cfg.drafter.tuning.compute_weights == "shadow":
-        base.parts["bf16 weight copies"] = 2 * n
+    _training_state(base, spec, device, num_drafters, parallel, cfg)
     base.parts["embedding + lm_head"] = 2 * V * H * head_b
     base.parts["process"] = PROCESS_BASE.get(device, 0)
-    for k in ("parameters", "gradients", "AdamW state"):
-        base.knobs[k] = "drafter.num_layers"
     best = None
     for b, s_pad in (steps if steps is not None else largest_steps(cfg)):
         acts = step_activations(cfg, spec, device, int(b), int(s_pad), ab, head_b)
@@ -265,14 +305,14 @@ def _variant_rows(spec: Any, rows: int, chunk: int, ab: int) -> int:
 
 def plan_rank(cfg: JobConfig, tc: Any, hf_config: Any, drafter_spec: Any, role: str, device: str,
               num_feature_layers: int, steps: Optional[Sequence] = None, num_drafters: int = 1,
-              attn_implementation: str = "sdpa") -> MemoryPlan:
+              attn_implementation: str = "sdpa", parallel: str = "ddp") -> MemoryPlan:
     """The plan of a rank of ``role``: target, drafter, or colocated (a target and a drafter on one device: the
-    sum of the two, one process's base counted once)."""
+    sum of the two, one process's base counted once). ``parallel``: the drafter's (``ddp`` / ``fsdp``)."""
     if role not in ("target", "drafter", "colocated"):
         raise ValueError(f"role={role!r}: target, drafter or colocated")
     plans = []
     if role in ("drafter", "colocated"):
-        plans.append(drafter_plan(cfg, tc, drafter_spec, device, steps, num_drafters))
+        plans.append(drafter_plan(cfg, tc, drafter_spec, device, steps, num_drafters, parallel))
     if role in ("target", "colocated"):
         dp = _meta_numel(drafter_spec.build_model) if cfg.train.eval_prompts > 0 else 0
         plans.append(target_plan(cfg, tc, hf_config, num_feature_layers, device, dp, attn_implementation))
@@ -387,25 +427,14 @@ def check_memory_for_data(cfg: JobConfig, checked: dict, lengths: Sequence[int],
                         steps=plan_steps(lengths, plan, cfg.drafter.tuning.ctx_bucket))
 
 
-def check_memory(cfg: JobConfig, tc: Any, hf_config: Any, spec: Any, device: str, num_feature_layers: int,
-                 world_size: Optional[int], attn_implementation: str = "sdpa",
-                 steps: Optional[Sequence] = None) -> dict:
-    """The target and drafter plans and the device they must fit: refused (ConfigError) when they do not and
-    ``train.memory_check=refuse``, a warning within 10% of the limit (or over it with ``warn``). A GPU holds one
-    rank; a CPU machine holds all of its ranks at once (every split of ``topology.target_ranks=auto``); a
-    ``ulimit -v`` bounds each process. Returns {"plans": {role: MemoryPlan}, "limit": (bytes, what)}."""
-    from dflash_dist.config import split_targets
-    mode = cfg.train.memory_check
-    split = None if world_size is None else split_targets(cfg, world_size)
-    drafters = 1 if split in (None, "auto") else (world_size - split if split else world_size)
-    roles = ("colocated",) if split == 0 else ("target", "drafter", "colocated") if split == "auto" else \
-        ("target", "drafter")
-    plans = {r: plan_rank(cfg, tc, hf_config, spec, r, device, num_feature_layers, steps, drafters,
-                          attn_implementation) for r in roles}
-    limit = device_memory(device)
-    out = {"plans": plans, "limit": limit, "problems": []}
-    if mode == "off":
-        return out
+def fsdp_allowed(cfg: JobConfig) -> bool:
+    """Whether the drafter's other settings allow FSDP (``config/drafter.py`` refuses the rest with fsdp)."""
+    t = cfg.drafter.tuning
+    return t.compute_weights == "cast" and t.optimizer_step != "compiled"
+
+
+def _checks(cfg: JobConfig, plans: dict, split, world_size: Optional[int], device: str, limit: tuple) -> list:
+    """(who, bytes needed, (bytes, what) it must fit, plans) of every check, the tightest first."""
     checks = []
     if device == "cuda":  # auto: a split's ranks must fit (a colocated choice that would not: see the plan)
         checks += [(f"a {r} rank", p.total, limit, [p]) for r, p in plans.items()
@@ -420,6 +449,41 @@ def check_memory(cfg: JobConfig, tc: Any, hf_config: Any, spec: Any, device: str
     if per_process is not None:
         checks += [(f"a {r} rank's process", p.total, per_process, [p]) for r, p in plans.items()]
     checks.sort(key=lambda c: -(c[1] / max(c[2][0], 1)))
+    return checks
+
+
+def check_memory(cfg: JobConfig, tc: Any, hf_config: Any, spec: Any, device: str, num_feature_layers: int,
+                 world_size: Optional[int], attn_implementation: str = "sdpa",
+                 steps: Optional[Sequence] = None) -> dict:
+    """The target and drafter plans and the device they must fit: refused (ConfigError) when they do not and
+    ``train.memory_check=refuse``, a warning within 10% of the limit (or over it with ``warn``). A GPU holds one
+    rank; a CPU machine holds all of its ranks at once (every split of ``topology.target_ranks=auto``); a
+    ``ulimit -v`` bounds each process. The drafter's plan is ``drafter.parallel``'s; ``auto``: DDP's, or FSDP's
+    over the drafters where DDP's does not fit (``choose_parallel`` at startup makes the same choice). Returns
+    {"plans": {role: MemoryPlan}, "limit": (bytes, what), "parallel": "ddp" | "fsdp", "problems": [...]}."""
+    from dflash_dist.config import split_targets
+    mode = cfg.train.memory_check
+    split = None if world_size is None else split_targets(cfg, world_size)
+    drafters = 1 if split in (None, "auto") else (world_size - split if split else world_size)
+    roles = ("colocated",) if split == 0 else ("target", "drafter", "colocated") if split == "auto" else \
+        ("target", "drafter")
+    limit = device_memory(device)
+
+    def plans_for(parallel: str) -> dict:
+        return {r: plan_rank(cfg, tc, hf_config, spec, r, device, num_feature_layers, steps, drafters,
+                             attn_implementation, parallel) for r in roles}
+
+    parallel = "ddp" if cfg.drafter.parallel == "auto" else cfg.drafter.parallel
+    plans = plans_for(parallel)
+    checks = _checks(cfg, plans, split, world_size, device, limit)
+    if (cfg.drafter.parallel == "auto" and drafters > 1 and fsdp_allowed(cfg)
+            and checks[0][1] > checks[0][2][0]):  # DDP does not fit: auto shards
+        parallel = "fsdp"
+        plans = plans_for(parallel)
+        checks = _checks(cfg, plans, split, world_size, device, limit)
+    out = {"plans": plans, "limit": limit, "parallel": parallel, "problems": []}
+    if mode == "off":
+        return out
     who, need, (cap, what), ps = checks[0]
     if need > cap:
         msg = _refusal(who, need, cap, what, ps)
@@ -432,6 +496,27 @@ def check_memory(cfg: JobConfig, tc: Any, hf_config: Any, spec: Any, device: str
     elif need > WARN_FRACTION * cap:
         _warn(f"memory plan: {who} need {format_bytes(need)}, within 10% of {what} ({format_bytes(cap)})")
     return out
+
+
+def choose_parallel(cfg: JobConfig, hf_config: Any, spec: Any, device: str, num_feature_layers: int,
+                    num_drafters: int, role: str = "drafter", steps: Optional[Sequence] = None) -> tuple[str, str]:
+    """``drafter.parallel=auto`` on a drafter (or colocated) rank of a job with ``num_drafters``: (``fsdp``, why)
+    where the rank's DDP plan does not fit its device (a GPU's memory; on CPU the machine's available memory,
+    shared by this node's ranks, ``LOCAL_WORLD_SIZE``) and FSDP is allowed, else (``ddp``, why)."""
+    from dflash_dist.model.hf import text_config
+    if num_drafters <= 1:
+        return "ddp", "one drafter rank, nothing to shard"
+    if not fsdp_allowed(cfg):
+        return "ddp", "drafter.tuning.compute_weights=shadow or optimizer_step=compiled keep DDP"
+    tc = text_config(hf_config)
+    plan = plan_rank(cfg, tc, hf_config, spec, role, device, num_feature_layers, steps, num_drafters, "sdpa", "ddp")
+    cap, what = device_memory(device)
+    need = plan.total * (1 if device == "cuda" else int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    if need <= cap:
+        return "ddp", f"DDP's plan, {format_bytes(need)}, fits {what} ({format_bytes(cap)})"
+    fsdp = plan_rank(cfg, tc, hf_config, spec, role, device, num_feature_layers, steps, num_drafters, "sdpa", "fsdp")
+    return "fsdp", (f"DDP's plan, {format_bytes(need)}, does not fit {what} ({format_bytes(cap)}); FSDP over "
+                    f"{num_drafters} drafters: {format_bytes(fsdp.total)} per rank")
 
 
 def _warn(msg: str) -> None:

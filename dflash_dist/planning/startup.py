@@ -50,34 +50,78 @@ def wait_for(store, name: str, rank: int, what: str, timeout_s: float) -> dict:
 
 
 def write_plan_json(path: str, res: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    from dflash_dist.storage import writing
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(res, f, indent=1)
-    os.replace(tmp, path)
+    with writing(path, "the split plan"):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(res, f, indent=1)
+        os.replace(tmp, path)
 
 
 def split_from_plan_file(path: str, world: int) -> dict:
     """``topology.plan=plan.json``: the split dflash-plan chose for a world of ``world`` ranks (read on every rank,
-    the same file), with the plan's measured rates; a ConfigError naming the key when it has none."""
+    the same file), with the plan's measured rates; a ConfigError naming the key when it has none, or when a value
+    the job would use is of the wrong type or outside what ``world`` ranks allow (``check_plan_split``)."""
+    from dflash_dist.checkpoint.safe_io import CheckpointError, read_json
     from dflash_dist.config import ConfigError
     try:
-        with open(path) as f:
-            plan = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"topology.plan={path}: cannot read a plan.json: {type(e).__name__}: {e}") from None
-    found = [s for s in plan.get("splits") or [] if s.get("world_size") == world]
+        plan = read_json(os.path.dirname(os.path.abspath(path)), os.path.basename(path))
+    except CheckpointError as e:
+        raise ConfigError(f"topology.plan={path}: cannot read a plan.json: {e}") from None
+    splits = plan.get("splits")
+    if not isinstance(splits, list) or not all(isinstance(s, dict) for s in splits):
+        raise ConfigError(f"topology.plan={path}: 'splits' is not a list of objects; write the plan with dflash-plan")
+    found = [s for s in splits if is_int(s.get("world_size")) and s.get("world_size") == world]
     if not found:
-        sizes = [s.get("world_size") for s in plan.get("splits") or []]
+        sizes = [s.get("world_size") for s in splits]
         raise ConfigError(f"topology.plan={path}: no split for {world} ranks (the plan has {sizes}); run "
                           f"dflash-plan --gpus {world}")
+    check_plan_split(path, found[0], world)
     res = dict(found[0], source=f"topology.plan={path}", measured=True)
     for side in ("supply", "demand"):
         if side in plan:
-            res[side] = plan[side]
+            m = plan[side]
+            if not isinstance(m, dict) or not all(isinstance(m.get(k), (int, float)) and not isinstance(m.get(k), bool)
+                                                  for k in ("samples_per_s", "tokens_per_s")):
+                raise ConfigError(f"topology.plan={path}: {side}={str(m)[:100]}: an object with the measured "
+                                  f"samples_per_s and tokens_per_s (numbers); write the plan with dflash-plan")
+            res[side] = m
     log.info("topology.plan=%s: %d target + %d drafter ranks (0 targets: colocated), planned %.4g samples/s", path, res["target_ranks"],
              res["drafter_ranks"], res["predicted_samples_per_s"])
     return res
+
+
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_plan_split(path: str, split: dict, world: int) -> None:
+    """The fields of a plan's split the job uses, typed and against the world size: ``target_ranks`` a whole
+    number in [0, world) (0: colocated), ``drafter_ranks`` the rest (all ``world`` when colocated), the predicted
+    rate a positive number, each row a split of ``world`` ranks. A ConfigError naming the field and what is
+    allowed."""
+    from dflash_dist.config import ConfigError
+
+    def bad(field: str, allowed: str) -> ConfigError:
+        return ConfigError(f"topology.plan={path}: splits[world_size={world}].{field}={split.get(field)!r}: "
+                           f"{allowed}; write the plan with dflash-plan --gpus {world}")
+    t, d = split.get("target_ranks"), split.get("drafter_ranks")
+    if not is_int(t) or not 0 <= t < world:
+        raise bad("target_ranks", f"a whole number from 0 (colocated) to {world - 1}")
+    if not is_int(d) or d != (world - t if t else world):
+        raise bad("drafter_ranks", f"{world - t if t else world} (the {world} ranks less its {t} target ranks)")
+    rate = split.get("predicted_samples_per_s")
+    if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not rate > 0:
+        raise bad("predicted_samples_per_s", "a positive number")
+    if not isinstance(split.get("bottleneck"), str):
+        raise bad("bottleneck", "a name (target, drafter, both, colocated)")
+    rows = split.get("rows")
+    if not isinstance(rows, list) or not all(
+            isinstance(r, dict) and is_int(r.get("targets")) and is_int(r.get("drafters"))
+            and 0 <= r["targets"] < world and isinstance(r.get("samples_per_s"), (int, float))
+            and not isinstance(r.get("samples_per_s"), bool) and isinstance(r.get("bottleneck"), str) for r in rows):
+        raise bad("rows", "a list of {targets, drafters, samples_per_s, bottleneck} rows of this world size")
 
 
 def auto_split(job, rank: int, world: int, device: torch.device) -> dict:

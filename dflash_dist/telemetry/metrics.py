@@ -16,6 +16,8 @@ import time
 from collections import deque
 from typing import Optional
 
+from dflash_dist.storage import writing
+
 log = logging.getLogger("dflash_dist")
 
 
@@ -124,8 +126,9 @@ class MetricsWriter:
         self.position_chart_every = 10  # training windows between per-position charts (each is a wandb Table)
         if not enabled:
             return
-        os.makedirs(run_dir, exist_ok=True)
-        self._file = open(self.path, "a", buffering=1)
+        with writing(self.path, "the run's metrics"):  # a full disk: one line naming the file and errno
+            os.makedirs(run_dir, exist_ok=True)
+            self._file = open(self.path, "a", buffering=1)
         mode = wandb_mode(wandb_cfg.mode)
         self.wandb_mode = mode
         if mode != "disabled":
@@ -158,7 +161,8 @@ class MetricsWriter:
             self._last_train = (step, now)
         rec = {"step": step, "kind": kind, "time": now}
         rec.update({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in values.items()})
-        self._file.write(json.dumps(rec) + "\n")
+        with writing(self.path, "the run's metrics"):
+            self._file.write(json.dumps(rec) + "\n")
         if self.wandb is not None:
             self._wandb_log(step, kind, values)
 

@@ -97,6 +97,23 @@ def test_an_error_of_the_ranks_exits_2_without_the_launcher_report(tmp_path):
     assert "Traceback" not in out and "ChildFailedError" not in out and "exitcode" not in out
 
 
+@pytest.mark.parametrize("limit, path", [(64, ".dflash-claim"), (2000, "data_cache")])
+def test_a_full_disk_at_start_is_one_line_with_the_path_and_errno(tmp_path, limit, path):
+    """The first writes of a job (the run directory's claim, then the tokenized data cache) past ``ulimit -f``
+    (EFBIG, as a full disk gives ENOSPC; Python ignores SIGXFSZ): one ``disk error`` line naming the file and the
+    errno, exit 2, no traceback from any rank."""
+    import resource
+    run = tmp_path / "run"
+    r = subprocess.run(dflash_train_cmd() + ["--nproc-per-node", "2", *QUICK, f"train.output_dir={run}"],
+                       cwd=str(tmp_path), env=_env(), capture_output=True, text=True, timeout=240,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    out = r.stdout + r.stderr
+    lines = [x for x in out.splitlines() if "disk error:" in x]
+    assert r.returncode == 2 and len(lines) == 1, out[-4000:]
+    assert lines[0].startswith(f"dflash_dist: disk error: cannot write {run / path}") and "(errno 27 EFBIG)" in lines[0]
+    assert "Traceback" not in out and "ChildFailedError" not in out
+
+
 def _train_steps(run_dir) -> list:
     path = run_dir / "metrics.jsonl"
     if not path.exists():

@@ -73,12 +73,28 @@ def test_shallow_target_trains_on_default_ids_and_the_last_layer_is_refused():
     ("train", {"lr": -1}, "lr"),
     ("train", {"warmup_ratio": 1.5}, "warmup_ratio"),
     ("train", {"device": "tpu"}, "device"),
+    ("train", {"betas": "xy"}, r"train.betas='xy': give two numbers in \[0, 1\)"),
+    ("train", {"betas": [0.9]}, "train.betas"),
+    ("train", {"betas": [0.9, 0.95, 0.99]}, "train.betas"),
+    ("train", {"betas": [0.9, 1.0]}, "train.betas"),
+    ("train", {"betas": [-0.1, 0.95]}, "train.betas"),
+    ("train", {"betas": [0.9, "x"]}, "train.betas"),
+    ("train", {"betas": [True, 0.95]}, "train.betas"),
     ("logging", {"wandb": {"mode": "sometimes"}}, "wandb.mode"),
     ("logging", {"profile_step": 1}, "profile_step"),
 ])
 def test_field_validation(section, values, needle):
     with pytest.raises(ConfigError, match=needle):
         job(**{section: values})
+
+
+def test_betas_from_the_command_line():
+    """``train.betas=xy`` reaches the config as the string 'xy' (two characters): refused, not trained with."""
+    from dflash_dist.config import compose_config
+    from dflash_dist.paths import CONF_DIR
+    with pytest.raises(ConfigError, match="train.betas='xy'"):
+        JobConfig.from_omegaconf(compose_config(["train.betas=xy"], CONF_DIR))
+    assert JobConfig.from_omegaconf(compose_config(["train.betas=[0.8,0.9]"], CONF_DIR)).train.betas == [0.8, 0.9]
 
 
 def test_unknown_keys_rejected():

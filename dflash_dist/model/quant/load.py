@@ -46,24 +46,42 @@ class CheckpointFormat:
     method: str
     scale_key: str
     detail: str
+    block: Optional[tuple] = None  # fine-grained FP8's weight_block_size: the scale grid it implies is required
 
 
-def _qc_dict(hf_config) -> Optional[dict]:
-    qc = getattr(hf_config, "quantization_config", None)
+def _qc_dict(hf_config, where: str) -> Optional[dict]:
+    qc = hf_config.get("quantization_config") if isinstance(hf_config, dict) else \
+        getattr(hf_config, "quantization_config", None)
     if qc is None:
         return None
-    return dict(qc) if isinstance(qc, dict) else qc.to_dict()
+    if not isinstance(qc, dict) and callable(getattr(qc, "to_dict", None)):
+        qc = qc.to_dict()
+    if not isinstance(qc, dict):
+        raise ConfigError(f"{where}: quantization_config={str(qc)[:80]!r}: an object (quant_method and its fields)")
+    return dict(qc)
+
+
+def _field(qc: dict, key: str, where: str, kinds: tuple, allowed: str, default=None):
+    """``qc[key]`` (``default`` when absent), refused in one line unless one of ``kinds``."""
+    v = qc.get(key, default)
+    if v is not None and (not isinstance(v, kinds) or isinstance(v, bool) and bool not in kinds):
+        raise ConfigError(f"{where}: quantization_config.{key}={v!r}: {allowed}")
+    return v
 
 
 def _fine_grained(qc: dict, where: str) -> CheckpointFormat:
-    if qc.get("fmt", "e4m3") != "e4m3":
+    if _field(qc, "fmt", where, (str,), "a string (e4m3)", "e4m3") != "e4m3":
         raise ConfigError(f"{where}: quantization_config.fmt={qc.get('fmt')!r}: only e4m3 FP8 weights load")
-    if qc.get("activation_scheme", "dynamic") != "dynamic":
+    if _field(qc, "activation_scheme", where, (str,), "a string (dynamic)", "dynamic") != "dynamic":
         raise ConfigError(f"{where}: quantization_config.activation_scheme={qc.get('activation_scheme')!r}: only "
                           "dynamic activation scales load")
-    block = qc.get("weight_block_size")
+    block = _field(qc, "weight_block_size", where, (list, tuple), "two whole numbers > 0 (e.g. [128, 128]) or null")
+    if block is not None and (len(block) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0
+                                                         for b in block)):
+        raise ConfigError(f"{where}: quantization_config.weight_block_size={block!r}: two whole numbers > 0 (e.g. "
+                          "[128, 128]) or null")
     how = f"{block[0]}x{block[1]} weight blocks" if block else "per-tensor weight scales"
-    return CheckpointFormat("fp8", "weight_scale_inv", f"fine-grained FP8 e4m3, {how}")
+    return CheckpointFormat("fp8", "weight_scale_inv", f"fine-grained FP8 e4m3, {how}", tuple(block) if block else None)
 
 
 def _compressed_tensors(qc: dict, where: str) -> CheckpointFormat:
@@ -72,8 +90,10 @@ def _compressed_tensors(qc: dict, where: str) -> CheckpointFormat:
         raise ConfigError(f"{where}: compressed-tensors format {fmt!r} does not load as FP8 (float-quantized "
                           f"does); use {FORMATS_HELP}")
     strategies = set()
-    for name, group in (qc.get("config_groups") or {}).items():
-        w = group.get("weights") or {}
+    groups = _field(qc, "config_groups", where, (dict,), "an object of named groups, each with its weights")
+    for name, group in (groups or {}).items():
+        w = group.get("weights") if isinstance(group, dict) else None
+        w = w if isinstance(w, dict) else {}
         if w.get("num_bits") != 8 or w.get("type") != "float" or w.get("strategy") not in ("channel", "tensor",
                                                                                           "block"):
             raise ConfigError(f"{where}: compressed-tensors config_groups.{name}.weights (num_bits={w.get('num_bits')}"
@@ -87,8 +107,9 @@ def _compressed_tensors(qc: dict, where: str) -> CheckpointFormat:
 
 
 def checkpoint_format(hf_config, where: str = "target.name_or_path") -> Optional[CheckpointFormat]:
-    """The FP8 format ``hf_config`` declares, None for an unquantized checkpoint; any other quantization refused."""
-    qc = _qc_dict(hf_config)
+    """The FP8 format ``hf_config`` (object or config.json dict) declares, None for an unquantized checkpoint; any
+    other quantization, and a field of the wrong type, refused in one line."""
+    qc = _qc_dict(hf_config, where)
     if qc is None:
         return None
     method = qc.get("quant_method")
@@ -154,18 +175,42 @@ def _module_for(prefix: str, linears: dict) -> Optional[str]:
     return found[0] if len(found) == 1 else None
 
 
+def check_scale(path: str, key: str, scale: torch.Tensor, shape: tuple, block: Optional[tuple]) -> None:
+    """A checkpoint's FP8 weight scale for a weight of ``shape`` [out, in]: floating point, every value finite and
+    > 0 (a zero, negative or NaN scale would scale the weight to nothing, flip it or poison every feature), and of
+    a shape the loader reads: one value, one per output row ([out] or [out, 1]), or a 2-D block grid (the one
+    ``block`` = weight_block_size implies, where the format declares it). A ConfigError naming the tensor."""
+    out, inp = shape
+    if not scale.is_floating_point():
+        raise ConfigError(f"{path}: {key} is {scale.dtype}: FP8 weight scales are floating point")
+    s = scale.float()
+    if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
+        bad = s[~(torch.isfinite(s) & (s > 0))].flatten()[0].item()
+        raise ConfigError(f"{path}: {key} holds {bad!r}: FP8 weight scales are finite and > 0")
+    if s.numel() == 1 or (s.numel() == out and (s.dim() == 1 or s.dim() == 2 and s.shape[-1] == 1)):
+        return
+    if block is not None:
+        want = (-(-out // block[0]), -(-inp // block[1]))
+        ok = tuple(s.shape) == want
+    else:
+        want = "a grid of whole blocks"
+        ok = s.dim() == 2 and s.shape[0] <= out and s.shape[1] <= inp and \
+            -(-out // -(-out // s.shape[0])) == s.shape[0] and -(-inp // -(-inp // s.shape[1])) == s.shape[1]
+    if not ok:
+        raise ConfigError(f"{path}: {key} has shape {tuple(s.shape)} for a [{out}, {inp}] weight: an FP8 weight scale "
+                          f"is one value, one per output row ([{out}] or [{out}, 1]) or the block grid {want}")
+
+
 def _row_scaled(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """(float8 weight, scale per output row, requantized?) from a checkpoint weight and its scale tensor: a scalar
-    or [out(, 1)] scale as it is; a block grid through dequantize + per-row requantize."""
+    """(float8 weight, scale per output row, requantized?) from a checkpoint weight and its scale tensor (checked
+    by ``check_scale``): a scalar or [out(, 1)] scale as it is; a block grid through dequantize + per-row
+    requantize."""
     out, inp = q.shape
     scale = scale.float()
     if scale.numel() == 1:
         return q, scale.reshape(1).expand(out).clone(), False
     if scale.numel() == out and (scale.dim() == 1 or scale.shape[-1] == 1):
         return q, scale.reshape(out), False
-    if scale.dim() != 2:
-        raise ConfigError(f"FP8 weight scale of shape {tuple(scale.shape)} for a [{out}, {inp}] weight: not a "
-                          "per-tensor, per-channel or block scale")
     block = (-(-out // scale.shape[0]), -(-inp // scale.shape[1]))
     wq, ws = quantize_rows(q.float() * expand_block_scales(scale, (out, inp), block))
     return wq, ws, True
@@ -198,7 +243,9 @@ def load_fp8_linears(model: nn.Module, path: str, fmt: CheckpointFormat, kernel:
         q = tensors.get(prefix + ".weight")
         if q.dtype != FP8_DTYPE:
             raise ConfigError(f"{path}: {prefix}.weight is {q.dtype}; only float8_e4m3fn FP8 weights load")
-        wq, ws, req = _row_scaled(q, tensors.get(prefix + suffix))
+        scale = tensors.get(prefix + suffix)
+        check_scale(path, prefix + suffix, scale, tuple(q.shape), fmt.block)
+        wq, ws, req = _row_scaled(q, scale)
         old = linears[name]
         layout = shards.layout_of(old)  # a replica's shard: the whole row-scaled weight sliced as loaded
         local_shape = tuple(shards.local_tensor(old.weight).shape)

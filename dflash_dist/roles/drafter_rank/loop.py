@@ -27,20 +27,13 @@ from dflash_dist.eval.in_training import LeaderEval, eval_enabled, eval_record, 
 from dflash_dist.model.families import text_config
 from dflash_dist.planning.memory import plan_rank
 from dflash_dist.role_jobs import DrafterJob
+from dflash_dist.storage import writing
 from dflash_dist.telemetry.flops import nominal_peak_tflops, target_peak_tflops
 from dflash_dist.telemetry.metrics import MetricsWriter, RateMeter, StreamWaitMeter, run_summary, target_window_metrics
 from dflash_dist.telemetry.plan_check import plan_check_for, plan_line
 from dflash_dist.telemetry.step_trace import format_timeline, traced_step
 
 log = logging.getLogger("dflash_dist")
-
-
-def weights_fingerprint(model) -> float:
-    """A cheap fingerprint of the drafter weights: the sum of the first trainable parameter (on the host)."""
-    for p in model.parameters():
-        if p.requires_grad:
-            return float(p.detach().double().sum().item())
-    return 0.0
 
 
 def drain(rx, topo, pending, ends_seen: set, target_stats: dict) -> int:
@@ -73,13 +66,14 @@ def profiled_step(trainer, batch, first_step_s, job) -> None:
     # this step's plan (a colocated rank's with its target half), next to its measured peak
     plan = plan_rank(job.cfg, text_config(job.hf_config), job.hf_config, job.drafter,
                      "colocated" if topo.colocated else "drafter", device.type, len(job.layer_ids), [(b_, s_pad)],
-                     topo.num_drafters)
+                     topo.num_drafters, parallel="fsdp" if trainer.parallel.sharded else "ddp")
     rep = startup_report(lambda: trainer.train_step(batch), trainer.model,
                          {"b": b_, "S_pad": s_pad, "Q": q_len, "first_step_s": first_step_s, "guard": trainer.guard,
                           "precompile_s": trainer.precompile_s, "memory_plan": plan},
                          device, print_fn=log.info if topo.is_leader else log.debug)
     if topo.is_leader:
-        with open(os.path.join(job.run_dir, "startup_report.json"), "w") as f:
+        path = os.path.join(job.run_dir, "startup_report.json")
+        with writing(path, "the startup report"), open(path, "w") as f:
             json.dump(rep, f, indent=1, default=str)
     breaks = report_graph_breaks(raise_on_break=False)
     if breaks:
@@ -145,7 +139,8 @@ class DrafterRun:
         self.sample_log = self.open_sample_log()
         self.fault = fault_for(self.d.rank)  # failure tests only
         self.leader_eval = LeaderEval(job, self.trainer.model) if eval_enabled(job) and self.topo.is_leader else None
-        self.eval_at = set(eval_steps(job)) if self.leader_eval is not None else set()
+        # every drafter knows the steps: under FSDP each takes part in gathering the weights evaluated
+        self.eval_at = set(eval_steps(job)) if eval_enabled(job) else set()
         self.last_window = None
         self.last_tau = None  # (step, pooled acceptance length, z-lab's tau) of the newest in-training evaluation
         self.plan_check = plan_check_for(job) if self.topo.is_leader else None  # planned vs measured samples/s
@@ -167,6 +162,8 @@ class DrafterRun:
                  "loss %s", trainer.spec.variant, cfg.drafter.num_layers, n_params / 1e6, trainer.backend,
                  flex_desc if trainer.backend == "flex" else " (dense bool mask, SDPA)",
                  cfg.drafter.num_anchors, trainer.block_size, trainer.objective.describe())
+        if self.topo.is_leader:
+            log.info("drafter training state: %s", trainer.parallel.describe())
 
     def connect(self) -> None:
         """The data channel from every feeding target and, with drafter.tuning.loss_on_target, the head groups."""
@@ -277,7 +274,7 @@ class DrafterRun:
                 self.sample_log.write(json.dumps({
                     "k": msg.index, "step": trainer.step, "ids": msg.sample_ids.tolist(), "from": msg.src,
                     "from_node": topo.node_of(msg.src), "to": self.d.rank, "to_node": topo.node_of(self.d.rank),
-                    "weights_fp": weights_fingerprint(trainer.model)}) + "\n")
+                    "weights_fp": trainer.parallel.fingerprint()}) + "\n")
         trainer.finish_step(s, msg)
         self.wait_s += t1 - t0
         self.busy_s += time.monotonic() - t1
@@ -355,8 +352,10 @@ class DrafterRun:
     def evaluation_tick(self) -> None:
         if self.leader_eval is not None:
             self.leader_eval.pump()  # the weights of a requested evaluation, once the target posted its receive
-            if self.trainer.step in self.eval_at:
-                self.leader_eval.request(self.trainer.step)
+        if self.trainer.step in self.eval_at:
+            weights = self.trainer.parallel.gathered_weights()  # FSDP: every drafter gathers; else None
+            if self.leader_eval is not None:
+                self.leader_eval.request(self.trainer.step, weights)
 
     def finish(self) -> None:
         if self.stopped:

@@ -23,7 +23,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-__all__ = ["clip_factor", "fused_clipped_step", "CompiledClippedAdamW", "make_step", "STEP_MODES"]
+__all__ = ["clip_factor", "fused_clipped_step", "sharded_clipped_step", "CompiledClippedAdamW", "make_step",
+           "STEP_MODES"]
 
 STEP_MODES = ("auto", "fused", "compiled")
 
@@ -49,6 +50,20 @@ def fused_clipped_step(opt: torch.optim.Optimizer, params: list, max_norm: float
         opt.step()
     finally:
         del opt.grad_scale
+    return gnorm
+
+
+def sharded_clipped_step(opt: torch.optim.Optimizer, params: list, max_norm: float) -> Tensor:
+    """The clip and step of sharded parameters (FSDP2's DTensors, ``roles/drafter_rank/parallel.py``): the global norm from
+    every rank's shards (``get_total_norm`` gives a partial DTensor; ``full_tensor`` all-reduces it), the
+    gradients scaled by the clip factor, then ``opt.step()`` (fused on CUDA). Returns the norm before clipping,
+    a plain tensor, the same on every rank."""
+    grads = [p.grad for p in params if p.grad is not None]
+    gnorm = torch.nn.utils.get_total_norm(grads, 2.0)
+    if hasattr(gnorm, "full_tensor"):
+        gnorm = gnorm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, gnorm)
+    opt.step()
     return gnorm
 
 
@@ -129,12 +144,19 @@ class CompiledClippedAdamW:
         return gnorm
 
 
-def make_step(opt: torch.optim.Optimizer, mode: str, shadows=None) -> Callable[[list, float], Tensor]:
+def make_step(opt: torch.optim.Optimizer, mode: str, shadows=None, sharded: bool = False
+              ) -> Callable[[list, float], Tensor]:
     """The step function ``step(params, max_norm) -> grad norm`` for ``drafter.tuning.optimizer_step``: ``fused``
     (torch's AdamW; fused on CUDA), ``compiled`` (CUDA only: ``CompiledClippedAdamW``), ``auto`` = compiled on CUDA,
-    fused elsewhere. ``shadows``: the compute copies the step keeps current."""
+    fused elsewhere. ``shadows``: the compute copies the step keeps current. ``sharded`` (FSDP2 parameters):
+    ``sharded_clipped_step`` for ``auto`` and ``fused``; ``compiled`` is refused (the config refuses it first)."""
     if mode not in STEP_MODES:
         raise ValueError(f"drafter.tuning.optimizer_step={mode!r}: one of {', '.join(STEP_MODES)}")
+    if sharded:
+        if mode == "compiled" or shadows is not None:
+            raise ValueError("drafter.parallel=fsdp: the optimizer step is torch's AdamW on the shards "
+                             "(drafter.tuning.optimizer_step=auto or fused, compute_weights=cast)")
+        return lambda params, max_norm: sharded_clipped_step(opt, params, max_norm)
     device = opt.param_groups[0]["params"][0].device
     if mode == "auto":
         mode = "compiled" if device.type == "cuda" else "fused"

@@ -1,4 +1,4 @@
-"""The drafter's training step: model, optimizer, DDP, compile guard, micro-batched backward, metrics."""
+"""The drafter's training step: model, optimizer, data parallelism (roles/drafter_rank/parallel.py), compile guard, micro-batched backward, metrics."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflash_dist.checkpoint.meta import checkpoint_meta
 from dflash_dist.checkpoint.resume import earlier_totals, resume_command
@@ -31,6 +30,8 @@ from dflash_dist.roles.drafter_rank.compile_guard import (
     precompile_steps,
 )
 from dflash_dist.roles.drafter_rank.optim import make_step
+from dflash_dist.roles.drafter_rank.parallel import DrafterParallel
+from dflash_dist.roles.drafter_rank.parallel import resolve_mode as resolve_parallel
 from dflash_dist.model.blocks import make_batch, split_anchors, target_labels
 from dflash_dist.model.compute_weights import Shadows
 from dflash_dist.model.compute_weights import resolve_mode as resolve_compute_weights
@@ -60,11 +61,6 @@ def empty_batch_inputs(feature_width: int, device, dtype):
     return ids, mask, cu, feats
 
 
-def _grad_sum(a, b):
-    """a + b for gradients that may be None (a parameter a group did not reach), in place into a."""
-    return b if a is None else a if b is None else a.add_(b)
-
-
 class DrafterTrainer:
     def __init__(self, job, head_weights=None):
         """``job``: the drafter's view of the job (``role_jobs.DrafterJob``; the calibration of
@@ -92,28 +88,29 @@ class DrafterTrainer:
                  self.model.rope.rope_type)
         self.embed, self.lm_head = head_weights if head_weights is not None else receive_head_weights(job, self.device)
         self.feature_width = len(job.layer_ids) * tc.hidden_size
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas),
-                                     weight_decay=cfg.train.weight_decay, fused=self.device.type == "cuda")
+        self.step = job.start_step
+        self.cursor = job.start_cursor
+        self.last_checkpoint = None  # the newest checkpoint this run wrote (the leader)
+        meta = opt_state = None
+        if job.resume_from:  # whole tensors, whichever way they were trained: loaded before any sharding
+            weights, opt_state, meta = load_checkpoint(job.resume_from)
+            self.model.load_state_dict(weights)
+        self.before = earlier_totals(meta, job.resume_from, job.run_dir, job.plan)  # the run's earlier launches
         # bf16 compute copies of the weights, written by the optimizer step (model/compute_weights.py)
         self.shadows = (Shadows(self.model) if resolve_compute_weights(cfg.drafter.tuning.compute_weights,
                                                                          self.device) == "shadow" else None)
         if self.shadows is not None:
             log.info("drafter compute weights: %s", self.shadows.describe())
-        self.opt_step = make_step(self.opt, cfg.drafter.tuning.optimizer_step, self.shadows)  # roles/drafter_rank/optim.py
-        self.step = job.start_step
-        self.cursor = job.start_cursor
-        self.last_checkpoint = None  # the newest checkpoint this run wrote (the leader)
-        meta = None
-        if job.resume_from:
-            weights, opt_state, meta = load_checkpoint(job.resume_from)
-            self.model.load_state_dict(weights)
-            if opt_state is not None:
-                self.opt.load_state_dict(opt_state)
-        self.before = earlier_totals(meta, job.resume_from, job.run_dir, job.plan)  # the run's earlier launches
-        kwargs = {"device_ids": [self.device.index]} if self.device.type == "cuda" else {}
-        if self.shadows is not None and d.drafters is not None:  # each rank writes its own copies
-            DDP._set_params_and_buffers_to_ignore_for_model(self.model, self.shadows.buffer_names)
-        self.ddp = self.model if d.drafters is None else DDP(self.model, process_group=d.drafters, **kwargs)
+        mode, why = resolve_parallel(job, self.device)  # drafter.parallel: DDP or FSDP2 (roles/drafter_rank/parallel.py)
+        reduce_dtype = torch.bfloat16 if cfg.drafter.tuning.grad_reduce_dtype == "bfloat16" else torch.float32
+        self.parallel = DrafterParallel(self.model, mode, d.drafters, self.device, reduce_dtype,
+                                        self.shadows.buffer_names if self.shadows is not None else (), why)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas),
+                                     weight_decay=cfg.train.weight_decay, fused=self.device.type == "cuda")
+        self.opt_step = make_step(self.opt, cfg.drafter.tuning.optimizer_step, self.shadows,
+                                  sharded=self.parallel.sharded)  # roles/drafter_rank/optim.py
+        if opt_state is not None:
+            self.parallel.load_optimizer(self.opt, opt_state)
         if self.shadows is not None:  # the resumed and broadcast weights, for calls that bypass the forward's hook
             self.shadows.ensure_fresh()
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
@@ -140,7 +137,7 @@ class DrafterTrainer:
         self.planned_steps = self._planned_steps()
         dc = cfg.drafter
         self.block_size = spec.block_size
-        self.precompile_plan = (precompile_steps(self.planned_steps, dc.tuning.ctx_bucket)
+        self.precompile_plan = (precompile_steps(self._dry_step_source(), dc.tuning.ctx_bucket)
                                 if self.backend == "flex" and dc.tuning.precompile and self.planned_steps else [])
         self.precompile_s: float | None = None  # seconds of the dry steps, once run
         self.guard = self.make_guard() if self.backend == "flex" else None
@@ -153,6 +150,15 @@ class DrafterTrainer:
         return list(plan_step_lengths(job.plan, job.sample_lengths, job.start_cursor,
                                       job.total_messages - job.start_cursor, self.topo.num_drafters,
                                       self.topo.index))
+
+    def _dry_step_source(self):
+        """The steps precompile picks its dry steps from: this drafter's; under FSDP every drafter's (a forward
+        gathers the weights, so every drafter must run the same dry steps)."""
+        job = self.job
+        if not self.parallel.sharded or job.sample_lengths is None:
+            return self.planned_steps
+        return list(plan_step_lengths(job.plan, job.sample_lengths, job.start_cursor,
+                                      job.total_messages - job.start_cursor, 1, 0))
 
     def make_guard(self):
         """Compile guard (flex backend): eager flex -> error, recompiles bounded, none after warm-up unless the
@@ -225,14 +231,13 @@ class DrafterTrainer:
         groups = split_anchors(batch, self.micro_batches)
         out = []
         for i, group in enumerate(groups):
-            # DDP's reducer is armed by the last forward only (see _backward)
-            later = i < len(groups) - 1 and self.ddp is not self.model
-            with self.ddp.no_sync() if later else contextlib.nullcontext():
+            # DDP's reducer is armed by the last forward only (see DrafterParallel.backward)
+            with self.parallel.forward_context(later=i < len(groups) - 1):
                 with phase(f"group{i} forward"):
                     mask = self.attention_mask(group)
                     block_embeds = F.embedding(group.block_ids, self.embed)
                     with self.autocast:
-                        hidden = self.ddp(block_embeds, batch.features, batch.ctx_positions, group.block_positions,
+                        hidden = self.parallel.module(block_embeds, batch.features, batch.ctx_positions, group.block_positions,
                                           mask)
                 with self.autocast:
                     if remote and i < len(groups) - dc.tuning.local_loss_groups:
@@ -278,31 +283,23 @@ class DrafterTrainer:
     def _backward(self, groups: list, src, scale) -> LossParts:
         """Backward of each group in order, each once its own reply is in (``HeadLossClient.complete`` makes the
         stream wait for that reply only): the targets' last replies arrive while the earlier groups' backward
-        runs. The earlier groups' gradients come from autograd.grad, kept out of .grad (DDP's hooks would take
-        them for the step's), and are put in .grad before the last group's backward, which accumulates onto them
-        where DDP's reducer, armed by the last forward, sees the sum and all-reduces it as usual. ``scale``
+        runs. How the groups' gradients add up and reach the reduction is ``DrafterParallel.backward``'s (DDP:
+        the earlier ones kept out of ``.grad`` until the last; FSDP: reduce-scattered after the last). ``scale``
         multiplies each loss sum. Returns the step's LossParts."""
         parts = []
-        params = [p for p in self.model.parameters() if p.requires_grad]
         held = None
         for i, g in enumerate(groups):
             with phase(f"group{i} backward"):
                 part = self._with_terms(g, src)
                 parts.append(part)
-                loss = part.loss_sum * scale
-                if i < len(groups) - 1:
-                    grads = torch.autograd.grad(loss, params, allow_unused=True)
-                    held = list(grads) if held is None else [_grad_sum(h, x) for h, x in zip(held, grads)]
-                    continue
-                for p, h in zip(params, held or ()):
-                    p.grad = _grad_sum(p.grad, h)
-                loss.backward()
+                held = self.parallel.backward(part.loss_sum * scale, last=i == len(groups) - 1, held=held)
         return LossParts.total(parts)
 
     def precompile(self) -> float:
         """Dry steps of ``precompile_plan`` (see compile_guard.precompile_steps): forward and backward of a
         synthetic batch with each step's sample lengths, under the guard as warm-up steps; no update, gradients
-        dropped, no collective (DDP's no_sync), the optimizer and the step counters untouched. Returns seconds."""
+        dropped, no all-reduce (DDP's no_sync; FSDP gathers and reduces, every drafter running the same dry steps),
+        the optimizer and the step counters untouched. Returns seconds."""
         plan = self.precompile_plan
         if not plan:
             return 0.0
@@ -320,7 +317,7 @@ class DrafterTrainer:
             batch = make_batch(ids, sup, cu, feats, num_anchors=dc.num_anchors, block_size=self.block_size,
                                mask_token_id=self.job.mask_token_id, ctx_bucket=dc.tuning.ctx_bucket, generator=gen,
                                **target_labels(self.spec.loss, None, t, ids))
-            no_sync = self.ddp.no_sync() if self.ddp is not self.model else contextlib.nullcontext()
+            no_sync = self.parallel.dry_context()
             guard = self.guard.step(batch_shape(batch)) if self.guard is not None else contextlib.nullcontext()
             with guard, no_sync:
                 groups = self._group_losses(batch)
@@ -454,6 +451,7 @@ class DrafterTrainer:
         launch = self.launch_counts()
         if final:
             self.check_trained(launch)
+        model_state, opt_state = self.parallel.full_state(self.opt)  # whole tensors on the leader (FSDP: gathered)
         if not self.topo.is_leader:
             return
         b = self.before
@@ -465,7 +463,6 @@ class DrafterTrainer:
                                reason=reason)
         meta["run_totals"] = totals
         previous = self.last_checkpoint or self.job.resume_from
-        model_state, opt_state = self.model.state_dict(), self.opt.state_dict()
         needed = (checkpoint_bytes(previous) if previous else 0) or state_bytes(model_state) + state_bytes(opt_state)
         problem = space_problem(self.job.run_dir, needed)
         if problem:

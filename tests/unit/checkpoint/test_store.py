@@ -168,6 +168,17 @@ def test_a_save_past_the_file_size_limit_names_path_errno_and_bytes_and_keeps_th
     assert find_latest(str(tmp_path)) == good
 
 
+def test_a_weights_file_past_the_limit_is_a_save_error_not_safetensors_own(tmp_path):
+    """safetensors' writer raises its own SafetensorError (not an OSError nor a RuntimeError) when the weights file
+    crosses the limit: still one CheckpointSaveError naming errno 27, and no temporary directory left."""
+    script = _SAVE_UNDER_LIMIT.replace('model = {"w": torch.ones(200_000)}', 'model = {"w": torch.ones(600_000)}')
+    assert script != _SAVE_UNDER_LIMIT  # 2.4 MB of weights: model.safetensors itself crosses the limit
+    r = subprocess.run([sys.executable, "-c", script, str(tmp_path), str(1_200_000)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.stdout.startswith("ERR 27 "), r.stdout + r.stderr
+    assert "EFBIG" in r.stdout and os.listdir(tmp_path / "checkpoints") == []
+
+
 def test_a_full_disk_says_what_to_free(tmp_path, monkeypatch):
     """ENOSPC from the weights' writer (safetensors names the errno only in its message)."""
     import errno

@@ -89,3 +89,18 @@ def test_generation_length_is_the_runs_and_progress_shows_an_eta(tmp_path, capsy
     assert lines == ["dflash-eval: prompts 1/4, elapsed 0:00:10, ETA 0:00:30",
                      "dflash-eval: prompts 3/4, elapsed 0:00:20, ETA 0:00:07",
                      "dflash-eval: prompts 4/4, elapsed 0:00:40, ETA 0:00:00"]
+
+
+def test_target_quantization_overrides_the_runs(tmp_path):
+    """--target-quantization fp8 evaluates a drafter trained on a bf16 target against the FP8 target it will be
+    served with (quantized on load); none, the other way round. The result says which target ran."""
+    ckpt, _ = make_checkpoint(tmp_path)
+    rows = tmp_path / "p.jsonl"
+    rows.write_text(json.dumps({"prompt": "Hello"}) + "\n")
+    out = tmp_path / "o.json"
+    common = ["--checkpoint", ckpt, "--prompts", str(rows), "--max-new-tokens", "4", "--no-lossless-check",
+              "--out", str(out)]
+    assert eval_main(common + ["--target-quantization", "fp8"]) == 0
+    assert json.load(open(out))["quantization"].startswith("quantization: fp8, quantized on load")
+    assert eval_main(common + ["--target-quantization", "none"]) == 0
+    assert json.load(open(out))["quantization"] is None

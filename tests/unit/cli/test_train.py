@@ -48,3 +48,19 @@ def test_one_of_several_srun_tasks_is_refused(monkeypatch, capsys):
     assert main(["train.max_steps=1"]) == 2
     assert "not as one of several srun tasks" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGINT) is before  # the launcher's signal relay is gone once it returns
+
+
+@pytest.mark.parametrize("override", ["drafter.variant=os:getcwd", "drafter.loss.objective=os:getcwd",
+                                      "drafter.variant=no.such.module:X"])
+def test_code_named_on_the_command_line_is_one_line(override, capsys):
+    """``drafter.variant=os:getcwd``: dflash-train's own check refuses it with one line, exit 2, before any rank
+    starts (that it is never called: tests/unit/model/test_registry.py); dflash-doctor's config row says the same."""
+    from dflash_dist.cli import doctor
+    from dflash_dist.cli.train import main
+    assert main(["--nproc-per-node", "3", "--cfg", "job", override]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    key = override.split("=")[0]
+    assert len(err) == 1 and err[0].startswith(f"dflash_dist: configuration error: {key}="), err
+    doc = doctor.Doctor()
+    doc.run("config", lambda d: doctor.check_config(d, [override], 3))
+    assert doc.rows[0]["status"] == doctor.FAIL and f"{key}=" in doc.rows[0]["detail"]

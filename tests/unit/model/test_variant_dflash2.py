@@ -283,8 +283,8 @@ def test_dflash2_layers_compile_whole_without_recompiles():
 def test_checkpoint_weights_are_checked_against_the_recorded_variant(tmp_path):
     from safetensors.torch import save_file
 
-    from dflash_dist.checkpoint.safe_io import CheckpointError
-    from dflash_dist.checkpoint.validate import check_drafter_config, check_weights, safetensors_header
+    from dflash_dist.checkpoint.safe_io import CheckpointError, safetensors_header
+    from dflash_dist.checkpoint.validate import check_drafter_config, check_weights
     spec = _spec()
     st = str(tmp_path / "model.safetensors")
     save_file(spec.build_model().state_dict(), st)

@@ -148,3 +148,69 @@ def test_the_drafter_plan_is_within_15_percent_of_a_measured_step(tmp_path, draf
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["shape"][0] == 16 and out["measured"] > 100 << 20
     assert 0.85 <= out["planned"] / out["measured"] <= 1.15, out
+
+
+def _n_h8192(layers: int = 5) -> int:
+    """Trainable parameters of the DFlash drafter of a hidden-8192 target, from its shapes: per layer q/o (64 heads of
+    128), k/v (8 KV heads), gate/up/down (28,672), input/post-attention norms, q/k norms; fc (5 feature layers ->
+    H) and two norms."""
+    H, A, KV, d, inter = 8192, 64 * 128, 8 * 128, 128, 28672
+    layer = 2 * H * A + 2 * H * KV + 3 * H * inter + 2 * H + 2 * d
+    return layers * layer + 5 * H * H + 2 * H
+
+
+def test_fsdp_divides_the_training_state_over_the_drafters():
+    c = checked()
+    cfg, tc, spec = compose_job_config([]), c["text_config"], c["drafter"]
+    ddp = M.drafter_plan(cfg, tc, spec, "cpu", num_drafters=3)
+    n = ddp.parts["parameters"] // 4
+    u = M.drafter_units(spec, 3)
+    assert u["total"] == n and len(u["layers"]) == 2 and u["root"] == n - sum(u["layers"])
+    for D in (2, 3):
+        f = M.drafter_plan(cfg, tc, spec, "cpu", num_drafters=D, parallel="fsdp")
+        shard = f.parts["parameters (shard)"] // 4
+        assert n / D <= shard <= n / D * 1.01  # each tensor split on its first dimension, padded to D rows
+        assert f.parts["gradients (shard)"] == 4 * shard and f.parts["AdamW state (shard)"] == 8 * shard
+        # fp32 on CPU: the root and two layers gathered, the root's and one layer's gradients twice
+        layer = max(u["layers"])
+        assert f.parts["gathered weights"] == 4 * (u["root"] + 2 * layer)
+        assert f.parts["gathered gradients"] == 8 * (u["root"] + layer)
+        assert "parameters" not in f.parts and f.parts["layer activations"] == ddp.parts["layer activations"]
+        assert "more drafter ranks" in f.knobs["AdamW state (shard)"]
+    assert "drafter.parallel=fsdp" in ddp.knobs["AdamW state"]
+
+
+def test_the_h8192_drafter_needs_fsdp_on_80_gib_cards(monkeypatch):
+    """The paper's drafter of a Llama-3.x-70B-shaped target: 4.62B parameters; DDP's fp32 weights, gradients (and
+    DDP's bucket copy) and AdamW moments alone are 20 bytes each, more than an 80 GiB card; FSDP2 over 8 drafters
+    holds 16/8 bytes of each and the step fits."""
+    cfg = compose_job_config(["target=llama3_70b_random", "drafter=dflash_h8192", "train.memory_check=off"])
+    c = check_job_config(cfg, None, "cuda")
+    tc, spec = c["text_config"], c["drafter"]
+    n = _n_h8192()
+    assert M.drafter_units(spec)["total"] == n and 4.6e9 < n < 4.65e9
+    ddp = M.drafter_plan(cfg, tc, spec, "cuda", num_drafters=8, parallel="ddp")
+    fsdp = M.drafter_plan(cfg, tc, spec, "cuda", num_drafters=8, parallel="fsdp")
+    card = 80 * M.GiB
+    assert ddp.parts["parameters"] + ddp.parts["gradients"] + ddp.parts["AdamW state"] == 20 * n > card
+    assert ddp.total > card
+    state = sum(fsdp.parts[k] for k in ("parameters (shard)", "gradients (shard)", "AdamW state (shard)"))
+    assert 16 * n / 8 <= state <= 16 * n / 8 * 1.001
+    # gathered in bf16: the root (fc, 5 x 8192 -> 8192) and two layers; the gradients of the root and one layer
+    layer = (n - 5 * 8192 * 8192 - 2 * 8192) // 5
+    assert fsdp.parts["gathered weights"] == 2 * (5 * 8192 * 8192 + 2 * 8192 + 2 * layer)
+    assert fsdp.total < 0.9 * card  # fits without the 10% warning
+    # auto: the memory check of a 16-GPU job (8 target + 8 drafter ranks) on 80 GiB cards picks FSDP, and it fits
+    monkeypatch.setattr(M, "device_memory", lambda device: (card, "an 80 GiB GPU's memory"))
+    monkeypatch.setattr(M, "address_space_left", lambda: None)
+    auto = compose_job_config(["target=llama3_70b_random", "drafter=dflash_h8192", "drafter.parallel=auto",
+                               "topology.target_ranks=8", "target.tensor_parallel=8", "target.quantization=fp8"])
+    out = M.check_memory(auto, tc, c["hf_config"], spec, "cuda", 5, 16, steps=M.largest_steps(auto))
+    assert out["parallel"] == "fsdp" and out["problems"] == []
+    assert out["plans"]["drafter"].total == fsdp.total
+    assert M.choose_parallel(auto, c["hf_config"], spec, "cuda", 5, 8)[0] == "fsdp"
+    # the 8B drafter (1.05B parameters) keeps DDP at the 3072-token step of docs/benchmarks.md
+    small = compose_job_config(["target=qwen3_8b_random", "drafter=dflash", "train.memory_check=off"])
+    s = check_job_config(small, None, "cuda")
+    assert M.choose_parallel(small, s["hf_config"], s["drafter"], "cuda", 5, 8, steps=[(1, 3072)])[0] == "ddp"
+    assert M.choose_parallel(small, s["hf_config"], s["drafter"], "cuda", 5, 1)[0] == "ddp"  # nothing to shard

@@ -172,3 +172,51 @@ def test_the_config_check_refuses_the_reference_before_any_weights_load():
     assert check_quantization_for_config(fp8, hf_config, "cpu") == "dequantize"
     assert check_quantization_for_config(TargetConfig(hf_config={"builtin": "tiny"}, fast_path="require"),
                                          hf_config, "cpu") is None
+
+
+def _set_scale(path, key, value):
+    from safetensors.torch import load_file, save_file
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    tensors[key] = value(tensors[key])
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+Q = "model.layers.2.self_attn.q_proj.weight"   # [128, 128]
+UP = "model.layers.5.mlp.up_proj.weight"       # [384, 128]
+
+
+@pytest.mark.parametrize("fmt, key, value, needle", [
+    ("fine_grained", Q + "_scale_inv", lambda s: -s, "holds -"),
+    ("fine_grained", Q + "_scale_inv", lambda s: s * 0, "holds 0.0"),
+    ("fine_grained", Q + "_scale_inv", lambda s: s * float("nan"), "holds nan"),
+    ("fine_grained", UP + "_scale_inv", lambda s: torch.cat([s, s]), r"shape \(6, 1\) for a \[384, 128\] weight"),
+    ("fine_grained", UP + "_scale_inv", lambda s: s.reshape(1, 3), r"the block grid \(3, 1\)"),
+    ("fine_grained", Q + "_scale_inv", lambda s: torch.ones(2, 2), r"shape \(2, 2\)"),
+    ("compressed", UP + "_scale", lambda s: s[:100], r"shape \(100, 1\) for a \[384, 128\] weight"),
+    ("compressed", UP + "_scale", lambda s: torch.ones(7, 200), r"shape \(7, 200\)"),
+    ("compressed", UP + "_scale", lambda s: s.abs().neg(), "finite and > 0"),
+    ("compressed", UP + "_scale", lambda s: torch.ones_like(s, dtype=torch.int64), "is torch.int64"),
+])
+def test_fp8_scales_of_the_wrong_shape_or_sign_are_refused(tmp_path, fmt, key, value, needle):
+    """A scale that is negative, zero or not finite, of a shape the loader would misread, or of an integer type:
+    one ConfigError naming the tensor, before any FP8 linear is built from it."""
+    path = write_fp8_checkpoint(str(tmp_path / fmt), fmt)
+    _set_scale(path, key, value)
+    with pytest.raises(ConfigError, match=needle) as e:
+        build_target_model(TargetConfig(name_or_path=path), "cpu")
+    assert key in str(e.value) and "\n" not in str(e.value)
+
+
+def test_scale_shapes_the_loader_reads():
+    from dflash_dist.model.quant.load import check_scale
+    for shape in [(), (1,), (384,), (384, 1), (3, 1), (6, 2), (384, 128)]:
+        check_scale("p", "k", torch.ones(shape), (384, 128), None)
+    check_scale("p", "k", torch.ones(3, 1), (384, 128), (128, 128))
+    for shape in [(400, 1), (385,), (1, 384), (2, 3, 1), (384, 129)]:
+        with pytest.raises(ConfigError, match="shape"):
+            check_scale("p", "k", torch.ones(shape), (384, 128), None)
+    with pytest.raises(ConfigError, match=r"the block grid \(3, 1\)"):
+        check_scale("p", "k", torch.ones(6, 2), (384, 128), (128, 128))
+    with pytest.raises(ConfigError, match="holds inf"):
+        check_scale("p", "k", torch.tensor([1.0, float("inf")]), (2, 16), None)

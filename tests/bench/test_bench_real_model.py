@@ -1,0 +1,41 @@
+"""bench/real_model.py's own parts on CPU: processes run side by side with their exit codes and timeouts kept, and
+the table reads what the stages recorded (the stages themselves are the project's commands, tested elsewhere;
+tests/integration/test_real_model.py trains and evaluates on the real model)."""
+
+import importlib.util
+import os
+import sys
+import time
+
+from helpers.launch_util import REPO
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("real_model", os.path.join(REPO, "bench", "real_model.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_parallel_keeps_order_exit_codes_and_timeouts(tmp_path):
+    rm = load()
+    jobs = [([sys.executable, "-c", "import sys; sys.exit(3)"], str(tmp_path / "a.log"), 30),
+            ([sys.executable, "-c", "import time; time.sleep(30)"], str(tmp_path / "b.log"), 1),
+            ([sys.executable, "-c", "print('hi')"], str(tmp_path / "c.log"), 30)]
+    t0 = time.monotonic()
+    out = rm.parallel(jobs, 3)
+    assert [rc for rc, _ in out] == [3, 124, 0] and time.monotonic() - t0 < 20
+    assert (tmp_path / "c.log").read_text().splitlines()[-1] == "hi"
+
+
+def test_table_has_a_row_per_run_with_its_figures():
+    rm = load()
+    ev = {"acceptance_length": 2.5, "tau": 2.75, "per_position_acceptance": [0.6, 0.4, 0.3, 0.2, 0.1]}
+    res = {"regen": {"rows_written": 6000, "small_rows": 1500},
+           "runs": {"dflash_small": {"steps": 10, "train_acc": 0.5, "evals": {"mtbench": ev}},
+                    "dflash": {"steps": 10, "in_training_eval": {"acceptance_length": 2.4},
+                               "evals": {"own_holdout": {"acceptance_length": 2.4}, "mtbench_on_fp8": ev}}}}
+    lines = rm.table(res).splitlines()
+    assert lines[2].startswith("| dflash_small | 1500 | 10 | - / - | 2.50 / 2.75 |") and "0.60 0.40 0.30 0.20" in lines[2]
+    assert lines[3].startswith("| dflash | 6000 | 10 |") and lines[3].endswith("| 2.4000 | 2.4000 |")
+    assert lines[-1] == "bf16-target DFlash drafter against the FP8 target: mtbench 2.50"
