@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_export import make_checkpoint
+from tests.unit.export.test_export import make_checkpoint
 from test_hostile import eval_argv, no_network, refresh_size, refused  # noqa: F401  (no_network: autouse fixture)
 
 from dflash_dist.export.write import export_checkpoint
