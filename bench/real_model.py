@@ -42,8 +42,7 @@ SETS = {"humaneval": "humaneval.jsonl", "mtbench": "mtbench.jsonl", "holdout": "
 # label -> (data size, overrides): every run has the same steps and batching; only these differ
 RUNS = {
     "dflash_small": ("small", ["drafter=dflash"]),
-    "dflash": ("large", ["drafter=dflash", "train.eval_every=200", "train.checkpoint_every=200",
-                         "train.keep_checkpoints=50"]),
+    "dflash": ("large", ["drafter=dflash", "train.checkpoint_every=200", "train.keep_checkpoints=50"]),
     "dflash2": ("large", ["drafter=dflash2"]),
     "domino": ("large", ["drafter=domino"]),
     "dpace": ("large", ["drafter=dflash", "drafter.loss.weighting=dpace"]),
@@ -159,10 +158,12 @@ def stage_regen(args, res: dict) -> None:
 
 def train_overrides(args, label: str) -> list:
     size, extra = RUNS[label]
-    return ["target=hf", f"target.name_or_path={model_dir(args)}", "data=jsonl",
+    return ["target=hf", f"target.name_or_path={model_dir(args)}", "data=jsonl", "train=paper",
             f"data.source={data_file(args, size)}", f"data.holdout={args.eval_prompts}",
             f"target.max_batch_tokens={args.batch_tokens}", f"train.max_steps={args.steps}",
-            f"train.eval_prompts={args.eval_prompts}", "logging.wandb.mode=disabled", "logging.progress_bar=false",
+            # one in-training evaluation, at the end: on this target one takes minutes (see docs/benchmarks.md)
+            f"train.eval_prompts={args.eval_prompts}", "train.eval_every=0", "logging.wandb.mode=disabled",
+            "logging.progress_bar=false",
             f"logging.log_every={args.log_every}", f"train.output_dir={os.path.join(args.work, 'runs', label)}",
             "train.resume=none"] + extra + args.extra
 
@@ -261,7 +262,8 @@ def stage_eval(args, res: dict) -> None:
             continue
         res["runs"][label]["export_rc"] = rc
         if rc == 0:
-            plan.append((label, "doctor", PY + ["dflash_dist.cli.doctor", "--export", export]))
+            plan.append((label, "doctor", PY + ["dflash_dist.cli.doctor", "--export", export,
+                                                 "logging.wandb.mode=disabled"]))
             plan += [(label, k, cmd) for k, cmd in eval_jobs(args, label, export) + fp8_jobs(args, label, export)]
     t0 = time.monotonic()
     out = parallel([(cmd, os.path.join(args.out, f"eval-{label}-{key}.log"), args.eval_timeout)
@@ -366,8 +368,9 @@ def main() -> int:
     ap.add_argument("--eval-prompts", type=int, default=64)
     ap.add_argument("--lossless", default="dflash", help="runs whose evaluations check losslessness")
     ap.add_argument("--extra", default="", help="overrides added to every run (space separated)")
-    ap.add_argument("--parallel", type=int, default=8, help="training jobs at a time (sharing the device)")
-    ap.add_argument("--eval-parallel", type=int, default=12)
+    # each colocated job on this target held 10-30 GiB of an 80 GB H100 (8 at once ran out of memory)
+    ap.add_argument("--parallel", type=int, default=2, help="training jobs at a time (sharing the device)")
+    ap.add_argument("--eval-parallel", type=int, default=6)
     ap.add_argument("--train-timeout", type=float, default=3600)
     ap.add_argument("--eval-timeout", type=float, default=1800)
     args = ap.parse_args()
