@@ -14,7 +14,9 @@ prompts ``i % world == rank`` (gloo is used for the barriers, whatever the devic
 batch to its part file (``OUT.partRRRRR-of-WWWWW``, flushed and fsynced per batch); rank 0 merges the parts in
 the original order after a barrier, atomically, and removes them. Prompts are batched by length with left
 padding for HF ``generate`` (``--batch-size``: 256 on CUDA, where a large batch is what makes generation fast,
-16 on CPU); greedy by default (``--temperature 0``), sampled otherwise (seeded per batch).
+16 on CPU); a batch that runs out of device memory is split in halves and the process goes on at the smaller size
+(a row that does not fit alone is a one-line error, exit 1); greedy by default (``--temperature 0``), sampled
+otherwise (seeded per batch).
 
 Resume: a run that crashed or was stopped leaves its part files; the same command again reads every part file
 of ``OUT`` (any world size), skips the rows they already hold and generates only the rest, so no row is lost or
@@ -43,6 +45,7 @@ from typing import Any, Optional
 import torch
 
 from dflash_dist.config import ConfigError, TargetConfig
+from dflash_dist.data.shrinking_batches import RowTooLarge, ShrinkingBatches
 
 log = logging.getLogger("dflash_dist")
 
@@ -131,13 +134,18 @@ def _read_rows(path: str) -> tuple[list[tuple[int, dict, list, Optional[str]]], 
 def regenerate_rows(model, tokenizer, items: list, *, max_new_tokens: int, temperature: float, top_p: float,
                     batch_size: int, top_k: int = 0, eos_ids: list, on_empty: str, seed: int,
                     chat_template_kwargs: Optional[dict] = None, max_positions: Optional[int] = None,
-                    progress=None, on_batch=None) -> tuple[list[tuple[int, dict]], dict]:
+                    progress=None, on_batch=None, rank: int = 0) -> tuple[list[tuple[int, dict]], dict]:
     """Generate the final reply of each ``(index, row, prompt messages, original reply)``.
 
     Returns ([(index, output row)], counts). Batches are formed from length-sorted prompts (left padding);
     with sampling, each batch uses a generator seeded from ``seed`` and its first index, so a rerun with the
     same world size and batch size reproduces the output. ``on_batch(rows, counts)``: called with each finished
-    batch's output rows and its counts (the CLI appends them to its part file)."""
+    batch's output rows and its counts (the CLI appends them to its part file).
+
+    A batch that runs out of device memory is retried as two halves, and the smaller size kept for the batches
+    after it (``ShrinkingBatches``; greedy rows are the same at any batch size, as left padding leaves each row's
+    computation alone); the counts then hold ``oom_halvings`` and ``batch_size_reduced_to``. A row that does not
+    fit alone raises ``RowTooLarge``."""
     device = next(model.parameters()).device
     from dflash_dist.data.tokenize import template_info
     counts = {"generated": 0, "empty_replaced": 0, "empty_dropped": 0, "empty_kept": 0, "too_long": 0,
@@ -157,8 +165,8 @@ def regenerate_rows(model, tokenizer, items: list, *, max_new_tokens: int, tempe
     eos_set = set(eos_ids)
     out: list[tuple[int, dict]] = []
     reported: dict = {}
-    for start in range(0, len(enc), batch_size):
-        batch = enc[start:start + batch_size]
+
+    def generate(batch):
         width = max(len(e[4]) for e in batch)
         input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
         attn = torch.zeros((len(batch), width), dtype=torch.long)
@@ -173,7 +181,14 @@ def regenerate_rows(model, tokenizer, items: list, *, max_new_tokens: int, tempe
         else:
             gen_kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         seqs = model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device), **gen_kwargs)
-        new = seqs[:, width:].tolist()
+        return seqs[:, width:].tolist()
+
+    def describe(e):
+        return f"usable row {e[0]} (0-based; {len(e[4])} prompt tokens + up to {max_new_tokens} new)"
+
+    batches = ShrinkingBatches(batch_size, device=device, label=f"rank {rank}")
+    finished = 0
+    for batch, new in batches.run(enc, generate, describe):
         done_before = len(out)
         for e, toks in zip(batch, new):
             index, row, msgs, original, _ = e
@@ -203,11 +218,16 @@ def regenerate_rows(model, tokenizer, items: list, *, max_new_tokens: int, tempe
             res = {"messages": msgs + [{"role": "assistant", "content": text}], **res}
             out.append((index, res))
             counts["generated"] += 1
+        if batches.halvings:
+            counts["oom_halvings"] = batches.halvings
         if on_batch is not None:  # counts since the last call (the first also holds the prompts too long)
             on_batch(out[done_before:], {k: v - reported.get(k, 0) for k, v in counts.items()})
             reported = dict(counts)
+        finished += len(batch)
         if progress is not None:
-            progress(min(start + batch_size, len(enc)), len(enc))
+            progress(finished, len(enc))
+    if batches.halvings:  # not a count (never summed): the size this process ended at
+        counts["batch_size_reduced_to"] = batches.size
     out.sort(key=lambda x: x[0])
     return out, counts
 
@@ -328,6 +348,10 @@ def main(argv: Optional[list] = None) -> int:
     except ConfigError as e:
         print(f"dflash-regenerate: configuration error: {e}", file=sys.stderr)
         return 2
+    except RowTooLarge as e:
+        print(f"dflash-regenerate: error: {e}: lower --max-new-tokens or run fewer processes per device (finished "
+              "rows are kept in the part files: the same command resumes)", file=sys.stderr)
+        return 1
 
 
 def _run(args) -> int:
@@ -401,12 +425,15 @@ def _run(args) -> int:
                                         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                         batch_size=batch_size, eos_ids=eos, on_empty=args.on_empty, seed=args.seed,
                                         chat_template_kwargs=kwargs, max_positions=max_pos, progress=progress,
-                                        on_batch=writer)
+                                        on_batch=writer, rank=rank)
         finally:
             writer.close()
         gen_s = time.monotonic() - t_gen
-        log.info("rank %d: %d new tokens in %.1f s (%.0f tokens/s)", rank, counts["new_tokens"], gen_s,
-                 counts["new_tokens"] / max(gen_s, 1e-9))
+        reduced = counts.pop("batch_size_reduced_to", None)
+        log.info("rank %d: %d new tokens in %.1f s (%.0f tokens/s)%s", rank, counts["new_tokens"], gen_s,
+                 counts["new_tokens"] / max(gen_s, 1e-9), "" if reduced is None else
+                 f"; batch size {batch_size} ran out of device memory, the rest ran at {reduced} (set --batch-size "
+                 f"{reduced} to avoid the retries)")
         if distributed:
             dist.barrier()
         if rank == 0:

@@ -64,6 +64,20 @@ def test_batched_left_padding_equals_one_by_one(tmp_path):
     assert s1 == s2  # seeded sampling is reproducible
 
 
+
+def test_greedy_rows_are_byte_identical_at_any_batch_size_in_float32():
+    """The packaged tiny target in float32 on CPU: the same replies at batch sizes 8, 3 and 1 (what lets a batch
+    that ran out of device memory be split without changing the output)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(TINY_DIR)
+    model = build_target_model(load_target_config(None), "cpu")
+    assert next(model.parameters()).dtype == torch.float32
+    items = [(i, {"messages": []}, [{"role": "user", "content": w}], None) for i, w in enumerate(WORDS)]
+    kw = dict(max_new_tokens=8, temperature=0.0, top_p=1.0, eos_ids=[0, 2], on_empty="keep", seed=0)
+    runs = [regenerate_rows(model, tok, items, batch_size=b, **kw)[0] for b in (8, 3, 1)]
+    dumps = [json.dumps(r) for r in runs]
+    assert dumps[0] == dumps[1] == dumps[2]
+
 def _tcfg():
     from dflash_dist.config import TargetConfig
     return TargetConfig(**TARGET)
@@ -176,3 +190,115 @@ def test_limit_zero_and_none_and_progress_line(tmp_path):
     assert progress_line(30, 120, 15.0) == "30/120 rows (25%), 2.00 rows/s, 15s elapsed, ETA 45s"
     assert progress_line(10, 1000, 100.0) == "10/1000 rows (1%), 0.10 rows/s, 1m40s elapsed, ETA 2h45m"
     assert progress_line(0, 5, 3.0).endswith("ETA ?")
+
+
+def _oom_when(monkeypatch, too_big):
+    """Make the target's generate raise CUDA's out-of-memory error for a batch where ``too_big(input_ids)``; returns
+    the row count of every call."""
+    import dflash_dist.model.hf as hf
+    calls = []
+    build = hf.build_target_model
+
+    def build_oom(*a, **k):
+        model = build(*a, **k)
+        generate = model.generate
+
+        def gen(input_ids, **kw):
+            calls.append(len(input_ids))
+            if too_big(input_ids):
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+            return generate(input_ids=input_ids, **kw)
+        model.generate = gen
+        return model
+    monkeypatch.setattr(hf, "build_target_model", build_oom)
+    return calls
+
+
+def _main(tmp_path, out, *extra):
+    """dflash-regenerate in this process (one rank), the root logger's handlers restored after it."""
+    import logging
+
+    from dflash_dist.cli.regenerate import main
+    (tmp_path / "target.json").write_text(json.dumps(TARGET))
+    handlers, level = logging.root.handlers[:], logging.root.level
+    try:
+        return main(["--prompts", str(tmp_path / "in.jsonl"), "--out", str(out), "--target-config",
+                     str(tmp_path / "target.json"), "--max-new-tokens", "5", "--on-empty", "keep", "--device", "cpu",
+                     *extra])
+    finally:
+        logging.root.handlers[:] = handlers
+        logging.root.setLevel(level)
+
+
+def test_a_batch_out_of_device_memory_is_split_and_the_smaller_size_kept(tmp_path, monkeypatch, capsys):
+    """A batch of 4 that runs out of device memory is generated as 2 x 2 and the process goes on at 2 (one retry,
+    not one per batch), said once when it halves and again in the rank's summary; the output file is byte for byte
+    the one of a run that did not run out (greedy rows do not depend on the batch they are in)."""
+    for k in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    write_inputs(tmp_path / "in.jsonl")
+    assert _main(tmp_path, tmp_path / "ref.jsonl", "--batch-size", "4") == 0
+    capsys.readouterr()
+    calls = _oom_when(monkeypatch, lambda ids: len(ids) > 2)
+    assert _main(tmp_path, tmp_path / "out.jsonl", "--batch-size", "4") == 0
+    err = capsys.readouterr().err
+    assert (tmp_path / "out.jsonl").read_bytes() == (tmp_path / "ref.jsonl").read_bytes()
+    assert calls == [4, 2, 2, 2, 2]                                     # 8 usable rows; the size 2 sticks
+    retries = [line for line in err.splitlines() if "ran out of device memory; retrying" in line]
+    assert len(retries) == 1 and retries[0].endswith(
+        "rank 0: batch of 4 rows ran out of device memory; retrying as 2 x 2 (set --batch-size 2 to avoid the "
+        "retries)")
+    assert "batch size 4 ran out of device memory, the rest ran at 2 (set --batch-size 2 to avoid the retries)" in err
+    assert "'oom_halvings': 1" in err                                  # the merged summary counts it
+    assert "Traceback" not in err and not list(tmp_path.glob("out.jsonl.part*"))
+
+
+def test_a_row_that_does_not_fit_alone_is_one_line_and_exit_1(tmp_path, monkeypatch, capsys):
+    """The longest prompt runs out of device memory even alone: its batch halves down to that one row, then one
+    error line names the row (index, token length), the device and the knobs; exit 1, no traceback; the rows
+    finished before it stay in the part file for the rerun."""
+    from transformers import AutoTokenizer
+
+    from dflash_dist.cli.regenerate import _read_rows
+    for k in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    write_inputs(tmp_path / "in.jsonl")
+    tok = AutoTokenizer.from_pretrained(TINY_DIR)
+    items, _ = _read_rows(str(tmp_path / "in.jsonl"))
+    lengths = {i: len(tok(tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False)["input_ids"]) for i, _, m, _ in items}
+    longest = max(lengths, key=lambda i: (lengths[i], i))               # the last in length order
+    assert sorted(lengths.values())[-2] < lengths[longest]
+    calls = _oom_when(monkeypatch, lambda ids: ids.shape[1] == lengths[longest])
+    rc = _main(tmp_path, tmp_path / "out.jsonl", "--batch-size", "4")
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err
+    assert calls == [4, 4, 2, 2, 1, 1]                    # 4 fit; 4 -> 2 + 2 (the second with it) -> 1 + 1 (it alone)
+    errors = [line for line in err.splitlines() if line.startswith("dflash-regenerate:")]
+    assert errors == [f"dflash-regenerate: error: usable row {longest} (0-based; {lengths[longest]} prompt tokens + "
+                      "up to 5 new) does not fit the device memory alone (cpu): lower --max-new-tokens or run "
+                      "fewer processes per device (finished rows are kept in the part files: the same command "
+                      "resumes)"]
+    from dflash_dist.cli.regenerate import read_parts
+    rows, _ = read_parts(str(tmp_path / "out.jsonl"))
+    assert len(rows) == 7 and longest not in rows and not (tmp_path / "out.jsonl").exists()
+
+
+def test_shrinking_batches_halve_an_odd_batch_and_keep_the_size(caplog):
+    from dflash_dist.data.shrinking_batches import ShrinkingBatches
+    sizes = []
+
+    def call(chunk):
+        sizes.append(len(chunk))
+        if len(chunk) > 3:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return [x * 10 for x in chunk]
+    b = ShrinkingBatches(7, device="cpu", label="rank 2")
+    with caplog.at_level("WARNING", logger="dflash_dist"):
+        got = list(b.run(list(range(10)), call, str))
+    assert [c for c, _ in got] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    assert [r for _, r in got] == [[0, 10], [20, 30], [40, 50], [60, 70], [80, 90]]
+    assert sizes == [7, 4, 2, 2, 2, 2, 2] and b.size == 2 and b.halvings == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "rank 2: batch of 7 rows ran out of device memory; retrying as 4 + 3 (set --batch-size 4 to avoid the retries)",
+        "rank 2: batch of 4 rows ran out of device memory; retrying as 2 x 2 (set --batch-size 2 to avoid the retries)"]
