@@ -4,8 +4,10 @@ directory."""
 import json
 import os
 
+import torch
+
+from dflash_dist.cli.eval import lossless_note, main as eval_main
 from dflash_dist.export.write import export_checkpoint
-from dflash_dist.cli.eval import main as eval_main
 from tests.unit.export.test_export import make_checkpoint
 
 
@@ -104,3 +106,19 @@ def test_target_quantization_overrides_the_runs(tmp_path):
     assert json.load(open(out))["quantization"].startswith("quantization: fp8, quantized on load")
     assert eval_main(common + ["--target-quantization", "none"]) == 0
     assert json.load(open(out))["quantization"] is None
+
+
+def test_a_lossless_check_below_one_below_float32_says_rounding_can_explain_it(tmp_path, capsys):
+    assert lossless_note(0.25, torch.bfloat16).startswith("note: with a bfloat16 target a lossless check below 1")
+    assert "--target-dtype float32" in lossless_note(0.9, torch.float16)
+    assert lossless_note(0.25, torch.float32) is None and lossless_note(1.0, torch.bfloat16) is None
+    assert lossless_note(None, torch.bfloat16) is None
+    ckpt, _ = make_checkpoint(tmp_path)
+    rows = tmp_path / "p.jsonl"
+    rows.write_text(json.dumps({"prompt": "Hello"}) + "\n")
+    out = tmp_path / "e.json"
+    assert eval_main(["--checkpoint", ckpt, "--prompts", str(rows), "--max-new-tokens", "4", "--target-dtype",
+                      "bfloat16", "--out", str(out)]) == 0
+    e = json.load(open(out))
+    assert e["target_dtype"] == "bfloat16"
+    assert ("note: with a bfloat16 target" in capsys.readouterr().out) == (e["lossless_fraction"] < 1)
