@@ -125,6 +125,18 @@ class Lifecycle:
             self._posted = True
         return self.signal_name is not None or self._has(KEY_STOP_REQUEST)
 
+    def stop_reason(self) -> Optional[str]:
+        """Why a graceful stop is requested (this rank's signal, e.g. 'SIGTERM', or the request another rank posted),
+        None while none is."""
+        if not self.stop_requested():
+            return None
+        if self.signal_name is not None:
+            return self.signal_name
+        try:
+            return self.store.get(KEY_STOP_REQUEST).decode("utf-8", "replace")
+        except Exception:
+            return "a stop requested by another rank"
+
     def announce_stop(self, step: int) -> None:
         self.store.set(KEY_STOP_AT, str(step))
 

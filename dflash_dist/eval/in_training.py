@@ -9,6 +9,8 @@ on held-out prompts (spec_decode.evaluate_steps), a verify step at a time while 
 when it appears, next to the training accuracy and the tau that accuracy predicts, so the train/serve gap is on
 the dashboard. No extra engine, no extra GPU. On a target replica (``target.tensor_parallel`` > 1) the first
 target's followers run every verify forward with it (``FollowerEval``, eval/replica.py), at message boundaries.
+An evaluation run whole is abandoned at the next prompt once a graceful stop is requested (SIGTERM: the checkpoint
+does not need it); its result says so and leaves no record in metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from dflash_dist.comm.faults import fault_for, slow_eval_if_due
 from dflash_dist.eval.replica import DONE, RUN, ReplicaLink, whole_head
 
 log = logging.getLogger("dflash_dist")
 REQ, READY, RES = "dflash/eval_req/", "dflash/eval_ready/", "dflash/eval_res/"
 CLOSED = "dflash/eval_closed"  # the target stopped early and takes no more requests
 SKIP = "skip"  # request value of an evaluation the leader skipped
+STOPPED = "stopped"  # result key of an evaluation abandoned on a graceful stop: why (e.g. "SIGTERM")
 # what an evaluation's result carries from spec_decode's summary to the leader and metrics.jsonl
 SUMMARY_KEYS = ("acceptance_length", "tau_pooled", "tau", "tau_stderr", "tau_all_prompts", "n_prompts",
                 "max_new_tokens", "prompts_one_step", "prompts_in_tau", "one_step_excluded")
@@ -125,6 +129,7 @@ class _Running:
     taken_at: float
     weights_s: float
     slices: int = 0
+    prompts_done: int = 0
 
 
 class LeaderEval:
@@ -191,7 +196,9 @@ class LeaderEval:
                     self.sent.remove(n)
                     if self._inflight is not None and self._inflight.n == n:
                         self._inflight.flat = None  # the target has the weights: free the copy (2 GB at 1B bf16)
-                    out.append((self.steps[n], json.loads(self.store.get(f"{RES}{n}").decode())))
+                    res = json.loads(self.store.get(f"{RES}{n}").decode())
+                    if STOPPED not in res:  # one abandoned on a graceful stop is no result (the target logged it)
+                        out.append((self.steps[n], res))
             if self._deferred is not None and not self.sent:
                 step, self._deferred = self._deferred, None
                 self.request(step)
@@ -248,6 +255,7 @@ class TargetEval:
         if self.link is not None and slices:
             raise ValueError("a replica's evaluation runs between messages (its followers join it there)")
         self._stream_since = time.monotonic()  # the end of the last message boundary (a replica's slices)
+        self.fault = fault_for(job.dist.rank)  # the failure tests' slow evaluation (comm/faults.py)
         connect(job, leader=False)
         # the job's variant and shape (model/spec.py), sdpa: the decode step's shapes change every block
         self.drafter = job.drafter.build_model("sdpa").to(job.dist.device).eval()
@@ -332,8 +340,13 @@ class TargetEval:
             drafter = self.link.broadcasting(make_dflash_draft_fn(self.drafter, self.embed, self.head))
         steps = evaluate_steps(self.model, drafter, self.embed, self.head, self.prompts, self.job.layer_ids,
                                self.job.mask_token_id, self.job.drafter.block_size, c.train.eval_max_new_tokens, self.eos,
-                               check_lossless=False, exclude_one_step=c.train.eval_exclude_one_step)
+                               check_lossless=False, exclude_one_step=c.train.eval_exclude_one_step,
+                               progress=self._prompt_done)
         self.running = _Running(r.n, r.step, steps, r.taken_at, time.monotonic() - r.taken_at)
+
+    def _prompt_done(self, done: int, total: int) -> None:
+        self.running.prompts_done = done
+        slow_eval_if_due(self.fault, self.running.n)
 
     def work(self) -> bool:
         """One piece of the evaluation in progress: start it once its weights are in, or run one verify step.
@@ -354,7 +367,8 @@ class TargetEval:
 
     def finish(self) -> None:
         """Run the evaluation in progress (if any) to its end, waiting for its weights first (only where the leader
-        sends them without waiting for this rank: gloo, or the leader waiting for results)."""
+        sends them without waiting for this rank: gloo, or the leader waiting for results). A graceful stop
+        abandons it at the next prompt, except on a replica (its followers run every verify step with this rank)."""
         from dflash_dist.eval.spec_decode import run_to_end
         if self.receiving is not None:
             self._await_weights()
@@ -362,8 +376,31 @@ class TargetEval:
             self.link.post(RUN)  # after the stream a replica's followers wait in the store (eval/replica.py)
         if self.receiving is not None:
             self._start()
-        if self.running is not None:
+        if self.running is not None and self.link is not None:
             self._post(run_to_end(self.running.steps))
+        elif self.running is not None:
+            self._run_unless_stopped()
+
+    def _run_unless_stopped(self) -> None:
+        """The evaluation in progress to its end, a graceful stop checked before each prompt: once one is requested
+        the evaluation is abandoned there (the checkpoint does not wait for it) and its result says only that."""
+        run, checked = self.running, -1
+        while True:
+            if run.prompts_done != checked:  # a prompt boundary (the next prompt's prefill may have run)
+                checked = run.prompts_done
+                reason = self.job.life.stop_reason()
+                if reason is not None:
+                    run.steps.close()
+                    self.running = None
+                    self.store.set(f"{RES}{run.n}", json.dumps({"step": run.step, STOPPED: reason}))
+                    log.warning("evaluation at step %d stopped after %d/%d prompts: %s (no result recorded)",
+                                run.step, run.prompts_done, len(self.prompts), reason)
+                    return
+            try:
+                next(run.steps)
+            except StopIteration as e:
+                self._post(e.value)
+                return
 
     def done(self) -> None:
         """No more evaluations on this rank (after the stream): a replica's followers stop waiting for them."""

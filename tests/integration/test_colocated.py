@@ -6,10 +6,11 @@ import glob
 import json
 import os
 import signal
+import time
 
 import pytest
 from helpers.launch_util import shared_data_cache, torchrun
-from test_dflash_train import QUICK, _signal_when_training, dflash_train
+from test_dflash_train import QUICK, _signal_when_training, _train_steps, dflash_train
 from test_failures import _wait_for_step, kill9_and_wait
 from test_train_e2e import accounting, metrics, sample_log, train_records
 
@@ -138,6 +139,39 @@ def test_sigterm_to_a_one_gpu_style_job_checkpoints_and_resumes_as_a_split(tmp_p
     out = r.stdout + r.stderr
     assert r.returncode == 0 and f"resuming from {run / 'checkpoints' / ckpt}" in out, out[-3000:]
     assert accounting(run)["run_samples_repeated"] == 0
+
+
+def test_sigterm_during_an_evaluation_abandons_it_and_checkpoints_at_once(tmp_path, monkeypatch):
+    """dflash-train with one process (colocated) gets SIGTERM while its in-training evaluation runs (made slow: 3 s
+    more per prompt, 16 prompts): the evaluation stops at the next prompt, logged, with no record in metrics.jsonl;
+    the run checkpoints and exits 143 within seconds instead of finishing the evaluation first."""
+    monkeypatch.setenv("DFLASH_INJECT_FAULT", "0:0:slow_eval")  # rank 0's first evaluation request (step 2)
+    monkeypatch.setenv("DFLASH_INJECT_STALL_S", "3")
+    run = tmp_path / "run"
+    p = dflash_train(["--nproc-per-node", "1", "train.max_steps=400", "train.eval_every=2", "train.eval_prompts=16",
+                      "train.eval_max_new_tokens=16", "logging.log_every=1", "logging.wandb.mode=disabled",
+                      "logging.progress_bar=false", f"train.output_dir={run}", f"data.cache_dir={shared_data_cache()}"],
+                     cwd=tmp_path, popen=True)
+    try:
+        deadline = time.monotonic() + 240
+        while 2 not in _train_steps(run):
+            assert p.poll() is None and time.monotonic() < deadline, "no step 2"
+            time.sleep(0.2)
+        time.sleep(2.0)  # step 2's evaluation runs while the message of step 3 is made: step 3 waits for it
+        assert max(_train_steps(run)) == 2
+        p.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        out = p.communicate(timeout=180)[0]
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 143, out[-4000:]
+    assert "evaluation at step 2 stopped after " in out and "/16 prompts: SIGTERM" in out, out[-4000:]
+    assert took < 20, f"{took:.1f} s from SIGTERM to exit (the whole evaluation: ~48 s)\n{out[-3000:]}"
+    (ckpt,) = os.listdir(run / "checkpoints")
+    assert json.load(open(run / "checkpoints" / ckpt / "meta.json"))["reason"] == "signal"
+    assert not [x for x in metrics(run) if x["kind"] == "eval"]
 
 
 @pytest.mark.parametrize("overrides", [

@@ -214,3 +214,34 @@ def test_sigterm_while_an_evaluation_runs(tmp_path):
     assert "stopped on request" in out and " skipped: the one of step" in out  # one was running at each request
     assert len(glob.glob(str(tmp_path / "checkpoints" / "step_*"))) == 1
     check_accounting(accounting(tmp_path))
+
+
+def test_sigterm_while_a_target_evaluates_whole_abandons_the_evaluation(tmp_path):
+    """1 target + 1 drafter over gloo (the target evaluates whole, between two messages, while its drafter waits),
+    the evaluation made slow (3 s more per prompt, 16 prompts): SIGTERM to every rank stops it at the next prompt,
+    logged, with no record in metrics.jsonl; one checkpoint and exit 0 within seconds."""
+    p = torchrun(2, ["-m", "dflash_dist.train", f"train.output_dir={tmp_path}", "train.max_steps=400",
+                     "train.eval_every=2", "train.eval_prompts=16", "train.eval_max_new_tokens=16",
+                     "logging.log_every=1", "logging.progress_bar=false", "logging.wandb.mode=disabled"], popen=True,
+                 env={"DFLASH_INJECT_FAULT": "1:0:slow_eval", "DFLASH_INJECT_STALL_S": "3"})  # rank 1: the target
+    try:
+        deadline = time.monotonic() + 240
+        while not (os.path.exists(tmp_path / "metrics.jsonl") and any(r["step"] >= 2 for r in train_records(tmp_path))):
+            assert p.poll() is None and time.monotonic() < deadline, "no step 2"
+            time.sleep(0.2)
+        time.sleep(2.0)  # step 2's evaluation is under way on the target
+        for w in _workers_of(p.pid):
+            os.kill(w, signal.SIGTERM)
+        t0 = time.monotonic()
+        out = p.communicate(timeout=180)[0]
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 0, out[-4000:]
+    assert "[rank 1 target]" in out and "evaluation at step 2 stopped after " in out, out[-4000:]
+    assert "/16 prompts: SIGTERM" in out and "stopped on request" in out, out[-4000:]
+    assert took < 20, f"{took:.1f} s from SIGTERM to exit (the whole evaluation: ~48 s)\n{out[-3000:]}"
+    assert len(glob.glob(str(tmp_path / "checkpoints" / "step_*"))) == 1
+    assert not [x for x in metrics(tmp_path) if x["kind"] == "eval"]
+    check_accounting(accounting(tmp_path))

@@ -354,7 +354,7 @@ class DrafterRun:
             self.leader_eval.pump()  # the weights of a requested evaluation, once the target posted its receive
         if self.trainer.step in self.eval_at:
             weights = self.trainer.parallel.gathered_weights()  # FSDP: every drafter gathers; else None
-            if self.leader_eval is not None:
+            if self.leader_eval is not None and self.stop_at is None:  # after a stop it would only be abandoned
                 self.leader_eval.request(self.trainer.step, weights)
 
     def finish(self) -> None:
