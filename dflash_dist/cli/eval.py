@@ -265,7 +265,12 @@ def _evaluate(args, device: str, replica: Optional[EvalReplica]) -> int:
                    "mask_token_id": setup.mask_token_id, "device": device, "chat_template_kwargs": kwargs or {},
                    "tensor_parallel": replica.k if replica is not None else 1,
                    "quantization": (quantization_report(target) or {}).get("summary")})
-    dtype = next(target.parameters()).dtype
+    _report(args, result, next(target.parameters()).dtype)
+    return 0
+
+
+def _report(args, result: dict, dtype: torch.dtype) -> None:
+    """The table, the note on losslessness, and the JSON result (written atomically)."""
     result["target_dtype"] = str(dtype).removeprefix("torch.")
     print(format_table(result))
     note = lossless_note(result.get("lossless_fraction"), dtype)
@@ -278,7 +283,6 @@ def _evaluate(args, device: str, replica: Optional[EvalReplica]) -> int:
         json.dump(result, f, indent=1, default=str)
     os.replace(tmp, out)
     print(f"wrote {out}")
-    return 0
 
 
 def _holdout_data(data: DataConfig, source: Optional[str], meta_file: str) -> DataConfig:
