@@ -115,8 +115,8 @@ def check_job_config(cfg: JobConfig, world_size: Optional[int], device_type: str
     skips the checks of the split. Returns what they resolved."""
     from transformers import AutoTokenizer
 
-    from dflash_dist.model.fast_path import check_fast_path_for_config, check_quantization_for_config
-    from dflash_dist.model.hf import (
+    from dflash_dist.targets.fast_path import check_fast_path_for_config, check_quantization_for_config
+    from dflash_dist.targets.hf import (
         attn_note,
         check_target_paths,
         load_hf_config,

@@ -136,7 +136,7 @@ def auto_split(job, rank: int, world: int, device: torch.device) -> dict:
     members = list(range(world - k, world))
     group = build = None  # one target rank: its own model, nothing to agree on
     if k > 1:
-        from dflash_dist.model.hf import build_target_replica, random_target_dir
+        from dflash_dist.targets.hf import build_target_replica, random_target_dir
         if world <= k:
             from dflash_dist.config import ConfigError
             raise ConfigError(f"topology.target_ranks=auto: a replica of {k} ranks leaves no drafter in a world of "

@@ -24,7 +24,7 @@ from dflash_dist.roles.drafter_rank.compile_guard import batch_shape, dynamo_cou
 from dflash_dist.roles.drafter_rank.startup_report import host_syncs, startup_report
 from dflash_dist.roles.drafter_rank.trainer import LEAKY_MASK_ENV, DrafterTrainer
 from dflash_dist.eval.in_training import LeaderEval, eval_enabled, eval_record, eval_steps
-from dflash_dist.model.families import text_config
+from dflash_dist.targets.families import text_config
 from dflash_dist.planning.memory import plan_rank
 from dflash_dist.role_jobs import DrafterJob
 from dflash_dist.storage import writing
