@@ -13,6 +13,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from dflash_dist.planning.measure import measure_drafter_demand, measure_target_supply
+from dflash_dist.planning.record import plan_record
 from dflash_dist.planning.split import choose_split, format_rates, format_splits, measured_range
 
 if TYPE_CHECKING:
@@ -122,6 +123,16 @@ def check_plan_split(path: str, split: dict, world: int) -> None:
             and 0 <= r["targets"] < world and isinstance(r.get("samples_per_s"), (int, float))
             and not isinstance(r.get("samples_per_s"), bool) and isinstance(r.get("bottleneck"), str) for r in rows):
         raise bad("rows", "a list of {targets, drafters, samples_per_s, bottleneck} rows of this world size")
+
+
+def split_for_job(job, rank: int, world: int, device: torch.device) -> int:
+    """``topology.target_ranks=auto``: sets ``job.auto_split`` (from a dflash-plan plan.json, ``topology.plan``, or
+    measured now) and ``job.plan_record``, its ``kind: plan`` metrics record, built once here for the drafter loop to
+    log; returns the number of target ranks."""
+    job.auto_split = (split_from_plan_file(job.cfg.topology.plan, world) if job.cfg.topology.plan
+                      else auto_split(job, rank, world, device))
+    job.plan_record = plan_record(job.auto_split)
+    return int(job.auto_split["target_ranks"])
 
 
 def auto_split(job, rank: int, world: int, device: torch.device) -> dict:

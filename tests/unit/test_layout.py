@@ -86,6 +86,10 @@ def test_roles_never_import_each_other():
     upward = [(u, v) for u, deps in g.items() if u.startswith(below) for v in deps
               if v.startswith(("dflash_dist.roles", "dflash_dist.cli"))]
     assert upward == []
+    # the roles read the split's plan record from their job; of planning/ they use only the memory arithmetic
+    planning = [(u, v) for u, deps in g.items() if u.startswith("dflash_dist.roles") for v in deps
+                if v.startswith("dflash_dist.planning") and v != "dflash_dist.planning.memory"]
+    assert planning == []
 
 
 def test_the_target_has_its_own_room():
