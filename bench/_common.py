@@ -242,12 +242,12 @@ def drafter_config(name: str, **overrides):
 
 
 def build_target_on_device(tcfg, device: torch.device):
-    """``dflash_dist.model.hf.build_target_model`` with random init done on the device (a torch.device context:
+    """``dflash_dist.targets.hf.build_target_model`` with random init done on the device (a torch.device context:
     transformers creates the parameters there, seconds instead of minutes on CPU for 8B). Falls back to the plain
     call (init on CPU, then .to(device)) if that fails. Returns (model, how, seconds)."""
     import torch
 
-    from dflash_dist.model.hf import build_target_model
+    from dflash_dist.targets.hf import build_target_model
     t0 = time.time()
     if device.type == "cuda" and not tcfg.name_or_path:
         try:

@@ -53,7 +53,7 @@ def adamw_run(variant: str, device: str) -> torch.Tensor:
 def make_capture(device: str):
     """The tiny target's padded eager feature capture (dflash_dist.roles.target_rank.capture.FeatureCapture) on a fixed batch."""
     from dflash_dist.config import default_layer_ids
-    from dflash_dist.model.hf import build_target_model
+    from dflash_dist.targets.hf import build_target_model
     from dflash_dist.roles.target_rank.capture import FeatureCapture
     model = build_target_model(C.target_config("tiny"), device)
     cap = FeatureCapture(model, default_layer_ids(model.config.num_hidden_layers, 5))

@@ -51,7 +51,7 @@ from dflash_dist.model.blocks import make_batch  # noqa: E402
 from dflash_dist.model.compute_weights import Shadows  # noqa: E402
 from dflash_dist.model.compute_weights import resolve_mode as resolve_compute_weights  # noqa: E402
 from dflash_dist.model.drafter import DrafterModelConfig  # noqa: E402
-from dflash_dist.model.hf import load_hf_config, resolve_dtype, text_config  # noqa: E402
+from dflash_dist.targets.hf import load_hf_config, resolve_dtype, text_config  # noqa: E402
 from dflash_dist.model.loss import slot_weights, weighted_ce  # noqa: E402
 from dflash_dist.model.masks import dense_mask, flex_block_mask  # noqa: E402
 from dflash_dist.model.rope import DrafterRope  # noqa: E402

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from dflash_dist.config import default_layer_ids  # noqa: E402
 from dflash_dist.eval.spec_decode import make_dflash_draft_fn, speculative_steps
 from dflash_dist.eval.target_runner import TargetRunner, new_cache
-from dflash_dist.model.hf import head_weights, text_config  # noqa: E402
+from dflash_dist.targets.hf import head_weights, text_config  # noqa: E402
 from dflash_dist.model.spec import resolve_drafter  # noqa: E402
 
 

@@ -2,7 +2,7 @@
 """Where an FP8 target's feature error comes from: per-layer cosine against fp32 of the same random-init model with
 FP8 rounding applied to parts of it (CPU or GPU, no FP8 kernel needed).
 
-The FP8 linear (``model/quant/fp8.py``) rounds each weight row and each token's activations to float8 e4m3 with
+The FP8 linear (``targets/quant/fp8.py``) rounds each weight row and each token's activations to float8 e4m3 with
 one scale per row (``quantize_rows``) and multiplies in higher precision; this script applies the same rounding as
 quantize-dequantize in fp32, to every decoder linear or to some of them, and compares the hidden state after each
 decoder layer (HF ``hidden_states[i+1]``, the capture's "layer i") with the fp32 model's:
@@ -29,7 +29,7 @@ import _common as C  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from dflash_dist.model.quant.fp8 import FP8_DTYPE, FP8_MAX, quantize_rows  # noqa: E402
+from dflash_dist.targets.quant.fp8 import FP8_DTYPE, FP8_MAX, quantize_rows  # noqa: E402
 
 VARIANTS = ("fp8", "fp8_attention", "fp8_mlp", "fp8_weights", "fp8_blocks", "bf16")
 

@@ -35,7 +35,7 @@ MESSAGES = [[30, 25, 40], [18, 22], [300, 200], [60, 41, 17, 9], [1500, 900, 400
 
 
 def run_rule(rule: str, target: str) -> dict:
-    import dflash_dist.model.hf as H
+    import dflash_dist.targets.hf as H
     import dflash_dist.roles.target_rank.capture as T
     from dflash_dist.config import default_layer_ids
     if rule == "unpadded":

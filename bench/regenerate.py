@@ -26,7 +26,7 @@ import _common as C  # noqa: E402
 from dflash_dist.cli.regenerate import prepare_row, regenerate_rows  # noqa: E402
 from dflash_dist.data.conversations import builtin_conversations  # noqa: E402
 from dflash_dist.eval.prompts import eos_token_ids  # noqa: E402
-from dflash_dist.model.hf import TINY_DIR  # noqa: E402
+from dflash_dist.targets.hf import TINY_DIR  # noqa: E402
 
 
 def prompt_items(n: int) -> list:

@@ -58,7 +58,7 @@ def gemm_workload(dev, tokens: int, hidden: int):
 def capture_workload(dev, target: str, samples: int, length: int):
     """The trainer's capture: FeatureCapture over a packed batch of `samples` x `length` tokens."""
     from dflash_dist.config import default_layer_ids
-    from dflash_dist.model.hf import text_config
+    from dflash_dist.targets.hf import text_config
     from dflash_dist.roles.target_rank.capture import build_capture
     tcfg = C.target_config(target)
     model, _, _ = C.build_target_on_device(tcfg, dev)

@@ -9,7 +9,7 @@ attention (``target.packing=on``), ``*_compiled`` = the same with the decoder la
 (``target.compile=true``). The full forward is timed once per (mix, budget), padded, next to the padded row.
 
 Dense mode (default): the Qwen3-8B-shaped random-init bf16 target of ``conf/target/qwen3_8b_random.yaml`` (36
-layers, hidden 4096), built by ``dflash_dist.model.hf.build_target_model`` (random init on the device), capture
+layers, hidden 4096), built by ``dflash_dist.targets.hf.build_target_model`` (random init on the device), capture
 layers ``[1, 9, 17, 25, 33]``. Samples come from ``dflash_dist.data.synthetic`` (random ids; length mixes "550" =
 uniform 275..825 and "256-3072" = uniform 256..3072) and are batched by ``dflash_dist.data.batching.build_plan`` under a
 token budget (``n * max_len <= budget``), padded by ``target_loop.pad_batch``: exactly what a target rank runs.
@@ -63,7 +63,7 @@ import torch  # noqa: E402
 from dflash_dist.config import TargetConfig, default_layer_ids  # noqa: E402
 from dflash_dist.data.batching import build_plan  # noqa: E402
 from dflash_dist.data.synthetic import synthetic_dataset  # noqa: E402
-from dflash_dist.model.hf import text_config  # noqa: E402
+from dflash_dist.targets.hf import text_config  # noqa: E402
 from dflash_dist.roles.target_rank.batch import pad_batch  # noqa: E402
 from dflash_dist.roles.target_rank.capture import FeatureCapture, packed_stats  # noqa: E402
 from dflash_dist.telemetry.flops import nominal_peak_tflops, target_forward_flops  # noqa: E402
@@ -172,7 +172,7 @@ def shape_target_config(shape: str, tiny: bool, dev_type: str, max_batch_tokens:
 
 
 def layer_matmul_params(model) -> int:
-    from dflash_dist.model.hf import decoder_layers
+    from dflash_dist.targets.hf import decoder_layers
     _, layers = decoder_layers(model)
     return sum(p.numel() for p in layers[0].parameters() if p.dim() >= 2)
 
@@ -181,7 +181,7 @@ def approx_flops(tc, per_layer_params: int, layers_run: int, batches: list, lm_h
     """Forward FLOPs over the batches as they run, [(b, S), ...]: with ``model``, ``flops.target_capture_flops``
     (active experts, linear-attention layers, sliding windows); else the dense formula."""
     if model is not None:
-        from dflash_dist.model.hf import decoder_layers
+        from dflash_dist.targets.hf import decoder_layers
         from dflash_dist.telemetry.flops import target_capture_flops, target_layers_profile
         _, layers = decoder_layers(model)
         return target_capture_flops(target_layers_profile(list(layers)[:layers_run], tc), tc, batches, lm_head)
@@ -307,7 +307,7 @@ def main(argv=None) -> int:
               "warmup_passes": args.warmup, "repeats": args.repeats, "variants": variants, "rows": [],
               "skipped": []}
     if args.shape:
-        from dflash_dist.model.fast_path import check_target_fast_path
+        from dflash_dist.targets.fast_path import check_target_fast_path
         fp = check_target_fast_path(model, "allow", dev.type)
         ex = fp.get("experts") or {}
         result.update({"fast_path": fp, "fast_path_summary": fp["summary"],
@@ -318,7 +318,7 @@ def main(argv=None) -> int:
         C.log(f"experts implementation bound: {ex.get('implementation')}")
         C.write_json(args.out, result)
     if args.hybrid:
-        from dflash_dist.model.fast_path import check_target_fast_path
+        from dflash_dist.targets.fast_path import check_target_fast_path
         fp = check_target_fast_path(model, "allow", dev.type)
         result.update({"hf_config": hf, "hf_config_dropped_keys": dropped, "fast_path": fp,
                        "kernel_packages": packages,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """FP8 target capture vs bf16, in one run on one model: tok/s of the packed + compiled capture (``FeatureCapture``,
 as a target rank runs it) for each length mix, bf16 first, then the same model's decoder linears quantized on load
-(``target.quantization=fp8``: ``model.quant.quantize_linears``, float8 e4m3 weights per output channel, per-token
+(``target.quantization=fp8``: ``targets.quant.quantize_linears``, float8 e4m3 weights per output channel, per-token
 activation scales, ``torch._scaled_mm`` with fast accumulation; ``--exact-accum`` adds rows without it); the
 per-layer cosine of the FP8 features against the bf16 ones (and of both against fp32) on a few samples; the
 fast-path line (it names the FP8 GEMM kernel bound). MFU: bf16 rows against the bf16 peak, FP8 rows
@@ -27,11 +27,11 @@ import torch  # noqa: E402
 from dflash_dist.config import default_layer_ids  # noqa: E402
 from dflash_dist.data.batching import build_plan  # noqa: E402
 from dflash_dist.data.synthetic import synthetic_dataset  # noqa: E402
-from dflash_dist.model.fast_path import check_target_fast_path  # noqa: E402
-from dflash_dist.model.hf import decoder_layers, text_config  # noqa: E402
-from dflash_dist.model.quant.compare import layer_cosines  # noqa: E402
-from dflash_dist.model.quant.fp8 import default_kernel  # noqa: E402
-from dflash_dist.model.quant.load import quantize_linears  # noqa: E402
+from dflash_dist.targets.fast_path import check_target_fast_path  # noqa: E402
+from dflash_dist.targets.hf import decoder_layers, text_config  # noqa: E402
+from dflash_dist.targets.quant.compare import layer_cosines  # noqa: E402
+from dflash_dist.targets.quant.fp8 import default_kernel  # noqa: E402
+from dflash_dist.targets.quant.load import quantize_linears  # noqa: E402
 from dflash_dist.roles.target_rank.batch import pad_batch  # noqa: E402
 from dflash_dist.roles.target_rank.capture import FeatureCapture  # noqa: E402
 from dflash_dist.telemetry.flops import nominal_peak_tflops  # noqa: E402

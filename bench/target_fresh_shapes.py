@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 from dflash_dist.config import default_layer_ids  # noqa: E402
-from dflash_dist.model.hf import text_config  # noqa: E402
+from dflash_dist.targets.hf import text_config  # noqa: E402
 from dflash_dist.roles.target_rank.capture import FeatureCapture  # noqa: E402
 
 VARIANTS = {"padded": (False, False), "padded_compiled": (False, True), "packed": (True, False),
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     layer_ids = tcfg.layer_ids or default_layer_ids(tc.num_hidden_layers, tcfg.num_feature_layers)
     res = {"bench": "target_fresh_shapes", "env": C.env_info(dev), "target": args.target, "rows": []}
     if any(k in args.target for k in ("next", "hybrid")):
-        from dflash_dist.model.fast_path import check_target_fast_path
+        from dflash_dist.targets.fast_path import check_target_fast_path
         res["fast_path"] = check_target_fast_path(model, tcfg.fast_path, dev.type)["summary"]
         C.log(f"target kernels: {res['fast_path']}")
     for seed, name in enumerate(args.variants.split(",")):

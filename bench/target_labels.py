@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from dflash_dist.config import TargetConfig, default_layer_ids
-from dflash_dist.model.hf import build_target_model
+from dflash_dist.targets.hf import build_target_model
 from dflash_dist.paths import CONF_DIR
 from dflash_dist.roles.target_rank.capture import FeatureCapture
 from dflash_dist.roles.target_rank.loop import capture_flops_fn

@@ -38,7 +38,7 @@ from pipeline import add_job_args, finish_job_args, overrides  # noqa: E402
 # Imported here, in the main thread: a first import inside a thread races the other thread's import of
 # torch._dynamo (importlib's module lock reports a deadlock).
 from dflash_dist.comm.transport import Message  # noqa: E402
-from dflash_dist.model.fast_path import check_target_fast_path  # noqa: E402
+from dflash_dist.targets.fast_path import check_target_fast_path  # noqa: E402
 from dflash_dist.roles.target_rank.batch import pad_batch  # noqa: E402
 from dflash_dist.roles.target_rank.capture import build_capture  # noqa: E402
 

@@ -23,7 +23,7 @@ import _common as C  # noqa: F401  (puts the repository on sys.path)
 from dflash_dist.data.conversations import REGENERATED_JSONL
 from dflash_dist.data.sources import read_conversations
 from dflash_dist.data.tokenize import BadDataStats, build_tokenized_dataset
-from dflash_dist.model.hf import TINY_DIR
+from dflash_dist.targets.hf import TINY_DIR
 
 
 def time_one(convs: list, tokenizer: str, workers: int, max_length: int) -> float:

@@ -55,6 +55,7 @@ class Job:
     life: object = None   # lifecycle.Lifecycle: signals, stop agreement, failure reports
     sample_lengths: Optional[list] = None  # token length of every sample (plan shapes for the compile guard)
     auto_split: Optional[dict] = None  # topology.target_ranks=auto: measured rates and the chosen split (plan.json)
+    plan_record: Optional[dict] = None  # auto_split's ``kind: plan`` metrics record, built once with it
     identity: Optional[dict] = None    # what the run belongs to (checkpoint.identity), recorded in every checkpoint
     epoch_messages: int = 0            # messages of the first epoch of the plan
     epochs_messages: int = 0           # messages of train.epochs epochs of the plan
@@ -115,8 +116,8 @@ def check_job_config(cfg: JobConfig, world_size: Optional[int], device_type: str
     skips the checks of the split. Returns what they resolved."""
     from transformers import AutoTokenizer
 
-    from dflash_dist.model.fast_path import check_fast_path_for_config, check_quantization_for_config
-    from dflash_dist.model.hf import (
+    from dflash_dist.targets.fast_path import check_fast_path_for_config, check_quantization_for_config
+    from dflash_dist.targets.hf import (
         attn_note,
         check_target_paths,
         load_hf_config,
@@ -307,10 +308,8 @@ def setup(cfg: JobConfig) -> Job:
     if rank == 0:
         write_run_files(job)
     if auto:  # from a dflash-plan plan.json (topology.plan), or measured now
-        from dflash_dist.planning.startup import auto_split, split_from_plan_file
-        job.auto_split = (split_from_plan_file(cfg.topology.plan, world) if cfg.topology.plan
-                          else auto_split(job, rank, world, device))
-        t = int(job.auto_split["target_ranks"])
+        from dflash_dist.planning.startup import split_for_job
+        t = split_for_job(job, rank, world, device)
     topo = topology(t)
     setup_logging(rank, topo.role)
     job.dist = make_groups(topo, device, timeout_s, ctrl, heads=cfg.drafter.tuning.loss_on_target)

@@ -68,7 +68,9 @@ class DrafterJob(RoleJob):
     identity: dict
     """What the run belongs to (checkpoint.identity), recorded in every checkpoint."""
     auto_split: Optional[dict]
-    """topology.target_ranks=auto: the measured rates and the chosen split, logged once."""
+    """topology.target_ranks=auto: the measured rates and the chosen split (the planned rate it is checked against)."""
+    plan_record: Optional[dict]
+    """The split's ``kind: plan`` metrics record, built by the job with the split; the loop logs it once."""
 
 
 def role_view(job, role: str, local=None) -> RoleJob:

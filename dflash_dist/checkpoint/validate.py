@@ -59,7 +59,7 @@ def bounds() -> dict[str, int]:
 MAX_LAYER_ID = 4096
 CHECKPOINT_FILES = ("model.safetensors", "optimizer.pt")
 # attention / experts implementations transformers runs from its own code or an installed package (no Hub kernel
-# download); "auto" resolves to one of them (model/hf.resolve_attn_implementation)
+# download); "auto" resolves to one of them (targets/hf.resolve_attn_implementation)
 LOCAL_ATTENTION = ("auto", "eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "paged|eager")
 LOCAL_EXPERTS = ("eager", "batched_mm", "grouped_mm")
 

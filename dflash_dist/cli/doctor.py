@@ -236,7 +236,7 @@ def check_config(doc: Doctor, overrides: list[str], world_size: Optional[int] = 
     from dflash_dist.config import ConfigError, JobConfig, compose_config, resolve_device
     from dflash_dist.data.conversations import DataError
     from dflash_dist.job import check_job_config
-    from dflash_dist.model.hf import resolve_source
+    from dflash_dist.targets.hf import resolve_source
     cfg = JobConfig.from_omegaconf(compose_config(overrides, CONF_DIR))
     doc.cfg = cfg
     t = cfg.target

@@ -23,7 +23,7 @@ def _target_needs_kernels(doc) -> bool:
     """True when the configured target is hybrid and its fast-path policy requires the kernels on CUDA."""
     if doc.cfg is None or doc.hf_config is None:
         return False
-    from dflash_dist.model.fast_path import check_fast_path_for_config, resolve_policy
+    from dflash_dist.targets.fast_path import check_fast_path_for_config, resolve_policy
     if resolve_policy(doc.cfg.target.fast_path, "cuda") != "require":
         return False
     try:

@@ -31,9 +31,9 @@ def compare_quantization(cfg, hf_config, reference: Optional[str], n_samples: in
 
     from dflash_dist.config import default_layer_ids, resolve_device
     from dflash_dist.data.synthetic import synthetic_dataset
-    from dflash_dist.model.hf import build_target_model, load_hf_config, text_config
-    from dflash_dist.model.quant import FP8Linear, checkpoint_format, quantization_report, target_is_fp8
-    from dflash_dist.model.quant.compare import layer_cosines
+    from dflash_dist.targets.hf import build_target_model, load_hf_config, text_config
+    from dflash_dist.targets.quant import FP8Linear, checkpoint_format, quantization_report, target_is_fp8
+    from dflash_dist.targets.quant.compare import layer_cosines
     t = cfg.target
     hf_config = hf_config or load_hf_config(t)
     if not target_is_fp8(t, hf_config):

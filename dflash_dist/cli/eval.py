@@ -180,8 +180,8 @@ def _run(args) -> int:
 def _evaluate(args, device: str, replica: Optional[EvalReplica]) -> int:
     from transformers import AutoTokenizer
 
-    from dflash_dist.model.hf import build_target_model, tokenizer_path
-    from dflash_dist.model.quant import quantization_report
+    from dflash_dist.targets.hf import build_target_model, tokenizer_path
+    from dflash_dist.targets.quant import quantization_report
     feeder = replica is None or replica.is_feeder
     if not feeder:
         logging.getLogger().setLevel(logging.WARNING)

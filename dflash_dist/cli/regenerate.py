@@ -359,7 +359,7 @@ def _run(args) -> int:
     from transformers import AutoTokenizer
 
     from dflash_dist.eval.prompts import eos_token_ids
-    from dflash_dist.model.hf import build_target_model, text_config, tokenizer_path
+    from dflash_dist.targets.hf import build_target_model, text_config, tokenizer_path
 
     if args.max_new_tokens < 1 or (args.batch_size is not None and args.batch_size < 1) or args.temperature < 0:
         raise ConfigError("--max-new-tokens and --batch-size must be >= 1, --temperature >= 0")

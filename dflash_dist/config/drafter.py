@@ -262,7 +262,7 @@ class DrafterConfig:
     mask_token_id: Optional[int] = None
     """Token id of MASK. None: the tokenizer's mask token (``<|MASK|>``/``mask_token``), else the first embedding
     row no token uses (Qwen3), else the highest-id special token the chat template does not use (SmolLM2:
-    ``<empty_output>``, 16; model/hf.py ``resolve_mask_token_id``); the checkpoint and the export record it."""
+    ``<empty_output>``, 16; targets/hf.py ``resolve_mask_token_id``); the checkpoint and the export record it."""
 
     attention_backend: Literal["auto", "flex", "sdpa"] = "auto"
     """flex (compiled flex_attention + BlockMask; CUDA default), sdpa (dense bool mask; needed on CPU:

@@ -36,7 +36,7 @@ def eos_token_ids(tokenizer, hf_config=None) -> list[int]:
                 ids.append(int(i))
 
     if hf_config is not None:
-        from dflash_dist.model.hf import text_config
+        from dflash_dist.targets.hf import text_config
         add(getattr(text_config(hf_config), "eos_token_id", None))
         add(getattr(hf_config, "eos_token_id", None))
     if tokenizer is not None:
@@ -193,7 +193,7 @@ def load_drafter(checkpoint: Optional[str] = None, export: Optional[str] = None,
 
 
 def check_pair(target, setup: EvalSetup) -> None:
-    from dflash_dist.model.hf import decoder_layers, text_config
+    from dflash_dist.targets.hf import decoder_layers, text_config
     tc = text_config(target.config)
     dc = setup.drafter.config
     n_layers = len(decoder_layers(target)[1])

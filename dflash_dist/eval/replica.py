@@ -37,12 +37,12 @@ def whole_head(job, model) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """(embedding, lm_head) [V, H] whole, for the drafter of an evaluation on this target: (None, None) on a
     single-rank target (speculative_steps takes the model's own); on a replica's rank, read by key from the
     checkpoint it was loaded from (the model's are shards)."""
-    from dflash_dist.model.hf import load_head_from_checkpoint, random_target_dir, resolve_source
+    from dflash_dist.targets.hf import load_head_from_checkpoint, random_target_dir, resolve_source
     topo = job.dist.topo
     if topo.tp == 1:
         return None, None
     path, _ = resolve_source(job.cfg.target)
-    if path is None:  # random init: the checkpoint the replica was loaded from (model/hf.py build_target_replica)
+    if path is None:  # random init: the checkpoint the replica was loaded from (targets/hf.py build_target_replica)
         path = random_target_dir(job.run_dir, topo.node_of(topo.rank))
     tied = bool(getattr(job.hf_config, "tie_word_embeddings", False))
     embed, head = load_head_from_checkpoint(path, tied)
@@ -139,7 +139,7 @@ class EvalReplica:
         temporary directory first (removed by ``close``). Returns (model, the checkpoint directory)."""
         import tempfile
 
-        from dflash_dist.model.hf import build_target_replica, resolve_source
+        from dflash_dist.targets.hf import build_target_replica, resolve_source
         tcfg.name_or_path = where
         path, _ = resolve_source(tcfg)
         if path is None:
@@ -161,7 +161,7 @@ class EvalReplica:
         the other ranks: the receiving end. Returns (draft function, embed, lm_head) (None, None on followers)."""
         if not self.is_feeder:
             return receiving(block_size, 0, self.ctrl), None, None
-        from dflash_dist.model.hf import load_head_from_checkpoint
+        from dflash_dist.targets.hf import load_head_from_checkpoint
         embed, head = load_head_from_checkpoint(checkpoint_dir, tied)
         dev = torch.device(self.device, torch.cuda.current_device()) if self.device == "cuda" else torch.device("cpu")
         embed, head = embed.to(dev, dtype), head.to(dev, dtype)

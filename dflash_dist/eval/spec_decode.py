@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_dist.eval.target_runner import TargetRunner, cache_supported, crop_cache, new_cache
-from dflash_dist.model.hf import head_weights
+from dflash_dist.targets.hf import head_weights
 from dflash_dist.model.masks import dense_mask
 
 __all__ = ["TargetRunner", "make_dflash_draft_fn", "speculative_generate", "speculative_steps", "target_greedy",

@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
-from dflash_dist.model.hf import decoder_layers, text_config
+from dflash_dist.targets.hf import decoder_layers, text_config
 
 
 def _forward_params(model) -> set:

@@ -107,7 +107,7 @@ def mask_token_string(tokenizer: Any, mask_token_id: int) -> str:
     refuses a ``mask_token`` whose tokenizer id differs; versions that read only the string look it up in the
     tokenizer and, when absent, add it as a special token (id ``len(tokenizer)``). So: the id's own token when the
     tokenizer has one; ``<|MASK|>`` (SGLang's default) for the first id past the tokenizer (the spare embedding
-    row ``model.hf.resolve_mask_token_id`` falls back to) when the tokenizer lacks ``<|MASK|>``; otherwise no string
+    row ``targets.hf.resolve_mask_token_id`` falls back to) when the tokenizer lacks ``<|MASK|>``; otherwise no string
     names the id and the export is refused."""
     mid = int(mask_token_id)
     vocab = tokenizer.get_vocab()

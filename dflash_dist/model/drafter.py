@@ -34,7 +34,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflash_dist.config import ConfigError
 from dflash_dist.config.drafter import check_flex_backend
-from dflash_dist.model.families import family_for
+from dflash_dist.targets.families import family_for
 from dflash_dist.model.lazy_compile import lazy_compile
 from dflash_dist.model.masks import window_mask
 from dflash_dist.model.rope import DrafterRope, drafter_rope_parameters

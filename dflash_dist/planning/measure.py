@@ -49,8 +49,8 @@ def measure_target_supply(job, device: torch.device, batches: Optional[int] = No
     on the number of timed rounds (their forwards are collectives)."""
     from dflash_dist.comm.distributed import any_rank
     from dflash_dist.data.tokenize import TokenizedDataset
-    from dflash_dist.model.fast_path import check_target_fast_path
-    from dflash_dist.model.hf import build_target_model
+    from dflash_dist.targets.fast_path import check_target_fast_path
+    from dflash_dist.targets.hf import build_target_model
     from dflash_dist.roles.target_rank.batch import pad_batch
     from dflash_dist.roles.target_rank.capture import build_capture
     cfg = job.cfg
@@ -95,7 +95,7 @@ def random_head_weights(job, device: torch.device) -> tuple:
     drafter alone trains with in place of the target's (the step's cost is the same)."""
     import torch
 
-    from dflash_dist.model.hf import resolve_dtype, text_config
+    from dflash_dist.targets.hf import resolve_dtype, text_config
     tc = text_config(job.hf_config)
     dtype = resolve_dtype(job.cfg.target.dtype, device.type)
     g = torch.Generator(device=device).manual_seed(job.cfg.target.init_seed)
@@ -134,7 +134,7 @@ def measure_drafter_demand(job, device: torch.device, steps: Optional[int] = Non
     from dflash_dist.config import resolve_backend
     from dflash_dist.data.tokenize import TokenizedDataset
     from dflash_dist.roles.drafter_rank.trainer import DrafterTrainer
-    from dflash_dist.model.hf import text_config
+    from dflash_dist.targets.hf import text_config
     cfg = job.cfg
     ks = calibration_messages(job, steps or cfg.topology.plan_drafter_steps)
     embed, head = random_head_weights(job, device)

@@ -94,7 +94,7 @@ def target_param_count(hf_config: Any) -> int:
     """Parameters of the target's causal LM (its text model for a multimodal wrapper), built on the meta device."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_dist.model.hf import causal_lm_config
+    from dflash_dist.targets.hf import causal_lm_config
     return _meta_numel(lambda: AutoModelForCausalLM.from_config(causal_lm_config(hf_config)))
 
 
@@ -503,7 +503,7 @@ def choose_parallel(cfg: JobConfig, hf_config: Any, spec: Any, device: str, num_
     """``drafter.parallel=auto`` on a drafter (or colocated) rank of a job with ``num_drafters``: (``fsdp``, why)
     where the rank's DDP plan does not fit its device (a GPU's memory; on CPU the machine's available memory,
     shared by this node's ranks, ``LOCAL_WORLD_SIZE``) and FSDP is allowed, else (``ddp``, why)."""
-    from dflash_dist.model.hf import text_config
+    from dflash_dist.targets.hf import text_config
     if num_drafters <= 1:
         return "ddp", "one drafter rank, nothing to shard"
     if not fsdp_allowed(cfg):

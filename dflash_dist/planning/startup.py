@@ -13,6 +13,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from dflash_dist.planning.measure import measure_drafter_demand, measure_target_supply
+from dflash_dist.planning.record import plan_record
 from dflash_dist.planning.split import choose_split, format_rates, format_splits, measured_range
 
 if TYPE_CHECKING:
@@ -124,6 +125,16 @@ def check_plan_split(path: str, split: dict, world: int) -> None:
         raise bad("rows", "a list of {targets, drafters, samples_per_s, bottleneck} rows of this world size")
 
 
+def split_for_job(job, rank: int, world: int, device: torch.device) -> int:
+    """``topology.target_ranks=auto``: sets ``job.auto_split`` (from a dflash-plan plan.json, ``topology.plan``, or
+    measured now) and ``job.plan_record``, its ``kind: plan`` metrics record, built once here for the drafter loop to
+    log; returns the number of target ranks."""
+    job.auto_split = (split_from_plan_file(job.cfg.topology.plan, world) if job.cfg.topology.plan
+                      else auto_split(job, rank, world, device))
+    job.plan_record = plan_record(job.auto_split)
+    return int(job.auto_split["target_ranks"])
+
+
 def auto_split(job, rank: int, world: int, device: torch.device) -> dict:
     """``topology.target_ranks=auto`` on every rank of the job (after the data plan, before the role groups):
     returns the same dict on every rank (``target_ranks`` is the split); rank 0 logs it and writes plan.json."""
@@ -136,7 +147,7 @@ def auto_split(job, rank: int, world: int, device: torch.device) -> dict:
     members = list(range(world - k, world))
     group = build = None  # one target rank: its own model, nothing to agree on
     if k > 1:
-        from dflash_dist.model.hf import build_target_replica, random_target_dir
+        from dflash_dist.targets.hf import build_target_replica, random_target_dir
         if world <= k:
             from dflash_dist.config import ConfigError
             raise ConfigError(f"topology.target_ranks=auto: a replica of {k} ranks leaves no drafter in a world of "

@@ -125,7 +125,7 @@ def target_layers_profile(layers, tc) -> dict:
             routed += sum(p.numel() for p in params) * (k / max(n_exp, 1))
             expert_params.update(id(p) for p in mod.parameters())
         dense += sum(p.numel() for p in layer.parameters() if p.dim() >= 2 and id(p) not in expert_params)
-        # FP8 linears (model/quant) hold their weights as 2-D buffers: the same matmuls
+        # FP8 linears (targets/quant) hold their weights as 2-D buffers: the same matmuls
         dense += sum(b.numel() for n, b in layer.named_buffers() if b.dim() == 2 and n.endswith("weight"))
         attn = getattr(layer, "self_attn", None)
         if attn is not None:
@@ -174,7 +174,7 @@ def target_peak_tflops(cfg, hf_config, device) -> Optional[float]:
     """The peak the target's capture MFU is counted against: the bf16 peak (``logging.peak_tflops`` or the vendor
     figure), or for an FP8 target (``target.quantization=fp8`` or a pre-quantized checkpoint) the FP8 one (twice
     ``logging.peak_tflops`` when that is set: dense FP8 runs at 2x bf16 on every GPU with FP8 tensor cores)."""
-    from dflash_dist.model.quant import target_is_fp8
+    from dflash_dist.targets.quant import target_is_fp8
     fp8 = target_is_fp8(cfg.target, hf_config)
     if cfg.logging.peak_tflops:
         return cfg.logging.peak_tflops * (2 if fp8 else 1)

@@ -12,7 +12,7 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_dist.model.hf import TINY_DIR
+from dflash_dist.targets.hf import TINY_DIR
 
 FP8_MAX = 448.0
 PROJ = re.compile(r"layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")

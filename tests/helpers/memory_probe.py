@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the helpers package
 import helpers.standalone_drafter as S  # noqa: E402
 
-from dflash_dist.model.hf import text_config  # noqa: E402
+from dflash_dist.targets.hf import text_config  # noqa: E402
 from dflash_dist.planning.memory import drafter_plan  # noqa: E402
 
 

@@ -66,7 +66,7 @@ def make_job(cfg, world_size: int, device: torch.device, run_dir: str):
     from dflash_dist.config import validate_job
     from dflash_dist.data.batching import build_plan
     from dflash_dist.data.synthetic import synthetic_dataset
-    from dflash_dist.model.hf import load_hf_config, resolve_mask_token_id, text_config, tokenizer_path
+    from dflash_dist.targets.hf import load_hf_config, resolve_mask_token_id, text_config, tokenizer_path
     from dflash_dist.model.spec import resolve_drafter
     if not cfg.data.source.startswith("synthetic:"):
         raise SystemExit("the standalone drafter needs data.source=synthetic:...")
@@ -98,7 +98,7 @@ def make_trainer(job):
     """``DrafterTrainer`` for job: a checkpoint target's embedding / lm_head read from it, a random-init target's
     made here (the real drafter receives them from the target rank: same shapes and dtype)."""
     from dflash_dist.roles.drafter_rank.trainer import DrafterTrainer
-    from dflash_dist.model.hf import resolve_source
+    from dflash_dist.targets.hf import resolve_source
     from dflash_dist.planning.measure import random_head_weights
     path, _ = resolve_source(job.cfg.target)
     return DrafterTrainer(job, head_weights=None if path is not None else random_head_weights(job, job.dist.device))

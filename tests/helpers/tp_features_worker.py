@@ -18,15 +18,15 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the helpers package
 
 from dflash_dist.config import TargetConfig
-from dflash_dist.model.hf import build_target_model, build_target_replica, local_parameter_bytes, resolve_source
-from dflash_dist.model.quant import FP8Linear
+from dflash_dist.targets.hf import build_target_model, build_target_replica, local_parameter_bytes, resolve_source
+from dflash_dist.targets.quant import FP8Linear
 from dflash_dist.roles.target_rank.capture import FeatureCapture
 
 TINY = {"model_type": "qwen3", "vocab_size": 2048, "hidden_size": 128, "intermediate_size": 384,
         "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
         "tie_word_embeddings": False}
 # Qwen3-MoE-shaped (the 235B-A22B family): the experts split over the replica by transformers' tensor-parallel
-# plan ("moe_tp_experts", up to 5.24) or its expert-parallel plan (5.25: model/hf.py _expert_split)
+# plan ("moe_tp_experts", up to 5.24) or its expert-parallel plan (5.25: targets/hf.py _expert_split)
 TINY_MOE = {**TINY, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
             "decoder_sparse_step": 1, "mlp_only_layers": []}
 

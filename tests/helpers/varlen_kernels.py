@@ -15,7 +15,7 @@ import types
 
 import torch
 
-from dflash_dist.model.families.hybrid_packing import bound_kernel, linear_layers
+from dflash_dist.targets.families.hybrid_packing import bound_kernel, linear_layers
 
 
 def _fake_fla(reference, honor: bool):
@@ -79,7 +79,7 @@ def _wrapped(name: str, package: str, torch_fn, fake):
 @contextlib.contextmanager
 def bound_varlen_kernels(model, honor: bool = True):
     """While open: the model's GatedDeltaNet prefill kernels are the stand-ins (see the module docstring)."""
-    from dflash_dist.model.hf import decoder_layers
+    from dflash_dist.targets.hf import decoder_layers
     linear = linear_layers(list(decoder_layers(model)[1]))
     modeling = sys.modules[type(linear[0]).__module__]
     chunk_ref = bound_kernel(modeling.torch_chunk_gated_delta_rule)

@@ -44,7 +44,7 @@ def test_family_trains_exports_reloads(family, tmp_path):
     from dflash_dist.export.load import load_export
     from dflash_dist.config import TargetConfig
     from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
-    from dflash_dist.model.hf import build_target_model
+    from dflash_dist.targets.hf import build_target_model
 
     conf, rope_type, says = FAMILIES[family]
     r = torchrun(2, ["-m", "dflash_dist.train", f"train.output_dir={tmp_path}", f"target={conf}", "drafter=tiny",

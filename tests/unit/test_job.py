@@ -14,7 +14,7 @@ from dflash_dist import job as jobmod
 from dflash_dist.checkpoint import identity as ident
 from dflash_dist.config import ConfigError, JobConfig
 from dflash_dist.data.conversations import REGENERATED_JSONL, DataError
-from dflash_dist.model.hf import TINY_DIR, check_target_paths
+from dflash_dist.targets.hf import TINY_DIR, check_target_paths
 
 
 def cfg(**train):
@@ -264,7 +264,7 @@ def test_max_length_beyond_the_targets_positions_is_refused_before_any_model_loa
 
     from helpers.standalone_drafter import compose_job_config
 
-    from dflash_dist.model import hf
+    from dflash_dist.targets import hf
 
     def no_model(*a, **k):
         raise AssertionError("a model was built")

@@ -81,10 +81,35 @@ def test_roles_never_import_each_other():
     crossing = [(u, v) for u, deps in g.items() for v in deps if {_room(u), _room(v)} == roles]
     assert crossing == []
     # what sits below the roles never reaches up into them
-    below = ("dflash_dist.model", "dflash_dist.comm", "dflash_dist.data", "dflash_dist.telemetry")
+    below = ("dflash_dist.model", "dflash_dist.targets", "dflash_dist.comm", "dflash_dist.data",
+             "dflash_dist.telemetry")
     upward = [(u, v) for u, deps in g.items() if u.startswith(below) for v in deps
               if v.startswith(("dflash_dist.roles", "dflash_dist.cli"))]
     assert upward == []
+    # the roles read the split's plan record from their job; of planning/ they use only the memory arithmetic
+    planning = [(u, v) for u, deps in g.items() if u.startswith("dflash_dist.roles") for v in deps
+                if v.startswith("dflash_dist.planning") and v != "dflash_dist.planning.memory"]
+    assert planning == []
+
+
+def test_the_target_has_its_own_room():
+    """targets/ (the frozen target's loading: HF construction, its files' checks, families, FP8, fast path) sits
+    below the drafter's modelling (model/), which reads only its families: nothing in targets/ imports model/,
+    planning/, the job or the roles."""
+    g = import_graph()
+    assert {m for m in g if m.startswith("dflash_dist.targets.")} >= {
+        "dflash_dist.targets.hf", "dflash_dist.targets.fast_path", "dflash_dist.targets.target_files",
+        "dflash_dist.targets.families", "dflash_dist.targets.quant"}
+    up = ("dflash_dist.model", "dflash_dist.planning", "dflash_dist.roles", "dflash_dist.cli", "dflash_dist.eval",
+          "dflash_dist.export", "dflash_dist.job", "dflash_dist.role_jobs", "dflash_dist.train")
+    reaching = [(u, v) for u, deps in g.items() if u.startswith("dflash_dist.targets") for v in deps
+                if v.startswith(up)]
+    assert reaching == []
+    drafter_side = [(u, v) for u, deps in g.items() if u.startswith("dflash_dist.model") for v in deps
+                    if v.startswith("dflash_dist.targets") and not v.startswith("dflash_dist.targets.families")]
+    assert drafter_side == []
+    assert not [m for m in g if m.startswith("dflash_dist.model.") and m.split(".")[2] in
+                ("hf", "fast_path", "target_files", "families", "quant")]
 
 
 def test_no_room_is_named_like_build_output():
@@ -229,7 +254,7 @@ def test_call_finder_finds_calls():
 
 def test_job_module_builds_the_job_only():
     """job.py builds the job: data preparation (data/prepare.py), run resolution and resume (checkpoint/resume.py)
-    and the target's lookups (model/hf.py) live beside what they are about."""
+    and the target's lookups (targets/hf.py) live beside what they are about."""
     with open(os.path.join(PKG, "job.py")) as f:
         n = len(f.read().splitlines())
     assert n <= 320, f"dflash_dist/job.py has {n} lines"

@@ -31,7 +31,7 @@ try:
     elif which == "data_cache":
         from dflash_dist.config import DataConfig
         from dflash_dist.data.prepare import build_dataset
-        from dflash_dist.model.hf import TINY_DIR
+        from dflash_dist.targets.hf import TINY_DIR
         build_dataset(DataConfig(), root + "/run/data_cache", TINY_DIR, 2048, "k")
     elif which == "metrics":
         from dflash_dist.config import WandbConfig

@@ -24,7 +24,7 @@ from dflash_dist.roles.drafter_rank.compile_guard import batch_shape, dynamo_cou
 from dflash_dist.roles.drafter_rank.startup_report import host_syncs, startup_report
 from dflash_dist.roles.drafter_rank.trainer import LEAKY_MASK_ENV, DrafterTrainer
 from dflash_dist.eval.in_training import LeaderEval, eval_enabled, eval_record, eval_steps
-from dflash_dist.model.families import text_config
+from dflash_dist.targets.families import text_config
 from dflash_dist.planning.memory import plan_rank
 from dflash_dist.role_jobs import DrafterJob
 from dflash_dist.storage import writing
@@ -119,9 +119,8 @@ class DrafterRun:
         self.total_steps = job.start_step + self.steps
         self.writer = MetricsWriter(job.run_dir, self.cfg.to_dict(), self.cfg.logging.wandb, self.total_steps,
                                     self.topo.is_leader, self.cfg.logging.progress_bar)
-        if job.auto_split is not None:  # topology.target_ranks=auto: the measured rates and the split, once
-            from dflash_dist.planning.record import plan_record
-            self.writer.log(job.start_step, plan_record(job.auto_split), kind="plan")
+        if job.plan_record is not None:  # topology.target_ranks=auto: the measured rates and the split, once
+            self.writer.log(job.start_step, job.plan_record, kind="plan")
         self.connect()
         mine = list(self.topo.drafter_messages(self.run_messages))
         self.pending = self.rx.post(self.topo.target_for(mine[0]), job.start_cursor + mine[0]) if mine else None

@@ -35,7 +35,7 @@ from dflash_dist.roles.drafter_rank.parallel import resolve_mode as resolve_para
 from dflash_dist.model.blocks import make_batch, split_anchors, target_labels
 from dflash_dist.model.compute_weights import Shadows
 from dflash_dist.model.compute_weights import resolve_mode as resolve_compute_weights
-from dflash_dist.model.hf import load_head_from_checkpoint, resolve_dtype, resolve_source, text_config
+from dflash_dist.targets.hf import load_head_from_checkpoint, resolve_dtype, resolve_source, text_config
 from dflash_dist.model.loss import LossParts
 from dflash_dist.model.masks import dense_mask, flex_block_mask, layer_masks, visible_pairs
 from dflash_dist.telemetry.flops import attention_flops_per_pair, drafter_step_flops

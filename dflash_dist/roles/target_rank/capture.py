@@ -15,7 +15,7 @@ window (document-causal and ``q - kv < window``, transformers' ``sliding_window_
 function picks it by the ``sliding_window`` the layer passes; and for attention sinks (gpt-oss ``s_aux``): the
 flex output is renormalised with the sink logit through flex's log-sum-exp, as transformers' flex path does.
 MoE attention-only targets pack like dense ones (the experts see tokens, not rows). Linear-attention (hybrid)
-layers pack through the varlen forms of their fast kernels (``model/families/hybrid_packing.py``: the row's sample
+layers pack through the varlen forms of their fast kernels (``targets/families/hybrid_packing.py``: the row's sample
 boundaries as fla's ``cu_seqlens`` and causal-conv1d's ``seq_idx``), so their recurrent and convolution state restart
 at every sample; without those kernels packing is refused and such targets run padded.
 """
@@ -35,8 +35,8 @@ except ImportError:  # pragma: no cover
     AuxRequest = None
 
 from dflash_dist.config import ConfigError, TargetConfig
-from dflash_dist.model.families import family_for, hybrid_packing, text_config
-from dflash_dist.model.hf import decoder_layers
+from dflash_dist.targets.families import family_for, hybrid_packing, text_config
+from dflash_dist.targets.hf import decoder_layers
 from dflash_dist.model.lazy_compile import lazy_compile
 
 log = logging.getLogger(__name__)

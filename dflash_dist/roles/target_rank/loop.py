@@ -28,9 +28,9 @@ from dflash_dist.comm.transport import Message, Sender, job_channel
 from dflash_dist.data.tokenize import TokenizedDataset
 from dflash_dist.eval.in_training import EVAL_REQUEST_PATIENCE_S, FollowerEval, TargetEval, eval_enabled, expected_evals
 from dflash_dist.eval.replica import whole_head
-from dflash_dist.model.fast_path import check_target_fast_path
+from dflash_dist.targets.fast_path import check_target_fast_path
 from dflash_dist.model.head_shards import vocab_slice
-from dflash_dist.model.hf import (
+from dflash_dist.targets.hf import (
     build_target_model,
     build_target_replica,
     decoder_layers,

@@ -130,7 +130,7 @@ def test_hub_id_in_meta_loads_from_the_local_cache(tmp_path, monkeypatch):
     cache (no network: the fixture fails the test on any connection)."""
     import huggingface_hub.constants as hub
 
-    from dflash_dist.model.hf import TINY_DIR
+    from dflash_dist.targets.hf import TINY_DIR
     snap = tmp_path / "hub" / "models--some-org--some-model" / "snapshots" / "abc123"
     shutil.copytree(TINY_DIR, snap, ignore=shutil.ignore_patterns("*.safetensors", "*.jsonl"))
     (tmp_path / "hub" / "models--some-org--some-model" / "refs").mkdir()

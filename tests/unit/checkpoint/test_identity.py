@@ -73,7 +73,7 @@ def test_target_identity_tells_an_fp8_target_from_its_bf16_source():
     from types import SimpleNamespace
 
     from dflash_dist.config import TargetConfig
-    from dflash_dist.model.hf import load_hf_config
+    from dflash_dist.targets.hf import load_hf_config
     bf16 = TargetConfig(hf_config={"builtin": "tiny"})
     fp8 = TargetConfig(hf_config={"builtin": "tiny"}, quantization="fp8")
     hf = load_hf_config(bf16)

@@ -22,7 +22,7 @@ from dflash_dist.checkpoint.resume import (
 )
 from dflash_dist.checkpoint.store import CheckpointError
 from dflash_dist.config import ConfigError, JobConfig
-from dflash_dist.model.hf import TINY_DIR
+from dflash_dist.targets.hf import TINY_DIR
 
 
 def cfg(**train):

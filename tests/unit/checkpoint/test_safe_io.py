@@ -18,7 +18,7 @@ from dflash_dist.cli import report
 from dflash_dist.cli.doctor import main as doctor_main
 from dflash_dist.cli.eval import main as eval_main
 from dflash_dist.cli.export import main as export_main
-from dflash_dist.model.hf import TINY_DIR
+from dflash_dist.targets.hf import TINY_DIR
 
 
 @pytest.fixture(autouse=True)

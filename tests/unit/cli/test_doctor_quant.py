@@ -22,7 +22,7 @@ def test_on_load_quantization_is_compared_with_the_unquantized_target():
 
 
 def test_prequantized_checkpoint_against_its_dequantized_weights_and_a_bf16_reference(tmp_path):
-    from dflash_dist.model.hf import TINY_DIR
+    from dflash_dist.targets.hf import TINY_DIR
     path = write_fp8_checkpoint(str(tmp_path / "ct"), "compressed")
     row = _row([f"target.name_or_path={path}", "train.device=cpu"])
     assert row["status"] == doctor.PASS and "dequantized" in row["detail"], row

@@ -8,7 +8,7 @@ import torch
 from helpers.launch_util import torchrun
 
 from dflash_dist.cli.regenerate import load_target_config, prepare_row, regenerate_rows
-from dflash_dist.model.hf import TINY_DIR, build_target_model
+from dflash_dist.targets.hf import TINY_DIR, build_target_model
 
 TARGET = {"hf_config": {"model_type": "qwen3", "vocab_size": 2048, "hidden_size": 32, "intermediate_size": 64,
                         "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
@@ -170,7 +170,7 @@ def test_bad_out_or_limit_is_refused_before_generating(tmp_path, case):
     out = {"same_file": tmp_path / "in.jsonl", "same_file_other_spelling": tmp_path / "outdir" / ".." / "in.jsonl",
            "directory": tmp_path / "outdir", "negative_limit": tmp_path / "out.jsonl"}[case]
     extra = ["--limit", "-1"] if case == "negative_limit" else []
-    import dflash_dist.model.hf as hf
+    import dflash_dist.targets.hf as hf
     loads = []
     orig = hf.build_target_model
     hf.build_target_model = lambda *a, **k: loads.append(1) or orig(*a, **k)
@@ -195,7 +195,7 @@ def test_limit_zero_and_none_and_progress_line(tmp_path):
 def _oom_when(monkeypatch, too_big):
     """Make the target's generate raise CUDA's out-of-memory error for a batch where ``too_big(input_ids)``; returns
     the row count of every call."""
-    import dflash_dist.model.hf as hf
+    import dflash_dist.targets.hf as hf
     calls = []
     build = hf.build_target_model
 

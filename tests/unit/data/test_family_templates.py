@@ -6,7 +6,7 @@ tokenizer offline) on the packaged tiny tokenizer with the family's markers adde
 import pytest
 
 from dflash_dist.data import tokenize
-from dflash_dist.model.hf import TINY_DIR
+from dflash_dist.targets.hf import TINY_DIR
 
 LLAMA3 = (
     "{{- bos_token }}{%- for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"

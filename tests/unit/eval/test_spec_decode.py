@@ -22,7 +22,7 @@ from dflash_dist.eval.spec_decode import (
     unpack_state_,
 )
 from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig, RMSNorm
-from dflash_dist.model.hf import head_weights
+from dflash_dist.targets.hf import head_weights
 from dflash_dist.model.masks import dense_mask
 from dflash_dist.roles.target_rank.capture import FeatureCapture
 
@@ -330,7 +330,7 @@ def test_dflash_eval_cli(tmp_path):
     from dflash_dist.checkpoint.store import save_checkpoint
     from dflash_dist.cli.eval import main as eval_main
     from dflash_dist.config import JobConfig, TargetConfig
-    from dflash_dist.model.hf import TINY_DIR, build_target_model
+    from dflash_dist.targets.hf import TINY_DIR, build_target_model
     hf = dict(model_type="qwen3", vocab_size=2048, hidden_size=H, intermediate_size=64, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512, rope_theta=1e4)
     tcfg = TargetConfig(hf_config=hf, tokenizer=TINY_DIR, layer_ids=[1, 2], init_seed=1, dtype="float32")

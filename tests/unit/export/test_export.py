@@ -19,7 +19,7 @@ from dflash_dist.checkpoint.store import save_checkpoint
 from dflash_dist.cli.export import main
 from dflash_dist.config import JobConfig, TargetConfig
 from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig, RMSNorm
-from dflash_dist.model.hf import TINY_DIR
+from dflash_dist.targets.hf import TINY_DIR
 from dflash_dist.model.masks import dense_mask
 
 H, LAYERS, TARGET_LAYERS, BLOCK, MASK = 32, 2, 6, 4, 3

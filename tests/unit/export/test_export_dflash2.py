@@ -262,7 +262,7 @@ def test_automodel_of_a_dflash2_export_equals_load_export(tmp_path):
     from dflash_dist.export.load import load_export
     from dflash_dist.checkpoint.store import save_checkpoint
     from dflash_dist.config import JobConfig, TargetConfig
-    from dflash_dist.model.hf import TINY_DIR
+    from dflash_dist.targets.hf import TINY_DIR
     from tests.unit.export.test_export import TARGET_HF, multi_block_inputs
 
     spec, model, g = random_dflash2(target_config_dict(), BLOCK, len(LAYER_IDS))

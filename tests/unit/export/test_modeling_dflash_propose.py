@@ -16,7 +16,7 @@ from dflash_dist.config import JobConfig, TargetConfig
 from dflash_dist.eval.prompts import load_drafter
 from dflash_dist.eval.spec_decode import evaluate_prompts
 from dflash_dist.eval.target_runner import crop_cache
-from dflash_dist.model.hf import TINY_DIR, build_target_model
+from dflash_dist.targets.hf import TINY_DIR, build_target_model
 from tests.unit.export.test_export_dflash2 import random_dflash2
 
 V, H, BLOCK, MASK, LAYER_IDS = 12, 32, 4, 11, [1, 3, 4]   # a small vocabulary: random drafts get accepted

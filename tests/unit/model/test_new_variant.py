@@ -19,7 +19,7 @@ from dflash_dist.checkpoint.store import save_checkpoint
 from dflash_dist.cli import doctor
 from dflash_dist.config import JobConfig, TargetConfig
 from dflash_dist.model.drafter import DrafterModelConfig
-from dflash_dist.model.hf import TINY_DIR
+from dflash_dist.targets.hf import TINY_DIR
 from dflash_dist.model.variants import VARIANTS, DFlash, variant_class
 from tests.unit.export.test_export import (
     BLOCK,

@@ -102,7 +102,7 @@ def _family(name):
     import yaml
 
     from dflash_dist.config import TargetConfig
-    from dflash_dist.model.hf import build_target_model
+    from dflash_dist.targets.hf import build_target_model
     conf = os.path.join(os.path.dirname(__file__), "..", "..", "..", "conf", "target", f"{name}.yaml")
     with open(conf) as f:
         d = yaml.safe_load(f)
@@ -113,7 +113,7 @@ def _family(name):
 def test_moe_counts_active_experts_by_hand():
     """tiny_qwen3_moe: H=64, 4 q heads / 2 kv heads of 16, 8 experts of 32 (top-2), router; per layer and token:
     attention projections 2*(64*64 + 2*64*32 + 64*64), router 2*64*8, 2 of 8 experts 2*2*(3*64*32)."""
-    from dflash_dist.model.hf import text_config
+    from dflash_dist.targets.hf import text_config
     from dflash_dist.telemetry.flops import target_capture_flops, target_layers_profile
     m = _family("tiny_qwen3_moe")
     tc = text_config(m.config)
@@ -128,7 +128,7 @@ def test_moe_counts_active_experts_by_hand():
 
 
 def test_gpt_oss_sliding_layers_count_their_window():
-    from dflash_dist.model.hf import text_config
+    from dflash_dist.targets.hf import text_config
     from dflash_dist.telemetry.flops import causal_pairs, target_capture_flops, target_layers_profile
     m = _family("tiny_gpt_oss")
     tc = text_config(m.config)
@@ -147,7 +147,7 @@ def test_gpt_oss_sliding_layers_count_their_window():
 def test_hybrid_counts_linear_attention_layers_by_hand():
     """tiny_hybrid (Qwen3-Next shape): layers 0-2 GatedDeltaNet (4 value heads, d_k = d_v = 16, conv kernel 4 over
     2*2*16 + 4*16 = 128 channels), layer 3 full attention; dense MLPs (mlp_only_layers)."""
-    from dflash_dist.model.hf import text_config
+    from dflash_dist.targets.hf import text_config
     from dflash_dist.telemetry.flops import target_capture_flops, target_layers_profile
     m = _family("tiny_hybrid")
     tc = text_config(m.config)

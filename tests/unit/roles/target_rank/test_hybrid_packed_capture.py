@@ -12,9 +12,9 @@ import importlib.util
 import pytest
 import torch
 
-import dflash_dist.model.families.hybrid_packing as HP
+import dflash_dist.targets.families.hybrid_packing as HP
 from dflash_dist.config import TargetConfig
-from dflash_dist.model.hf import build_target_model
+from dflash_dist.targets.hf import build_target_model
 from dflash_dist.roles.target_rank.capture import FeatureCapture, packing_problem
 
 HAVE_KERNELS = all(importlib.util.find_spec(p) for p in ("fla", "causal_conv1d"))

@@ -8,8 +8,8 @@ import torch
 import yaml
 
 from dflash_dist.config import TargetConfig
-from dflash_dist.model.families import family_for, text_config
-from dflash_dist.model.hf import build_target_model
+from dflash_dist.targets.families import family_for, text_config
+from dflash_dist.targets.hf import build_target_model
 from dflash_dist.roles.target_rank.capture import FeatureCapture, packing_problem
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "conf", "target")

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3Ne
 
 from dflash_dist.config import TargetConfig
 from dflash_dist.model.drafter import _torch_version
-from dflash_dist.model.hf import build_target_model, load_hf_config
+from dflash_dist.targets.hf import build_target_model, load_hf_config
 from dflash_dist.roles.target_rank.capture import FeatureCapture
 
 

@@ -1,5 +1,5 @@
 """What a target family entry is (``TargetFamily``) and the config lookups its rules share; the registry
-itself is ``dflash_dist.model.families``."""
+itself is ``dflash_dist.targets.families``."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ class TargetFamily:
     attention_sinks: Optional[Callable[[list], bool]] = None
     """Whether its attention layers carry a learned sink logit (passed to attention as ``s_aux``)."""
     linear_layer_markers: tuple = ()
-    """Class-name markers of its linear-attention layers, whose fast kernels ``model/fast_path.py`` checks."""
+    """Class-name markers of its linear-attention layers, whose fast kernels ``targets/fast_path.py`` checks."""
 
     def drafter_refusal(self, hf_config: Any) -> Optional[str]:
         """The refusal with the target's model_type in front, or None."""

@@ -1,4 +1,4 @@
-"""model/target_files: a target's directory and config are checked where they enter, each refusal one line naming
+"""targets/target_files: a target's directory and config are checked where they enter, each refusal one line naming
 the location, the field and what is allowed; a pickled checkpoint is never unpickled."""
 
 import json
@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from dflash_dist.config import ConfigError, TargetConfig
-from dflash_dist.model.hf import TINY_DIR, build_target_model, load_hf_config
+from dflash_dist.targets.hf import TINY_DIR, build_target_model, load_hf_config
 
 
 def target_dir(tmp_path, name="t", **config):

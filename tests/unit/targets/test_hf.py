@@ -10,9 +10,9 @@ import pytest
 import yaml
 
 from dflash_dist.config import ConfigError, TargetConfig
-from dflash_dist.model import hf
-from dflash_dist.model.fast_path import check_fast_path_for_config
-from dflash_dist.model.hf import attn_note, build_target_model, load_hf_config, resolve_attn_implementation
+from dflash_dist.targets import hf
+from dflash_dist.targets.fast_path import check_fast_path_for_config
+from dflash_dist.targets.hf import attn_note, build_target_model, load_hf_config, resolve_attn_implementation
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "..", "..", "conf", "target")
 

@@ -1,5 +1,5 @@
 """FP8 targets as users serve them: the FP8 format a checkpoint declares (``quantization_config`` in its
-config.json), loading its FP8 linears into :class:`~dflash_dist.model.quant.fp8.FP8Linear`, and quantizing a bf16
+config.json), loading its FP8 linears into :class:`~dflash_dist.targets.quant.fp8.FP8Linear`, and quantizing a bf16
 target's decoder linears on load (``target.quantization=fp8``).
 
 Formats that load (the ones transformers loads, without transformers' quantizers: its fine-grained FP8 path needs
@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from dflash_dist.config import ConfigError
-from dflash_dist.model.quant import shards
-from dflash_dist.model.quant.fp8 import FP8_DTYPE, KERNEL_NAMES, FP8Linear, expand_block_scales, quantize_rows
+from dflash_dist.targets.quant import shards
+from dflash_dist.targets.quant.fp8 import FP8_DTYPE, KERNEL_NAMES, FP8Linear, expand_block_scales, quantize_rows
 
 log = logging.getLogger(__name__)
 ATTR = "_dflash_quantization"  # the model attribute holding what was asked for and done (read by the report)

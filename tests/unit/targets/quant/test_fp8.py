@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from dflash_dist.model.quant.compare import layer_cosines
-from dflash_dist.model.quant.fp8 import FP8_DTYPE, FP8Linear, default_kernel, expand_block_scales, quantize_rows
+from dflash_dist.targets.quant.compare import layer_cosines
+from dflash_dist.targets.quant.fp8 import FP8_DTYPE, FP8Linear, default_kernel, expand_block_scales, quantize_rows
 
 
 def _linear(out=96, inp=64, bias=True):

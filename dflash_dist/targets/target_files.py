@@ -3,7 +3,7 @@ holds its weights as safetensors (a pickled ``pytorch_model.bin`` is never loade
 says), its ``config.json`` is a bounded JSON object naming a ``model_type`` transformers builds as a causal LM, and
 its RoPE values are ones transformers' RoPE functions can compute (no zero or negative factor, no zero
 ``original_max_position_embeddings``, no infinity), its ``quantization_config`` one the FP8 loader reads
-(``model/quant/load.checkpoint_format``). Every refusal is one ConfigError line naming the location, the
+(``targets/quant/load.checkpoint_format``). Every refusal is one ConfigError line naming the location, the
 field and what is allowed; transformers' own errors on a config (a division by zero in its validation, an unknown
 key) become such a line too."""
 
@@ -30,7 +30,7 @@ except ImportError:
 
 def supported_families() -> str:
     """The registered target families and their model types, for a refusal."""
-    from dflash_dist.model.families import REGISTRY
+    from dflash_dist.targets.families import REGISTRY
     named = [f"{f.name} ({', '.join(f.model_types)})" for f in REGISTRY if f.model_types]
     return "; ".join(named)
 
@@ -80,7 +80,7 @@ def rope_problem(params: dict) -> Optional[str]:
 def check_rope(cfg: Any, where: str) -> None:
     """The RoPE values of a target config (dict or object; a multimodal wrapper's text config too; per layer type
     each), refused with the field when transformers' RoPE functions could not compute them."""
-    from dflash_dist.model.families import cfg_get, text_config
+    from dflash_dist.targets.families import cfg_get, text_config
     for c in {id(x): x for x in (cfg, text_config(cfg))}.values():
         for name in ("rope_parameters", "rope_scaling"):
             params = cfg_get(c, name, None)
@@ -138,7 +138,7 @@ def check_target_dir(path: str, where: str = "target.name_or_path") -> None:
     cfg = read_config_json(path, where)
     check_model_type(cfg, f"{where}: config.json")
     check_rope(cfg, f"{where}: config.json")
-    from dflash_dist.model.quant.load import checkpoint_format
+    from dflash_dist.targets.quant.load import checkpoint_format
     checkpoint_format(cfg, f"{where}: config.json")  # a quantization_config of the wrong shape, before transformers
     check_weights(path, where)
 

@@ -5,7 +5,7 @@ A linear-attention layer carries a recurrent state (and a short convolution's wi
 run packed only through the fast kernels' varlen forms, which restart both at every sample (``hybrid_packing``:
 fla's ``cu_seqlens``, causal-conv1d's ``seq_idx``); without them packing is refused and rows run padded. Their
 prefill needs the same two external kernels, and transformers falls back to slow PyTorch code when either is
-missing: the kernel roles and install hints below are what ``model/fast_path.py`` checks and prints. Qwen3.5-MoE has no dense ``intermediate_size``: the drafter's MLP
+missing: the kernel roles and install hints below are what ``targets/fast_path.py`` checks and prints. Qwen3.5-MoE has no dense ``intermediate_size``: the drafter's MLP
 takes its active width (``moe.mlp_width``)."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Optional
 
-from dflash_dist.model.families import dense, hybrid_packing, moe
-from dflash_dist.model.families.base import cfg_get
-from dflash_dist.model.families.dense import DEFAULT
+from dflash_dist.targets.families import dense, hybrid_packing, moe
+from dflash_dist.targets.families.base import cfg_get
+from dflash_dist.targets.families.dense import DEFAULT
 
 # class-name markers of linear-attention layers that need external kernels
 LINEAR_LAYER_MARKERS = ("GatedDeltaNet",)

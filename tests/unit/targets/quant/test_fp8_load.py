@@ -13,11 +13,11 @@ from helpers.fp8_checkpoints import write_fp8_checkpoint
 from torch import nn
 
 from dflash_dist.config import ConfigError, TargetConfig
-from dflash_dist.model.fast_path import FastPathError, check_target_fast_path
-from dflash_dist.model.hf import build_target_model, decoder_layers, load_hf_config
-from dflash_dist.model.quant import apply_quantization, quantization_report, shards
-from dflash_dist.model.quant.compare import layer_cosines
-from dflash_dist.model.quant.fp8 import FP8Linear
+from dflash_dist.targets.fast_path import FastPathError, check_target_fast_path
+from dflash_dist.targets.hf import build_target_model, decoder_layers, load_hf_config
+from dflash_dist.targets.quant import apply_quantization, quantization_report, shards
+from dflash_dist.targets.quant.compare import layer_cosines
+from dflash_dist.targets.quant.fp8 import FP8Linear
 from dflash_dist.roles.target_rank.capture import FeatureCapture
 from dflash_dist.telemetry.flops import target_layers_profile, target_peak_tflops
 
@@ -163,7 +163,7 @@ def test_flops_count_fp8_linears_and_the_peak_is_the_fp8_one(bf16):
 
 
 def test_the_config_check_refuses_the_reference_before_any_weights_load():
-    from dflash_dist.model.fast_path import check_quantization_for_config
+    from dflash_dist.targets.fast_path import check_quantization_for_config
     hf_config = load_hf_config(TargetConfig(hf_config={"builtin": "tiny"}))
     fp8 = TargetConfig(hf_config={"builtin": "tiny"}, quantization="fp8", fast_path="require")
     with pytest.raises(FastPathError, match="without an FP8 GEMM"):
@@ -209,7 +209,7 @@ def test_fp8_scales_of_the_wrong_shape_or_sign_are_refused(tmp_path, fmt, key, v
 
 
 def test_scale_shapes_the_loader_reads():
-    from dflash_dist.model.quant.load import check_scale
+    from dflash_dist.targets.quant.load import check_scale
     for shape in [(), (1,), (384,), (384, 1), (3, 1), (6, 2), (384, 128)]:
         check_scale("p", "k", torch.ones(shape), (384, 128), None)
     check_scale("p", "k", torch.ones(3, 1), (384, 128), (128, 128))

@@ -1,7 +1,7 @@
 """The FP8 linear layer the target's decoder layers run: float8_e4m3fn weights with one fp32 scale per output
 channel, activations quantized per token on the fly, one ``torch._scaled_mm`` (rowwise scales) per call.
 
-Two kernels, chosen once per module and reported by the fast-path check (``model/fast_path.py``):
+Two kernels, chosen once per module and reported by the fast-path check (``targets/fast_path.py``):
 
 * ``scaled_mm``: ``torch._scaled_mm`` with rowwise scales and fast accumulation, FP8 tensor cores (CUDA, compute
   capability >= 8.9: Ada, Hopper, Blackwell). Measured on an H200 at Qwen3-8B capture shapes (M = 16384): 1.4-1.6x

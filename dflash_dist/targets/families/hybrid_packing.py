@@ -69,7 +69,7 @@ def _modeling(linear: torch.nn.Module):
 def bound_kernel(fn, device_type: Optional[str] = None):
     """The callable transformers' kernel wrapper runs (for inputs on ``device_type`` when given), else ``fn``.
 
-    Two layers of indirection, both read from closures (``model/fast_path.py`` reads bindings the same way):
+    Two layers of indirection, both read from closures (``targets/fast_path.py`` reads bindings the same way):
     with the ``kernels`` package installed (a dependency of transformers >= 5.25) the module-level name is a
     ``Func`` module whose forward calls the wrapped function (closure ``func``); transformers' wrapper holds the
     package's kernel or the PyTorch fallback (closure ``implementation``) and, since 5.25, the device types the

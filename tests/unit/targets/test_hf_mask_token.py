@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from dflash_dist.config import ConfigError
-from dflash_dist.model.hf import TINY_DIR, resolve_mask_token_id, unused_special_token
+from dflash_dist.targets.hf import TINY_DIR, resolve_mask_token_id, unused_special_token
 
 CHATML = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + ' ' + m['content'] + '<|im_end|>' + ' '}}"
           "{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant '}}{% endif %}")
@@ -40,7 +40,7 @@ def job(mask_token_id=None):
 def test_a_full_vocabulary_without_mask_gets_the_highest_unused_special_token(caplog):
     tok = chatml_tokenizer()
     assert tok.mask_token_id is None and len(tok) == len(SPECIALS) + 8
-    with caplog.at_level(logging.INFO, logger="dflash_dist.model.hf"):
+    with caplog.at_level(logging.INFO, logger="dflash_dist.targets.hf"):
         mid = resolve_mask_token_id(job(), tok, len(tok))
     assert mid == SPECIALS.index("<empty_output>")
     assert "<empty_output>" in caplog.text and "chat template does not use" in caplog.text

@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Optional
 
 from dflash_dist.config import TargetConfig
-from dflash_dist.model.quant.fp8 import KERNEL_NAMES, FP8Linear, default_kernel
-from dflash_dist.model.quant.load import ATTR, checkpoint_format, load_fp8_linears, quantize_linears, strip_quantization
-from dflash_dist.model.quant.shards import check_replica_layouts
+from dflash_dist.targets.quant.fp8 import KERNEL_NAMES, FP8Linear, default_kernel
+from dflash_dist.targets.quant.load import ATTR, checkpoint_format, load_fp8_linears, quantize_linears, strip_quantization
+from dflash_dist.targets.quant.shards import check_replica_layouts
 
 __all__ = ["FP8Linear", "apply_quantization", "checkpoint_format", "quantization_report", "strip_quantization",
            "target_is_fp8"]

@@ -4,15 +4,15 @@ the drafter's MLP width without a dense ``intermediate_size``, and what the buil
 transformers 5 runs fused ``*Experts`` modules by ``config._experts_implementation`` (grouped_mm by default) but
 falls back, silently, to a loop over experts when its per-call check refuses grouped_mm (dtype, device, torch
 version), and some experts classes ignore the setting; on a GPU both are the slow path. ``experts_report`` says
-which one a built model runs; ``model/fast_path.py`` reports it and enforces ``target.fast_path``."""
+which one a built model runs; ``targets/fast_path.py`` reports it and enforces ``target.fast_path``."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from typing import Any, Optional
 
-from dflash_dist.model.families.base import cfg_get
-from dflash_dist.model.families.dense import DEFAULT
+from dflash_dist.targets.families.base import cfg_get
+from dflash_dist.targets.families.dense import DEFAULT
 
 # experts implementations that are the slow path on a GPU
 SLOW_EXPERTS = ("eager", "grouped_mm->fallback_loop", "module_loop")

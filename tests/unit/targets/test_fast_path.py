@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from dflash_dist.model.families.hybrid_packing import bound_kernel
-from dflash_dist.model.fast_path import (
+from dflash_dist.targets.families.hybrid_packing import bound_kernel
+from dflash_dist.targets.fast_path import (
     FastPathError,
     check_fast_path_for_config,
     check_target_fast_path,

@@ -9,9 +9,9 @@ import pytest
 import yaml
 
 from dflash_dist.config import TargetConfig
-from dflash_dist.model.families.moe import experts_report
-from dflash_dist.model.fast_path import FastPathError, attention_report, check_target_fast_path
-from dflash_dist.model.hf import build_target_model
+from dflash_dist.targets.families.moe import experts_report
+from dflash_dist.targets.fast_path import FastPathError, attention_report, check_target_fast_path
+from dflash_dist.targets.hf import build_target_model
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "..", "..", "conf", "target")
 

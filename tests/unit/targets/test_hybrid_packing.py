@@ -4,10 +4,10 @@ the refusals (kernels not importable, transformers' PyTorch fallback bound)."""
 import pytest
 import torch
 
-import dflash_dist.model.families.hybrid_packing as HP
+import dflash_dist.targets.families.hybrid_packing as HP
 from dflash_dist.config import ConfigError, TargetConfig
-from dflash_dist.model.families import family_for, text_config
-from dflash_dist.model.hf import build_target_model, load_hf_config
+from dflash_dist.targets.families import family_for, text_config
+from dflash_dist.targets.hf import build_target_model, load_hf_config
 from dflash_dist.roles.target_rank.capture import FeatureCapture, check_packing_config, packing_problem, resolve_packing
 
 

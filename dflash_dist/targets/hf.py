@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from dflash_dist.config import ConfigError, JobConfig, TargetConfig
-from dflash_dist.model.families import text_config  # noqa: F401  (the family registry's; imported from here by many)
+from dflash_dist.targets.families import text_config  # noqa: F401  (the family registry's; imported from here by many)
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +40,10 @@ def resolve_source(tcfg: TargetConfig) -> tuple[Optional[str], Optional[dict]]:
 def load_hf_config(tcfg: TargetConfig):
     """The target's HF config without loading weights (used to validate before anything heavy): a local directory's
     files and a ``target.hf_config`` dict are checked before transformers reads them, and the loaded config's RoPE
-    values after (model/target_files.py); transformers' errors on them are one ConfigError line."""
+    values after (targets/target_files.py); transformers' errors on them are one ConfigError line."""
     from transformers import CONFIG_MAPPING, AutoConfig
 
-    from dflash_dist.model.target_files import CONFIG_ERRORS, check_model_type, check_rope, check_target_dir, config_error
+    from dflash_dist.targets.target_files import CONFIG_ERRORS, check_model_type, check_rope, check_target_dir, config_error
     path, cfg = resolve_source(tcfg)
     where = f"target.name_or_path={path}" if path is not None else "target.hf_config"
     if path is not None:
@@ -165,7 +165,7 @@ def build_target_model(tcfg: TargetConfig, device: str, local_files_only: bool =
     file (a checkpoint's job section) is loaded from a local directory or the local HF cache, never the network."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_dist.model.quant import apply_quantization, checkpoint_format, strip_quantization
+    from dflash_dist.targets.quant import apply_quantization, checkpoint_format, strip_quantization
     dtype = resolve_dtype(tcfg.dtype, device)
     path, _ = resolve_source(tcfg)
     hf_config = load_hf_config(tcfg)
@@ -190,7 +190,7 @@ def build_target_model(tcfg: TargetConfig, device: str, local_files_only: bool =
                 torch.cuda.manual_seed(tcfg.init_seed)
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, **kw)
     model.to(device).eval().requires_grad_(False)
-    apply_quantization(model, decoder_layers(model)[1], tcfg, fmt, path, device)  # FP8 targets (model/quant)
+    apply_quantization(model, decoder_layers(model)[1], tcfg, fmt, path, device)  # FP8 targets (targets/quant)
     return model
 
 
@@ -307,7 +307,7 @@ def build_target_replica(tcfg: TargetConfig, device: str, group, random_dir: Opt
     ``build_random`` into ``random_dir`` as a safetensors checkpoint, then loaded sharded like a real one. That one
     rank holds the whole random model while it writes it; the ranks of a real checkpoint never do. ``ready``:
     (announce, wait) callables around the write."""
-    from dflash_dist.model.quant import apply_quantization, checkpoint_format, strip_quantization
+    from dflash_dist.targets.quant import apply_quantization, checkpoint_format, strip_quantization
     dtype = resolve_dtype(tcfg.dtype, device)
     path, _ = resolve_source(tcfg)
     hf_config = load_hf_config(tcfg)

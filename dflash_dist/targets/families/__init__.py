@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash_dist.model.families import dense, gpt_oss, hybrid, moe, unsupported
-from dflash_dist.model.families.base import TargetFamily, cfg_get, model_type, text_config
+from dflash_dist.targets.families import dense, gpt_oss, hybrid, moe, unsupported
+from dflash_dist.targets.families.base import TargetFamily, cfg_get, model_type, text_config
 
 __all__ = ["TargetFamily", "family_for", "text_config", "cfg_get", "model_type", "linear_layer_markers",
            "REGISTRY", "DEFAULT"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Optional
 
-from dflash_dist.model.families.base import TargetFamily, cfg_get
+from dflash_dist.targets.families.base import TargetFamily, cfg_get
 
 # layer kinds the packed capture runs exactly (document-causal flex attention, per-window masks)
 PACKABLE_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -37,7 +37,7 @@ def packing_problem(tc: Any, layers: Optional[list], packable: tuple = PACKABLE_
     their varlen kernels); softcapped and chunked attention are not implemented by the packed function."""
     for i, layer in enumerate(layers or []):
         if hasattr(layer, "linear_attn") and "linear_attention" in packable:
-            continue  # the hybrid rule checks its kernels (model/families/hybrid_packing.py)
+            continue  # the hybrid rule checks its kernels (targets/families/hybrid_packing.py)
         if hasattr(layer, "linear_attn"):
             return (f"decoder layer {i} ({type(layer).__name__}) has linear attention (GatedDeltaNet): its "
                     "recurrent state would run from one packed sample into the next")

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash_dist.config import ConfigError
-from dflash_dist.model.quant.fp8 import quantize_rows
+from dflash_dist.targets.quant.fp8 import quantize_rows
 
 __all__ = ["Layout", "layout_of", "local_tensor", "local_slice", "quantize_local", "local_bias",
            "check_replica_layouts"]

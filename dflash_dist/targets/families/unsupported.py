@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from dflash_dist.model.families.base import cfg_get, model_type
-from dflash_dist.model.families.dense import DEFAULT
+from dflash_dist.targets.families.base import cfg_get, model_type
+from dflash_dist.targets.families.dense import DEFAULT
 
 
 def _latent_attention(tc: Any) -> bool:

@@ -36,12 +36,12 @@ Every target, hybrid or not, also gets in the same report:
   the experts module's ``config._experts_implementation`` and ``_can_use_grouped_mm`` on its own weights.
   ``require`` refuses a MoE target whose experts run eager (or the grouped_mm loop) on CUDA (a loop over the
   experts instead of one grouped matmul).
-* for FP8 targets (``target.quantization=fp8`` or a pre-quantized checkpoint, ``model/quant/``), the format and
+* for FP8 targets (``target.quantization=fp8`` or a pre-quantized checkpoint, ``targets/quant/``), the format and
   the GEMM kernel its FP8 linears run (``torch._scaled_mm`` rowwise, or the dequantize-then-matmul reference).
   ``require`` refuses the reference (CPU, GPUs without FP8 tensor cores) and an FP8 target with no FP8 linear.
 
 What is family-specific (the linear-attention class markers, kernel roles and install hints; the experts' report)
-lives with its family in ``model/families/`` (``hybrid``, ``moe``); this module reports it and applies the policy.
+lives with its family in ``targets/families/`` (``hybrid``, ``moe``); this module reports it and applies the policy.
 """
 
 from __future__ import annotations
@@ -53,11 +53,11 @@ from types import ModuleType
 from typing import Any, Optional
 
 from dflash_dist.config import ConfigError
-from dflash_dist.model.families import family_for, linear_layer_markers, text_config
-from dflash_dist.model.families.hybrid import INSTALL_HINTS, KERNEL_ROLES, PREFILL_ROLES
-from dflash_dist.model.families.hybrid_packing import bound_kernel
-from dflash_dist.model.families.moe import EXPERTS_FIX, SLOW_EXPERTS, experts_report
-from dflash_dist.model.quant import quantization_report
+from dflash_dist.targets.families import family_for, linear_layer_markers, text_config
+from dflash_dist.targets.families.hybrid import INSTALL_HINTS, KERNEL_ROLES, PREFILL_ROLES
+from dflash_dist.targets.families.hybrid_packing import bound_kernel
+from dflash_dist.targets.families.moe import EXPERTS_FIX, SLOW_EXPERTS, experts_report
+from dflash_dist.targets.quant import quantization_report
 
 __all__ = ["FastPathError", "check_target_fast_path", "check_fast_path_for_config", "resolve_policy",
            "INSTALL_HINTS", "HYBRID_LAYER_MARKERS", "experts_report", "attention_report", "SLOW_EXPERTS"]
@@ -65,7 +65,7 @@ __all__ = ["FastPathError", "check_target_fast_path", "check_fast_path_for_confi
 log = logging.getLogger("dflash_dist")
 
 # the hybrid families' layer markers, kernel roles and install hints and the MoE experts' report live with their
-# families (model/families/); this module reports them and enforces target.fast_path
+# families (targets/families/); this module reports them and enforces target.fast_path
 HYBRID_LAYER_MARKERS = linear_layer_markers()
 FP8_FALLBACK = ("the FP8 target's linears run without an FP8 GEMM (the dequantize-then-matmul reference: FP8 GEMMs "
                 "need CUDA with compute capability >= 8.9); run on such a GPU, or set target.quantization=null and "
@@ -293,7 +293,7 @@ def check_fast_path_for_config(hf_config: Any, policy: str, device_type: str,
                                attn_implementation: Optional[str] = None, attn_note: Optional[str] = None) -> dict:
     """The same check from the HF config alone (no weights): hybrid iff ``layer_types`` has linear_attention;
     bindings read from the model type's modeling module (the binding is decided when transformers imports it).
-    ``attn_implementation``: what the model will be built with (``model.hf.resolve_attn_implementation``),
+    ``attn_implementation``: what the model will be built with (``targets.hf.resolve_attn_implementation``),
     reported when the config does not carry one yet, with ``attn_note`` (how it was chosen) beside it."""
     resolve_policy(policy, device_type)
     text = text_config(hf_config)
@@ -315,8 +315,8 @@ def check_quantization_for_config(tcfg: Any, hf_config: Any, device_type: str) -
     """Before any weights load: the FP8 GEMM kernel an FP8 target (``target.quantization=fp8`` or a pre-quantized
     checkpoint) will bind on ``device_type``, None for a target that is not FP8; the dequantize reference is refused
     here under ``target.fast_path=require``, as the built model's check would refuse it."""
-    from dflash_dist.model.quant import target_is_fp8
-    from dflash_dist.model.quant.fp8 import default_kernel
+    from dflash_dist.targets.quant import target_is_fp8
+    from dflash_dist.targets.quant.fp8 import default_kernel
     if not target_is_fp8(tcfg, hf_config):
         return None
     kernel = default_kernel(device_type)

@@ -10,9 +10,9 @@ import yaml
 from transformers import DeepseekV3Config, Gemma2Config, GemmaConfig
 
 from dflash_dist.config import ConfigError, TargetConfig
-from dflash_dist.model import families as F
+from dflash_dist.targets import families as F
 from dflash_dist.model.drafter import DrafterModelConfig
-from dflash_dist.model.hf import build_target_model, load_hf_config
+from dflash_dist.targets.hf import build_target_model, load_hf_config
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "..", "..", "conf", "target")
 
