@@ -48,8 +48,6 @@ import torch.nn.functional as F  # noqa: E402
 from dflash_dist.roles.drafter_rank import startup_report as SR  # noqa: E402  (the flex kernel names of both families)
 from dflash_dist.roles.drafter_rank.optim import make_step  # noqa: E402
 from dflash_dist.model.blocks import make_batch  # noqa: E402
-from dflash_dist.model.compute_weights import Shadows  # noqa: E402
-from dflash_dist.model.compute_weights import resolve_mode as resolve_compute_weights  # noqa: E402
 from dflash_dist.model.drafter import DrafterModelConfig  # noqa: E402
 from dflash_dist.targets.hf import load_hf_config, resolve_dtype, text_config  # noqa: E402
 from dflash_dist.model.loss import slot_weights, weighted_ce  # noqa: E402
@@ -90,9 +88,8 @@ def drafter_variant_config(tiny: bool, entry: str):
     """``VARIANT@BLOCK`` (--drafters) -> the DrafterConfig of that variant at that block size on the tiny preset
     (--tiny) or the paper's; DFlash2 with the released convolution and selector sizes (the ``drafter.dflash2``
     defaults; not the released layer window: the rows compare the variants at one shape). Each ``:``-suffix is
-    either a MODE, which sets drafter.tuning.compute_weights (``dflash@8:shadow``: bf16 copies of the weights
-    written by the optimizer step), or ``SECTION.KEY=VALUE``, a setting of ``drafter.SECTION``
-    (``dflash2@8:dflash2.conv_dtype=compute``; VALUE read as YAML)."""
+    ``SECTION.KEY=VALUE``, a setting of ``drafter.SECTION`` (``dflash2@8:dflash2.conv_dtype=compute``; VALUE read
+    as YAML)."""
     import yaml
     entry, *suffixes = entry.strip().split(":")
     variant, _, block = entry.partition("@")
@@ -101,11 +98,8 @@ def drafter_variant_config(tiny: bool, entry: str):
         overrides["block_size"] = int(block)
     for suffix in suffixes:
         key, eq, value = suffix.partition("=")
-        if not eq:  # VARIANT@BLOCK:shadow -> drafter.tuning.compute_weights=shadow
-            overrides.setdefault("tuning", {})["compute_weights"] = suffix
-            continue
         section, dot, name = key.partition(".")
-        if not dot:
+        if not (eq and dot):
             raise ValueError(f"--drafters {entry}:{suffix}: a setting is SECTION.KEY=VALUE of drafter.SECTION")
         overrides.setdefault(section, {})[name] = yaml.safe_load(value)
     return C.drafter_config("tiny" if tiny else "dflash", **overrides)
@@ -164,10 +158,7 @@ class Runner:
         self.feat_dtype = hdt
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0,
                                      fused=device.type == "cuda")
-        # drafter.tuning.compute_weights, as the trainer resolves it (model/compute_weights.py)
-        shadow = resolve_compute_weights(dc.tuning.compute_weights, device) == "shadow"
-        self.shadows = Shadows(self.model) if shadow else None
-        self.opt_step = make_step(self.opt, optimizer_step, self.shadows)  # drafter.tuning.optimizer_step
+        self.opt_step = make_step(self.opt, optimizer_step)  # drafter.tuning.optimizer_step
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                          else torch.autocast("cpu", enabled=False))
         self.n_params = sum(p.numel() for p in self.model.parameters())
@@ -434,7 +425,7 @@ def main(argv=None) -> int:
     p.add_argument("--drafters", default=None,
                    help="comma list of VARIANT@BLOCK drafters timed in one run (drafter.variant, drafter.block_size), "
                         "e.g. dflash@16,dflash2@16,dflash@8,dflash2@8 (conf/drafter/dflash2.yaml's DFlash2 sizes "
-                        "unless --tiny), each optionally :shadow (drafter.tuning.compute_weights=shadow, CUDA) and "
+                        "unless --tiny), each optionally with "
                         ":SECTION.KEY=VALUE settings (e.g. dflash2@8:dflash2.conv_dtype=compute); "
                         "default: the preset's drafter")
     p.add_argument("--loss-mode", choices=["auto", "checkpoint"], default="auto",
@@ -477,8 +468,6 @@ def main(argv=None) -> int:
                    dynamic=args.dynamic == "on" and dev.type == "cuda", optimizer_step=args.optimizer_step)
         r.loss_mode, r.kernel_options = args.loss_mode, kernel_options
         r.label = label or f"{dc.variant}@{dc.block_size}"
-        if r.shadows is not None:
-            C.log(f"{r.label}: compute weights: {r.shadows.describe()}")
         return r
 
     runner = make_runner(label0, dc)

@@ -1,18 +1,12 @@
 #!/usr/bin/env python3
-"""Every byte of every message arrives, with payloads posted from communication streams (GPU check).
+"""Every byte of every message arrives, with receives allocated while a step still reads the last one (GPU check).
 
-The transport posts NCCL payloads from a stream of its own (``topology.comm_streams``) and allocates receive
-buffers there; the drafter's compute stream reads them later. If a received buffer were handed back to the
-allocator without ``record_stream`` for the compute stream, the next receive could reuse it and overwrite a
-message that a queued step has not read yet. This check makes that race likely: after each message the
-drafter rank queues a slow matmul chain and only then an exact digest of the message (integer sums of the raw
-bits, weighted by position) on its compute stream, drops the message and posts the next receive while the
-chain still runs. The target rank makes each message on its GPU from a seed (fixed shape: every buffer has
-the size of the one just freed); the drafter regenerates it from the same seed and compares digests.
+After each message the drafter rank queues a slow matmul chain and only then an exact digest of the message
+(integer sums of the raw bits, weighted by position) on its compute stream, drops the message and posts the next
+receive while the chain still runs. The target rank makes each message on its GPU from a seed (fixed shape: every
+buffer has the size of the one just freed); the drafter regenerates it from the same seed and compares digests.
 
     torchrun --standalone --nproc-per-node 2 bench/transport_check.py --out transport_check.json
-    ... --no-comm-streams      # payloads posted from the compute stream (the behaviour before)
-    ... --break-record-stream  # Tensor.record_stream made a no-op: shows that the check can fail
 
 On CPU (gloo, no streams) it runs the same protocol with small messages.
 """
@@ -63,9 +57,6 @@ def main(argv=None) -> int:
     p.add_argument("--max-in-flight", type=int, default=4)
     p.add_argument("--slow-matmuls", type=int, default=12, help="matmuls queued before each digest")
     p.add_argument("--rendezvous", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--comm-streams", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--break-record-stream", action="store_true",
-                   help="make Tensor.record_stream a no-op (the race this check exists to catch)")
     p.add_argument("--connect", action=argparse.BooleanOptionalAction, default=True,
                    help="connect the pair before the first message, as the trainer does (Channel.connect)")
     p.add_argument("--hang-s", type=float, default=40.0,
@@ -88,11 +79,9 @@ def main(argv=None) -> int:
     dev = C.pick_device()
     if not cuda:  # small messages on CPU
         args.length, args.width, args.messages = min(args.length, 40), min(args.width, 64), min(args.messages, 60)
-    if args.break_record_stream:
-        torch.Tensor.record_stream = lambda self, stream: None
     ctrl = dist.new_group(backend="gloo")
     store = dist.distributed_c10d._get_default_store() if args.rendezvous else None
-    ch = Channel(ctrl, dist.group.WORLD, dev, timeout_s=120, store=store, comm_stream=args.comm_streams)
+    ch = Channel(ctrl, dist.group.WORLD, dev, timeout_s=120, store=store)
     if args.connect:  # as the trainer does (without it the first payload receive hung on 2x H200)
         ch.connect([1 - rank], sending=rank == 1)
     res = {"bench": "transport_check", "env": C.env_info(dev), "args": vars(args), "transport": ch.describe()}
@@ -133,11 +122,10 @@ def main(argv=None) -> int:
     res["seconds"] = round(time.monotonic() - t0, 2)
     dist.barrier(group=ctrl)
     if rank == 0:
-        rows = [{"transport": res["transport"], "rendezvous": args.rendezvous,
-                 "record_stream": not args.break_record_stream, "messages": res["received"],
+        rows = [{"transport": res["transport"], "rendezvous": args.rendezvous, "messages": res["received"],
                  "corrupted": res["corrupted"], "s": res["seconds"]}]
-        print(C.table(rows, [("transport", "payloads"), ("rendezvous", "rendezvous"), ("record_stream", "record_stream"),
-                             ("messages", "messages"), ("corrupted", "corrupted"), ("s", "seconds")],
+        print(C.table(rows, [("transport", "payloads"), ("rendezvous", "rendezvous"), ("messages", "messages"),
+                             ("corrupted", "corrupted"), ("s", "seconds")],
                       "transport check (drafter rank)"), flush=True)
         if args.out:
             C.write_json(args.out, res)

@@ -26,6 +26,7 @@ import uuid
 from typing import Optional
 
 from dflash_dist.config import ConfigError
+from dflash_dist.processes import pid_alive
 
 log = logging.getLogger("dflash_dist")
 
@@ -78,16 +79,6 @@ def pid_space_differs(holder: dict) -> Optional[str]:
     return None
 
 
-def _pid_runs(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
 def describe(holder: dict) -> str:
     job = ", ".join(f"{k}={holder[k]}" for k in _JOB_ID_VARS if holder.get(k)) or "no job id"
     return f"host {holder.get('host')}, pid {holder.get('pid')}, started {holder.get('started')}, {job}"
@@ -117,7 +108,7 @@ def stale_reason(holder: dict, mtime: float, now: Optional[float] = None) -> Opt
     elsewhere = pid_space_differs(holder) if holder.get("host") == socket.gethostname() else None
     if holder.get("host") == socket.gethostname() and elsewhere is None:
         if not os.path.exists("/proc/self/stat"):  # no /proc: the pid alone
-            return None if _pid_runs(pid) else f"pid {pid} is gone"
+            return None if pid_alive(pid) else f"pid {pid} is gone"
         start = process_start(pid)
         if start is None:
             return f"pid {pid} is gone"

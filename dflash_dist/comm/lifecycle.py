@@ -20,6 +20,8 @@ import signal
 import socket
 from typing import Optional
 
+from dflash_dist.processes import pid_alive
+
 log = logging.getLogger("dflash_dist")
 
 KEY_STOP_REQUEST = "dflash/stop_request"
@@ -27,22 +29,6 @@ KEY_STOP_AT = "dflash/stop_at"
 KEY_FAILED = "dflash/failed"
 KEY_WHO = "dflash/who/"  # + rank: "host pid role"
 STOPPED_AT_ONCE = "stopped at once on a second signal"  # a second Ctrl-C: posted under KEY_FAILED, not a crash
-
-
-def _alive(pid: int) -> bool:
-    """A process that exists and is not a zombie (a killed worker stays a zombie until torchrun reaps it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
-    except OSError:
-        try:
-            os.kill(pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
 
 
 class PeerFailure(RuntimeError):
@@ -76,7 +62,7 @@ class Lifecycle:
                 continue
             if host != self.host:
                 continue
-            if not _alive(int(pid)):
+            if not pid_alive(int(pid)):
                 dead.append(f"rank {r} ({role}, pid {pid})")
         return dead
 

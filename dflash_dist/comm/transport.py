@@ -25,20 +25,12 @@ that count whenever it polls (``Sender.pump``: between captures, while it waits 
 backpressure). NCCL matches the two sides' point-to-point operations per pair in posting order, and both sides count
 the same payloads, so the counter is all they share.
 
-Communication streams (``Channel(comm_stream=True)``, CUDA): an experiment that measured no gain in a job (measured:
-docs/benchmarks.md#rendezvous-sends), so no job setting reaches it; ``bench/transport_check.py`` exercises it. NCCL
-starts an operation only after the work queued on the stream it is posted from. Posted from the compute stream, a
-drafter's receive began on its GPU only after the training step queued before it (a send waiting for it spun on the
-target's GPU meanwhile), and a staged send posted while the target's next capture was queued waited for that capture.
-So payloads are posted from a stream of their own: a send waits only for the event recorded when its features were
-ready, a receive for nothing; received buffers are allocated on that stream and marked used by the compute stream that
-consumes them (``record_stream``), so the allocator does not hand them to the next receive while a step still reads
-them.
+Payloads are posted from the current (compute) stream. A stream of their own measured no gain in a job
+(docs/benchmarks.md#rendezvous-sends) and needs ``record_stream`` on every received buffer, so there is none.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -141,12 +133,12 @@ def use_rendezvous(setting: Optional[bool], data_group) -> bool:
 
 def job_channel(d, topology, check: Optional[Callable[[], None]] = None, serve_heads: bool = False) -> "Channel":
     """The channel of a training job's rank: ``d`` its distributed setup (groups, device, store), ``topology``
-    the TopologyConfig (warm-up timeout first, rendezvous sends, communication streams). ``serve_heads``
+    the TopologyConfig (warm-up timeout first, rendezvous sends). ``serve_heads``
     (drafter.tuning.loss_on_target): rendezvous sends whatever the backend, so a target can serve head requests
     while it waits for its drafters (a waiting gloo send cannot be polled)."""
     rendezvous = serve_heads or use_rendezvous(topology.tuning.rendezvous_sends, d.data)
     return Channel(d.ctrl, d.data, d.device, timeout_s=topology.warmup_timeout_s, check=check,
-                   store=d.store if rendezvous else None, comm_stream=False)
+                   store=d.store if rendezvous else None)
 
 
 def posted_key(src: int, dst: int) -> str:
@@ -158,45 +150,35 @@ class Channel:
     """The two groups one link uses, how long to wait on a peer and, for rendezvous sends, the store."""
 
     def __init__(self, ctrl_group, data_group, device: torch.device, timeout_s: float = 60.0,
-                 check: Optional[Callable[[], None]] = None, store=None, comm_stream: bool = False):
+                 check: Optional[Callable[[], None]] = None, store=None):
         self.ctrl_group, self.data_group = ctrl_group, data_group
         self.device = torch.device(device)
         self.timeout_s = timeout_s
         self.check = check
         self.store = store  # None: payloads are sent at once
-        # payload sends/receives posted from here (CUDA only): None posts them from the current stream
-        self.stream = torch.cuda.Stream(self.device) if comm_stream and self.device.type == "cuda" else None
-
-    def posting(self):
-        """Context for posting payload operations (and allocating receive buffers): the communication stream."""
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def connect(self, peers, sending: bool) -> list[int]:
         """A one-element batched exchange with every peer on the payloads' group, made by both ends at startup
         (targets ``sending`` to all their drafters, drafters receiving from all their targets; one batch each,
         so any order of arrival pairs up). A pair's first NCCL point-to-point call can block until the peer
         makes its own: then a drafter's first payload receive blocks before it can post its rendezvous count,
-        while the sender waits for that count (bench/transport_check.py hung so on 2x H200, in all
-        three variants). The trainer's jobs ran without it, their ranks having exchanged weights point to
+        while the sender waits for that count (bench/transport_check.py hung so on 2x H200). The trainer's jobs ran without it, their ranks having exchanged weights point to
         point first (not isolated); connecting here makes the first payload depend on nothing else. Returns the
         peers, in order."""
         peers = sorted(int(p) for p in peers)
         if not peers:
             return peers
         op = dist.isend if sending else dist.irecv
-        with self.posting():
-            bufs = [torch.full((1,), float(sending), device=self.device) for _ in peers]
-            works = dist.batch_isend_irecv([dist.P2POp(op, b, p, self.data_group) for b, p in zip(bufs, peers)])
+        bufs = [torch.full((1,), float(sending), device=self.device) for _ in peers]
+        works = dist.batch_isend_irecv([dist.P2POp(op, b, p, self.data_group) for b, p in zip(bufs, peers)])
         for w, p in zip(works, peers):
             self.wait(w, f"rank {p} to connect ({'send' if sending else 'receive'} side)", group=self.data_group)
-        if self.stream is not None:
-            self.stream.synchronize()
         return peers
 
     def describe(self) -> str:
         if self.device.type != "cuda":
             return "posted from the host (no CUDA streams)"
-        return "on their own CUDA stream" if self.stream is not None else "on the compute stream"
+        return "on the compute stream"
 
     def _pollable(self, group) -> bool:
         return dist.get_backend(group) != "gloo"
@@ -224,7 +206,7 @@ class _Outgoing:
     """One message on its way to a destination."""
     works: list                      # (Work, group) pairs: header and cu_seqlens, then the payload once posted
     buffers: tuple                   # every tensor the works read, kept alive until they complete
-    staged: Optional[tuple] = None   # (meta, feats, ready event) until the payload is posted
+    staged: Optional[tuple] = None   # the payload (meta, feats[, probs]) until it is posted
     data: bool = True                # a data message (END is not): counts as taken once complete
 
 
@@ -272,11 +254,7 @@ class Sender:
         return h
 
     def _post_payload(self, dst: int, out: _Outgoing) -> None:
-        payload, ready = out.staged[:-1], out.staged[-1]
-        if ready is not None:  # the communication stream waits for these features only, not for later captures
-            self.ch.stream.wait_event(ready)
-        with self.ch.posting():
-            works = _batched(dist.isend, payload, dst, self.ch.data_group)
+        works = _batched(dist.isend, out.staged, dst, self.ch.data_group)
         out.works += [(w, self.ch.data_group) for w in works]
         out.staged = None
         self._staged[dst] -= 1
@@ -367,8 +345,7 @@ class Sender:
         ctrl = self.ch.ctrl_group
         works = [(dist.isend(h, dst, group=ctrl), ctrl), (dist.isend(cu_host, dst, group=ctrl), ctrl)]
         t0 = time.monotonic()
-        ready = torch.cuda.current_stream(self.ch.device).record_event() if self.ch.stream is not None else None
-        out = _Outgoing(works, (h, cu_host) + payload, staged=payload + (ready,))
+        out = _Outgoing(works, (h, cu_host) + payload, staged=payload)
         self._inflight[dst].append(out)
         self._staged[dst] = self._staged.get(dst, 0) + 1
         if self.ch.store is None:
@@ -435,13 +412,12 @@ class PendingMessage:
                                  f"{meta_len(n, t, max(label_k, 0))} (or label probabilities without label ids)")
         self.cu_host = torch.empty(n + 1, dtype=torch.int64)
         self.cu_work = dist.irecv(self.cu_host, self.src, group=ch.ctrl_group)  # right behind the header
-        with ch.posting():  # a receive posted from the compute stream would start after the queued step
-            meta = torch.empty(h[H_METALEN], dtype=torch.int64, device=ch.device)
-            feats = torch.empty((t, width), dtype=CODE_DTYPES[h[H_DTYPE]], device=ch.device)
-            bufs = (meta, feats)
-            if h[H_LABEL_PROBS]:
-                bufs += (torch.empty((t, label_k), dtype=torch.float32, device=ch.device),)
-            works = _batched(dist.irecv, bufs, self.src, ch.data_group)
+        meta = torch.empty(h[H_METALEN], dtype=torch.int64, device=ch.device)
+        feats = torch.empty((t, width), dtype=CODE_DTYPES[h[H_DTYPE]], device=ch.device)
+        bufs = (meta, feats)
+        if h[H_LABEL_PROBS]:
+            bufs += (torch.empty((t, label_k), dtype=torch.float32, device=ch.device),)
+        works = _batched(dist.irecv, bufs, self.src, ch.data_group)
         if ch.store is not None:  # rendezvous: the sender posts this payload once it reads the new count
             ch.store.add(posted_key(self.src, self.rx.rank), 1)
         self.payload = (h, bufs, works)
@@ -463,11 +439,6 @@ class PendingMessage:
         for w in works:
             self.rx.ch.wait(w, f"payload of message {h[H_INDEX]} from rank {self.src}", host=False,
                             group=self.rx.ch.data_group)
-        if self.rx.ch.stream is not None:
-            # allocated on the communication stream, read on this one: not reusable before this stream's reads
-            compute = torch.cuda.current_stream(self.rx.ch.device)
-            for b in bufs:
-                b.record_stream(compute)
         n, t = h[H_NSAMPLES], h[H_NTOKENS]
         sample_ids, _, ids, mask = unpack_meta(meta, n, t)
         labels = unpack_labels(meta, n, t, h[H_LABEL_K])

@@ -53,13 +53,6 @@ class DrafterTuning:
     the 1.05B parameters of the Qwen3-8B DFlash drafter on an H200, measured: docs/benchmarks.md#optimizer-step;
     one compile of ~20 s at the first step). ``auto``: compiled on CUDA, fused elsewhere."""
 
-    compute_weights: Literal["cast", "shadow"] = "cast"
-    """The bf16 weights the drafter's matmuls use under autocast (CUDA; dflash_dist/model/compute_weights.py; the
-    same numbers either way): ``cast`` lets autocast cast every fp32 weight in every forward; ``shadow`` keeps a
-    bf16 copy of each fp32 Linear weight, written by the optimizer step (it saves the forward's cast kernels but
-    the optimizer writes the copies instead: measured on an H200 no faster, docs/benchmarks.md#shadow-weights).
-    CPU: cast (it trains in fp32)."""
-
     grad_reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """The dtype the drafter ranks reduce gradients in: ``float32``, or ``bfloat16`` (half the bytes of the
     reduction, the all-reduce across nodes being the first limit of scaling: docs/scaling.md; DDP: torch's
@@ -330,8 +323,6 @@ class DrafterConfig:
                      f"{self.block_size} (a block sees itself whole)")
             self.sliding_window = int(self.sliding_window)
         if self.parallel == "fsdp":
-            _require(self.tuning.compute_weights == "cast", "drafter.parallel=fsdp gathers the weights in bf16 "
-                     "itself: set drafter.tuning.compute_weights=cast")
             _require(self.tuning.optimizer_step != "compiled", "drafter.parallel=fsdp steps torch's AdamW on the "
                      "shards: set drafter.tuning.optimizer_step=auto or fused")
         if self.attention_backend == "flex" and not self.compile:

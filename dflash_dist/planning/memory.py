@@ -230,8 +230,6 @@ def _training_state(plan: MemoryPlan, spec: Any, device: str, num_drafters: int,
     plan.parts["parameters"] = 4 * n
     plan.parts["gradients"] = 4 * n * (2 if num_drafters > 1 else 1)
     plan.parts["AdamW state"] = 8 * n
-    if device == "cuda" and cfg.drafter.tuning.compute_weights == "shadow":
-        plan.parts["bf16 weight copies"] = 2 * n
     for k in ("parameters", "gradients", "AdamW state"):
         plan.knobs[k] = "drafter.num_layers" + (", drafter.parallel=fsdp" if num_drafters > 1 else "")
 
@@ -430,7 +428,7 @@ def check_memory_for_data(cfg: JobConfig, checked: dict, lengths: Sequence[int],
 def fsdp_allowed(cfg: JobConfig) -> bool:
     """Whether the drafter's other settings allow FSDP (``config/drafter.py`` refuses the rest with fsdp)."""
     t = cfg.drafter.tuning
-    return t.compute_weights == "cast" and t.optimizer_step != "compiled"
+    return t.optimizer_step != "compiled"
 
 
 def _checks(cfg: JobConfig, plans: dict, split, world_size: Optional[int], device: str, limit: tuple) -> list:
@@ -507,7 +505,7 @@ def choose_parallel(cfg: JobConfig, hf_config: Any, spec: Any, device: str, num_
     if num_drafters <= 1:
         return "ddp", "one drafter rank, nothing to shard"
     if not fsdp_allowed(cfg):
-        return "ddp", "drafter.tuning.compute_weights=shadow or optimizer_step=compiled keep DDP"
+        return "ddp", "drafter.tuning.optimizer_step=compiled keeps DDP"
     tc = text_config(hf_config)
     plan = plan_rank(cfg, tc, hf_config, spec, role, device, num_feature_layers, steps, num_drafters, "sdpa", "ddp")
     cap, what = device_memory(device)

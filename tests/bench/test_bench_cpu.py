@@ -101,20 +101,21 @@ def test_bench_uses_the_package_flop_formula():
     assert drafter_step.step_flops is drafter_step_flops   # one formula (tests/unit/telemetry/test_flops.py checks it)
 
 
-def test_drafter_labels_carry_modes_and_settings():
-    """--drafters VARIANT@BLOCK[:MODE][:SECTION.KEY=VALUE]: a bare suffix is drafter.tuning.compute_weights, a
-    SECTION.KEY=VALUE one a setting of drafter.SECTION; the preset's other keys of that section stay."""
+def test_drafter_labels_carry_settings():
+    """--drafters VARIANT@BLOCK[:SECTION.KEY=VALUE]: each suffix a setting of drafter.SECTION; the preset's other
+    keys of that section stay."""
     import pytest
     sys.path.insert(0, BENCH)
     import drafter_step
 
-    dc = drafter_step.drafter_variant_config(False, "dflash2@8:shadow:dflash2.conv_dtype=compute")
-    assert (dc.variant, dc.block_size, dc.tuning.compute_weights, dc.dflash2.conv_dtype) == \
-        ("dflash2", 8, "shadow", "compute")
+    dc = drafter_step.drafter_variant_config(False, "dflash2@8:tuning.ctx_bucket=128:dflash2.conv_dtype=compute")
+    assert (dc.variant, dc.block_size, dc.tuning.ctx_bucket, dc.dflash2.conv_dtype) == ("dflash2", 8, 128, "compute")
     assert dc.tuning.loss_chunk_rows == 4096 != type(dc.tuning)().loss_chunk_rows   # the preset's, kept
     assert drafter_step.drafter_variant_config(False, "dflash@16:dflash2.selector_top_k=8").dflash2.selector_top_k == 8
     with pytest.raises(ValueError, match="SECTION.KEY=VALUE"):
         drafter_step.drafter_variant_config(False, "dflash2@8:conv_dtype=compute")
+    with pytest.raises(ValueError, match="SECTION.KEY=VALUE"):
+        drafter_step.drafter_variant_config(False, "dflash@16:shadow")
 
 
 def test_breakdown_puts_both_flex_kernel_families_under_attention():

@@ -54,6 +54,7 @@ def test_shallow_target_trains_on_default_ids_and_the_last_layer_is_refused():
     ("drafter", {"attention_backend": "flex", "compile": False}, "compile"),
     ("drafter", {"loss": {"gamma": 0}}, "loss.gamma"),
     ("drafter", {"loss": {"gamma": 1.0, "weights": "flat"}}, "unknown keys"),
+    ("drafter", {"tuning": {"compute_weights": "cast"}}, "unknown keys"),  # removed
     ("drafter", {"ctx_bucket": 10}, "ctx_bucket"),
     ("drafter", {"flex_kernel_options": {"bwd_BLOCK_M1": "big"}}, "flex_kernel_options"),
     ("target", {"hf_config": {"builtin": "tiny"}, "dtype": "fp8"}, "target.dtype"),

@@ -11,9 +11,7 @@ every checkpoint, is the same whichever ran):
   and the moments: no gradient is written. The learning rate and the clip factor are device tensors, so a new lr
   every step compiles nothing new. Measured against the fused step: docs/benchmarks.md#optimizer-step.
 
-``make_step(opt, mode, shadows)`` returns the step function the trainer calls every step; with ``shadows``
-(``model/compute_weights.py``) it also writes the bf16 compute copies of the updated weights: inside the compiled
-region (one more output of the update's kernels), or recast after the fused step.
+``make_step(opt, mode)`` returns the step function the trainer calls every step.
 """
 
 from __future__ import annotations
@@ -69,17 +67,14 @@ def sharded_clipped_step(opt: torch.optim.Optimizer, params: list, max_norm: flo
 
 def _clipped_adamw(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, steps: list, factor: Tensor,
                    lr: Tensor | float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                   capturable: bool, copies: list, copied: list) -> None:
+                   capturable: bool) -> None:
     """torch's multi-tensor AdamW on the clipped gradients (the region torch.compile sees; ``capturable`` with a
-    tensor ``lr`` on CUDA, a float ``lr`` and host step counts elsewhere), then ``copies[i] = copied[i]`` (the bf16
-    compute copies of the updated weights, fused into the update's kernels)."""
+    tensor ``lr`` on CUDA, a float ``lr`` and host step counts elsewhere)."""
     from torch.optim.adamw import adamw
     scaled = torch._foreach_mul(grads, factor)  # not in place: inductor fuses it into the update's reads
     adamw(params, scaled, exp_avgs, exp_avg_sqs, [], steps, foreach=True, capturable=capturable, differentiable=False,
           fused=None, grad_scale=None, found_inf=None, has_complex=False, amsgrad=False, beta1=beta1, beta2=beta2,
           lr=lr, weight_decay=weight_decay, eps=eps, maximize=False)
-    if copies:
-        torch._foreach_copy_(copies, copied)
 
 
 class CompiledClippedAdamW:
@@ -87,7 +82,7 @@ class CompiledClippedAdamW:
     compiled region. The state (``exp_avg``, ``exp_avg_sq``, ``step`` per parameter) is created in ``opt.state``
     the way torch creates it for a capturable AdamW, so ``opt.state_dict()`` saves it and a fused AdamW resumes it."""
 
-    def __init__(self, opt: torch.optim.Optimizer, shadows=None):
+    def __init__(self, opt: torch.optim.Optimizer):
         if not isinstance(opt, torch.optim.AdamW):
             raise TypeError(f"the compiled step is AdamW's; got {type(opt).__name__}")
         if len(opt.param_groups) != 1 or opt.param_groups[0]["amsgrad"] or opt.param_groups[0]["maximize"]:
@@ -100,7 +95,6 @@ class CompiledClippedAdamW:
             raise ValueError(f"drafter.tuning.optimizer_step=compiled runs on CUDA; the parameters are on {self.device} "
                              "(use fused or auto)")
         self.lr = torch.zeros((), dtype=torch.float32, device=self.device)
-        self.shadows = shadows  # model/compute_weights.Shadows, or None
         self._fn = torch.compile(_clipped_adamw, fullgraph=True)
 
     def _state(self, params: list) -> tuple[list, list, list]:
@@ -130,42 +124,28 @@ class CompiledClippedAdamW:
         self.lr.fill_(float(group["lr"]))  # a device write, no sync; the compiled graph reads the tensor
         m, v, s = self._state(params)
         beta1, beta2 = group["betas"]
-        copies, copied = [], []
-        if self.shadows is not None:
-            for p, c in zip(params, self.shadows.shadows_of(params)):
-                if c is not None:
-                    copies.append(c)
-                    copied.append(p)
         with torch.no_grad():
             self._fn(params, grads, m, v, s, clip_factor(gnorm, max_norm), self.lr, float(beta1), float(beta2),
-                     float(group["eps"]), float(group["weight_decay"]), True, copies, copied)
-        if self.shadows is not None:
-            self.shadows.mark_fresh()  # the region wrote every updated weight's copy
+                     float(group["eps"]), float(group["weight_decay"]), True)
         return gnorm
 
 
-def make_step(opt: torch.optim.Optimizer, mode: str, shadows=None, sharded: bool = False
-              ) -> Callable[[list, float], Tensor]:
+def make_step(opt: torch.optim.Optimizer, mode: str, sharded: bool = False) -> Callable[[list, float], Tensor]:
     """The step function ``step(params, max_norm) -> grad norm`` for ``drafter.tuning.optimizer_step``: ``fused``
     (torch's AdamW; fused on CUDA), ``compiled`` (CUDA only: ``CompiledClippedAdamW``), ``auto`` = compiled on CUDA,
-    fused elsewhere. ``shadows``: the compute copies the step keeps current. ``sharded`` (FSDP2 parameters):
+    fused elsewhere. ``sharded`` (FSDP2 parameters):
     ``sharded_clipped_step`` for ``auto`` and ``fused``; ``compiled`` is refused (the config refuses it first)."""
     if mode not in STEP_MODES:
         raise ValueError(f"drafter.tuning.optimizer_step={mode!r}: one of {', '.join(STEP_MODES)}")
     if sharded:
-        if mode == "compiled" or shadows is not None:
+        if mode == "compiled":
             raise ValueError("drafter.parallel=fsdp: the optimizer step is torch's AdamW on the shards "
-                             "(drafter.tuning.optimizer_step=auto or fused, compute_weights=cast)")
+                             "(drafter.tuning.optimizer_step=auto or fused)")
         return lambda params, max_norm: sharded_clipped_step(opt, params, max_norm)
     device = opt.param_groups[0]["params"][0].device
     if mode == "auto":
         mode = "compiled" if device.type == "cuda" else "fused"
     if mode == "fused":
-        def fused(params: list, max_norm: float) -> Tensor:
-            gnorm = fused_clipped_step(opt, params, max_norm)
-            if shadows is not None:
-                shadows.ensure_fresh()  # a separate recast: the fused kernel writes no bf16 copy
-            return gnorm
-        return fused
-    step = CompiledClippedAdamW(opt, shadows)
+        return lambda params, max_norm: fused_clipped_step(opt, params, max_norm)
+    step = CompiledClippedAdamW(opt)
     return lambda params, max_norm: step(max_norm)

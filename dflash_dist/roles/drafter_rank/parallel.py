@@ -84,11 +84,10 @@ class DrafterParallel:
     """The drafter wrapped for data-parallel training over ``group`` (None: alone, nothing wrapped).
 
     ``model``: the built DFlashDrafter (its weights already loaded on a resume; compile wrappers made), on its
-    device. ``ignore_buffers``: buffers DDP must not broadcast (the bf16 compute copies, each rank writes its
-    own). ``reduce_dtype``: the gradients' dtype in the reduction (fp32, or bf16 to halve the traffic)."""
+    device. ``reduce_dtype``: the gradients' dtype in the reduction (fp32, or bf16 to halve the traffic)."""
 
     def __init__(self, model: nn.Module, mode: str, group, device: torch.device,
-                 reduce_dtype: torch.dtype = torch.float32, ignore_buffers: tuple = (), why: str = ""):
+                 reduce_dtype: torch.dtype = torch.float32, why: str = ""):
         if mode not in ("none", "ddp", "fsdp"):
             raise ValueError(f"drafter.parallel resolved to {mode!r}: none, ddp or fsdp")
         self.model, self.mode, self.group, self.device, self.why = model, mode, group, device, why
@@ -96,17 +95,12 @@ class DrafterParallel:
         self.names = [n for n, _ in model.named_parameters()]
         if mode == "ddp":
             from torch.nn.parallel import DistributedDataParallel as DDP
-            if ignore_buffers:
-                DDP._set_params_and_buffers_to_ignore_for_model(model, list(ignore_buffers))
             kwargs = {"device_ids": [device.index]} if device.type == "cuda" else {}
             self.module = DDP(model, process_group=group, **kwargs)
             if reduce_dtype == torch.bfloat16:
                 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
                 self.module.register_comm_hook(group, bf16_compress_hook)
         elif mode == "fsdp":
-            if ignore_buffers:
-                raise ValueError("drafter.parallel=fsdp keeps no bf16 weight copies: drafter.tuning.compute_weights="
-                                 "cast")
             self._shard(model)
             self.module = model
         else:

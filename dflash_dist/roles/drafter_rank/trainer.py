@@ -33,8 +33,6 @@ from dflash_dist.roles.drafter_rank.optim import make_step
 from dflash_dist.roles.drafter_rank.parallel import DrafterParallel
 from dflash_dist.roles.drafter_rank.parallel import resolve_mode as resolve_parallel
 from dflash_dist.model.blocks import make_batch, split_anchors, target_labels
-from dflash_dist.model.compute_weights import Shadows
-from dflash_dist.model.compute_weights import resolve_mode as resolve_compute_weights
 from dflash_dist.targets.hf import load_head_from_checkpoint, resolve_dtype, resolve_source, text_config
 from dflash_dist.model.loss import LossParts
 from dflash_dist.model.masks import dense_mask, flex_block_mask, layer_masks, visible_pairs
@@ -96,23 +94,15 @@ class DrafterTrainer:
             weights, opt_state, meta = load_checkpoint(job.resume_from)
             self.model.load_state_dict(weights)
         self.before = earlier_totals(meta, job.resume_from, job.run_dir, job.plan)  # the run's earlier launches
-        # bf16 compute copies of the weights, written by the optimizer step (model/compute_weights.py)
-        self.shadows = (Shadows(self.model) if resolve_compute_weights(cfg.drafter.tuning.compute_weights,
-                                                                         self.device) == "shadow" else None)
-        if self.shadows is not None:
-            log.info("drafter compute weights: %s", self.shadows.describe())
         mode, why = resolve_parallel(job, self.device)  # drafter.parallel: DDP or FSDP2 (roles/drafter_rank/parallel.py)
         reduce_dtype = torch.bfloat16 if cfg.drafter.tuning.grad_reduce_dtype == "bfloat16" else torch.float32
-        self.parallel = DrafterParallel(self.model, mode, d.drafters, self.device, reduce_dtype,
-                                        self.shadows.buffer_names if self.shadows is not None else (), why)
+        self.parallel = DrafterParallel(self.model, mode, d.drafters, self.device, reduce_dtype, why)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.betas),
                                      weight_decay=cfg.train.weight_decay, fused=self.device.type == "cuda")
-        self.opt_step = make_step(self.opt, cfg.drafter.tuning.optimizer_step, self.shadows,
+        self.opt_step = make_step(self.opt, cfg.drafter.tuning.optimizer_step,
                                   sharded=self.parallel.sharded)  # roles/drafter_rank/optim.py
         if opt_state is not None:
             self.parallel.load_optimizer(self.opt, opt_state)
-        if self.shadows is not None:  # the resumed and broadcast weights, for calls that bypass the forward's hook
-            self.shadows.ensure_fresh()
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
                          else torch.autocast("cpu", enabled=False))
         self.counts = {"messages_received": 0, "samples_received": 0, "samples_trained": 0,

@@ -80,10 +80,8 @@ def test_the_compiled_steps_math_is_torchs_adamw_on_clipped_gradients(scale):
         grads = [p.grad for p in params]
         gnorm = torch.nn.utils.get_total_norm(grads, 2.0)
         with torch.no_grad():
-            copies = [torch.empty_like(p, dtype=torch.bfloat16) for p in params]  # bf16 compute copies
             _clipped_adamw(params, grads, exp_avg, exp_avg_sq, steps, clip_factor(gnorm, 1.0), lr, 0.9, 0.95, 1e-8,
-                           0.1, False, copies, params)
-            assert all(torch.equal(c, p.bfloat16()) for c, p in zip(copies, params))  # of the updated weights
+                           0.1, False)
         torch.testing.assert_close(gnorm, want, rtol=0, atol=0)
         for p, q, mo, vo, st in zip(params, ref.parameters(), exp_avg, exp_avg_sq, steps):
             state = ref_opt.state[q]
