@@ -1,5 +1,5 @@
 """A drafter rank without the pipeline, for bench/pipeline.py (drafter alone, synthetic features),
-bench/threaded_baseline.py (features from a target thread) and bench/compile_race.py.
+bench/experiments/threaded_baseline.py (features from a target thread) and bench/experiments/compile_race.py.
 
 The job, the trainer and the messages come from ``tests/helpers/standalone_drafter.py`` (the same harness the
 tests train with; re-exported here): the real ``DrafterTrainer`` on the job ``python -m dflash_dist.train`` would

@@ -39,7 +39,7 @@ from dflash_dist.telemetry.step_trace import format_timeline, traced_step  # noq
 
 
 def add_job_args(p: argparse.ArgumentParser) -> None:
-    """Options that define the job (shared with bench/threaded_baseline.py)."""
+    """Options that define the job (shared with bench/experiments/threaded_baseline.py)."""
     p.add_argument("--tiny", action="store_true", help="CPU smoke: tiny target, tiny drafter, gloo")
     p.add_argument("--out", default=None)
     p.add_argument("--target", default=None, help="conf/target group (default qwen3_8b_random; tiny: tiny)")

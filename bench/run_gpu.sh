@@ -6,15 +6,16 @@
 #   PARTS=drafter,target,pipeline bash bench/run_gpu.sh OUT_DIR
 #   TINY=1 bash bench/run_gpu.sh /tmp/rehearsal         (every part on a CPU machine at toy sizes, ~2 minutes)
 #
-# PARTS (comma-separated; default: drafter,target,hybrid,pipeline,threaded,plan):
+# PARTS (comma-separated; default: drafter,target,hybrid,pipeline,plan; threaded and overlap run one-off experiments
+# of bench/experiments/ on request):
 #   drafter    bench/drafter_step.py              one drafter training step, Qwen3-8B shapes (GPU0)
 #   target     bench/target_capture.py            target feature capture, Qwen3-8B-shaped (GPU1, or GPU0 if one GPU)
 #   hybrid     bench/target_capture.py --hybrid   reduced Qwen3-Next target, without and with causal-conv1d
 #   fresh      bench/target_fresh_shapes.py       the capture on never-seen batch shapes
 #   head       bench/head_serve.py                one served lm_head + loss request by chunk height
 #   pipeline   bench/pipeline.py                  drafter alone vs the real 1 target + 1 drafter job (2 GPUs)
-#   threaded   bench/threaded_baseline.py         the single-process threaded design on the same job (2 GPUs)
-#   overlap    bench/send_overlap.py              does a pending NCCL send slow the sender's compute (2 GPUs)
+#   threaded   bench/experiments/threaded_baseline.py   the replaced single-process threaded design (2 GPUs)
+#   overlap    bench/experiments/send_overlap.py        does a pending NCCL send slow the sender (2 GPUs)
 #   transport  bench/transport_check.py           every payload checked byte for byte (2 GPUs)
 #   plan       bench/plan_split.py                8-GPU split projection from the drafter and target parts
 # Parts that need 2 GPUs are skipped (and said so) on a 1-GPU machine. With TINY=1 every part runs on the CPU.
@@ -33,7 +34,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-/tmp/dflash_bench}}
-PARTS=${2:-${PARTS:-drafter,target,hybrid,pipeline,threaded,plan}}
+PARTS=${2:-${PARTS:-drafter,target,hybrid,pipeline,plan}}
 WORK=/tmp/dflash_bench_work
 rm -rf "$WORK"
 mkdir -p "$OUT_DIR" "$WORK"
@@ -182,8 +183,8 @@ main() {
     local cmp=(); [ -f "$WORK/pipeline.json" ] && cmp=(--compare "$WORK/pipeline.json")
     local bt; bt=$(fit "$B_THREAD" 12)
     if [ "$bt" -ge 40 ]; then
-      run threaded "$bt" python3 bench/threaded_baseline.py --out "$WORK/threaded.json" --workdir "$WORK/thr" \
-        "${JOB[@]}" --timeout $(( bt - 10 )) "${cmp[@]}"
+      run threaded "$bt" python3 bench/experiments/threaded_baseline.py --out "$WORK/threaded.json" \
+        --workdir "$WORK/thr" "${JOB[@]}" --timeout $(( bt - 10 )) "${cmp[@]}"
     else
       echo "=== [threaded] skipped: its time box would be ${bt} s (< 40 s) to end within TOTAL=${TOTAL} s"
     fi
@@ -191,7 +192,7 @@ main() {
   fi
   if want overlap && two_gpus overlap; then
     boxed send_overlap "$B_OVERLAP" 10 30 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
-      bench/send_overlap.py --out "$WORK/send_overlap.json" "${SO[@]}"
+      bench/experiments/send_overlap.py --out "$WORK/send_overlap.json" "${SO[@]}"
   fi
   if want transport && two_gpus transport; then
     boxed transport_check "$B_TRANSPORT" 8 30 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \

@@ -12,9 +12,16 @@ Writes (each only when the run logged what it needs):
 - ``acceptance_per_position.png``: measured acceptance per block position of each in-training evaluation, and
   the training accuracy per slot of the last training window;
 - ``tau.png``: the acceptance length per evaluation (pooled over verify steps: the headline, drawn first), z-lab's
-  tau (mean over prompts) beside it, and the tau the training accuracy predicts.
+  tau (mean over prompts) beside it, and the tau the training accuracy predicts;
+- ``phases.png``: with ``logging.debug.profile_step``, one bar per traced step of ``profile/`` (each rank's Chrome
+  trace), its phases in order, each phase's idle time hatched.
 
-Needs matplotlib (``pip install 'dflash_dist[report]'``). Prints the written paths and the peak and mean samples/s.
+Needs matplotlib (``pip install 'dflash_dist[report]'``). Prints the written paths and the peak and mean samples/s,
+and from the run's debug output: with ``logging.debug.trace_target``, each target rank's trace
+(``target_trace/rank<r>.jsonl``) summarised, per part (stall, capture, backpressure, evaluation) the median and the
+largest milliseconds over the messages after the first ``--trace-skip`` (load and compile) and the part's share of
+the traced time; with ``logging.debug.profile_step``, each traced step's phase timeline
+(``telemetry.step_trace.format_timeline``).
 """
 
 from __future__ import annotations
@@ -28,8 +35,11 @@ from typing import Optional
 
 from dflash_dist.checkpoint.safe_io import MAX_LOG_BYTES, CheckpointError, regular_file
 from dflash_dist.telemetry.metrics import capacity_metrics, position_values
+from dflash_dist.telemetry.step_trace import format_timeline, load_trace, timeline
 
 _TARGET_SPS = re.compile(r"target(\d+)_samples_per_s")
+# the parts of a target trace's line (logging.debug.trace_target), in the order the loop spends them
+TRACE_PARTS = ("stall_ms", "capture_ms", "backpressure_ms", "eval_ms")
 
 
 def read_metrics(path: str) -> tuple[list[dict], dict]:
@@ -68,10 +78,12 @@ def _series(recs: list, key: str) -> tuple[list, list]:
     return xs, ys
 
 
-def write_report(run_dir: str, out_dir: Optional[str] = None) -> dict:
-    """Write the PNGs of ``run_dir``'s metrics.jsonl into ``out_dir`` (default ``run_dir/report``).
-    Returns {"files": [...], "samples_per_s_peak": ..., "samples_per_s_mean": ..., "skipped": {"lines": ...,
-    "values": ...}} (what :func:`read_metrics` could not use)."""
+def write_report(run_dir: str, out_dir: Optional[str] = None, trace_skip: int = 10) -> dict:
+    """Write the PNGs of ``run_dir``'s metrics.jsonl (and of its traced steps) into ``out_dir`` (default
+    ``run_dir/report``). Returns {"files": [...], "samples_per_s_peak": ..., "samples_per_s_mean": ..., "skipped":
+    {"lines": ..., "values": ...}} (what :func:`read_metrics` could not use), "target_traces" (each target rank's
+    :func:`target_trace_summary`), "timelines" ({trace file name: its phase timeline}) and "unreadable_traces"
+    (the traces of ``profile/`` that are not JSON, e.g. one written by a rank killed mid-write)."""
     plt = _pyplot()
     train, evals, bad = _load_run(run_dir)
     out_dir = out_dir or os.path.join(run_dir, "report")
@@ -84,9 +96,98 @@ def write_report(run_dir: str, out_dir: Optional[str] = None) -> dict:
         fig = draw(plt, *recs)  # None: the run did not log what this figure needs
         if fig is not None:
             files.append(_save(plt, fig, os.path.join(out_dir, name)))
+    timelines, unreadable = step_timelines(run_dir)
+    if timelines:
+        files.append(_save(plt, _phases_figure(plt, timelines), os.path.join(out_dir, "phases.png")))
     _, sps = _series(train, "samples_per_s")
     return {"files": files, "samples_per_s_peak": max(sps) if sps else None,
-            "samples_per_s_mean": sum(sps) / len(sps) if sps else None, "skipped": bad}
+            "samples_per_s_mean": sum(sps) / len(sps) if sps else None, "skipped": bad,
+            "target_traces": target_traces(run_dir, trace_skip), "timelines": timelines,
+            "unreadable_traces": unreadable}
+
+
+def _run_files(run_dir: str, sub: str, suffixes: tuple) -> list[str]:
+    """The regular files of ``run_dir/sub`` ending in one of ``suffixes``, sorted by name."""
+    folder = os.path.join(run_dir, sub)
+    if not os.path.isdir(folder):
+        return []
+    paths = [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if n.endswith(suffixes)]
+    for p in paths:
+        regular_file(run_dir, p, MAX_LOG_BYTES)   # a FIFO would block the read
+    return paths
+
+
+def target_trace_summary(rows: list[dict]) -> dict:
+    """Per part of a target trace that every row has: {"median", "max"} milliseconds and "share" of the traced
+    time (the parts' sum over the rows)."""
+    import statistics
+    parts = [k for k in TRACE_PARTS if rows and all(_is_number(r.get(k)) for r in rows)]
+    total = sum(r[k] for r in rows for k in parts) or 1.0
+    return {k: {"median": statistics.median(r[k] for r in rows), "max": max(r[k] for r in rows),
+                "share": sum(r[k] for r in rows) / total} for k in parts}
+
+
+def target_traces(run_dir: str, skip: int) -> dict:
+    """{trace file name: {"messages": lines after the first ``skip``, "parts": :func:`target_trace_summary`}} of
+    ``run_dir/target_trace/rank<r>.jsonl``. A line that is not a JSON record (a rank killed mid-write) is left out."""
+    out = {}
+    for path in _run_files(run_dir, "target_trace", (".jsonl",)):
+        rows = []
+        with open(path, "rb") as f:
+            for raw in f:
+                try:
+                    rec = json.loads(raw.decode("utf-8"))
+                except (ValueError, RecursionError):
+                    continue
+                if isinstance(rec, dict):
+                    rows.append(rec)
+        rows = rows[skip:]
+        out[os.path.basename(path)] = {"messages": len(rows), "parts": target_trace_summary(rows)}
+    return out
+
+
+def step_timelines(run_dir: str) -> tuple[dict, list]:
+    """({trace file name: ``step_trace.timeline``} of every Chrome trace in ``run_dir/profile`` with phases, [the
+    names of those that could not be read as JSON])."""
+    out, unreadable = {}, []
+    for path in _run_files(run_dir, "profile", (".json", ".json.gz")):
+        try:
+            tl = timeline(load_trace(path))
+        except (ValueError, EOFError, OSError, KeyError, TypeError, AttributeError):  # gzip.BadGzipFile: an OSError
+            unreadable.append(os.path.basename(path))
+            continue
+        if tl["phases"]:
+            out[os.path.basename(path)] = tl
+    return out, unreadable
+
+
+PHASE_KINDS = {"forward": "tab:blue", "loss": "tab:red", "head request": "tab:orange", "head replies": "black",
+               "backward": "tab:green", "clip and optimizer": "tab:gray"}
+
+
+def _phases_figure(plt, timelines: dict):
+    """One horizontal bar per traced step: its phases left to right, coloured by kind (the phase's name without
+    its group: 'group1 backward' is a backward), each phase's idle time hatched at its end (the trace says how
+    much, not where)."""
+    fig, ax = plt.subplots(figsize=(11, 1.4 + 0.8 * len(timelines)))
+    seen = set()
+    for y, tl in enumerate(timelines.values()):
+        for p in tl["phases"]:
+            kind = next((k for k in PHASE_KINDS if p["name"].endswith(k)), "other")
+            ax.barh(y, p["ms"], left=p["start_ms"], color=PHASE_KINDS.get(kind, "tab:purple"), edgecolor="white",
+                    label=None if kind in seen else kind)
+            seen.add(kind)
+            if p.get("idle_ms"):
+                ax.barh(y, p["idle_ms"], left=p["start_ms"] + p["ms"] - p["idle_ms"], color="none", hatch="///",
+                        edgecolor="black", linewidth=0)
+        ax.text(tl["step_ms"], y, f" {tl['step_ms']:.0f} ms", va="center", fontsize=8)
+    ax.set_yticks(range(len(timelines)))
+    ax.set_yticklabels(list(timelines))
+    ax.invert_yaxis()
+    ax.set_xlabel("ms from the step's start (hatched: the phase's idle time, drawn at its end)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), fontsize=7, ncol=6)
+    ax.set_title("traced steps, phase by phase")
+    return fig
 
 
 def _pyplot():
@@ -216,9 +317,11 @@ def main(argv: Optional[list] = None) -> int:
                                 "(loss, samples/s per role, supply vs demand, acceptance per position, tau).")
     p.add_argument("run_dir", help="a training output_dir (holds metrics.jsonl)")
     p.add_argument("--out", default=None, help="where to write the PNGs (default: RUN_DIR/report)")
+    p.add_argument("--trace-skip", type=int, default=10, help="leave the first N messages (load and compile) out "
+                   "of the target trace's summary (default 10)")
     args = p.parse_args(argv)
     try:
-        res = write_report(args.run_dir, args.out)
+        res = write_report(args.run_dir, args.out, args.trace_skip)
     except FileNotFoundError as e:
         print(f"dflash-report: {e}", file=sys.stderr)
         return 2
@@ -233,6 +336,16 @@ def main(argv: Optional[list] = None) -> int:
         print(f"wrote {f}")
     if res["samples_per_s_peak"] is not None:
         print(f"samples/s: peak {res['samples_per_s_peak']:.2f}, mean {res['samples_per_s_mean']:.2f}")
+    for name, t in res["target_traces"].items():
+        parts = ", ".join(f"{k} median {v['median']:.1f} max {v['max']:.1f} ({100 * v['share']:.0f}%)"
+                          for k, v in t["parts"].items())
+        print(f"target trace {name}, {t['messages']} messages after the first {args.trace_skip}: "
+              + (parts or "nothing to summarise"))
+    for name, tl in res["timelines"].items():
+        print(format_timeline(tl, name))
+    if res["unreadable_traces"]:
+        print(f"dflash-report: unreadable traces in profile/ (not JSON): {', '.join(res['unreadable_traces'])}",
+              file=sys.stderr)
     return 0
 
 

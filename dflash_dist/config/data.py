@@ -29,7 +29,8 @@ class DataConfig:
     num_workers: int = 2
     """Most worker processes for tokenization (processes, never threads: the step must not fight for the GIL),
     used only where they pay off: one per 16,384 rows and at most the CPUs, none below 32,768 rows (a spawned
-    worker's start-up costs seconds; ``data.tokenize.tokenize_workers``, measured by bench/tokenize_workers.py)."""
+    worker's start-up costs seconds; ``data.tokenize.tokenize_workers``, measured by
+    bench/experiments/tokenize_workers.py)."""
 
     shuffle_seed: int = 1234
     """Seed of the per-epoch shuffle. The batching plan depends only on it, the data and the target batching."""

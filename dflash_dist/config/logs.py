@@ -38,13 +38,14 @@ class LoggingDebug:
     trace_target: bool = False
     """Each target rank appends one line per message to <output_dir>/target_trace/rank<r>.jsonl: samples,
     tokens, and where its time went (stream stall before the capture, the capture itself, backpressure wait
-    before the send), for finding which side of the pipeline is slow and why."""
+    before the send), for finding which side of the pipeline is slow and why (``dflash-report RUN_DIR`` summarises
+    it)."""
 
     profile_step: int = -1
     """Drafter ranks train this step (0-based, counted in this run) under torch.profiler, write its Chrome trace
     to <output_dir>/profile/drafter_rank<r>_step<N>.json and log its phase timeline: each anchor group's forward,
     its loss or head request, each group's backward (waiting for its head reply), optimizer
-    (``bench/profile_timeline.py`` prints a written trace). The device is synchronized around that step. Target
+    (``dflash-report RUN_DIR`` prints the written traces). The device is synchronized around that step. Target
     ranks trace their first message for that step the same way (target_rank<r>_step<N>.json: capture, send, the
     drafter taking it), after their earlier sends are taken (target.loop.MessageTrace says why). -1: off."""
 

@@ -15,8 +15,8 @@ class TopologyTuning:
     rendezvous_sends: Optional[bool] = None
     """Post each payload send only after the drafter has posted the matching receive (a counter per link in the
     rendezvous store). An NCCL send posted earlier runs on the target GPU until the drafter takes it and slowed
-    the target's capture 1.4-1.5x on an H200 (bench/send_overlap.py). None: on when the payloads go over NCCL,
-    off over gloo (CPU: a waiting gloo send costs nothing, and the target could post a payload only between its
+    the target's capture 1.4-1.5x on an H200 (bench/experiments/send_overlap.py). None: on when the payloads go over
+    NCCL, off over gloo (CPU: a waiting gloo send costs nothing, and the target could post a payload only between its
     synchronous CPU forwards). False: send at once."""
 
 

@@ -365,8 +365,8 @@ def _worker_run(conv: dict):
 
 # Rows per tokenizing worker before a pool pays for itself: 2 workers halve the time per row but cost seconds of
 # start-up (spawned interpreters importing transformers, loading the tokenizer), so on a 2-core machine 2 workers
-# win from ~32k rows of the packaged tiny corpus, and 4 workers never (measured with bench/tokenize_workers.py:
-# docs/benchmarks.md#tokenize-workers). Longer conversations than the tiny corpus' cross over earlier.
+# win from ~32k rows of the packaged tiny corpus, and 4 workers never (measured with
+# bench/experiments/tokenize_workers.py: docs/benchmarks.md#tokenize-workers). Longer conversations than the tiny corpus' cross over earlier.
 ROWS_PER_WORKER = 16384
 
 

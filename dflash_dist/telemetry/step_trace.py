@@ -9,7 +9,7 @@ On CPU (no GPU timeline) the phases' host starts are used.
 
     logging.debug.profile_step=N   a training job's drafter ranks trace step N, its targets their message for step N
                              -> <output_dir>/profile/
-    python bench/profile_timeline.py TRACE.json   the table of a written trace
+    dflash-report RUN_DIR          the table of every written trace of the run, and phases.png
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def phase(name: str):
 class TraceWindow:
     """torch.profiler over a stretch of work (CPU and, on CUDA, GPU activity), started and stopped by hand.
     A window that starts or stops while a gloo isend is in flight can crash the sender
-    (bench/profiler_gloo_window.py): a target drains its sends first (target.loop.MessageTrace)."""
+    (bench/experiments/profiler_gloo_window.py): a target drains its sends first (target.loop.MessageTrace)."""
 
     def __init__(self, device):
         from torch.profiler import ProfilerActivity, profile
@@ -125,7 +125,7 @@ def timeline(trace: dict | list) -> dict:
 
 
 def format_timeline(tl: dict, title: Optional[str] = None) -> str:
-    """The timeline as a markdown table (what bench/profile_timeline.py prints and the trainer logs)."""
+    """The timeline as a markdown table (what dflash-report prints and the trainer logs)."""
     busy = f", kernels busy {tl['busy_ms']:.1f} ms" if tl.get("busy_ms") is not None else ""
     lines = [f"{title or 'step'}: {tl['step_ms']:.1f} ms ({tl['clock']} clock){busy}",
              "| phase | start ms | ms | kernels busy ms | idle ms |", "| --- | --- | --- | --- | --- |"]

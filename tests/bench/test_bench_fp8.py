@@ -30,10 +30,11 @@ def test_target_fp8_bench_tiny(tmp_path):
 
 
 def test_fp8_error_sources_tiny(tmp_path):
-    """bench/fp8_error_sources.py at toy size: one cosine per layer for every variant; rounding the weights and
-    activations costs more than either part alone or bf16 (the rounding really reaches the linears)."""
+    """bench/experiments/fp8_error_sources.py at toy size: one cosine per layer for every variant; rounding the
+    weights and activations costs more than either part alone or bf16 (the rounding really reaches the linears)."""
     out = tmp_path / "sources.json"
-    r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "fp8_error_sources.py"), "--tiny", "--layers", "3",
+    script = os.path.join(REPO, "bench", "experiments", "fp8_error_sources.py")
+    r = subprocess.run([sys.executable, script, "--tiny", "--layers", "3",
                         "--tokens", "64", "--out", str(out)], cwd=REPO, env=ENV, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]

@@ -1,4 +1,4 @@
-"""bench/tokenize_workers.py runs end to end at toy sizes and writes the table it promises."""
+"""bench/experiments/tokenize_workers.py runs end to end at toy sizes and writes the table it promises."""
 
 import json
 import os
@@ -10,7 +10,8 @@ from helpers.launch_util import REPO
 
 def test_tokenize_workers_bench_writes_its_table(tmp_path):
     out = tmp_path / "tok.json"
-    p = subprocess.run([sys.executable, os.path.join(REPO, "bench", "tokenize_workers.py"), "--rows", "40",
+    script = os.path.join(REPO, "bench", "experiments", "tokenize_workers.py")
+    p = subprocess.run([sys.executable, script, "--rows", "40",
                         "--workers", "2", "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, PYTHONPATH=REPO))
     assert p.returncode == 0, p.stdout + p.stderr

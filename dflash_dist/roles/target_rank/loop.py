@@ -149,8 +149,8 @@ class MessageTrace:
     """logging.debug.profile_step on a target rank: its first message for drafter step N (capture, send, the drafter
     taking it) under torch.profiler; the Chrome trace goes to <run_dir>/profile/target_rank<r>_step<N>.json and its
     phase timeline to the log. Nothing this rank posted is in flight when the window starts or stops: a profiler
-    start or stop while a gloo isend is in flight crashed the sender (bench/profiler_gloo_window.py), and the
-    headers travel over gloo on every job. So the window waits for the drafters to take every earlier message and
+    start or stop while a gloo isend is in flight crashed the sender (bench/experiments/profiler_gloo_window.py), and
+    the headers travel over gloo on every job. So the window waits for the drafters to take every earlier message and
     head reply before it starts, ends once the traced message is taken, and runs no evaluation slice."""
 
     def __init__(self, job, tx: Sender, heads: Optional[HeadLossServer]):

@@ -1,5 +1,5 @@
 """How many worker processes tokenize: none for a small file (a worker's start-up costs seconds), up to
-data.num_workers and the CPUs for a large one (bench/tokenize_workers.py measures the crossover)."""
+data.num_workers and the CPUs for a large one (bench/experiments/tokenize_workers.py measures the crossover)."""
 
 import itertools
 import os

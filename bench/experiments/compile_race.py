@@ -16,8 +16,8 @@ target's (a feature capture):
    drafter compiles its shapes; thread B repeats the workloads meanwhile and counts runs that differ or raise.
 3. ``processes``: the same two loops in two processes (the dflash_dist layout).
 
-    python bench/compile_race.py --out compile_race.json            # CPU or GPU (on CUDA also fused AdamW)
-    python bench/compile_race.py --window-only --out /tmp/cr.json    # part 1 only (a few seconds)
+    python bench/experiments/compile_race.py --out compile_race.json            # CPU or GPU (on CUDA also fused AdamW)
+    python bench/experiments/compile_race.py --window-only --out /tmp/cr.json    # part 1 only (a few seconds)
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: _common
 import _common as C  # noqa: E402
 import torch  # noqa: E402
 

@@ -13,7 +13,7 @@ through ``FeatureCapture(packing=True, compile=True)`` in a fresh process per ru
 For each message: ok or the error (type and first lines), seconds, and the largest difference from the padded,
 uncompiled capture of the same samples (the reference path). Prints a table, writes JSON.
 
-    python bench/packed_short_rows.py --out short_rows.json      # CUDA
+    python bench/experiments/packed_short_rows.py --out short_rows.json      # CUDA
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: _common
 import _common as C  # noqa: E402
 import torch  # noqa: E402
 

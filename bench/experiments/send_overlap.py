@@ -20,8 +20,8 @@ Scenarios (median of --repeats each, the workload's host time to a synchronize):
   recv_pending     roles swapped: rank 0 posts a receive that rank 1's send matches only --delay-s later
   recv_pending_side  as recv_pending, the workload on its own stream
 
-    torchrun --standalone --nproc-per-node 2 bench/send_overlap.py --out send_overlap.json
-    torchrun ... bench/send_overlap.py --workload capture      # the real packed, compiled Qwen3-8B-shaped capture
+    torchrun --standalone --nproc-per-node 2 bench/experiments/send_overlap.py --out send_overlap.json
+    torchrun ... bench/experiments/send_overlap.py --workload capture  # the packed, compiled Qwen3-8B-shaped capture
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: _common
 import _common as C  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

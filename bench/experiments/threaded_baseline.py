@@ -11,8 +11,8 @@ errors such as the FX-tracing / dynamo races of compiling in one thread while an
 caught, classified and recorded, not fatal to the report). ``--compare pipeline.json`` adds the ratio to the
 multi-process pipeline measured by bench/pipeline.py.
 
-    python bench/threaded_baseline.py --out threaded.json --compare pipeline.json       # 2 GPUs
-    python bench/threaded_baseline.py --tiny --out /tmp/thr.json                         # CPU smoke (sdpa)
+    python bench/experiments/threaded_baseline.py --out threaded.json --compare pipeline.json       # 2 GPUs
+    python bench/experiments/threaded_baseline.py --tiny --out /tmp/thr.json                         # CPU smoke (sdpa)
 
 On CPU both threads share the CPU and the drafter uses sdpa (flex_attention has no CPU backward): the smoke run
 proves the harness, not the GPU behaviour.
@@ -29,7 +29,7 @@ import threading
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: _common
 import _common as C  # noqa: E402
 import _standalone as S  # noqa: E402
 import torch  # noqa: E402
@@ -81,9 +81,10 @@ def main(argv=None) -> int:
     q: queue.Queue = queue.Queue(maxsize=cfg.topology.max_in_flight)
     stop = threading.Event()
     state: dict = {"target_busy_s": 0.0, "target_put_wait_s": 0.0, "drafter_get_wait_s": 0.0, "steps_done": 0,
-                   # exposure to the other thread's compiles (bench/compile_race.py: torch.compiler.is_compiling()
-                   # is process-wide, and eager code such as the optimizer takes compile-only branches under it):
-                   # captures and optimizer steps that began while the flag was set by the other thread
+                   # exposure to the other thread's compiles (bench/experiments/compile_race.py:
+                   # torch.compiler.is_compiling() is process-wide, and eager code such as the optimizer takes
+                   # compile-only branches under it): captures and optimizer steps that began while the flag was set
+                   # by the other thread
                    "captures": 0, "captures_while_other_compiles": 0, "opt_steps": 0,
                    "opt_steps_while_other_compiles": 0}
     lock = threading.Lock()

@@ -7,8 +7,8 @@ evaluation's own code (``spec_decode.speculative_steps`` with the evaluator's dr
 builds it, and bf16) on random prompts and times, per drafter dtype, the median of: a whole slice, the target's
 verify forward alone (``TargetRunner``, 16 tokens on a KV cache), the draft step alone (``make_dflash_draft_fn``).
 
-    python bench/eval_step.py --out eval_step.json                      # CUDA, 8B-shaped random-init target
-    python bench/eval_step.py --target tiny --drafter tiny --out /tmp/es.json   # CPU smoke
+    python bench/experiments/eval_step.py --out eval_step.json                      # CUDA, 8B-shaped random-init target
+    python bench/experiments/eval_step.py --target tiny --drafter tiny --out /tmp/es.json   # CPU smoke
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: _common
 import _common as C  # noqa: E402
 import torch  # noqa: E402
 

@@ -13,8 +13,8 @@ decoder layer (HF ``hidden_states[i+1]``, the capture's "layer i") with the fp32
 * ``fp8_blocks``: 128 x 128 weight blocks and 1 x 128 activation blocks (the fine-grained checkpoints' layout);
 * ``bf16``: the whole model in bf16 (RoPE frequencies kept fp32, as the capture computes them): the floor.
 
-    python bench/fp8_error_sources.py --layers 10 --out fp8_sources.json     # Qwen3-8B shape, first 10 layers
-    python bench/fp8_error_sources.py --tiny --out /tmp/fp8_sources.json     # smoke
+    python bench/experiments/fp8_error_sources.py --layers 10 --out fp8_sources.json  # Qwen3-8B shape, 10 layers
+    python bench/experiments/fp8_error_sources.py --tiny --out /tmp/fp8_sources.json  # smoke
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: _common
 import _common as C  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402

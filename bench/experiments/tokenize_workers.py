@@ -6,7 +6,7 @@ of ``tokenize_workers`` bypassed), and prints seconds per run and the smallest r
 setting beats in-process. A worker's start-up (a spawned interpreter importing transformers and loading the
 tokenizer) is a fixed cost that only a large file repays.
 
-    python bench/tokenize_workers.py --rows 120,1000,4000 --workers 0,2,4 [--tokenizer DIR] [--out OUT.json]
+    python bench/experiments/tokenize_workers.py --rows 120,1000,4000 --workers 0,2,4 [--tokenizer DIR] [--out OUT.json]
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ import os
 import sys
 import time
 
-import _common as C  # noqa: F401  (puts the repository on sys.path)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: _common
+import _common as C  # noqa: F401, E402  (puts the repository on sys.path)
 
-from dflash_dist.data.conversations import REGENERATED_JSONL
-from dflash_dist.data.sources import read_conversations
-from dflash_dist.data.tokenize import BadDataStats, build_tokenized_dataset
-from dflash_dist.targets.hf import TINY_DIR
+from dflash_dist.data.conversations import REGENERATED_JSONL  # noqa: E402
+from dflash_dist.data.sources import read_conversations  # noqa: E402
+from dflash_dist.data.tokenize import BadDataStats, build_tokenized_dataset  # noqa: E402
+from dflash_dist.targets.hf import TINY_DIR  # noqa: E402
 
 
 def time_one(convs: list, tokenizer: str, workers: int, max_length: int) -> float:

@@ -6,7 +6,7 @@ worker threads). This script is that pattern alone: rank 0 multiplies and isends
 1, at most 3 pending, and opens a profiler window (CPU activity) from iteration 5 to 15; rank 1 receives. Each mode
 runs --runs times in a fresh ``torchrun`` (2 processes, gloo); reported: how many runs finished.
 
-    python bench/profiler_gloo_window.py --out profiler_gloo.json [--runs 5]
+    python bench/experiments/profiler_gloo_window.py --out profiler_gloo.json [--runs 5]
 
 modes: isend (sends in flight when the window starts and stops), send (blocking sends), drain (isends, all waited
 for right before the window starts and before it stops), irecv (the window on the receiver instead: rank 1 keeps up
