@@ -20,6 +20,7 @@ Hugging Face cache (:func:`local_dir`, ``local_files_only=True``), never the net
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -371,12 +372,30 @@ def check_drafter_config(file: str, field: str, dc: Any) -> dict:
     return dc
 
 
+# settings that checkpoints of earlier versions record and that no longer exist; none changed a trained weight,
+# so such a checkpoint still loads (they are left out of what is checked)
+RETIRED_KEYS = (("drafter", "tuning", "compute_weights"),)
+
+
+def without_retired(job: dict) -> dict:
+    """A copy of a recorded job config without the :data:`RETIRED_KEYS`."""
+    job = copy.deepcopy(job)
+    for path in RETIRED_KEYS:
+        d = job
+        for k in path[:-1]:
+            d = d.get(k) if isinstance(d, dict) else None
+        if isinstance(d, dict):
+            d.pop(path[-1], None)
+    return job
+
+
 def check_job_config(file: str, field: str, job: Any) -> None:
     """The training job's config sections: known groups and keys, each value of its field's type, the target's
     random-init sizes in bounds. (Its attention / experts implementations: :func:`local_attention` where a
     target is built from them.)"""
     from dflash_dist.config import GROUPS
     _obj(file, field, job)
+    job = without_retired(job)
     for name, value in job.items():
         if name not in GROUPS:
             raise fail(file, f"{field}.{name}", f"unknown config group (known: {', '.join(sorted(GROUPS))})")

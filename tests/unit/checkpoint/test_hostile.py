@@ -364,3 +364,15 @@ def test_a_callable_named_in_meta_is_never_called(tmp_path, capsys, caplog, monk
     refused(capsys, eval_main, eval_argv(tmp_path, export=out), META_NAME, f"drafter.{field}")
     refused(capsys, doctor_main, ["--no-flex", "--export", out], META_NAME, f"drafter.{field}")
     assert called == []
+
+
+def test_a_setting_since_retired_in_meta_still_loads_and_an_unknown_one_does_not(tmp_path, capsys):
+    # checkpoints of earlier versions record drafter.tuning.compute_weights (removed: it changed no weight)
+    ckpt, _ = make_checkpoint(tmp_path)
+    edit_meta(ckpt, lambda m: m["job_config"]["drafter"].setdefault("tuning", {}).__setitem__("compute_weights",
+                                                                                              "cast"))
+    assert checkpoint_problem(ckpt) is None
+    assert export_main([ckpt, str(tmp_path / "export")]) == 0
+    edit_meta(ckpt, lambda m: m["job_config"]["drafter"]["tuning"].__setitem__("no_such_knob", 1))
+    refused(capsys, export_main, [ckpt, str(tmp_path / "export2")], "meta.json",
+            "job_config.drafter.tuning.no_such_knob")
