@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dflash_dist.checkpoint.meta import checkpoint_meta
-from dflash_dist.checkpoint.resume import earlier_totals, resume_command
+from dflash_dist.checkpoint.resume import checkpoint_totals, earlier_totals, resume_command
 from dflash_dist.checkpoint.store import (
     CheckpointSaveError,
     checkpoint_bytes,
@@ -439,14 +439,9 @@ class DrafterTrainer:
         model_state, opt_state = self.parallel.full_state(self.opt)  # whole tensors on the leader (FSDP: gathered)
         if not self.topo.is_leader:
             return
-        b = self.before
-        totals = {"samples_sent": b["samples_sent"] + launch["received"],  # sent through this checkpoint
-                  "samples_trained": b["samples_trained"] + launch["received"] - launch["skipped"],
-                  "samples_skipped": b["samples_skipped"] + launch["skipped"],
-                  "samples_dropped_after_stop": b["samples_dropped_after_stop"], "launches": b["launches"] + 1}
         meta = checkpoint_meta(self.job, self.topo, self.spec, cursor=self.cursor, counts=self.counts, final=final,
                                reason=reason)
-        meta["run_totals"] = totals
+        meta["run_totals"] = checkpoint_totals(self.before, launch)
         previous = self.last_checkpoint or self.job.resume_from
         needed = (checkpoint_bytes(previous) if previous else 0) or state_bytes(model_state) + state_bytes(opt_state)
         problem = space_problem(self.job.run_dir, needed)
