@@ -233,6 +233,17 @@ def earlier_totals(meta: Optional[dict], resume_from: Optional[str], run_dir: st
                 samples_dropped_after_stop=totals["samples_dropped_after_stop"] + dropped)
 
 
+def checkpoint_totals(before: dict, launch: dict) -> dict:
+    """The run's totals a checkpoint records (meta.json ``run_totals``): the earlier launches' (``earlier_totals``)
+    plus this launch's samples through the checkpoint, summed over its drafters (``launch``: received, skipped).
+    Samples received count as sent through this checkpoint; drops after a stop are the earlier launches' only."""
+    b = before
+    return {"samples_sent": b["samples_sent"] + launch["received"],  # sent through this checkpoint
+            "samples_trained": b["samples_trained"] + launch["received"] - launch["skipped"],
+            "samples_skipped": b["samples_skipped"] + launch["skipped"],
+            "samples_dropped_after_stop": b["samples_dropped_after_stop"], "launches": b["launches"] + 1}
+
+
 def record_dropped(run_dir: str, checkpoint: Optional[str], dropped: int) -> None:
     """Leader, after a graceful stop: the samples dropped after the checkpoint, for the totals of the launch
     that resumes from it."""

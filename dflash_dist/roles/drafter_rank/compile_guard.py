@@ -14,7 +14,7 @@ Three failure modes of ``torch.compile`` are silent by default and each one cost
 3. **Graph breaks.** The flex call is compiled with ``fullgraph=True`` (a break is a compile error); other
    compiled regions are checked with ``report_graph_breaks``.
 
-Usage on a drafter rank (DrafterTrainer wires it in)::
+Usage on a drafter rank (DrafterTrainer wires it in; the shapes and ``batch_shape`` come from ``shape_plan.py``)::
 
     guard = install_guard(num_shape_buckets=len(shapes), expected_shapes=shapes, warmup_steps=2)
     for batch in ...:
@@ -29,21 +29,17 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import math
 import re
 import sys
 import warnings
-from collections import Counter
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
 from dflash_dist.model.lazy_compile import LazyCompiled
 
-__all__ = ["CompileGuardError", "CompileGuard", "install_guard", "steady_state", "batch_shape", "expected_shapes",
-           "plan_step_lengths",
-           "dynamo_counters", "graph_break_reasons", "report_graph_breaks", "FLEX_EAGER_WARNING_RE",
-           "format_shape"]
+__all__ = ["CompileGuardError", "CompileGuard", "install_guard", "steady_state", "dynamo_counters",
+           "graph_break_reasons", "report_graph_breaks", "FLEX_EAGER_WARNING_RE", "format_shape"]
 
 log = logging.getLogger("dflash_dist")
 
@@ -60,57 +56,6 @@ class CompileGuardError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------------- shapes
-
-def batch_shape(batch: Any) -> tuple[int, int, int]:
-    """(b, S_pad, Q) of a ``blocks.DrafterBatch``: the three sizes the compiled kernels specialise on."""
-    b, s_pad = int(batch.features.shape[0]), int(batch.features.shape[1])
-    return b, s_pad, int(batch.block_ids.shape[1])
-
-
-def expected_shapes(sample_lengths_per_step: Iterable[Sequence[int]], ctx_bucket: int, q_len: int
-                    ) -> Counter:
-    """Counter {(b, S_pad, Q): steps} of a drafter's steps, from the sample lengths of each of its messages
-    (the plan is known before training: ``[[lengths[i] for i in job.plan[k]] for k in my_messages]``).
-
-    Mirrors ``blocks.make_batch``: S_pad = max(1, ceil(max_len / ctx_bucket)) * ctx_bucket. An empty step
-    (``drafter.trainer.empty_batch_inputs``, one 2-token sample) is ``[2]``."""
-    out: Counter = Counter()
-    for lens in sample_lengths_per_step:
-        lens = list(lens)
-        s_pad = max(1, math.ceil(max(lens) / ctx_bucket)) * ctx_bucket
-        out[(len(lens), s_pad, int(q_len))] += 1
-    return out
-
-
-def plan_step_lengths(plan: Sequence[Sequence[int]], sample_lengths: Sequence[int], start_cursor: int,
-                      run_messages: int, num_drafters: int, index: int) -> Iterator[list[int]]:
-    """Sample lengths of every step of drafter ``index``, in order (``drafter.loop.run_drafter``'s schedule: step
-    s trains message start_cursor + s*D + index, or an empty batch -- one 2-token sample -- past the end)."""
-    steps = -(-run_messages // num_drafters)
-    for s in range(steps):
-        j = s * num_drafters + index
-        if j < run_messages:
-            yield [int(sample_lengths[i]) for i in plan[start_cursor + j]]
-        else:
-            yield [2]
-
-
-def precompile_steps(sample_lengths_per_step: Iterable[Sequence[int]], ctx_bucket: int) -> list[list[int]]:
-    """Sample lengths of the planned steps worth a dry run before training (``DrafterTrainer.precompile``):
-    for one-sample batches and for batches of several (dynamo specialises a size of 1 apart), the first two
-    context lengths S_pad of each (with dynamic shapes the second compiles the dynamic variant). On an H200
-    the step that first had one sample compiled at step 8, for 27-34 s, while its target waited."""
-    picked: dict[bool, list[int]] = {True: [], False: []}
-    out: list[list[int]] = []
-    for lens in sample_lengths_per_step:
-        lens = [int(n) for n in lens]
-        s_pad = max(1, math.ceil(max(lens) / ctx_bucket)) * ctx_bucket
-        done = picked[len(lens) == 1]
-        if s_pad not in done and len(done) < 2:
-            done.append(s_pad)
-            out.append(lens)
-    return out
-
 
 def format_shape(shape: Sequence[int]) -> str:
     if len(shape) == len(_SHAPE_NAMES):

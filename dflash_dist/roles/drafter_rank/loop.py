@@ -20,7 +20,8 @@ from dflash_dist.comm.distributed import shorten_timeouts
 from dflash_dist.comm.faults import fault_for, stall_if_due
 from dflash_dist.comm.head_offload import HeadLossClient, head_channels, head_servers
 from dflash_dist.comm.transport import EndOfStream, Receiver, job_channel
-from dflash_dist.roles.drafter_rank.compile_guard import batch_shape, dynamo_counters, report_graph_breaks
+from dflash_dist.roles.drafter_rank.compile_guard import dynamo_counters, report_graph_breaks
+from dflash_dist.roles.drafter_rank.shape_plan import batch_shape
 from dflash_dist.roles.drafter_rank.startup_report import host_syncs, startup_report
 from dflash_dist.roles.drafter_rank.trainer import LEAKY_MASK_ENV, DrafterTrainer
 from dflash_dist.eval.in_training import LeaderEval, eval_enabled, eval_record, eval_steps

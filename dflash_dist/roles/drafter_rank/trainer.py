@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dflash_dist.checkpoint.meta import checkpoint_meta
-from dflash_dist.checkpoint.resume import earlier_totals, resume_command
+from dflash_dist.checkpoint.resume import checkpoint_totals, earlier_totals, resume_command
 from dflash_dist.checkpoint.store import (
     CheckpointSaveError,
     checkpoint_bytes,
@@ -22,16 +22,11 @@ from dflash_dist.checkpoint.store import (
     space_problem,
     state_bytes,
 )
-from dflash_dist.roles.drafter_rank.compile_guard import (
-    batch_shape,
-    expected_shapes,
-    install_guard,
-    plan_step_lengths,
-    precompile_steps,
-)
+from dflash_dist.roles.drafter_rank.compile_guard import install_guard
 from dflash_dist.roles.drafter_rank.optim import make_step
 from dflash_dist.roles.drafter_rank.parallel import DrafterParallel
 from dflash_dist.roles.drafter_rank.parallel import resolve_mode as resolve_parallel
+from dflash_dist.roles.drafter_rank.shape_plan import batch_shape, expected_shapes, plan_step_lengths, precompile_steps
 from dflash_dist.model.blocks import make_batch, split_anchors, target_labels
 from dflash_dist.targets.hf import load_head_from_checkpoint, resolve_dtype, resolve_source, text_config
 from dflash_dist.model.loss import LossParts
@@ -152,7 +147,7 @@ class DrafterTrainer:
 
     def make_guard(self):
         """Compile guard (flex backend): eager flex -> error, recompiles bounded, none after warm-up unless the
-        step's shape is one the plan says this drafter will see (see compile_guard)."""
+        step's shape is one the plan says this drafter will see (see compile_guard, shape_plan)."""
         dc = self.cfg.drafter
         steps = self.planned_steps or []
         shapes = expected_shapes(steps + [[2]], dc.tuning.ctx_bucket, dc.num_anchors * self.block_size)  # + empty
@@ -286,7 +281,7 @@ class DrafterTrainer:
         return LossParts.total(parts)
 
     def precompile(self) -> float:
-        """Dry steps of ``precompile_plan`` (see compile_guard.precompile_steps): forward and backward of a
+        """Dry steps of ``precompile_plan`` (see shape_plan.precompile_steps): forward and backward of a
         synthetic batch with each step's sample lengths, under the guard as warm-up steps; no update, gradients
         dropped, no all-reduce (DDP's no_sync; FSDP gathers and reduces, every drafter running the same dry steps),
         the optimizer and the step counters untouched. Returns seconds."""
@@ -444,14 +439,9 @@ class DrafterTrainer:
         model_state, opt_state = self.parallel.full_state(self.opt)  # whole tensors on the leader (FSDP: gathered)
         if not self.topo.is_leader:
             return
-        b = self.before
-        totals = {"samples_sent": b["samples_sent"] + launch["received"],  # sent through this checkpoint
-                  "samples_trained": b["samples_trained"] + launch["received"] - launch["skipped"],
-                  "samples_skipped": b["samples_skipped"] + launch["skipped"],
-                  "samples_dropped_after_stop": b["samples_dropped_after_stop"], "launches": b["launches"] + 1}
         meta = checkpoint_meta(self.job, self.topo, self.spec, cursor=self.cursor, counts=self.counts, final=final,
                                reason=reason)
-        meta["run_totals"] = totals
+        meta["run_totals"] = checkpoint_totals(self.before, launch)
         previous = self.last_checkpoint or self.job.resume_from
         needed = (checkpoint_bytes(previous) if previous else 0) or state_bytes(model_state) + state_bytes(opt_state)
         problem = space_problem(self.job.run_dir, needed)

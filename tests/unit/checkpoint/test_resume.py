@@ -15,6 +15,7 @@ from dflash_dist.checkpoint.claim import CLAIM_FILE
 from dflash_dist.checkpoint.identity import read_run_json, write_run_json
 from dflash_dist.checkpoint.resume import (
     check_resume_point,
+    checkpoint_totals,
     claim_and_resolve,
     earlier_totals,
     record_dropped,
@@ -113,6 +114,9 @@ def test_the_runs_totals_add_the_earlier_launches_and_what_they_dropped(tmp_path
     tot = run_totals(before, launch, plan, 4)
     assert tot == {"run_samples_sent": 11, "run_samples_trained": 7, "run_samples_skipped": 1,
                    "run_samples_dropped_after_stop": 3, "run_samples_repeated": 0, "run_launches": 2}
+    # what a checkpoint of this launch records: its samples received (2 of them skipped) on top of the earlier ones
+    assert checkpoint_totals(before, {"received": 3, "skipped": 2}) == {
+        "samples_sent": 11, "samples_trained": 5, "samples_skipped": 3, "samples_dropped_after_stop": 3, "launches": 2}
     # a resume that took a message twice shows up
     assert run_totals(before, dict(launch, samples_received=5), plan, 4)["run_samples_repeated"] == 2
     # a checkpoint of an older dflash_dist (no totals): the plan's samples through its cursor

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from helpers.compile_settings import compile_settings_restored
 
 from dflash_dist.roles.drafter_rank import compile_guard as cg
+from dflash_dist.roles.drafter_rank import shape_plan as sp
 from dflash_dist.roles.drafter_rank.startup_report import dense_attention_bytes, startup_report
 from dflash_dist.model.blocks import make_batch
 from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
@@ -182,13 +183,13 @@ def test_steady_state_context_and_counters():
 
 
 def test_expected_shapes_from_plan():
-    shapes = cg.expected_shapes([[10, 300], [2], [257]], ctx_bucket=256, q_len=64)
+    shapes = sp.expected_shapes([[10, 300], [2], [257]], ctx_bucket=256, q_len=64)
     assert shapes == {(2, 512, 64): 1, (1, 256, 64): 1, (1, 512, 64): 1}
     plan = [[0, 1], [2], [3, 4, 5]]                 # 3 messages, 2 drafters: drafter 1 gets message 1, then empty
     lengths = [10, 20, 300, 5, 6, 7]
-    assert list(cg.plan_step_lengths(plan, lengths, 0, 3, 2, 0)) == [[10, 20], [5, 6, 7]]
-    assert list(cg.plan_step_lengths(plan, lengths, 0, 3, 2, 1)) == [[300], [2]]
-    assert list(cg.plan_step_lengths(plan, lengths, 1, 2, 2, 0)) == [[300]]    # resumed at cursor 1
+    assert list(sp.plan_step_lengths(plan, lengths, 0, 3, 2, 0)) == [[10, 20], [5, 6, 7]]
+    assert list(sp.plan_step_lengths(plan, lengths, 0, 3, 2, 1)) == [[300], [2]]
+    assert list(sp.plan_step_lengths(plan, lengths, 1, 2, 2, 0)) == [[300]]    # resumed at cursor 1
 
 
 # ------------------------------------------------------------------------------------------ startup report
@@ -224,7 +225,7 @@ def _tiny_step():
 def test_startup_report_names_sdpa_backend_on_cpu():
     model, batch, step = _tiny_step()
     step()  # warm-up
-    shape = cg.batch_shape(batch)
+    shape = sp.batch_shape(batch)
     lines = []
     rep = startup_report(step, model, {"b": shape[0], "S_pad": shape[1], "Q": shape[2], "first_step_s": 0.1,
                                        "precompile_s": 12.5}, "cpu", print_fn=lines.append)
@@ -302,7 +303,7 @@ def test_projection_with_a_score_like_shape_is_not_a_score_matrix():
 def test_precompile_steps_pick_one_and_several_samples_two_lengths_each():
     """One-sample and several-sample batches apart (dynamo specialises a size of 1), the first two context
     lengths of each, in plan order; the steps after them compile nothing new."""
-    from dflash_dist.roles.drafter_rank.compile_guard import precompile_steps
+    from dflash_dist.roles.drafter_rank.shape_plan import precompile_steps
     plan = [[100, 90], [80, 70, 60], [300, 10], [120], [700, 5], [260], [900], [2]]
     # S_pad at bucket 256: 256, 256, 512, 256, 768, 512, 1024, 256
     assert precompile_steps(plan, 256) == [[100, 90], [300, 10], [120], [260]]

@@ -4,7 +4,7 @@ import helpers.standalone_drafter as S
 import torch
 import torch.distributed as dist
 
-from dflash_dist.roles.drafter_rank.compile_guard import plan_step_lengths, precompile_steps
+from dflash_dist.roles.drafter_rank.shape_plan import plan_step_lengths, precompile_steps
 
 
 def test_precompile_dry_steps_update_nothing(tmp_path):
