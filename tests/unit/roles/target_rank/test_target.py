@@ -113,7 +113,7 @@ def test_packed_capture_equals_padded(qwen3, monkeypatch):
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     from dflash_dist.roles.drafter_rank.compile_guard import FLEX_EAGER_WARNING_RE
-    from dflash_dist.roles.target_rank.capture import PACKED_ATTN, packed_stats
+    from dflash_dist.roles.target_rank.packing import PACKED_ATTN, packed_stats
     ids, lengths, packed = _batch([11, 5, 8])
     layer_ids = [3, 7]  # a middle layer and the last one (final norm)
     ref = _capture(qwen3, layer_ids, ids, lengths)
@@ -145,14 +145,6 @@ def test_packed_capture_equals_padded(qwen3, monkeypatch):
     padded.close()
     assert padded.describe() == "padded (sdpa), compiled layers: no"
     assert cap.describe() == "packed (flex document-causal), compiled layers: no"
-
-
-def test_packed_row_tokens():
-    """The packed row is padded (with one more sample) so the compiled flex kernels never meet a one-block row:
-    CPU to a power of two >= 256, CUDA to at least 256 tokens and no further."""
-    from dflash_dist.roles.target_rank.capture import packed_row_tokens
-    assert [packed_row_tokens(t, "cpu") for t in (1, 100, 256, 257, 3000)] == [256, 256, 256, 512, 4096]
-    assert [packed_row_tokens(t, "cuda") for t in (1, 100, 128, 256, 257, 3000)] == [256, 256, 256, 256, 257, 3000]
 
 
 @pytest.mark.skipif(_torch_version() < (2, 13),
