@@ -220,20 +220,3 @@ def test_pad_multiple_resolution_and_the_built_capture():
     for bad in (0, -64, 2.5, "64", True):
         with pytest.raises(ConfigError, match="target.tuning.pad_multiple"):
             cfg(bad)
-
-
-def test_capture_flops_count_the_rows_as_they_run():
-    """The target's MFU counts a padded message at its rounded length, a packed one per sample."""
-    from types import SimpleNamespace
-
-    from dflash_dist.roles.target_rank.loop import capture_flops_fn
-    from dflash_dist.telemetry.flops import target_forward_flops
-    model = AutoModelForCausalLM.from_config(tiny("qwen3")).eval()
-    job = SimpleNamespace(layer_ids=[1, 3], hf_config=model.config)
-    # matmul weights (norm scales are not matmuls)
-    run_params = sum(p.numel() for layer in model.get_decoder().layers[:4] for p in layer.parameters() if p.dim() >= 2)
-    expect = lambda rows: target_forward_flops(model.config, run_params, 4, rows)  # noqa: E731
-    lengths = [100, 37]
-    assert capture_flops_fn(model, job)(lengths) == pytest.approx(expect([(2, 100)]))
-    assert capture_flops_fn(model, job, pad_multiple=64)(lengths) == pytest.approx(expect([(2, 128)]))
-    assert capture_flops_fn(model, job, packed=True)(lengths) == pytest.approx(expect([(1, 100), (1, 37)]))
