@@ -65,7 +65,8 @@ from dflash_dist.data.batching import build_plan  # noqa: E402
 from dflash_dist.data.synthetic import synthetic_dataset  # noqa: E402
 from dflash_dist.targets.hf import text_config  # noqa: E402
 from dflash_dist.roles.target_rank.batch import pad_batch  # noqa: E402
-from dflash_dist.roles.target_rank.capture import FeatureCapture, packed_stats  # noqa: E402
+from dflash_dist.roles.target_rank.capture import FeatureCapture  # noqa: E402
+from dflash_dist.roles.target_rank.packing import packed_stats  # noqa: E402
 from dflash_dist.telemetry.flops import nominal_peak_tflops, target_forward_flops  # noqa: E402
 
 

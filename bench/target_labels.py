@@ -21,7 +21,7 @@ from dflash_dist.config import TargetConfig, default_layer_ids
 from dflash_dist.targets.hf import build_target_model
 from dflash_dist.paths import CONF_DIR
 from dflash_dist.roles.target_rank.capture import FeatureCapture
-from dflash_dist.roles.target_rank.loop import capture_flops_fn
+from dflash_dist.roles.target_rank.trace import capture_flops_fn
 
 
 def wire_bytes(feature_width: int, feature_bytes: int, k: int) -> dict:

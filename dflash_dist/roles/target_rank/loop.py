@@ -10,11 +10,9 @@ the drafters are warm), and ``finish`` (last head replies, END, flush, last eval
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
 
@@ -33,18 +31,16 @@ from dflash_dist.model.head_shards import vocab_slice
 from dflash_dist.targets.hf import (
     build_target_model,
     build_target_replica,
-    decoder_layers,
     head_weights,
     load_head_from_checkpoint,
     local_parameter_bytes,
     random_target_dir,
     resolve_source,
-    text_config,
 )
 from dflash_dist.role_jobs import TargetJob
 from dflash_dist.roles.target_rank.batch import pad_batch
 from dflash_dist.roles.target_rank.capture import build_capture
-from dflash_dist.telemetry.flops import target_capture_flops, target_layers_profile
+from dflash_dist.roles.target_rank.trace import MessageTimes, capture_flops_fn, open_trace, write_message_line
 from dflash_dist.telemetry.step_trace import TraceWindow, format_timeline, phase
 
 log = logging.getLogger("dflash_dist")
@@ -69,26 +65,6 @@ def send_head_weights(job, model) -> None:
     for d in topo.drafter_ranks:
         dist.send(embed.detach().contiguous(), d, group=job.dist.data)
         dist.send(head.detach().contiguous(), d, group=job.dist.data)
-
-
-def capture_flops_fn(model, job, packed: bool = False, pad_multiple: int = 1, own_labels: bool = False):
-    """lengths [b] -> forward FLOPs of one capture batch (decoder layers up to the last captured one, no lm_head)
-    as it runs: padded, b x max(lengths) tokens rounded up to ``pad_multiple``; packed, each sample on its own
-    (attention stays inside a sample).
-    For the target's MFU in the metrics (``flops.target_forward_flops``). ``own_labels`` (drafter.loss.labels=target):
-    every layer and the lm_head over the real tokens."""
-    _, layers = decoder_layers(model)
-    run = list(layers) if own_labels else list(layers)[: max(job.layer_ids) + 1]
-    tc = text_config(job.hf_config)
-    head = 2 * tc.hidden_size * tc.vocab_size if own_labels else 0
-    # active experts only (MoE), linear-attention layers as they compute, sliding windows their window
-    profile = target_layers_profile(run, tc)
-    if packed:
-        return lambda lengths: (target_capture_flops(profile, tc, [(1, int(n)) for n in lengths])
-                                + head * sum(lengths))
-    return lambda lengths: (target_capture_flops(profile, tc, [(len(lengths),
-                                                                -(-int(max(lengths)) // pad_multiple) * pad_multiple)])
-                            + head * sum(lengths))
 
 
 def head_server(job, model, tx=None):
@@ -128,15 +104,6 @@ def head_server(job, model, tx=None):
     log.info("lm_head and loss of the drafters' steps run here (drafter.tuning.loss_on_target): %d request(s) per "
              "message, %s loss, %s", requests, "compiled" if compiled else "eager", how)
     return server
-
-
-def open_trace(job):
-    """logging.debug.trace_target: <run_dir>/target_trace/rank<r>.jsonl, one line per message, appended (a resumed job
-    continues the file)."""
-    path = os.path.join(job.run_dir, "target_trace")
-    os.makedirs(path, exist_ok=True)
-    log.info("target trace: %s", os.path.join(path, f"rank{job.dist.rank}.jsonl"))
-    return open(os.path.join(path, f"rank{job.dist.rank}.jsonl"), "a", buffering=1)
 
 
 # A drafter takes its third message only after its first two steps (first compile, the profiled step), and switches
@@ -285,17 +252,6 @@ def run_replica_follower(job, model) -> None:
              time.monotonic() - t0, topo.my_replica[0], f"; {heads.describe()}" if heads is not None else "")
 
 
-@dataclass
-class MessageTimes:
-    """One message's timings, for its trace line: the stream stall and forward before it, then the counters and
-    wall time read just before its send (what the send and what follows it add is read off them)."""
-    stall_s: float
-    capture_s: float
-    waited_s: float = 0.0
-    evaluated_s: float = 0.0
-    wall_s: float = 0.0
-
-
 class TargetRun:
     """A feeder rank's stream, one method per step (run_target drives them in order). The counters (busy_s,
     stall_s, tokens, samples, sent, flops) are cumulative over the run and travel in every header (stats)."""
@@ -432,14 +388,7 @@ class TargetRun:
         """logging.debug.trace_target: message j's line (backpressure and evaluation: since just before its send)."""
         if self.trace is None:
             return
-        topo, rank, to = self.topo, self.d.rank, self.topo.drafter_for(j)
-        self.trace.write(json.dumps({"message": msg.index, "from": rank, "from_node": topo.node_of(rank),
-                                     "to": to, "to_node": topo.node_of(to), "samples": msg.num_samples,
-                                     "tokens": int(msg.cu_seqlens[-1]), "t_s": round(times.wall_s, 4),
-                                     "stall_ms": round(times.stall_s * 1e3, 3),
-                                     "capture_ms": round(times.capture_s * 1e3, 3),
-                                     "backpressure_ms": round((self.tx.wait_s - times.waited_s) * 1e3, 3),
-                                     "eval_ms": round((self.tx.idle_work_s - times.evaluated_s) * 1e3, 3)}) + "\n")
+        write_message_line(self.trace, self.topo, self.d.rank, self.topo.drafter_for(j), msg, times, self.tx)
 
     def messages(self) -> range:
         """The run messages this replica streams, in order."""

@@ -113,7 +113,7 @@ def test_packed_capture_equals_padded(qwen3, monkeypatch):
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     from dflash_dist.roles.drafter_rank.compile_guard import FLEX_EAGER_WARNING_RE
-    from dflash_dist.roles.target_rank.capture import PACKED_ATTN, packed_stats
+    from dflash_dist.roles.target_rank.packing import PACKED_ATTN, packed_stats
     ids, lengths, packed = _batch([11, 5, 8])
     layer_ids = [3, 7]  # a middle layer and the last one (final norm)
     ref = _capture(qwen3, layer_ids, ids, lengths)
@@ -145,14 +145,6 @@ def test_packed_capture_equals_padded(qwen3, monkeypatch):
     padded.close()
     assert padded.describe() == "padded (sdpa), compiled layers: no"
     assert cap.describe() == "packed (flex document-causal), compiled layers: no"
-
-
-def test_packed_row_tokens():
-    """The packed row is padded (with one more sample) so the compiled flex kernels never meet a one-block row:
-    CPU to a power of two >= 256, CUDA to at least 256 tokens and no further."""
-    from dflash_dist.roles.target_rank.capture import packed_row_tokens
-    assert [packed_row_tokens(t, "cpu") for t in (1, 100, 256, 257, 3000)] == [256, 256, 256, 512, 4096]
-    assert [packed_row_tokens(t, "cuda") for t in (1, 100, 128, 256, 257, 3000)] == [256, 256, 256, 256, 257, 3000]
 
 
 @pytest.mark.skipif(_torch_version() < (2, 13),
@@ -228,20 +220,3 @@ def test_pad_multiple_resolution_and_the_built_capture():
     for bad in (0, -64, 2.5, "64", True):
         with pytest.raises(ConfigError, match="target.tuning.pad_multiple"):
             cfg(bad)
-
-
-def test_capture_flops_count_the_rows_as_they_run():
-    """The target's MFU counts a padded message at its rounded length, a packed one per sample."""
-    from types import SimpleNamespace
-
-    from dflash_dist.roles.target_rank.loop import capture_flops_fn
-    from dflash_dist.telemetry.flops import target_forward_flops
-    model = AutoModelForCausalLM.from_config(tiny("qwen3")).eval()
-    job = SimpleNamespace(layer_ids=[1, 3], hf_config=model.config)
-    # matmul weights (norm scales are not matmuls)
-    run_params = sum(p.numel() for layer in model.get_decoder().layers[:4] for p in layer.parameters() if p.dim() >= 2)
-    expect = lambda rows: target_forward_flops(model.config, run_params, 4, rows)  # noqa: E731
-    lengths = [100, 37]
-    assert capture_flops_fn(model, job)(lengths) == pytest.approx(expect([(2, 100)]))
-    assert capture_flops_fn(model, job, pad_multiple=64)(lengths) == pytest.approx(expect([(2, 128)]))
-    assert capture_flops_fn(model, job, packed=True)(lengths) == pytest.approx(expect([(1, 100), (1, 37)]))

@@ -157,7 +157,7 @@ def test_identity_records_the_label_source_and_kind():
 
 
 def test_flops_count_every_layer_and_the_head_with_own_labels(model):
-    from dflash_dist.roles.target_rank.loop import capture_flops_fn
+    from dflash_dist.roles.target_rank.trace import capture_flops_fn
     job = SimpleNamespace(layer_ids=[1, 3], hf_config=model.config)
     truncated, full = capture_flops_fn(model, job)([20, 10]), capture_flops_fn(model, job, own_labels=True)([20, 10])
     layers = SimpleNamespace(layer_ids=[5], hf_config=model.config)
