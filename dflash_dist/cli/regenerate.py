@@ -147,7 +147,7 @@ def regenerate_rows(model, tokenizer, items: list, *, max_new_tokens: int, tempe
     computation alone); the counts then hold ``oom_halvings`` and ``batch_size_reduced_to``. A row that does not
     fit alone raises ``RowTooLarge``."""
     device = next(model.parameters()).device
-    from dflash_dist.data.tokenize import template_info
+    from dflash_dist.data.template import template_info
     counts = {"generated": 0, "empty_replaced": 0, "empty_dropped": 0, "empty_kept": 0, "too_long": 0,
               "hit_max_new_tokens": 0, "new_tokens": 0}
     specials = [s for s in template_info(tokenizer, chat_template_kwargs).specials if s]
