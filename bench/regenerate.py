@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Regeneration throughput: ``dflash_dist.cli.regenerate.regenerate_rows`` (the code dflash-regenerate runs) on N
+"""Regeneration throughput: ``dflash_dist.data.generation.regenerate_rows`` (the code dflash-regenerate runs) on N
 prompts at several batch sizes, new tokens per second of one GPU.
 
     python bench/regenerate.py --prompts 256 --batch 16,256 --max-new-tokens 256 --out regen.json
@@ -23,8 +23,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
-from dflash_dist.cli.regenerate import prepare_row, regenerate_rows  # noqa: E402
+from dflash_dist.cli.regenerate import prepare_row  # noqa: E402
 from dflash_dist.data.conversations import builtin_conversations  # noqa: E402
+from dflash_dist.data.generation import regenerate_rows  # noqa: E402
 from dflash_dist.eval.prompts import eos_token_ids  # noqa: E402
 from dflash_dist.targets.hf import TINY_DIR  # noqa: E402
 

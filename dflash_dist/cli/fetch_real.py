@@ -254,7 +254,7 @@ def tokenizer_specials(model_dir: str) -> tuple:
     """The special-token strings of the saved tokenizer, as the training data reader finds them."""
     from transformers import AutoTokenizer
 
-    from dflash_dist.data.tokenize import template_info
+    from dflash_dist.data.template import template_info
     return tuple(s for s in template_info(AutoTokenizer.from_pretrained(model_dir)).specials if s)
 
 

@@ -41,7 +41,7 @@ def eos_token_ids(tokenizer, hf_config=None) -> list[int]:
         add(getattr(hf_config, "eos_token_id", None))
     if tokenizer is not None:
         add(getattr(tokenizer, "eos_token_id", None))
-        from dflash_dist.data.tokenize import template_info
+        from dflash_dist.data.template import template_info
         try:
             close = template_info(tokenizer).close
         except Exception:

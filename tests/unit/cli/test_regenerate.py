@@ -7,7 +7,8 @@ import pytest
 import torch
 from helpers.launch_util import torchrun
 
-from dflash_dist.cli.regenerate import load_target_config, prepare_row, regenerate_rows
+from dflash_dist.cli.regenerate import load_target_config, prepare_row
+from dflash_dist.data.generation import regenerate_rows
 from dflash_dist.targets.hf import TINY_DIR, build_target_model
 
 TARGET = {"hf_config": {"model_type": "qwen3", "vocab_size": 2048, "hidden_size": 32, "intermediate_size": 64,

@@ -5,7 +5,7 @@ tokenizer offline) on the packaged tiny tokenizer with the family's markers adde
 
 import pytest
 
-from dflash_dist.data import tokenize
+from dflash_dist.data import template, tokenize
 from dflash_dist.targets.hf import TINY_DIR
 
 LLAMA3 = (
@@ -87,9 +87,9 @@ def test_gpt_oss_harmony_mask():
     r = tokenize.tokenize_conversation(t, three, 256, "truncate")
     assert not isinstance(r, str), r
     assert [x.rsplit("<|message|>", 1)[1] for x in _runs(t, *r)] == ["b<|end|>", "d<|end|>", "f<|return|>"]
-    assert tokenize.template_info(t).closes == ("<|return|>", "<|end|>")
+    assert template.template_info(t).closes == ("<|return|>", "<|end|>")
 
 
 def test_one_marker_templates_have_one_close():
     """ChatML and Llama 3 close every reply alike: one marker, no second one guessed from the probe."""
-    assert tokenize.template_info(_tok("llama3", LLAMA3)).closes == ("<|eot_id|>",)
+    assert template.template_info(_tok("llama3", LLAMA3)).closes == ("<|eot_id|>",)

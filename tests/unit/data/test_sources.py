@@ -275,7 +275,7 @@ def test_regeneration_renders_with_the_same_kwargs(qwen3_tok_dir):
     """dflash-regenerate's prompt ids are encode_prompts' ids under the same kwargs (a fake model records them)."""
     from transformers import AutoTokenizer
 
-    from dflash_dist.cli.regenerate import regenerate_rows
+    from dflash_dist.data.generation import regenerate_rows
     from dflash_dist.eval.prompts import encode_prompts
 
     tok = AutoTokenizer.from_pretrained(qwen3_tok_dir)
