@@ -85,3 +85,23 @@ def _run_or_report_hang(cmd, cwd, env, timeout, preexec_fn) -> subprocess.Comple
         raise AssertionError(f"{' '.join(cmd[2:])}\ntimed out after {timeout:.0f} s; its ranks' stacks and last "
                              f"output:\n{(out + err)[-12000:]}") from None
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def signal_once_reached(p: subprocess.Popen, reached, send, settle_s: float = 2.0, wait_s: float = 240,
+                        exit_s: float = 180) -> tuple[str, float]:
+    """Wait until ``reached()`` (the job still running), ``settle_s`` more, then ``send()`` (a signal to the job or
+    its workers): (the job's output, seconds from the signal to its exit). A job still running is killed."""
+    import time
+    try:
+        deadline = time.monotonic() + wait_s
+        while not reached():
+            assert p.poll() is None and time.monotonic() < deadline, "not reached before the job ended or timed out"
+            time.sleep(0.2)
+        time.sleep(settle_s)
+        send()
+        t0 = time.monotonic()
+        out = p.communicate(timeout=exit_s)[0]
+        return out, time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)

@@ -6,10 +6,9 @@ import glob
 import json
 import os
 import signal
-import time
 
 import pytest
-from helpers.launch_util import shared_data_cache, torchrun
+from helpers.launch_util import shared_data_cache, signal_once_reached, torchrun
 from test_dflash_train import QUICK, _signal_when_training, _train_steps, dflash_train
 from test_failures import _wait_for_step, kill9_and_wait
 from test_train_e2e import accounting, metrics, sample_log, train_records
@@ -152,20 +151,10 @@ def test_sigterm_during_an_evaluation_abandons_it_and_checkpoints_at_once(tmp_pa
                       "train.eval_max_new_tokens=16", "logging.log_every=1", "logging.wandb.mode=disabled",
                       "logging.progress_bar=false", f"train.output_dir={run}", f"data.cache_dir={shared_data_cache()}"],
                      cwd=tmp_path, popen=True)
-    try:
-        deadline = time.monotonic() + 240
-        while 2 not in _train_steps(run):
-            assert p.poll() is None and time.monotonic() < deadline, "no step 2"
-            time.sleep(0.2)
-        time.sleep(2.0)  # step 2's evaluation runs while the message of step 3 is made: step 3 waits for it
+    def send():  # step 2's evaluation runs while the message of step 3 is made: step 3 waits for it
         assert max(_train_steps(run)) == 2
         p.send_signal(signal.SIGTERM)
-        t0 = time.monotonic()
-        out = p.communicate(timeout=180)[0]
-        took = time.monotonic() - t0
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+    out, took = signal_once_reached(p, lambda: 2 in _train_steps(run), send)
     assert p.returncode == 143, out[-4000:]
     assert "evaluation at step 2 stopped after " in out and "/16 prompts: SIGTERM" in out, out[-4000:]
     assert took < 20, f"{took:.1f} s from SIGTERM to exit (the whole evaluation: ~48 s)\n{out[-3000:]}"

@@ -8,7 +8,7 @@ import subprocess
 import time
 
 import pytest
-from helpers.launch_util import torchrun
+from helpers.launch_util import signal_once_reached, torchrun
 
 
 def metrics(run_dir):
@@ -224,20 +224,9 @@ def test_sigterm_while_a_target_evaluates_whole_abandons_the_evaluation(tmp_path
                      "train.eval_every=2", "train.eval_prompts=16", "train.eval_max_new_tokens=16",
                      "logging.log_every=1", "logging.progress_bar=false", "logging.wandb.mode=disabled"], popen=True,
                  env={"DFLASH_INJECT_FAULT": "1:0:slow_eval", "DFLASH_INJECT_STALL_S": "3"})  # rank 1: the target
-    try:
-        deadline = time.monotonic() + 240
-        while not (os.path.exists(tmp_path / "metrics.jsonl") and any(r["step"] >= 2 for r in train_records(tmp_path))):
-            assert p.poll() is None and time.monotonic() < deadline, "no step 2"
-            time.sleep(0.2)
-        time.sleep(2.0)  # step 2's evaluation is under way on the target
-        for w in _workers_of(p.pid):
-            os.kill(w, signal.SIGTERM)
-        t0 = time.monotonic()
-        out = p.communicate(timeout=180)[0]
-        took = time.monotonic() - t0
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+    def reached():  # step 2 trained: its evaluation is under way on the target
+        return os.path.exists(tmp_path / "metrics.jsonl") and any(r["step"] >= 2 for r in train_records(tmp_path))
+    out, took = signal_once_reached(p, reached, lambda: [os.kill(w, signal.SIGTERM) for w in _workers_of(p.pid)])
     assert p.returncode == 0, out[-4000:]
     assert "[rank 1 target]" in out and "evaluation at step 2 stopped after " in out, out[-4000:]
     assert "/16 prompts: SIGTERM" in out and "stopped on request" in out, out[-4000:]
