@@ -14,7 +14,9 @@ Stages (``--stages``, comma separated, in this order):
   ``--regen-procs`` processes on the device(s) (each generation is latency-bound: several share a GPU well).
   The first ``--small-rows`` of its output are the small data set (the two data sizes share their prompts).
 * ``train``: the runs of ``RUNS`` (``--runs`` picks some), all at ``--steps`` steps, ``--parallel`` at a time;
-  each ends with its in-training evaluation on ``--eval-prompts`` held-out prompts of its data.
+  each ends with its in-training evaluation on ``--eval-prompts`` held-out prompts of its data. A run that ran
+  out of device memory beside the others runs again alone; a rerun of the stage continues each run from its
+  newest checkpoint (``train.resume=auto``; a finished run ends at once).
 * ``eval``: each run's last checkpoint exported and checked by ``dflash-doctor --export``, then ``dflash-eval
   --export`` on the three prompt sets (``--eval-prompts`` each; the lossless check on ``--lossless`` runs);
   ``dflash-eval`` on the run's own held-out prompts (``--data``), to compare with its in-training evaluation; the
@@ -165,20 +167,41 @@ def train_overrides(args, label: str) -> list:
             f"train.eval_prompts={args.eval_prompts}", "train.eval_every=0", "logging.wandb.mode=disabled",
             "logging.progress_bar=false",
             f"logging.log_every={args.log_every}", f"train.output_dir={os.path.join(args.work, 'runs', label)}",
-            "train.resume=none"] + extra + args.extra
+            # a rerun continues a run that was cut (time box, SIGTERM) or failed, instead of being refused
+            "train.resume=auto"] + extra + args.extra
 
 
 def stage_train(args, res: dict) -> None:
     jobs = [(PY + ["dflash_dist.cli.train", "--nproc-per-node", "1"] + train_overrides(args, label),
              os.path.join(args.out, f"train-{label}.log"), args.train_timeout) for label in args.runs]
     t0 = time.monotonic()
-    out = parallel(jobs, args.parallel)
+    out, retry = parallel_then_alone(jobs, args.parallel)
     res["train_wall_s"] = round(time.monotonic() - t0, 1)
     res.setdefault("runs", {})
-    for label, (rc, s) in zip(args.runs, out):
-        res["runs"][label] = {"train_rc": rc, "train_s": round(s, 1),
+    for i, (label, (rc, s)) in enumerate(zip(args.runs, out)):
+        res["runs"][label] = {"train_rc": rc, "train_s": round(s, 1), "retried_alone": i in retry,
                               "command": "dflash-train " + " ".join(train_overrides(args, label))}
         say(f"trained {label}: rc {rc} in {s:.0f} s")
+
+
+def parallel_then_alone(jobs: list, n: int) -> tuple[list, list]:
+    """:func:`parallel`, then each job that ran out of device memory (beside the others) again alone: with
+    ``train.resume=auto`` it continues from its checkpoint. Returns ([(rc, seconds)], indices run again); the
+    first attempt's log is kept as ``<log>.oom``."""
+    out = parallel(jobs, n)
+    retry = [i for i, (rc, _) in enumerate(out) if rc not in (0, 124) and out_of_memory(jobs[i][1])]
+    for i in retry:
+        cmd, log, timeout = jobs[i]
+        say(f"{os.path.basename(log)}: out of device memory beside other jobs; running it again alone")
+        os.replace(log, log + ".oom")
+        rc, s = run(cmd, log, timeout)
+        out[i] = (rc, out[i][1] + s)
+    return out, retry
+
+
+def out_of_memory(log: str) -> bool:
+    with open(log, errors="replace") as f:
+        return any("OutOfMemoryError" in line or "CUDA out of memory" in line for line in f)
 
 
 def last_checkpoint(run_dir: str) -> str | None:
@@ -225,7 +248,7 @@ def own_holdout_job(args, label: str) -> tuple | None:
 
 def fp8_jobs(args, label: str, export: str) -> list:
     jobs = []
-    if label == "dflash" and "fp8_target" in args.runs:  # the bf16-trained drafter against the FP8 target
+    if label in args.on_fp8:  # the bf16-trained drafter against the FP8 target
         for name, rel in SETS.items():
             jobs.append((f"{name}_on_fp8", PY + [
                 "dflash_dist.cli.eval", "--export", export, "--prompts", os.path.join(args.real, rel),
@@ -367,8 +390,9 @@ def main() -> int:
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--eval-prompts", type=int, default=64)
     ap.add_argument("--lossless", default="dflash", help="runs whose evaluations check losslessness")
+    ap.add_argument("--on-fp8", default="dflash", help="runs whose drafter is also evaluated against the FP8 target")
     ap.add_argument("--extra", default="", help="overrides added to every run (space separated)")
-    # each colocated job on this target held 10-30 GiB of an 80 GB H100 (8 at once ran out of memory)
+    # colocated jobs on this target held 10-35 GiB each of an 80 GB H100 (8 at once, and 5 at once, ran out of it)
     ap.add_argument("--parallel", type=int, default=2, help="training jobs at a time (sharing the device)")
     ap.add_argument("--eval-parallel", type=int, default=6)
     ap.add_argument("--train-timeout", type=float, default=3600)
@@ -377,6 +401,7 @@ def main() -> int:
     args.runs = [x for x in args.runs.split(",") if x]
     args.extra = args.extra.split()
     args.lossless = set(x for x in args.lossless.split(",") if x)
+    args.on_fp8 = set(x for x in args.on_fp8.split(",") if x)
     unknown = [x for x in args.runs if x not in RUNS]
     if unknown:
         ap.error(f"--runs: unknown {unknown}; known: {list(RUNS)}")

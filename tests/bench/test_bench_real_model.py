@@ -39,3 +39,21 @@ def test_table_has_a_row_per_run_with_its_figures():
     assert lines[2].startswith("| dflash_small | 1500 | 10 | - / - | 2.50 / 2.75 |") and "0.60 0.40 0.30 0.20" in lines[2]
     assert lines[3].startswith("| dflash | 6000 | 10 |") and lines[3].endswith("| 2.4000 | 2.4000 |")
     assert lines[-1] == "bf16-target DFlash drafter against the FP8 target: mtbench 2.50"
+
+
+def test_a_job_out_of_device_memory_runs_again_alone_and_another_failure_does_not(tmp_path):
+    rm = load()
+    marker = tmp_path / "tried"
+    oom_once = ("import os, sys\n"
+                f"m = {str(marker)!r}\n"
+                "if not os.path.exists(m):\n"
+                "    open(m, 'w').close()\n"
+                "    print('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.81 GiB.'); sys.exit(1)\n"
+                "print('trained')\n")
+    jobs = [([sys.executable, "-c", oom_once], str(tmp_path / "a.log"), 30),
+            ([sys.executable, "-c", "import sys; print('ValueError: bad'); sys.exit(1)"], str(tmp_path / "b.log"), 30)]
+    out, retried = rm.parallel_then_alone(jobs, 2)
+    assert [rc for rc, _ in out] == [0, 1] and retried == [0]
+    assert (tmp_path / "a.log").read_text().splitlines()[-1] == "trained"
+    assert "OutOfMemoryError" in (tmp_path / "a.log.oom").read_text()
+    assert not (tmp_path / "b.log.oom").exists()
