@@ -26,10 +26,11 @@ from dflash_dist.roles.drafter_rank.startup_report import host_syncs, startup_re
 from dflash_dist.roles.drafter_rank.trainer import LEAKY_MASK_ENV, DrafterTrainer
 from dflash_dist.eval.in_training import LeaderEval, eval_enabled, eval_record, eval_steps
 from dflash_dist.targets.families import text_config
-from dflash_dist.planning.memory import plan_rank
+from dflash_dist.planning.memory import plan_rank, plan_steps
 from dflash_dist.role_jobs import DrafterJob
 from dflash_dist.storage import writing
 from dflash_dist.telemetry.flops import nominal_peak_tflops, target_peak_tflops
+from dflash_dist.telemetry.memory_peak import PeakMemory
 from dflash_dist.telemetry.metrics import MetricsWriter, RateMeter, StreamWaitMeter, run_summary, target_window_metrics
 from dflash_dist.telemetry.plan_check import plan_check_for, plan_line
 from dflash_dist.telemetry.step_trace import format_timeline, traced_step
@@ -145,6 +146,7 @@ class DrafterRun:
         self.last_tau = None  # (step, pooled acceptance length, z-lab's tau) of the newest in-training evaluation
         self.plan_check = plan_check_for(job) if self.topo.is_leader else None  # planned vs measured samples/s
         self.first_step_s = None
+        self.memory = PeakMemory(self.d.device)
         self.t_start = time.monotonic()
 
     def describe(self) -> None:
@@ -336,6 +338,9 @@ class DrafterRun:
                        "drafter_busy_frac": (self.busy_s - self.seen_time[1]) / dwall,
                        "drafter_stream_wait_frac": (stream_wait_s - self.seen_time[3]) / dwall,
                        "epoch_progress": self.trainer.cursor / max(self.job.total_messages, 1)})
+        peak_gib = self.memory.window()
+        if peak_gib is not None:
+            window["peak_memory_gib"] = peak_gib
         if self.peak:  # model FLOPs of all drafters over the window / (drafters x window x peak)
             window["drafter_mfu"] = window["model_flops"] / (topo.num_drafters * r["window_s"] * self.peak * 1e12)
         window.update(target_window_metrics(self.target_stats, self.prev_target_stats, self.target_peak))
@@ -424,7 +429,19 @@ class DrafterRun:
                 loss=None if self.last_window is None else self.last_window.get("loss"), tau=self.last_tau,
                 checkpoint=trainer.last_checkpoint, metrics_path=self.writer.path, wandb_dir=self.writer.wandb_run_dir,
                 wandb_mode=self.writer.wandb_mode, totals=totals, launch=accounting,
-                plan=None if self.plan_check is None else plan_line(plan)))
+                plan=None if self.plan_check is None else plan_line(plan), memory=self.memory_line()))
+
+    def memory_line(self):
+        """The run's peak device memory next to the plan of the largest step its batching plan makes."""
+        if self.memory.run_peak is None:
+            return None
+        job, topo = self.job, self.topo
+        steps = plan_steps(job.sample_lengths, job.plan, job.cfg.drafter.tuning.ctx_bucket)
+        plan = plan_rank(job.cfg, text_config(job.hf_config), job.hf_config, job.drafter,
+                         "colocated" if topo.colocated else "drafter", self.d.device.type, len(job.layer_ids), steps,
+                         topo.num_drafters, parallel="fsdp" if self.trainer.parallel.sharded else "ddp")
+        where = f"at its largest step (b={plan.shape[0]}, S_pad={plan.shape[1]})" if plan.shape else ""
+        return self.memory.line(plan.total - plan.parts.get("process", 0), where)
 
 
 def account(trainer, d, target_stats: dict, stopped: bool) -> dict:

@@ -65,3 +65,37 @@ def test_the_drafters_last_collective_comes_before_the_wait_for_the_final_evalua
     monkeypatch.setattr(L, "account", lambda *a: order.append("all-reduce") or {"samples_trained": 1.0})
     run.finish()
     assert order == ["ends", "all-reduce", "wait for the final evaluation", ("report", {"samples_trained": 1.0})]
+
+
+def test_the_runs_memory_line_holds_the_peak_against_the_plans_largest_step(tmp_path):
+    """A GPU run ends with its peak memory next to the plan of the largest step its batching makes: the largest
+    of the plans of each planned step (the arithmetic needs no GPU; the peak is set as a window would)."""
+    import types
+
+    from dflash_dist.planning.memory import plan_rank, plan_steps
+    from dflash_dist.roles.drafter_rank.loop import DrafterRun
+    from dflash_dist.targets.families import text_config
+    from dflash_dist.telemetry.memory_peak import GiB, PeakMemory
+
+    cpu = torch.device("cpu")
+    S.init_single_process_group(cpu)
+    try:
+        cfg = S.compose_job_config(S.job_overrides(True, None, None, 48, 40, 256, 4, 6, 2, str(tmp_path), []))
+        job, _ = S.make_job(cfg, 2, cpu, str(tmp_path))
+        trainer = S.make_trainer(job)
+    finally:
+        dist.destroy_process_group()
+    gpu = torch.device("cuda", 0)
+    memory = PeakMemory(gpu)
+    memory.run_peak = 3 * GiB
+    run = types.SimpleNamespace(job=job, trainer=trainer, memory=memory, d=types.SimpleNamespace(device=gpu),
+                                topo=types.SimpleNamespace(colocated=False, num_drafters=1))
+    line = DrafterRun.memory_line(run)
+    steps = plan_steps(job.sample_lengths, job.plan, cfg.drafter.tuning.ctx_bucket)
+    assert len(steps) > 1
+    each = [plan_rank(cfg, text_config(job.hf_config), job.hf_config, job.drafter, "drafter", "cuda",
+                      len(job.layer_ids), [st]) for st in steps]
+    top = max(each, key=lambda p: p.total)
+    planned = (top.total - top.parts["process"]) / GiB
+    assert line.startswith("memory:     peak 3.00 GiB allocated over the run")
+    assert f"planned {planned:.2f} GiB at its largest step (b={top.shape[0]}, S_pad={top.shape[1]})" in line
