@@ -18,7 +18,8 @@ Stages (``--stages``, comma separated, in this order):
   out of device memory beside the others runs again alone; a rerun of the stage continues each run from its
   newest checkpoint (``train.resume=auto``; a finished run ends at once).
 * ``eval``: each run's last checkpoint exported and checked by ``dflash-doctor --export``, then ``dflash-eval
-  --export`` on the three prompt sets (``--eval-prompts`` each; the lossless check on ``--lossless`` runs);
+  --export`` on the three prompt sets (``--eval-prompts`` each, ``--eval-batch`` decoded together; the lossless
+  check on ``--lossless`` runs);
   ``dflash-eval`` on the run's own held-out prompts (``--data``), to compare with its in-training evaluation; the
   drafter of the bf16 target is also evaluated against the FP8 target (the FP8 run's own evaluations load its FP8
   target, as it trained).
@@ -231,7 +232,7 @@ def eval_jobs(args, label: str, export: str) -> list:
                                                                                   f"{label}-{name}.json")]
         if label not in args.lossless:
             cmd.append("--no-lossless-check")
-        jobs.append((name, cmd))
+        jobs.append((name, cmd + ["--batch-size", str(args.eval_batch)]))
     return jobs
 
 
@@ -253,6 +254,7 @@ def fp8_jobs(args, label: str, export: str) -> list:
             jobs.append((f"{name}_on_fp8", PY + [
                 "dflash_dist.cli.eval", "--export", export, "--prompts", os.path.join(args.real, rel),
                 "--num-prompts", str(args.eval_prompts), "--target-quantization", "fp8", "--no-lossless-check",
+                "--batch-size", str(args.eval_batch),
                 "--out", os.path.join(args.work, "evals", f"{label}-{name}_on_fp8.json")]))
     return jobs
 
@@ -395,6 +397,8 @@ def main() -> int:
     # colocated jobs on this target held 10-35 GiB each of an 80 GB H100 (8 at once, and 5 at once, ran out of it)
     ap.add_argument("--parallel", type=int, default=2, help="training jobs at a time (sharing the device)")
     ap.add_argument("--eval-parallel", type=int, default=6)
+    ap.add_argument("--eval-batch", type=int, default=1, help="dflash-eval --batch-size of the prompt sets (the "
+                    "comparison with the in-training evaluation always runs one prompt at a time, as it does)")
     ap.add_argument("--train-timeout", type=float, default=3600)
     ap.add_argument("--eval-timeout", type=float, default=1800)
     args = ap.parse_args()

@@ -100,6 +100,9 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--block-size", type=int, default=None, help="drafted block size (default: the trained one)")
     p.add_argument("--no-lossless-check", action="store_true", help="skip the target-only greedy reference")
     p.add_argument("--use-cache", default="auto", choices=["auto", "yes", "no"], help="target KV cache")
+    p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together, each as it would be alone "
+                   "(one verify forward per step for all; a full-attention target with sdpa or eager attention, no "
+                   "tensor-parallel replica); 1: one prompt at a time, as the in-training evaluation")
     p.add_argument("--chat-template-kwargs", default=None, help='JSON, e.g. \'{"enable_thinking": false}\', or a '
                    "run's config.json / meta.json (default: what the checkpoint or export recorded from training)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -254,10 +257,12 @@ def _evaluate(args, device: str, replica: Optional[EvalReplica]) -> int:
         drafter, embed, head = replica.draft_fn(lambda e, h: make_dflash_draft_fn(setup.drafter, e, h),
                                                 checkpoint_dir[0], tied, next(target.parameters()).dtype, block)
         log.info("target replica of %d ranks: every rank verifies, rank 0 drafts", replica.k)
+    if args.batch_size > 1:
+        _check_batch(target, replica)
     result = evaluate_prompts(target, drafter, embed, head, prompts, setup.layer_ids, setup.mask_token_id, block,
                               max_new, eos, check_lossless=not args.no_lossless_check, use_cache=use_cache,
                               exclude_one_step=not args.include_one_step,
-                              progress=Progress() if feeder else None)
+                              progress=Progress() if feeder else None, batch_size=max(1, args.batch_size))
     if not feeder:
         return 0
     result.update({"source": setup.source, "target": tcfg.name_or_path or tcfg.hf_config,
@@ -267,6 +272,16 @@ def _evaluate(args, device: str, replica: Optional[EvalReplica]) -> int:
                    "quantization": (quantization_report(target) or {}).get("summary")})
     _report(args, result, next(target.parameters()).dtype)
     return 0
+
+
+def _check_batch(target, replica) -> None:
+    from dflash_dist.eval.batched import check_batchable
+    if replica is not None:
+        raise ConfigError("--batch-size > 1 with a tensor-parallel target replica: not supported (use --batch-size 1)")
+    try:
+        check_batchable(target)
+    except ValueError as e:
+        raise ConfigError(f"--batch-size: {e}") from None
 
 
 def _report(args, result: dict, dtype: torch.dtype) -> None:

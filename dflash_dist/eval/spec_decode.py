@@ -378,14 +378,25 @@ def evaluate_steps(target, drafter: Union[nn.Module, DraftFn], embed: Optional[T
                    prompts: Sequence[Union[Tensor, Sequence[int]]], layer_ids: Sequence[int], mask_token_id: int,
                    block_size: int, max_new_tokens: int, eos_ids: Iterable[int] = (), check_lossless: bool = True,
                    use_cache: Optional[bool] = None, keep_outputs: bool = False, exclude_one_step: bool = True,
-                   progress: Optional[Callable[[int, int], None]] = None) -> Generator[None, None, dict]:
+                   progress: Optional[Callable[[int, int], None]] = None, batch_size: int = 1
+                   ) -> Generator[None, None, dict]:
     """:func:`evaluate_prompts` as a generator: yields None wherever :func:`speculative_steps` does (after each
     target forward of the speculative path; the :func:`target_greedy` reference runs whole inside one slice) and
     returns the same summary; ``wall_s`` and ``tokens_per_s`` exclude the time spent suspended. The drafter's
     train/eval mode is restored when the generator finishes or is closed. ``progress(done, total)`` is called
-    after each prompt."""
+    after each prompt. ``batch_size`` > 1 decodes that many prompts together (eval/batched.py; an nn.Module
+    drafter, a target with a full-attention cache), each prompt as it would alone, without slices."""
     clock = _Clock()
     eos = [int(i) for i in eos_ids]
+    batched = None
+    if batch_size > 1:
+        if not isinstance(drafter, nn.Module):
+            raise ValueError("batched evaluation needs the drafter module, not a draft function")
+        from dflash_dist.eval.batched import batched_speculative
+        clock.stop()  # each row's share of its batch's time is added below, as a prompt's own time is
+        batched = iter(batched_speculative(target, drafter, embed, lm_head, prompts, layer_ids, mask_token_id,
+                                           block_size, max_new_tokens, eos, batch_size))
+        clock.start()
     was_training = drafter.training if isinstance(drafter, nn.Module) else None
     if isinstance(drafter, nn.Module):
         drafter.eval()
@@ -396,9 +407,12 @@ def evaluate_steps(target, drafter: Union[nn.Module, DraftFn], embed: Optional[T
         for prompt in prompts:
             # the per-prompt generator times its own running segments: add them instead of our suspended span
             clock.stop()
-            toks, st = yield from speculative_steps(target, drafter, embed, lm_head, prompt, layer_ids,
-                                                    mask_token_id, block_size, max_new_tokens, eos,
-                                                    use_cache=use_cache, runner=runner)
+            if batched is not None:
+                toks, st = next(batched)
+            else:
+                toks, st = yield from speculative_steps(target, drafter, embed, lm_head, prompt, layer_ids,
+                                                        mask_token_id, block_size, max_new_tokens, eos,
+                                                        use_cache=use_cache, runner=runner)
             clock.start()
             clock.total += st["wall_s"]
             spec_s += st["wall_s"]
@@ -425,6 +439,7 @@ def evaluate_steps(target, drafter: Union[nn.Module, DraftFn], embed: Optional[T
     summary.update({
         "n_prompts": n,
         "block_size": int(block_size),
+        "batch_size": int(batch_size),
         "max_new_tokens": int(max_new_tokens),
         "lossless_fraction": (sum(r["lossless"] for r in per_prompt) / n if n else None) if check_lossless else None,
         "mean_new_tokens": (sum(r["new_tokens"] for r in per_prompt) / n) if n else 0.0,
@@ -439,7 +454,7 @@ def evaluate_prompts(target, drafter: Union[nn.Module, DraftFn], embed: Optional
                      prompts: Sequence[Union[Tensor, Sequence[int]]], layer_ids: Sequence[int], mask_token_id: int,
                      block_size: int, max_new_tokens: int, eos_ids: Iterable[int] = (), check_lossless: bool = True,
                      use_cache: Optional[bool] = None, keep_outputs: bool = False, exclude_one_step: bool = True,
-                     progress: Optional[Callable[[int, int], None]] = None) -> dict:
+                     progress: Optional[Callable[[int, int], None]] = None, batch_size: int = 1) -> dict:
     """Speculative decoding over ``prompts`` (token-id lists); no torch.distributed, safe on any rank.
 
     Returns :func:`summarize_acceptance`'s figures (``acceptance_length`` the headline, ``tau`` z-lab's), ``per_position_acceptance``, ``per_position_conditional``,
@@ -452,7 +467,7 @@ def evaluate_prompts(target, drafter: Union[nn.Module, DraftFn], embed: Optional
     return run_to_end(evaluate_steps(target, drafter, embed, lm_head, prompts, layer_ids, mask_token_id, block_size,
                                      max_new_tokens, eos_ids, check_lossless=check_lossless, use_cache=use_cache,
                                      keep_outputs=keep_outputs, exclude_one_step=exclude_one_step,
-                                     progress=progress))
+                                     progress=progress, batch_size=batch_size))
 
 
 def format_table(result: dict) -> str:

@@ -107,17 +107,21 @@ class TargetRunner:
                 layer._forward_hooks.update(hooks)
             self._captured = {}
 
-    def __call__(self, input_ids: Tensor, start: int, cache=None, keep: int = 0) -> tuple[Tensor, Optional[Tensor]]:
-        """input_ids [1, S] at positions start..start+S-1 (``cache`` must hold exactly ``start`` positions).
+    def __call__(self, input_ids: Tensor, start: int, cache=None, keep: int = 0, attention_mask: Optional[Tensor] = None,
+                 position_ids: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
+        """input_ids [b, S] at positions start..start+S-1 (``cache`` must hold exactly ``start`` positions), or at
+        ``position_ids`` [b, S] under a 4-D ``attention_mask`` (batched decoding: eval/batched.py).
 
-        Returns (logits [1, keep or S, V] of the last ``keep`` positions, features [1, S, n*H] or None)."""
+        Returns (logits [b, keep or S, V] of the last ``keep`` positions, features [b, S, n*H] or None)."""
         if not self._active:
             raise RuntimeError("TargetRunner must be used inside `with runner.attached():`")
         s = input_ids.shape[1]
         if cache is not None and _cache_len(cache) != start:
             raise RuntimeError(f"cache holds {_cache_len(cache)} positions, forward starts at {start}")
         kwargs: dict[str, Any] = {"input_ids": input_ids, "use_cache": cache is not None}
-        if cache is None and start:
+        if position_ids is not None:
+            kwargs.update(position_ids=position_ids, attention_mask=attention_mask)
+        elif cache is None and start:
             kwargs["position_ids"] = torch.arange(start, start + s, device=input_ids.device)[None]
         # else HF's default positions (cache length + arange) are exactly start..start+S-1, and models with
         # their own position scheme (multimodal RoPE) keep it

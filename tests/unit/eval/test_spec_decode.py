@@ -358,6 +358,12 @@ def test_dflash_eval_cli(tmp_path):
     res2 = json.load(open(out2))
     assert res2["chat_template_kwargs"] == {"enable_thinking": False}  # recorded in the export too
     assert [r["acceptance_lengths"] for r in res2["per_prompt"]] == [r["acceptance_lengths"] for r in res["per_prompt"]]
+    out3 = tmp_path / "eval3.json"  # the prompts decoded together: each as alone
+    assert eval_main(["--export", exp, "--prompts", str(rows), "--max-new-tokens", "6", "--batch-size", "2",
+                      "--out", str(out3)]) == 0
+    res3 = json.load(open(out3))
+    assert res3["batch_size"] == 2 and res3["lossless_fraction"] == 1.0
+    assert [r["acceptance_lengths"] for r in res3["per_prompt"]] == [r["acceptance_lengths"] for r in res["per_prompt"]]
 
 
 def test_spread_subset_draws_across_the_held_out_set():
