@@ -18,11 +18,10 @@ import time
 from typing import Iterable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dflash_dist.eval.drafting import draft_rows, unwrap_drafter
 from dflash_dist.eval.target_runner import TargetRunner, cache_supported, new_cache
-from dflash_dist.model.masks import dense_mask
 from dflash_dist.targets.hf import head_weights
 
 __all__ = ["batched_speculative", "check_batchable"]
@@ -37,38 +36,6 @@ def check_batchable(target) -> None:
     if impl not in ("eager", "sdpa"):
         raise ValueError(f"batched evaluation passes its own attention mask, which the target's attention "
                          f"implementation {impl!r} does not take: use --attn-implementation sdpa or batch size 1")
-
-
-def _unwrap(module: nn.Module) -> nn.Module:
-    while hasattr(module, "module") and isinstance(module.module, nn.Module):
-        module = module.module
-    return getattr(module, "_orig_mod", module)
-
-
-def _draft(model: nn.Module, embed: Tensor, lm_head: Tensor, contexts: list, block: Tensor, p: Tensor) -> Tensor:
-    """Drafts [N, B-1] of every row: row r's block at positions p[r].., its context ``contexts[r]`` [p[r], n*H]
-    (right-padded to the longest; the mask's ``kv < anchor`` rule hides the padding)."""
-    w = model.fc.weight
-    dev = w.device
-    n, b_len = block.shape
-    longest = max(int(c.shape[0]) for c in contexts)
-    ctx = torch.zeros(n, longest, contexts[0].shape[-1], dtype=contexts[0].dtype, device=dev)
-    for r, c in enumerate(contexts):
-        ctx[r, :c.shape[0]] = c
-    block = block.to(dev)
-    anchors = p.to(dev)[:, None]
-    ctx_pos = torch.arange(longest, device=dev)[None].expand(n, -1)
-    blk_pos = anchors + torch.arange(b_len, device=dev)[None]
-    mask = dense_mask(anchors, torch.ones_like(anchors, dtype=torch.bool), longest, b_len)
-    saved = model.backend
-    model.backend = "sdpa"  # shapes change every step: no flex recompiles
-    try:
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda" and w.dtype == torch.float32):
-            hidden = model(F.embedding(block, embed.to(dev)), ctx, ctx_pos, blk_pos, mask)
-    finally:
-        model.backend = saved
-    model.set_context(block_ids=block, embed=embed)
-    return model.propose(hidden, lm_head, block[:, 0])
 
 
 def _mask(valid: Tensor, q_len: int, dtype: torch.dtype) -> Tensor:
@@ -122,7 +89,7 @@ def _decode(target, model, embed, lm_head, runner: TargetRunner, prompts: list, 
     while not all(done):
         block = torch.full((n, B), int(mask_token_id), dtype=torch.long, device=dev)
         block[:, 0] = bonus
-        block[:, 1:] = _draft(model, embed, lm_head, contexts, block, p).to(dev)
+        block[:, 1:] = draft_rows(model, embed, lm_head, contexts, block, p).to(dev)
         valid = torch.cat([valid, torch.ones(n, B, dtype=torch.bool, device=dev)], dim=1)
         logits, feats = runner(block, valid.shape[1] - B, cache, keep=B,
                                attention_mask=_mask(valid, B, dtype), position_ids=p[:, None] + torch.arange(B, device=dev))
@@ -156,7 +123,7 @@ def batched_speculative(target, drafter: nn.Module, embed, lm_head, prompts: Seq
         e, h = head_weights(target)
         embed = e if embed is None else embed
         lm_head = h if lm_head is None else lm_head
-    model = _unwrap(drafter)
+    model = unwrap_drafter(drafter)
     runner = TargetRunner(target, layer_ids)
     eos = {int(i) for i in eos_ids}
     rows = [[int(t) for t in torch.as_tensor(x).reshape(-1).tolist()] for x in prompts]

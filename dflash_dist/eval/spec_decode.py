@@ -32,19 +32,15 @@ import time
 from typing import Any, Callable, Generator, Iterable, Optional, Sequence, Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dflash_dist.eval.drafting import DraftFn, draft_rows, make_dflash_draft_fn, unwrap_drafter
 from dflash_dist.eval.target_runner import TargetRunner, cache_supported, crop_cache, new_cache
 from dflash_dist.targets.hf import head_weights
-from dflash_dist.model.masks import dense_mask
 
-__all__ = ["TargetRunner", "make_dflash_draft_fn", "speculative_generate", "speculative_steps", "target_greedy",
+__all__ = ["TargetRunner", "make_dflash_draft_fn", "draft_rows", "unwrap_drafter", "speculative_generate", "speculative_steps", "target_greedy",
            "evaluate_prompts", "evaluate_steps", "run_to_end", "summarize_acceptance", "format_table",
            "cache_supported", "pack_state", "unpack_state_", "DraftFn"]
-
-DraftFn = Callable[[Tensor, Tensor, int], Tensor]
-"""``draft_fn(context_features [1, p, n*H], block_ids [1, B], p) -> draft ids [B-1]`` (slots 1..B-1)."""
 
 
 # ----------------------------------------------------------------------------------------------- target
@@ -53,60 +49,19 @@ DraftFn = Callable[[Tensor, Tensor, int], Tensor]
 
 # ----------------------------------------------------------------------------------------------- drafter
 
-def _unwrap(module: nn.Module) -> nn.Module:
-    while hasattr(module, "module") and isinstance(module.module, nn.Module):  # DDP / wrappers
-        module = module.module
-    return getattr(module, "_orig_mod", module)  # torch.compile
-
-
-def make_dflash_draft_fn(drafter: nn.Module, embed: Tensor, lm_head: Tensor) -> DraftFn:
-    """The greedy draft step of a :class:`~dflash_dist.model.drafter.DFlashDrafter` or a variant's subclass (any
-    backend; run with SDPA): the block's final hidden states, then the model's ``propose``.
-
-    ``embed``/``lm_head`` [V, H] are the target's (frozen) weights. On CUDA an fp32 drafter runs under bf16
-    autocast, as in training."""
-    model = _unwrap(drafter)
-
-    def draft(context: Tensor, block_ids: Tensor, p: int) -> Tensor:
-        w = model.fc.weight
-        dev = w.device
-        b_len = block_ids.shape[1]
-        block_ids = block_ids.to(dev)
-        ctx = context.to(dev)
-        ctx_len = ctx.shape[1]
-        block_embeds = F.embedding(block_ids, embed.to(dev))
-        ctx_pos = torch.arange(ctx_len, device=dev)[None]
-        blk_pos = torch.arange(p, p + b_len, device=dev)[None]
-        anchors = torch.tensor([[p]], device=dev)
-        mask = dense_mask(anchors, torch.ones_like(anchors, dtype=torch.bool), ctx_len, b_len)
-        saved = model.backend
-        model.backend = "sdpa"  # shapes change every block: no flex recompiles; the dense mask is tiny here
-        try:
-            with torch.autocast("cuda", dtype=torch.bfloat16,
-                                enabled=dev.type == "cuda" and w.dtype == torch.float32):
-                hidden = model(block_embeds, ctx, ctx_pos, blk_pos, mask)
-        finally:
-            model.backend = saved
-        model.set_context(block_ids=block_ids, embed=embed)
-        # the variant's proposal step (DFlash: argmax of the logits; DFlash2: the selector's walk from the anchor)
-        return model.propose(hidden, lm_head, block_ids[:, 0])[0]
-
-    return draft
-
-
 def pack_state(model, dtype: torch.dtype = torch.float32) -> Tensor:
     """All of ``model``'s state (state_dict order; or a state dict in that order) as one contiguous 1-D tensor on
     its device, e.g. for the leader drafter to ``dist.send`` to a target rank. The receiver allocates
     ``torch.empty(n)`` with ``n = sum(v.numel() for v in DFlashDrafter(same config).state_dict().values())`` and
     calls :func:`unpack_state_`."""
-    state = model if isinstance(model, dict) else _unwrap(model).state_dict()
+    state = model if isinstance(model, dict) else unwrap_drafter(model).state_dict()
     return torch.cat([v.detach().reshape(-1).to(dtype) for v in state.values()])
 
 
 @torch.no_grad()
 def unpack_state_(model: nn.Module, flat: Tensor) -> nn.Module:
     """Inverse of :func:`pack_state` in place (casts to each tensor's dtype/device); returns ``model``."""
-    sd = _unwrap(model).state_dict()
+    sd = unwrap_drafter(model).state_dict()
     n = sum(v.numel() for v in sd.values())
     if flat.numel() != n:
         raise ValueError(f"flat state has {flat.numel()} values, the model needs {n} (different drafter config?)")

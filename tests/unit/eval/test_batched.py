@@ -1,13 +1,14 @@
 """eval/batched.py: several prompts decoded together give each prompt what it gets decoded alone (float64, CPU):
 the same tokens, acceptance lengths, accepted slots and stop reason, with rows accepting different amounts."""
 
+import helpers.tiny_decoding as helper
 import pytest
 import torch
 from torch import nn
 
-from dflash_dist.eval.batched import _draft, batched_speculative, check_batchable
-from dflash_dist.eval.spec_decode import evaluate_prompts, make_dflash_draft_fn, speculative_generate, target_greedy
-from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig, RMSNorm
+from dflash_dist.eval.batched import batched_speculative, check_batchable
+from dflash_dist.eval.spec_decode import (draft_rows, evaluate_prompts, make_dflash_draft_fn, speculative_generate,
+                                          target_greedy)
 from dflash_dist.targets.hf import head_weights
 
 V, H, L, B, MASK = 96, 32, 5, 5, 95
@@ -15,22 +16,11 @@ LAYER_IDS = [1, 2, 4]
 
 
 def tiny_target(seed=0):
-    from transformers import AutoModelForCausalLM, Qwen3Config
-    cfg = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=L, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, max_position_embeddings=512, rope_theta=10000.0)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float64, attn_implementation="sdpa").eval().requires_grad_(False)
+    return helper.tiny_target(V, H, L, seed)
 
 
 def tiny_drafter(target, seed=0):
-    dcfg = DrafterModelConfig.from_target(target.config, num_layers=2, num_feature_layers=len(LAYER_IDS), block_size=B)
-    torch.manual_seed(seed)
-    d = DFlashDrafter(dcfg, "sdpa")
-    with torch.no_grad():
-        for mod in d.modules():
-            if isinstance(mod, RMSNorm):
-                mod.weight.uniform_(0.5, 1.5)
-    return d.to(torch.float64).eval()
+    return helper.tiny_drafter(target, len(LAYER_IDS), B, seed)
 
 
 class Oracle(nn.Module):
@@ -109,7 +99,7 @@ def test_a_real_drafter_drafts_each_row_as_alone_and_eos_ends_rows_apart(target)
     block = torch.full((len(ps), B), MASK)
     block[:, 0] = torch.tensor([p[-1] for p in ps])
     pos = torch.tensor([f.shape[0] for f in feats])
-    batched = _draft(drafter, embed, head, feats, block, pos)
+    batched = draft_rows(drafter, embed, head, feats, block, pos)
     one_fn = make_dflash_draft_fn(drafter, embed, head)
     for r, f in enumerate(feats):
         assert torch.equal(batched[r], one_fn(f[None], block[r:r + 1], int(pos[r])))
@@ -164,7 +154,7 @@ def test_each_variants_proposal_in_a_batch_is_its_proposal_alone(target, variant
     block[:, 0] = torch.tensor([5, 17, 40])
     pos = torch.tensor([3, 9, 6])
     with torch.no_grad():
-        batched = _draft(model, embed, head, feats, block, pos)
+        batched = draft_rows(model, embed, head, feats, block, pos)
     one_fn = make_dflash_draft_fn(model, embed, head)
     for r, f in enumerate(feats):
         assert torch.equal(batched[r], one_fn(f[None], block[r:r + 1], int(pos[r])))

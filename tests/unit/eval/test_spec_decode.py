@@ -4,6 +4,7 @@ train/eval feature and mask parity, τ arithmetic, and the dflash-eval CLI end t
 import json
 import time
 
+import helpers.tiny_decoding as helper
 import pytest
 import torch
 
@@ -21,7 +22,7 @@ from dflash_dist.eval.spec_decode import (
     target_greedy,
     unpack_state_,
 )
-from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig, RMSNorm
+from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
 from dflash_dist.targets.hf import head_weights
 from dflash_dist.model.masks import dense_mask
 from dflash_dist.roles.target_rank.capture import FeatureCapture
@@ -31,23 +32,11 @@ LAYER_IDS = [1, 2, 4]          # 4 = last layer: taken after the final norm, as 
 
 
 def tiny_target(seed=0, dtype=torch.float64):
-    from transformers import AutoModelForCausalLM, Qwen3Config
-    cfg = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=L, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, max_position_embeddings=512, rope_theta=10000.0)
-    torch.manual_seed(seed)
-    m = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
-    return m.eval().requires_grad_(False)
+    return helper.tiny_target(V, H, L, seed, dtype)
 
 
 def tiny_drafter(target, seed=0, dtype=torch.float64):
-    dcfg = DrafterModelConfig.from_target(target.config, num_layers=2, num_feature_layers=len(LAYER_IDS), block_size=B)
-    torch.manual_seed(seed)
-    d = DFlashDrafter(dcfg, "sdpa")
-    with torch.no_grad():
-        for mod in d.modules():
-            if isinstance(mod, RMSNorm):
-                mod.weight.uniform_(0.5, 1.5)
-    return d.to(dtype).eval()
+    return helper.tiny_drafter(target, len(LAYER_IDS), B, seed, dtype)
 
 
 @pytest.fixture(scope="module")

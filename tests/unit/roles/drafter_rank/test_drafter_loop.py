@@ -7,15 +7,20 @@ import torch.distributed as dist
 from dflash_dist.roles.drafter_rank.shape_plan import plan_step_lengths, precompile_steps
 
 
+def tiny_job(tmp_path):
+    """(config, job, trainer) of the tiny default on CPU, inside a one-process group."""
+    cfg = S.compose_job_config(S.job_overrides(True, None, None, 48, 40, 256, 4, 6, 2, str(tmp_path), []))
+    job, _ = S.make_job(cfg, 2, torch.device("cpu"), str(tmp_path))
+    return cfg, job, S.make_trainer(job)
+
+
 def test_precompile_dry_steps_update_nothing(tmp_path):
     """precompile runs forward and backward of each planned shape it was given (the attention ran), and leaves
     the weights, the gradients, the optimizer and the step counters as they were."""
     cpu = torch.device("cpu")
     S.init_single_process_group(cpu)
     try:
-        cfg = S.compose_job_config(S.job_overrides(True, None, None, 48, 40, 256, 4, 6, 2, str(tmp_path), []))
-        job, _ = S.make_job(cfg, 2, cpu, str(tmp_path))
-        trainer = S.make_trainer(job)
+        cfg, job, trainer = tiny_job(tmp_path)
         steps = list(plan_step_lengths(job.plan, job.sample_lengths, 0, job.total_messages, 1, 0))
         assert trainer.planned_steps == steps  # a list: make_guard and precompile_steps both read it
         assert trainer.precompile_plan == []   # sdpa: nothing to compile
@@ -80,9 +85,7 @@ def test_the_runs_memory_line_holds_the_peak_against_the_plans_largest_step(tmp_
     cpu = torch.device("cpu")
     S.init_single_process_group(cpu)
     try:
-        cfg = S.compose_job_config(S.job_overrides(True, None, None, 48, 40, 256, 4, 6, 2, str(tmp_path), []))
-        job, _ = S.make_job(cfg, 2, cpu, str(tmp_path))
-        trainer = S.make_trainer(job)
+        cfg, job, trainer = tiny_job(tmp_path)
     finally:
         dist.destroy_process_group()
     gpu = torch.device("cuda", 0)
