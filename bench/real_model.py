@@ -18,11 +18,11 @@ Stages (``--stages``, comma separated, in this order):
   out of device memory beside the others runs again alone; a rerun of the stage continues each run from its
   newest checkpoint (``train.resume=auto``; a finished run ends at once).
 * ``eval``: each run's last checkpoint exported and checked by ``dflash-doctor --export``, then ``dflash-eval
-  --export`` on the three prompt sets (``--eval-prompts`` each, ``--eval-batch`` decoded together; the lossless
-  check on ``--lossless`` runs);
+  --export`` on the three prompt sets (``--eval-prompts`` each; the lossless check on ``--lossless`` runs);
   ``dflash-eval`` on the run's own held-out prompts (``--data``), to compare with its in-training evaluation; the
   drafter of the bf16 target is also evaluated against the FP8 target (the FP8 run's own evaluations load its FP8
   target, as it trained).
+  Every evaluation, in training too, decodes ``--eval-batch`` prompts together.
 * ``report``: ``dflash-report`` of each run (acceptance per position, train/serve gap) and the table.
 """
 
@@ -165,7 +165,8 @@ def train_overrides(args, label: str) -> list:
             f"data.source={data_file(args, size)}", f"data.holdout={args.eval_prompts}",
             f"target.max_batch_tokens={args.batch_tokens}", f"train.max_steps={args.steps}",
             # one in-training evaluation, at the end: on this target one takes minutes (see docs/benchmarks.md)
-            f"train.eval_prompts={args.eval_prompts}", "train.eval_every=0", "logging.wandb.mode=disabled",
+            f"train.eval_prompts={args.eval_prompts}", "train.eval_every=0", f"train.eval_batch_size={args.eval_batch}",
+            "logging.wandb.mode=disabled",
             "logging.progress_bar=false",
             f"logging.log_every={args.log_every}", f"train.output_dir={os.path.join(args.work, 'runs', label)}",
             # a rerun continues a run that was cut (time box, SIGTERM) or failed, instead of being refused
@@ -282,7 +283,7 @@ def stage_eval(args, res: dict) -> None:
             if rc == 0:
                 plan.append((label, "own_holdout", PY + [
                     "dflash_dist.cli.eval", "--export", export, "--data", data_file(args, size), "--num-prompts",
-                    str(args.eval_prompts), "--no-lossless-check",
+                    str(args.eval_prompts), "--no-lossless-check", "--batch-size", str(args.eval_batch),
                     "--out", os.path.join(args.work, "evals", f"{label}-own_holdout.json")]))
             continue
         res["runs"][label]["export_rc"] = rc
@@ -397,8 +398,8 @@ def main() -> int:
     # colocated jobs on this target held 10-35 GiB each of an 80 GB H100 (8 at once, and 5 at once, ran out of it)
     ap.add_argument("--parallel", type=int, default=2, help="training jobs at a time (sharing the device)")
     ap.add_argument("--eval-parallel", type=int, default=6)
-    ap.add_argument("--eval-batch", type=int, default=1, help="dflash-eval --batch-size of the prompt sets (the "
-                    "comparison with the in-training evaluation always runs one prompt at a time, as it does)")
+    ap.add_argument("--eval-batch", type=int, default=1, help="prompts decoded together by every evaluation: "
+                    "dflash-eval --batch-size and the runs' train.eval_batch_size")
     ap.add_argument("--train-timeout", type=float, default=3600)
     ap.add_argument("--eval-timeout", type=float, default=1800)
     args = ap.parse_args()

@@ -81,6 +81,12 @@ class TrainConfig:
     eval_max_new_tokens: int = 128
     """Tokens generated per evaluation prompt; dflash-eval generates as many by default (the checkpoint's value)."""
 
+    eval_batch_size: int = 1
+    """Held-out prompts an evaluation decodes together, each as it would alone (as ``dflash-eval --batch-size``):
+    one verify forward per step for the batch. Used where an evaluation runs whole (a colocated rank, or
+    ``train.tuning.eval_in_slices=false``) and not on a target replica; elsewhere, one prompt at a time (logged).
+    Needs a target whose layers are all full attention, with sdpa or eager attention."""
+
     eval_exclude_one_step: bool = True
     """Leave out of z-lab's tau (the mean over prompts of each prompt's mean acceptance length) the prompts whose
     generation ended inside their first block: accepted in one verify step, each adds a figure near the block size
@@ -113,6 +119,7 @@ class TrainConfig:
         _require(self.grad_clip > 0, "train.grad_clip must be > 0")
         _require(self.checkpoint_every >= 0 and self.eval_every >= 0, "checkpoint_every/eval_every must be >= 0")
         _require(self.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1")
+        _require(self.eval_batch_size >= 1, f"train.eval_batch_size={self.eval_batch_size}: must be >= 1")
         _require(self.max_nonfinite_steps >= 1, "train.max_nonfinite_steps must be >= 1")
         self.betas = _check_betas(self.betas)
 

@@ -262,6 +262,15 @@ class TargetEval:
         self.embed, self.head = whole_head(job, model)
         self.numel = sum(v.numel() for v in self.drafter.state_dict().values())
         self.prompts, self.eos = load_eval_prompts(job)
+        # prompts decoded together: only where an evaluation runs whole, not with a replica's followers
+        self.batch = job.cfg.train.eval_batch_size if not slices and self.link is None else 1
+        if self.batch > 1:
+            from dflash_dist.config import ConfigError
+            from dflash_dist.eval.batched import check_batchable
+            try:
+                check_batchable(model)
+            except ValueError as e:
+                raise ConfigError(f"train.eval_batch_size={self.batch}: {e}") from None
 
     def poll(self, wait_s: float = 0.0, whole: bool = False) -> bool:
         """Between messages: take the next request if it is there (or arrives within wait_s; True if one was
@@ -341,7 +350,7 @@ class TargetEval:
         steps = evaluate_steps(self.model, drafter, self.embed, self.head, self.prompts, self.job.layer_ids,
                                self.job.mask_token_id, self.job.drafter.block_size, c.train.eval_max_new_tokens, self.eos,
                                check_lossless=False, exclude_one_step=c.train.eval_exclude_one_step,
-                               progress=self._prompt_done)
+                               progress=self._prompt_done, batch_size=self.batch)
         self.running = _Running(r.n, r.step, steps, r.taken_at, time.monotonic() - r.taken_at)
 
     def _prompt_done(self, done: int, total: int) -> None:

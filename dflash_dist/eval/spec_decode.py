@@ -340,7 +340,8 @@ def evaluate_steps(target, drafter: Union[nn.Module, DraftFn], embed: Optional[T
     returns the same summary; ``wall_s`` and ``tokens_per_s`` exclude the time spent suspended. The drafter's
     train/eval mode is restored when the generator finishes or is closed. ``progress(done, total)`` is called
     after each prompt. ``batch_size`` > 1 decodes that many prompts together (eval/batched.py; an nn.Module
-    drafter, a target with a full-attention cache), each prompt as it would alone, without slices."""
+    drafter, a target with a full-attention cache), each prompt as it would alone: a batch is decoded whole when
+    its first prompt comes up, and the generator yields after each prompt."""
     clock = _Clock()
     eos = [int(i) for i in eos_ids]
     batched = None
@@ -348,10 +349,12 @@ def evaluate_steps(target, drafter: Union[nn.Module, DraftFn], embed: Optional[T
         if not isinstance(drafter, nn.Module):
             raise ValueError("batched evaluation needs the drafter module, not a draft function")
         from dflash_dist.eval.batched import batched_speculative
-        clock.stop()  # each row's share of its batch's time is added below, as a prompt's own time is
-        batched = iter(batched_speculative(target, drafter, embed, lm_head, prompts, layer_ids, mask_token_id,
-                                           block_size, max_new_tokens, eos, batch_size))
-        clock.start()
+
+        def batches():
+            for i in range(0, len(prompts), batch_size):
+                yield from batched_speculative(target, drafter, embed, lm_head, prompts[i:i + batch_size], layer_ids,
+                                               mask_token_id, block_size, max_new_tokens, eos, batch_size)
+        batched = batches()
     was_training = drafter.training if isinstance(drafter, nn.Module) else None
     if isinstance(drafter, nn.Module):
         drafter.eval()
@@ -386,6 +389,8 @@ def evaluate_steps(target, drafter: Union[nn.Module, DraftFn], embed: Optional[T
             all_lens.append(st["acceptance_lengths"])
             if progress is not None:
                 progress(len(per_prompt), len(prompts))
+            if batched is not None:  # a prompt boundary for the caller (a graceful stop is checked there)
+                yield from clock.pause()
     finally:
         if was_training:
             drafter.train()

@@ -66,6 +66,24 @@ def test_one_process_trains_as_one_target_and_one_drafter_and_its_tau_is_dflash_
     assert [r["acceptance_lengths"] for r in e["per_prompt"]] == ev["acceptance_lengths"]
 
 
+def test_an_evaluation_in_batches_equals_dflash_eval_in_the_same_batches(tmp_path):
+    """train.eval_batch_size: a colocated rank's evaluation decodes its prompts 3 at a time (a batch of 3 and one
+    of 1), and dflash-eval --batch-size 3 of the checkpoint gives every prompt the same acceptance lengths."""
+    out = run_job(1, tmp_path / "colo", "train.max_steps=6", "train.eval_prompts=4", "train.eval_max_new_tokens=24",
+                  "train.eval_batch_size=3", f"data.cache_dir={tmp_path / 'cache'}")
+    assert "in-training evaluation: whole, between two messages (colocated: the drafter half waits for it), 3 " \
+           "prompts decoded together" in out
+    (ev,) = [x for x in metrics(tmp_path / "colo") if x["kind"] == "eval"]
+    (holdout,) = glob.glob(str(tmp_path / "cache" / "holdout-*.jsonl"))
+    ck = tmp_path / "colo" / "checkpoints" / "step_00000006"
+    assert eval_main(["--checkpoint", str(ck), "--prompts", holdout, "--num-prompts", "4", "--batch-size", "3",
+                      "--no-lossless-check", "--out", str(tmp_path / "e.json")]) == 0
+    e = json.load(open(tmp_path / "e.json"))
+    assert e["n_prompts"] == ev["n_prompts"] == 4 and e["batch_size"] == 3
+    assert [r["acceptance_lengths"] for r in e["per_prompt"]] == ev["acceptance_lengths"]
+    assert e["acceptance_length"] == pytest.approx(ev["acceptance_length"], abs=1e-9)
+
+
 def test_two_colocated_ranks_train_as_one_target_and_two_drafters(tmp_path):
     steps = ["train.max_steps=8", "train.eval_prompts=0"]
     out = run_job(2, tmp_path / "colo", "topology.target_ranks=colocated", *steps)

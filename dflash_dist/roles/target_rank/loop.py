@@ -311,6 +311,11 @@ class TargetRun:
                    "rendezvous sends; gloo sends block)")
         else:
             how = "whole, between two messages (train.tuning.eval_in_slices=false)"
+        asked = self.cfg.train.eval_batch_size
+        if evaluator.batch > 1:
+            how += f", {evaluator.batch} prompts decoded together"
+        elif asked > 1:
+            how += f"; one prompt at a time (train.eval_batch_size={asked} applies only to an evaluation run whole, not on a replica)"
         log.info("in-training evaluation: %s", how)
         return evaluator
 
