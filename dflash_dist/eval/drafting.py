@@ -33,9 +33,12 @@ def draft_rows(model: nn.Module, embed: Tensor, lm_head: Tensor, contexts: Seque
     dev = w.device
     n, b_len = block.shape
     longest = max(int(c.shape[0]) for c in contexts)
-    ctx = torch.zeros(n, longest, contexts[0].shape[-1], dtype=contexts[0].dtype, device=dev)
-    for r, c in enumerate(contexts):
-        ctx[r, :c.shape[0]] = c
+    if n == 1:  # one prompt (the in-training evaluation's default): its context as it is, no padded copy
+        ctx = contexts[0][None].to(dev)
+    else:
+        ctx = torch.zeros(n, longest, contexts[0].shape[-1], dtype=contexts[0].dtype, device=dev)
+        for r, c in enumerate(contexts):
+            ctx[r, :c.shape[0]] = c
     block = block.to(dev)
     anchors = p.to(dev).reshape(n, 1)
     ctx_pos = torch.arange(longest, device=dev)[None].expand(n, -1)
