@@ -34,6 +34,10 @@ GiB = 1 << 30
 # imports), the CUDA context and the caching allocator's slack on a GPU.
 PROCESS_BASE = {"cpu": 600 << 20, "cuda": 1 * GiB}
 WARN_FRACTION = 0.9
+# On CPU, glibc's heap keeps what a step frees and the next allocations of other sizes miss it: a CPU step's
+# resident peak is its live tensors plus 30-60% of its activations (tests/unit/planning/test_memory.py measures
+# both). A GPU's caching allocator reuses blocks; its slack is in PROCESS_BASE.
+CPU_HEAP_SLACK = 0.6
 
 
 def format_bytes(n: float) -> str:
@@ -180,12 +184,16 @@ def target_plan(cfg: JobConfig, tc: Any, hf_config: Any, num_feature_layers: int
 # ------------------------------------------------------------------------------------------------ drafter
 
 def layer_saved(R: int, C: int, H: int, heads: int, kv: int, d: int, inter: int) -> int:
-    """Elements one drafter layer keeps for its backward, for R query rows over C context rows (eager: the sdpa
-    backend; compiled layers keep fewer): the norms' inputs and normalised outputs, q/k/v before and after their
-    norm and RoPE, the attention's output, the MLP's gate, up, activation and product."""
+    """Elements one drafter layer keeps for its backward, for R query rows over C context rows, as counted by
+    autograd's saved-tensor hooks on an eager (sdpa) layer: on the query side the input norm's input, q_proj's
+    input, the post-attention norm's input and output, the MLP's input (5 H); q before and after its norm, q after
+    RoPE, the attention's output and o_proj's input (5 A); gate, up, their activation and product (4 inter);
+    RoPE's cos and sin (2 d) and the attention's log-sum-exp (heads). On the key side, over C + R rows: k_proj's
+    input (H); k before and after its norm, k after RoPE and v (4 Akv); RoPE's cos and sin (2 d). The additive
+    mask is ``dense masks``; compiled layers keep fewer (inductor recomputes pointwise ops)."""
     A, Akv = heads * d, kv * d
-    q_side = R * (8 * H + 7 * A + 5 * inter)
-    kv_side = (C + R) * (H + 7 * Akv)
+    q_side = R * (5 * H + 5 * A + 4 * inter + 2 * d + heads)
+    kv_side = (C + R) * (H + 4 * Akv + 2 * d)
     return q_side + kv_side
 
 
@@ -256,7 +264,10 @@ def drafter_plan(cfg: JobConfig, tc: Any, spec: Any, device: str, steps: Optiona
     if best:
         plan.parts.update(best[1])
         dense = "drafter.num_anchors, drafter.tuning.micro_batches" + (", a GPU (flex)" if device == "cpu" else "")
+        if device == "cpu":
+            plan.parts["heap slack (CPU)"] = int(CPU_HEAP_SLACK * sum(best[1].values()))
         plan.knobs.update({"dense masks": dense, "variant head": "drafter.num_anchors",
+                           "heap slack (CPU)": "drafter.num_anchors",
                            "layer activations": "drafter.num_anchors, target.max_batch_samples",
                            "features + context": "target.max_batch_tokens",
                            "loss": "drafter.tuning.loss_chunk_rows"})
@@ -278,7 +289,7 @@ def step_activations(cfg: JobConfig, spec: Any, device: str, b: int, s_pad: int,
     R, C = b * qg, b * s_pad
     kinds = set(m.kinds)
     out = {"features + context": b * s_pad * m.num_feature_layers * H * head_b + 3 * C * H * ab * g}
-    out["layer activations"] = g * m.num_layers * (layer_saved(R, C, H, heads, kv, d, inter) * ab + R * 4)
+    out["layer activations"] = g * m.num_layers * layer_saved(R, C, H, heads, kv, d, inter) * ab
     if spec.backend == "sdpa":
         # torch's sdpa (CPU flash kernel, CUDA memory-efficient kernel) forms no [heads, Q, K] scores, but turns
         # the bool mask into an additive mask [b, 1, Q, K] in every layer and keeps it for the backward; the mask

@@ -5,7 +5,11 @@ Builds the job of ``helpers.standalone_drafter`` for the given overrides (synthe
 largest planned step (the one the plan's shape names), and measures the peak resident memory (``VmHWM``, reset just
 before; ``ru_maxrss`` where it cannot be) of
 building the ``DrafterTrainer`` (model, optimizer, frozen embedding and lm_head) and running that step, less the
-resident memory before (the interpreter and imports: the plan's ``process`` part). Prints one JSON line."""
+resident memory before (the interpreter and imports: the plan's ``process`` part). Prints one JSON line:
+``planned`` is the plan's live tensors (without ``process`` and the CPU heap slack), ``slack`` the slack planned.
+
+Run with ``MALLOC_MMAP_THRESHOLD_`` fixed low, glibc maps every large tensor on its own and unmaps it when freed,
+so the resident peak is the live tensors' peak; without it, the peak includes the heap's slack."""
 
 import argparse
 import gc
@@ -71,8 +75,9 @@ def main():
     trainer = S.make_trainer(job)
     trainer.train_step(trainer.build(msg, job.start_cursor + j))
     peak = status("VmHWM") if fresh else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    planned = plan.total - plan.parts["process"]
-    out = {"overrides": args.overrides, "shape": plan.shape, "measured": peak - before, "planned": planned,
+    slack = plan.parts.get("heap slack (CPU)", 0)
+    planned = plan.total - plan.parts["process"] - slack
+    out = {"overrides": args.overrides, "shape": plan.shape, "measured": peak - before, "planned": planned, "slack": slack,
            "parts": plan.parts, "rss_before": before}
     print(json.dumps(out))
 

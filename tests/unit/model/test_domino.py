@@ -15,6 +15,7 @@ from dflash_dist.model.variants.domino.head import (
     expected_shapes,
     export_fields,
     flops_per_block_token,
+    gru_scan,
     lambda_base,
     propose,
     teacher_tokens,
@@ -83,6 +84,24 @@ def block_locality_gap(fn, head):
     out2 = fn(head, hidden2, tokens2, embed, w)
     assert (out2[:, :BS] - out[:, :BS]).abs().max() > 1e-2          # block 1 itself does change
     return (out2[:, BS:] - out[:, BS:]).abs().max()
+
+
+def test_the_training_recurrence_is_nn_grus_in_values_and_gradients():
+    """``gru_scan`` (what training runs) against the module the engines run, float64, forward and backward."""
+    torch.manual_seed(3)
+    gru = torch.nn.GRU(H, G, bias=False, batch_first=True).double()
+    with torch.no_grad():
+        for p in gru.parameters():
+            p.normal_(0.0, 0.5)
+    x = torch.randn(4, BS - 1, H, dtype=torch.float64, requires_grad=True)
+    ref, _ = gru(x)
+    out = gru_scan(x, gru.weight_ih_l0, gru.weight_hh_l0)
+    assert torch.allclose(out, ref, rtol=0, atol=1e-12)
+    w = torch.randn_like(ref)
+    want = torch.autograd.grad((ref * w).sum(), [x, *gru.parameters()])
+    got = torch.autograd.grad((out * w).sum(), [x, *gru.parameters()])
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12)
 
 
 def test_the_gru_never_crosses_a_block():

@@ -52,7 +52,7 @@ def test_the_default_job_fits_without_a_warning(machine, caplog):
         out = checked()["memory"]
     assert out["problems"] == [] and not [r for r in caplog.records if "memory plan" in r.getMessage()]
     d, t = out["plans"]["drafter"], out["plans"]["target"]
-    assert d.shape == (16, 128, 256) and 0.5 * M.GiB < d.total < 2 * M.GiB and t.total < 2 * M.GiB
+    assert d.shape[2] == 256 and 0.5 * M.GiB < d.total < 2 * M.GiB and t.total < 2 * M.GiB
 
 
 def test_within_ten_percent_warns_and_the_setting_overrides(monkeypatch, caplog):
@@ -137,27 +137,28 @@ def test_cpu_limits_read_cgroups_and_ulimit(monkeypatch, tmp_path):
     assert "ulimit -v (8.00 GiB" in out and 0 < int(out.split("(")[1].split(",")[0]) < 8 << 30
 
 
-@pytest.mark.parametrize("drafter", ["tiny", "tiny_dflash2", "tiny_domino"])
-def test_the_drafter_plan_is_within_15_percent_of_a_measured_step(tmp_path, drafter):
-    """The drafter's plan (less the process's own memory) against the resident peak of building the trainer and
-    running its largest planned sdpa step on CPU, in a fresh process (helpers/memory_probe.py). That peak varies by
-    about 10% from one fresh process to the next (library pages touched lazily, allocator slack: noise that only
-    adds), so while the plan looks more than 15% short, up to two more processes measure and the smallest counts."""
-    def probe(k: int) -> dict:
+@pytest.mark.parametrize("overrides", [["drafter=tiny"], ["drafter=tiny_dflash2"], ["drafter=tiny_domino"],
+                                       ["drafter=tiny_domino", "drafter.domino.gru_hidden_dim=256"]])
+def test_the_drafter_plan_is_within_10_percent_of_a_measured_step(tmp_path, overrides):
+    """The drafter's plan against the peak of building the trainer and running its largest planned sdpa step on
+    CPU, in a fresh process (helpers/memory_probe.py). With glibc mapping every large tensor on its own
+    (``MALLOC_MMAP_THRESHOLD_``), the resident peak is the live tensors' peak: the plan's tensors within 10%.
+    Without it (as jobs run), the resident peak adds the heap's slack, which varies from one process to the next
+    (20-60% of the step's activations): the plan with its ``heap slack (CPU)`` part is not short of it by more
+    than 15%."""
+    def probe(k: int, env: dict) -> dict:
         r = subprocess.run([sys.executable, os.path.join(REPO, "tests", "helpers", "memory_probe.py"), "--out",
-                            str(tmp_path / str(k)), f"drafter={drafter}"], capture_output=True, text=True,
-                           timeout=300, env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"))
+                            str(tmp_path / str(k)), *overrides], capture_output=True, text=True, timeout=300,
+                           env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", **env))
         assert r.returncode == 0, r.stderr[-3000:]
         return json.loads(r.stdout.strip().splitlines()[-1])
 
-    out = probe(0)
-    assert out["shape"][0] == 16 and out["measured"] > 100 << 20
-    for k in (1, 2):
-        if out["planned"] / out["measured"] >= 0.85:
-            break
-        again = probe(k)
-        out = dict(out, measured=min(out["measured"], again["measured"]), tries=k + 1)
-    assert 0.85 <= out["planned"] / out["measured"] <= 1.15, out
+    live = probe(0, {"MALLOC_MMAP_THRESHOLD_": "65536"})
+    assert live["shape"][0] == 16 and live["measured"] > 100 << 20
+    assert 0.9 <= live["planned"] / live["measured"] <= 1.1, live
+    resident = probe(1, {})
+    assert resident["measured"] > live["measured"]
+    assert resident["measured"] <= 1.15 * (resident["planned"] + resident["slack"]), resident
 
 
 def _n_h8192(layers: int = 5) -> int:

@@ -127,11 +127,13 @@ class Domino(DFlash):
         return 3.0 * sum(per.values()) * b * n_blocks * model_config.block_size
 
     def extra_activation_bytes(self, model_config: DrafterModelConfig, rows: int, chunk: int, ab: int) -> int:
-        """The GRU states and correction features per row and its loss chunk's base and corrected logits,
-        recomputed in the backward."""
+        """Per row: the GRU's input gates (3 G) and its saved tensors (``gru_scan``), its states and their
+        padded copy (2 G), the projection's input and hidden layer (H + G + 2 E) and the block tokens' embeddings
+        (H); then one loss chunk's base and corrected logits, recomputed in the backward (2 [chunk, V] fp32)."""
         s = model_config.variant_settings or {}
-        per_row = 4 * int(s.get("gru_hidden_dim", 0)) + 3 * int(s.get("emb_dim", 0)) + model_config.hidden_size
-        return rows * per_row * ab + 7 * chunk * model_config.vocab_size * 4
+        g, e, h = int(s.get("gru_hidden_dim", 0)), int(s.get("emb_dim", 0)), model_config.hidden_size
+        per_row = (3 + D.GRU_SAVED_PER_STEP + 2) * g + 2 * h + g + 2 * e
+        return rows * per_row * ab + 2 * chunk * model_config.vocab_size * 4
 
     def export_fields(self, model_config: DrafterModelConfig) -> dict[str, Any]:
         return D.export_fields(settings_of(model_config))
