@@ -157,7 +157,6 @@ def test_the_drafter_plan_is_within_10_percent_of_a_measured_step(tmp_path, over
     assert live["shape"][0] == 16 and live["measured"] > 100 << 20
     assert 0.9 <= live["planned"] / live["measured"] <= 1.1, live
     resident = probe(1, {})
-    assert resident["measured"] > live["measured"]
     assert resident["measured"] <= 1.15 * (resident["planned"] + resident["slack"]), resident
 
 
