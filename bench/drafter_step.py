@@ -75,13 +75,33 @@ def visible_pairs(batch, block_size: int) -> float:
 SHAPES = {"qwen3_8b": ("qwen3_8b_random", "tiny"), "llama31_8b": ("llama31_8b_random", "tiny_llama3")}
 
 
+def target_of(tiny: bool, shape: str = "qwen3_8b"):
+    """The TargetConfig of this shape's target (its tiny twin with --tiny)."""
+    full, small = SHAPES[shape]
+    return C.target_config(small if tiny else full)
+
+
 def drafter_spec(tiny: bool, dc, device_type: str, shape: str = "qwen3_8b"):
     """The drafter train.py would build for ``dc`` (DrafterConfig) on this shape's target
     (model.spec.resolve_drafter: model shape, gamma, chunking; the backends below are the bench's own)."""
-    full, small = SHAPES[shape]
-    tcfg = C.target_config(small if tiny else full)
+    tcfg = target_of(tiny, shape)
     tc = text_config(load_hf_config(tcfg))
     return resolve_drafter(dc, tc, tcfg.num_feature_layers, device_type)
+
+
+def planned_gb(runner, b: int, s_pad: int, anchors: int, backend: str) -> Optional[float]:
+    """The memory plan of this step (``planning.memory.drafter_plan`` at (b, S_pad), this backend's activations:
+    sdpa's dense masks or flex's block masks) without the process's own part: what ``peak_mem_gb`` measures.
+    None for a runner made without its target's config."""
+    import dataclasses
+    if runner.tcfg is None:
+        return None
+    from dflash_dist.config import JobConfig
+    from dflash_dist.planning.memory import drafter_plan
+    cfg = JobConfig(target=runner.tcfg, drafter=dataclasses.replace(runner.dc, num_anchors=anchors))
+    spec = dataclasses.replace(runner.spec, backend="sdpa" if backend.startswith("sdpa") else "flex")
+    plan = drafter_plan(cfg, None, spec, runner.device.type, [(b, s_pad)])
+    return (plan.total - plan.parts.get("process", 0) - plan.parts.get("heap slack (CPU)", 0)) / 2**30
 
 
 def drafter_variant_config(tiny: bool, entry: str):
@@ -133,9 +153,10 @@ def load_kernel_options(arg: Optional[str]) -> Optional[dict]:
 
 
 class Runner:
-    def __init__(self, spec, dc, device, lr: float, dynamic: bool = False, optimizer_step: str = "auto"):
+    def __init__(self, spec, dc, device, lr: float, dynamic: bool = False, optimizer_step: str = "auto",
+                 tcfg=None):
         mc = spec.model
-        self.spec, self.mc, self.dc, self.device = spec, mc, dc, device
+        self.spec, self.mc, self.dc, self.device, self.tcfg = spec, mc, dc, device, tcfg
         objective = spec.make_objective()
         self.gamma = getattr(getattr(objective, "base", objective), "gamma", None)  # kind=kl: its base's
         self.dynamic = dynamic  # drafter.tuning.compile_dynamic: dynamic-shape flex kernel and mask builder
@@ -346,6 +367,7 @@ def run_one(runner: Runner, ctx: int, anchors: int, b: int, backend: str, train:
         "samples_per_s": b / med, "tokens_per_s": b * ctx / med,
         "compile_s": max(0.0, first - med),
         "peak_mem_gb": m["peak_gb"], "mem_before_gb": before, "reserved_gb": m["reserved_gb"],
+        "planned_gb": planned_gb(runner, b, s_pad, anchors, backend),
         "s_pad": s_pad, "q_rows": int(fl["rows_q"]), "valid_blocks_frac": sum(valid) / len(valid),
         "flops": fl, "tflops_model": fl["model"] / med / 1e12, "tflops_hw": fl["hardware"] / med / 1e12,
     })
@@ -465,7 +487,8 @@ def main(argv=None) -> int:
 
     def make_runner(label, dc):
         r = Runner(drafter_spec(tiny, dc, dev.type, args.shape), dc, dev, args.lr,
-                   dynamic=args.dynamic == "on" and dev.type == "cuda", optimizer_step=args.optimizer_step)
+                   dynamic=args.dynamic == "on" and dev.type == "cuda", optimizer_step=args.optimizer_step,
+                   tcfg=target_of(tiny, args.shape))
         r.loss_mode, r.kernel_options = args.loss_mode, kernel_options
         r.label = label or f"{dc.variant}@{dc.block_size}"
         return r
@@ -498,8 +521,8 @@ def main(argv=None) -> int:
     cols = [("drafter", "drafter"), ("backend", "backend"), ("mode", "mode"), ("ctx", "ctx"), ("anchors", "anchors"), ("batch", "b"),
             ("ms_per_step", "ms/step"), ("ms_per_step_back_to_back", "ms/step b2b"), ("samples_per_s", "samples/s"),
             ("tflops_model", "TFLOP/s"), ("mfu_measured_pct", "MFU % (meas.)"), ("mfu_back_to_back_pct", "MFU % b2b"), ("mfu_nominal_pct", "MFU % (nom.)"),
-            ("attention_flop_share", "attn share"), ("peak_mem_gb", "peak GB"), ("first_step_s", "1st step s"),
-            ("error", "error")]
+            ("attention_flop_share", "attn share"), ("peak_mem_gb", "peak GB"), ("planned_gb", "planned GB"),
+            ("first_step_s", "1st step s"), ("error", "error")]
     print()
     print(C.table(result["rows"], cols, title=f"drafter step ({'tiny' if tiny else args.shape + '-shaped'}, {dev.type}; "
                                                f"matmul peak {C.fmt(peak['tflops'])} TFLOP/s measured)"))

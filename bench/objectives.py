@@ -103,7 +103,7 @@ def main(argv=None) -> int:
             loss = dict(OBJECTIVES[name], **({"kl_top_k": args.kl_top_k} if name == "kl" else {}))
             dc = objective_config(args.tiny, entry, loss)
             runner = DS.Runner(DS.drafter_spec(args.tiny, dc, dev.type), dc, dev, args.lr,
-                               dynamic=dev.type == "cuda")
+                               dynamic=dev.type == "cuda", tcfg=DS.target_of(args.tiny))
             runner.use_objective, runner.label = True, entry
             for ctx, anchors in configs:
                 for b in batches:

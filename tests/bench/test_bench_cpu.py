@@ -89,6 +89,8 @@ def test_drafter_step(runs):
         assert f["model"] == pytest.approx(f["matmul"] + f["attention"] + f["lm_head"])
         assert 0 < f["attention"] < f["attention_if_dense"]     # visible pairs only
     assert rows["sdpa"]["flops"]["hardware"] == rows["sdpa"]["flops"]["model"]  # fused loss: no lm_head recompute
+    # the step's memory plan next to the peak (a GPU measures the peak; the sdpa row plans its dense masks)
+    assert 0 < rows["flex"]["planned_gb"] < rows["sdpa"]["planned_gb"] < 1
     assert d["peak_matmul"]["tflops"] > 0
     assert "| backend |" in runs["logs"]["drafter_step"]
 
