@@ -35,7 +35,7 @@ GiB = 1 << 30
 PROCESS_BASE = {"cpu": 600 << 20, "cuda": 1 * GiB}
 WARN_FRACTION = 0.9
 # On CPU, glibc's heap keeps what a step frees and the next allocations of other sizes miss it: a CPU step's
-# resident peak is its live tensors plus 30-60% of its activations (tests/unit/planning/test_memory.py measures
+# resident peak is its live tensors plus 20-60% of its activations (tests/unit/planning/test_memory.py measures
 # both). A GPU's caching allocator reuses blocks; its slack is in PROCESS_BASE.
 CPU_HEAP_SLACK = 0.6
 
