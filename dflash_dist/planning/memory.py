@@ -219,7 +219,8 @@ def _training_state(plan: MemoryPlan, spec: Any, device: str, num_drafters: int,
     with more than one drafter), AdamW's two moments on every rank. FSDP: the same divided by the drafters (each
     rank's shard), plus the gathered weights alive at once (the root's, held from its forward to the end of the
     backward, and two layers': the one computing and the next, prefetched) in the compute dtype, and the gathered
-    gradients of the root and one layer in the compute dtype and the reduction's."""
+    gradients of the root and one layer in the compute dtype and the reduction's; ``_fsdp_gradients`` then sets
+    how much of the gradient shards the step's peak holds."""
     u = drafter_units(spec, num_drafters if parallel == "fsdp" else 1)
     n = u["total"]
     if parallel == "fsdp":
@@ -263,6 +264,8 @@ def drafter_plan(cfg: JobConfig, tc: Any, spec: Any, device: str, steps: Optiona
     plan = MemoryPlan("drafter", device, dict(base.parts), best[0] if best else None, dict(base.knobs))
     if best:
         plan.parts.update(best[1])
+        if parallel == "fsdp":
+            _fsdp_gradients(plan, sum(best[1].values()), int(cfg.drafter.tuning.micro_batches), spec, device, cfg)
         dense = "drafter.num_anchors, drafter.tuning.micro_batches" + (", a GPU (flex)" if device == "cpu" else "")
         if device == "cpu":
             plan.parts["heap slack (CPU)"] = int(CPU_HEAP_SLACK * sum(best[1].values()))
@@ -272,6 +275,22 @@ def drafter_plan(cfg: JobConfig, tc: Any, spec: Any, device: str, steps: Optiona
                            "features + context": "target.max_batch_tokens",
                            "loss": "drafter.tuning.loss_chunk_rows"})
     return plan
+
+
+def _fsdp_gradients(plan: MemoryPlan, acts: int, groups: int, spec: Any, device: str, cfg: JobConfig) -> None:
+    """FSDP2's gradients at the step's peak. The trainer drops them after every step (``set_to_none``) and FSDP2
+    writes each unit's shard during its backward, as that unit's activations are freed: with one anchor group only
+    what the shards exceed the activations by adds to the peak. With more groups, the backwards before the last do
+    not reduce (``set_requires_gradient_sync(False)``) and keep every unit's whole gradient until the last one, next
+    to the later groups' activations: counted in full, with the shards."""
+    shards = plan.parts["gradients (shard)"]
+    if groups <= 1:
+        plan.parts["gradients (shard)"] = max(0, shards - acts)
+        return
+    rb = 2 if cfg.drafter.tuning.grad_reduce_dtype == "bfloat16" else 4
+    whole = drafter_units(spec)["total"]
+    plan.parts["unreduced gradients (earlier anchor groups)"] = max(rb, 2 if device == "cuda" else 4) * whole
+    plan.knobs["unreduced gradients (earlier anchor groups)"] = "drafter.tuning.micro_batches=1"
 
 
 def step_activations(cfg: JobConfig, spec: Any, device: str, b: int, s_pad: int, ab: int, head_b: int) -> dict:
