@@ -2,7 +2,7 @@
 
 Pure arithmetic over the config, the target's HF config and the resolved drafter (``model/spec.DrafterSpec``); the
 only tensors made are parameters on the meta device, to count them. ``check_job_config`` compares the plan with the
-device's memory (``device_memory``) and refuses a job that cannot fit (``train.memory_check``); ``dflash-doctor``
+device's memory (``limits.device_memory``) and refuses a job that cannot fit (``train.memory_check``); ``dflash-doctor``
 prints it; the drafter's startup report prints it next to the measured peak.
 
 The step's shape is the largest the config allows unless the planned steps are given: a message holds at most
@@ -18,18 +18,18 @@ from __future__ import annotations
 import logging
 import math
 import os
-import resource
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from dflash_dist.config import ConfigError, JobConfig
+from dflash_dist.planning import limits
+from dflash_dist.planning.limits import GiB, format_bytes
 
-__all__ = ["MemoryPlan", "target_plan", "drafter_plan", "plan_rank", "device_memory", "check_memory",
+__all__ = ["MemoryPlan", "target_plan", "drafter_plan", "plan_rank", "check_memory",
            "choose_parallel", "drafter_units", "largest_steps", "format_bytes"]
 
 log = logging.getLogger("dflash_dist")
 
-GiB = 1 << 30
 # A process's own memory beyond its tensors: torch, transformers and the interpreter on CPU (resident after the
 # imports), the CUDA context and the caching allocator's slack on a GPU.
 PROCESS_BASE = {"cpu": 600 << 20, "cuda": 1 * GiB}
@@ -38,13 +38,6 @@ WARN_FRACTION = 0.9
 # resident peak is its live tensors plus 20-60% of its activations (tests/unit/planning/test_memory.py measures
 # both). A GPU's caching allocator reuses blocks; its slack is in PROCESS_BASE.
 CPU_HEAP_SLACK = 0.6
-
-
-def format_bytes(n: float) -> str:
-    for unit, scale in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 @dataclass
@@ -350,66 +343,6 @@ def plan_rank(cfg: JobConfig, tc: Any, hf_config: Any, drafter_spec: Any, role: 
     return _sum("colocated", plans[::-1])
 
 
-# ------------------------------------------------------------------------------------------------ the device
-
-def _read_int(path: str) -> Optional[int]:
-    try:
-        with open(path) as f:
-            v = f.read().split()[0]
-    except (OSError, IndexError):
-        return None
-    return int(v) if v.isdigit() else None
-
-
-def _proc_kib(field_name: str, path: str = "/proc/meminfo") -> Optional[int]:
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith(field_name + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def cpu_available() -> tuple[int, str]:
-    """(bytes, what) the machine's memory left to new processes: MemAvailable, or less under a cgroup limit
-    (v2 memory.max less memory.current, v1 memory.limit_in_bytes less memory.usage_in_bytes)."""
-    avail = _proc_kib("MemAvailable") or int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
-    best = (avail, "available memory")
-    for limit_p, used_p in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                            ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                             "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        limit = _read_int(limit_p)
-        if limit is not None and limit < (1 << 60):
-            left = limit - (_read_int(used_p) or 0)
-            if left < best[0]:
-                best = (left, f"the cgroup memory limit ({format_bytes(limit)}, {limit_p})")
-    return best
-
-
-def address_space_left() -> Optional[tuple[int, str]]:
-    """(bytes, what) this process may still map under ``ulimit -v`` (RLIMIT_AS less its VmSize), or None."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    if soft == resource.RLIM_INFINITY:
-        return None
-    used = _proc_kib("VmSize", "/proc/self/status") or 0
-    return soft - used, f"ulimit -v ({format_bytes(soft)}, {format_bytes(used)} mapped already)"
-
-
-def device_memory(device: str) -> tuple[int, str]:
-    """(bytes, what) of one device: a GPU's total memory (each rank has its own), or the CPU machine's available
-    memory, which its ranks share."""
-    if device == "cuda":
-        import torch
-        if torch.cuda.is_available():
-            i = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
-            props = torch.cuda.get_device_properties(i)
-            return int(props.total_memory), f"{props.name}'s memory"
-        return 0, "no GPU"
-    return cpu_available()
-
-
 # ------------------------------------------------------------------------------------------------ the check
 
 def _splits(cfg: JobConfig, world_size: Optional[int]) -> list:
@@ -473,7 +406,7 @@ def _checks(cfg: JobConfig, plans: dict, split, world_size: Optional[int], devic
             need = sum(n * plans[r].total for r, n in count.items() if n)
             who = " + ".join(f"{n} {r} rank{'s' * (n > 1)}" for r, n in count.items() if n)
             checks.append((who + " on this machine", need, limit, [plans[r] for r, n in count.items() if n]))
-    per_process = address_space_left()
+    per_process = limits.address_space_left()
     if per_process is not None:
         checks += [(f"a {r} rank's process", p.total, per_process, [p]) for r, p in plans.items()]
     checks.sort(key=lambda c: -(c[1] / max(c[2][0], 1)))
@@ -495,7 +428,7 @@ def check_memory(cfg: JobConfig, tc: Any, hf_config: Any, spec: Any, device: str
     drafters = 1 if split in (None, "auto") else (world_size - split if split else world_size)
     roles = ("colocated",) if split == 0 else ("target", "drafter", "colocated") if split == "auto" else \
         ("target", "drafter")
-    limit = device_memory(device)
+    limit = limits.device_memory(device)
 
     def plans_for(parallel: str) -> dict:
         return {r: plan_rank(cfg, tc, hf_config, spec, r, device, num_feature_layers, steps, drafters,
@@ -538,7 +471,7 @@ def choose_parallel(cfg: JobConfig, hf_config: Any, spec: Any, device: str, num_
         return "ddp", "drafter.tuning.optimizer_step=compiled keeps DDP"
     tc = text_config(hf_config)
     plan = plan_rank(cfg, tc, hf_config, spec, role, device, num_feature_layers, steps, num_drafters, "sdpa", "ddp")
-    cap, what = device_memory(device)
+    cap, what = limits.device_memory(device)
     need = plan.total * (1 if device == "cuda" else int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     if need <= cap:
         return "ddp", f"DDP's plan, {format_bytes(need)}, fits {what} ({format_bytes(cap)})"

@@ -1,5 +1,5 @@
-"""planning/memory.py: the plan of each role, its refusal in check_job_config before any model loads, the device's
-limits (cgroup, ulimit -v), and the drafter's plan against the resident peak of a real CPU step."""
+"""planning/memory.py: the plan of each role, its refusal in check_job_config before any model loads against the
+device's limits (``planning/limits.py``, patched here), and the drafter's plan against the peak of a real CPU step."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from helpers.standalone_drafter import compose_job_config
 
 from dflash_dist.config import ConfigError
 from dflash_dist.job import check_job_config
+from dflash_dist.planning import limits as L
 from dflash_dist.planning import memory as M
 
 
@@ -31,8 +32,8 @@ def checked(*overrides, world_size=3):
 @pytest.fixture
 def machine(monkeypatch):
     """A CPU machine of 24 GiB available, no cgroup limit, no ulimit -v."""
-    monkeypatch.setattr(M, "cpu_available", lambda: (24 * M.GiB, "available memory"))
-    monkeypatch.setattr(M, "address_space_left", lambda: None)
+    monkeypatch.setattr(L, "cpu_available", lambda: (24 * M.GiB, "available memory"))
+    monkeypatch.setattr(L, "address_space_left", lambda: None)
 
 
 @pytest.mark.parametrize("drafter", ["dflash2", "domino"])
@@ -56,14 +57,14 @@ def test_the_default_job_fits_without_a_warning(machine, caplog):
 
 
 def test_within_ten_percent_warns_and_the_setting_overrides(monkeypatch, caplog):
-    monkeypatch.setattr(M, "address_space_left", lambda: None)
+    monkeypatch.setattr(L, "address_space_left", lambda: None)
     base = checked()["memory"]["plans"]
     need = base["target"].total + 2 * base["drafter"].total
-    monkeypatch.setattr(M, "cpu_available", lambda: (int(need / 0.95), "available memory"))
+    monkeypatch.setattr(L, "cpu_available", lambda: (int(need / 0.95), "available memory"))
     with caplog.at_level(logging.WARNING, logger="dflash_dist"):
         assert checked()["memory"]["problems"] == []
     assert any("within 10% of available memory" in r.getMessage() for r in caplog.records)
-    monkeypatch.setattr(M, "cpu_available", lambda: (need // 2, "available memory"))
+    monkeypatch.setattr(L, "cpu_available", lambda: (need // 2, "available memory"))
     with pytest.raises(ConfigError, match="drafter ranks on this machine need"):
         checked()
     assert checked("train.memory_check=warn")["memory"]["problems"]
@@ -71,8 +72,8 @@ def test_within_ten_percent_warns_and_the_setting_overrides(monkeypatch, caplog)
 
 
 def test_a_process_limit_names_the_role_that_does_not_fit(monkeypatch):
-    monkeypatch.setattr(M, "cpu_available", lambda: (1 << 50, "available memory"))
-    monkeypatch.setattr(M, "address_space_left", lambda: (int(1.5 * M.GiB), "ulimit -v (4.00 GiB, ...)"))
+    monkeypatch.setattr(L, "cpu_available", lambda: (1 << 50, "available memory"))
+    monkeypatch.setattr(L, "address_space_left", lambda: (int(1.5 * M.GiB), "ulimit -v (4.00 GiB, ...)"))
     with pytest.raises(ConfigError, match=r"a drafter rank's process need [\d.]+ GiB but ulimit -v"):
         checked("drafter.num_anchors=256")
     with pytest.raises(ConfigError, match=r"a target rank's process need [\d.]+ GiB but ulimit -v.*target\.max_batch_tokens"):
@@ -119,22 +120,6 @@ def test_target_weights_follow_dtype_fp8_and_tensor_parallel():
 def test_largest_steps_follow_the_batching_rule():
     cfg = compose_job_config(["target.max_batch_tokens=1024", "target.max_batch_samples=4", "data.max_length=3000"])
     assert M.largest_steps(cfg) == [(1, 3008), (2, 512), (3, 384), (4, 256)]  # ctx_bucket 64
-
-
-def test_cpu_limits_read_cgroups_and_ulimit(monkeypatch, tmp_path):
-    files = {"/sys/fs/cgroup/memory.max": 2 * M.GiB, "/sys/fs/cgroup/memory.current": M.GiB // 2}
-    monkeypatch.setattr(M, "_read_int", lambda p: files.get(p))
-    left, what = M.cpu_available()
-    assert left == int(1.5 * M.GiB) and "cgroup memory limit (2.00 GiB" in what
-    files.clear()
-    files.update({"/sys/fs/cgroup/memory/memory.limit_in_bytes": M.GiB,
-                  "/sys/fs/cgroup/memory/memory.usage_in_bytes": 0})
-    assert M.cpu_available()[0] == M.GiB
-    code = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30));"
-            "from dflash_dist.planning.memory import address_space_left; print(address_space_left())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=REPO)).stdout
-    assert "ulimit -v (8.00 GiB" in out and 0 < int(out.split("(")[1].split(",")[0]) < 8 << 30
 
 
 @pytest.mark.parametrize("overrides", [["drafter=tiny"], ["drafter=tiny_dflash2"], ["drafter=tiny_domino"],
@@ -220,8 +205,8 @@ def test_the_h8192_drafter_needs_fsdp_on_80_gib_cards(monkeypatch):
     assert fsdp.parts["gathered weights"] == 2 * (5 * 8192 * 8192 + 2 * 8192 + 2 * layer)
     assert fsdp.total < 0.9 * card  # fits without the 10% warning
     # auto: the memory check of a 16-GPU job (8 target + 8 drafter ranks) on 80 GiB cards picks FSDP, and it fits
-    monkeypatch.setattr(M, "device_memory", lambda device: (card, "an 80 GiB GPU's memory"))
-    monkeypatch.setattr(M, "address_space_left", lambda: None)
+    monkeypatch.setattr(L, "device_memory", lambda device: (card, "an 80 GiB GPU's memory"))
+    monkeypatch.setattr(L, "address_space_left", lambda: None)
     auto = compose_job_config(["target=llama3_70b_random", "drafter=dflash_h8192", "drafter.parallel=auto",
                                "topology.target_ranks=8", "target.tensor_parallel=8", "target.quantization=fp8"])
     out = M.check_memory(auto, tc, c["hf_config"], spec, "cuda", 5, 16, steps=M.largest_steps(auto))
