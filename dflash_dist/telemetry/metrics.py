@@ -215,12 +215,14 @@ class MetricsWriter:
 def run_summary(*, stopped: bool, steps: int, steps_this_run: int, samples: int, wall_s: float,
                 loss: Optional[float], tau: Optional[tuple], checkpoint: Optional[str], metrics_path: str,
                 wandb_dir: Optional[str], wandb_mode: str, totals: Optional[dict] = None,
-                launch: Optional[dict] = None, plan: Optional[str] = None, memory: Optional[str] = None) -> str:
+                launch: Optional[dict] = None, plan: Optional[str] = None, memory: Optional[str] = None,
+                pace: Optional[str] = None) -> str:
     """The few lines a run ends with (leader): what it trained and where its results are; ``totals``: the run's
     sample totals over all its launches (``run_*`` keys of the accounting record) next to this ``launch``'s;
     ``plan``: the planned-vs-measured line of a job started from a plan (telemetry/plan_check.py); ``tau``: (step,
     pooled acceptance length, z-lab's per-prompt tau) of the last evaluation; ``memory``: a GPU run's peak memory
-    next to its plan (telemetry/memory_peak.py)."""
+    next to its plan (telemetry/memory_peak.py); ``pace``: the steady steps' rate apart from the compiles and the
+    startup the wall time includes (the drafter loop's ``pace_line``)."""
     def fmt(x, spec):
         return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
     lines = [f"run {'stopped' if stopped else 'finished'}: {steps} steps"
@@ -241,6 +243,8 @@ def run_summary(*, stopped: bool, steps: int, steps_this_run: int, samples: int,
         lines.append(f"  {plan}")
     if memory:
         lines.append(f"  {memory}")
+    if pace:
+        lines.append(f"  {pace}")
     lines.append(f"  checkpoint: {checkpoint or 'none written'}")
     lines.append(f"  metrics:    {metrics_path}")
     if wandb_dir:

@@ -91,6 +91,10 @@ def test_max_steps_trains_exactly_and_small_files_train(tmp_path):
     assert [x["step"] for x in recs if x["kind"] == "train"][-1] == 30  # was 14: the 3 epochs stopped it first
     assert "train.max_steps=30: 30 optimizer steps" in out
     assert "200 conversations, 20 held out" in out
+    # the run's rate with the startup and compiles in it, and apart from them the steady steps' rate
+    pace = re.search(r"pace: +steps 1-4 \(compiles, checked steps\) to [\d.]+ s; steps 5-30 in ([\d.]+) s, "
+                     r"([\d.]+) samples/s on this drafter rank;", out)
+    assert pace and float(pace.group(1)) > 0 and float(pace.group(2)) > 0, out[-3000:]
 
     small = _rows(tmp_path / "d50.jsonl", 50)
     r = torchrun(2, QUICK + ["data=jsonl", f"data.source={small}", "data.num_workers=0", "train.max_steps=2",

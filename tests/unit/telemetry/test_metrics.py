@@ -53,6 +53,9 @@ def test_run_summary_names_the_results():
     s = run_summary(stopped=True, steps=3, steps_this_run=3, samples=0, wall_s=1.0, loss=None, tau=None,
                     checkpoint=None, metrics_path="m", wandb_dir=None, wandb_mode="disabled")
     assert "stopped" in s and "acceptance not evaluated" in s and "wandb" not in s
+    s = run_summary(stopped=False, steps=30, steps_this_run=30, samples=60, wall_s=60.0, loss=1.0, tau=None,
+                    checkpoint="c", metrics_path="m", wandb_dir=None, wandb_mode="disabled", pace="pace:       steps x")
+    assert "(1.0 samples/s)" in s and s.splitlines()[1] == "  pace:       steps x"
 
 
 def test_log_lines_never_land_on_the_progress_bar():
