@@ -147,8 +147,8 @@ class DrafterRun:
         self.plan_check = plan_check_for(job) if self.topo.is_leader else None  # planned vs measured samples/s
         self.first_step_s = None
         self.memory = PeakMemory(self.d.device)
-        self.own_samples = 0
-        self.pace = None  # (time, steps, this rank's samples) once the early checked steps are behind, then the last
+        # (time, step, this rank's samples taken for training) at the end of the early checked steps, and newest
+        self.pace = None
         self.t_start = time.monotonic()
 
     def describe(self) -> None:
@@ -282,10 +282,10 @@ class DrafterRun:
         trainer.finish_step(s, msg)
         self.wait_s += t1 - t0
         self.busy_s += time.monotonic() - t1
-        self.own_samples += 0 if msg is None else msg.num_samples
-        mark = (time.monotonic(), trainer.step, self.own_samples)
-        # the pace after the compiles and the checked steps (profiled, sync-checked), for the run's last lines
-        self.pace = (mark, mark) if s == SYNC_CHECK_STEP else (self.pace[0], mark) if self.pace else None
+        if s >= SYNC_CHECK_STEP:  # the pace after the compiles and the checked steps, for the run's last lines
+            c = trainer.counts
+            mark = (time.monotonic(), trainer.step, c["samples_received"] - c["samples_skipped_shape"])
+            self.pace = (mark if self.pace is None else self.pace[0], mark)
         if s == 1:
             timeout = self.cfg.topology.timeout_s
             self.channel.timeout_s = timeout
@@ -445,11 +445,10 @@ class DrafterRun:
             return None
         (t0, k0, n0), (t1, k1, n1) = self.pace
         d = self.topo.num_drafters
-        return (f"pace:       steps {self.job.start_step + 1}-{k0} (compiles, checked steps) to {t0 - self.t_start:.1f} s; "
-                f"steps {k0 + 1}-{k1} "
-                f"in {t1 - t0:.1f} s, {(n1 - n0) / max(t1 - t0, 1e-9):.1f} samples/s on this drafter rank"
-                + (f" (of {d})" if d > 1 else "") + f"; after the last step {time.monotonic() - t1:.1f} s (the "
-                "final checkpoint, a last evaluation)")
+        return (f"pace:       steps {self.job.start_step + 1}-{k0} (compiles, checked steps) to "
+                f"{t0 - self.t_start:.1f} s; steps {k0 + 1}-{k1} in {t1 - t0:.1f} s, "
+                f"{(n1 - n0) / max(t1 - t0, 1e-9):.1f} samples/s on this drafter rank" + (f" (of {d})" if d > 1 else "")
+                + f"; after the last step {time.monotonic() - t1:.1f} s (the final checkpoint, a last evaluation)")
 
     def memory_line(self):
         """The run's peak device memory next to the plan of the largest step its batching plan makes."""
