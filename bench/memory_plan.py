@@ -82,6 +82,40 @@ class Peak:
         return _status_bytes("VmHWM") - self.before
 
 
+def peak_by_source(events: list, top: int = 30) -> dict:
+    """What was live at the peak of the allocations recorded since the peak's start (CUDA's allocator history),
+    grouped by where each was made: the innermost frame in this project's code (a backward's allocations name the
+    line that called it), else the innermost one. {source: GiB}, the largest ``top``, the rest as ``(other)``."""
+    done = "free_completed" if any(e["action"] == "free_completed" for e in events) else "free_requested"
+    live, total, best, at = {}, 0, -1, -1
+    for i, e in enumerate(events):  # first pass: the event at which the live bytes peak
+        if e["action"] == "alloc":
+            live[e["addr"]] = e["size"]
+            total += e["size"]
+            if total > best:
+                best, at = total, i
+        elif e["action"] == done and e["addr"] in live:
+            total -= live.pop(e["addr"])
+    live = {}
+    for e in events[:at + 1]:  # second pass: the blocks live at that event
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        elif e["action"] == done:
+            live.pop(e["addr"], None)
+    groups: dict = {}
+    for e in live.values():
+        frames = e.get("frames") or []
+        mine = [f for f in frames if "/dflash_dist/" in f["filename"]]
+        f = (mine or frames or [{"filename": "?", "line": 0, "name": "?"}])[0]
+        key = f"{f['filename'].rsplit('/dflash_dist/', 1)[-1]}:{f['line']} {f['name']}"
+        groups[key] = groups.get(key, 0) + e["size"]
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1])
+    out = {k: v / GiB for k, v in ranked[:top]}
+    if len(ranked) > top:
+        out["(other)"] = sum(v for _, v in ranked[top:]) / GiB
+    return out
+
+
 def plan_bytes(plan) -> int:
     """What the measured peak compares with: the plan less the process's own memory and the CPU heap's slack."""
     return plan.total - plan.parts.get("process", 0) - plan.parts.get("heap slack (CPU)", 0)
@@ -124,6 +158,8 @@ def measure(args, label: str, overrides: list) -> dict:
         del first
     peak = Peak(dev)
     peak.start()
+    if args.trace and dev.type == "cuda":
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     trainer = S.make_trainer(job)
     msg = message()
     if trainer.guard is not None:
@@ -142,6 +178,11 @@ def measure(args, label: str, overrides: list) -> dict:
     row["measured_gib"] = peak.bytes() / GiB
     row["planned_over_measured"] = row["planned_gib"] / row["measured_gib"]
     row["ms_per_step"] = 1e3 * C.median(times)
+    if args.trace and dev.type == "cuda":
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        row["peak_by_source_gib"] = peak_by_source([e for t in snap["device_traces"] for e in t])
+        row["plan_all_parts_gib"] = {k: v / GiB for k, v in plan.parts.items()}
     return row
 
 
@@ -178,6 +219,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=1, help="CPU threads of a case")
     p.add_argument("--case-timeout", type=float, default=900)
+    p.add_argument("--trace", action="store_true", help="CUDA: record the allocations and report what was live at "
+                   "the peak, grouped by the line that made it (slower steps: ms/step is then not the step's)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     tiny = args.tiny

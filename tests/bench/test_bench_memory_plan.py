@@ -33,3 +33,19 @@ def test_plan_against_peak_per_case(tmp_path):
         assert 0.85 <= row["planned_over_measured"] <= 1.15, row
     assert rows["domino"]["planned_gib"] > rows["ddp"]["planned_gib"]
     assert "| ddp | ddp | 15 |" in r.stdout
+
+
+def test_peak_by_source_groups_what_is_live_at_the_peak():
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    from memory_plan import GiB, peak_by_source
+
+    def ev(action, addr, size, where):
+        return {"action": action, "addr": addr, "size": size,
+                "frames": [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
+                           {"filename": f"/r/dflash_dist/{where}.py", "line": 7, "name": "f"}]}
+    events = [ev("alloc", 1, GiB, "a"), ev("alloc", 2, 2 * GiB, "b"), ev("alloc", 3, GiB, "b"),
+              ev("free_completed", 2, 2 * GiB, "b"),  # the peak (4 GiB) was before this free
+              ev("alloc", 4, GiB, "c"), ev("free_completed", 1, GiB, "a")]
+    out = peak_by_source(events)
+    assert out == {"b.py:7 f": 3.0, "a.py:7 f": 1.0}  # the innermost frame in the project's code names it
+    assert peak_by_source(events, top=1) == {"b.py:7 f": 3.0, "(other)": 1.0}
