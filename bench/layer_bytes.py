@@ -93,6 +93,59 @@ def layer_and_inputs(label: str, shape: dict, dev: torch.device, seed: int = 0):
     return torch.compile(layer, fullgraph=True), (h, ctx, rope_q, rope_k, masks[kind], backend)
 
 
+def saved_by_dtype(out: torch.Tensor, exclude: set) -> dict:
+    """{dtype: bytes} of the tensors the autograd graph behind ``out`` keeps for its backward (each storage once;
+    ``exclude``: storages that exist anyway, the parameters and inputs): what a step's activations hold per layer."""
+    seen, by, todo, visited = set(), {}, [out.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        kept = list(getattr(node, "saved_tensors", None) or [])  # a compiled graph's (autograd.Function) saves
+        for name in dir(node):                                   # an eager op's saves
+            if name.startswith("_saved_"):
+                v = getattr(node, name, None)
+                kept += [v] if isinstance(v, torch.Tensor) else [t for t in v if isinstance(t, torch.Tensor)] \
+                    if isinstance(v, (list, tuple)) else []
+        for t in kept:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in seen and ptr not in exclude:
+                seen.add(ptr)
+                key = str(t.dtype).removeprefix("torch.")
+                by[key] = by.get(key, 0) + t.untyped_storage().nbytes()
+        todo += [f for f, _ in node.next_functions]
+    return by
+
+
+def saved_per_layer(label: str, shape: dict, dev: torch.device) -> dict:
+    """The compiled layer's saved bytes (MB, by dtype) with fp32 weights under bf16 autocast (DDP: the master
+    weights are the compute weights) and with bf16 weights (FSDP2's bf16 gathered weights), next to the eager
+    count the memory plan uses (``planning.memory.layer_saved`` at 2 bytes an element)."""
+    from dflash_dist.planning.memory import layer_saved
+    row = {"plan_eager_count_mb": 2 * layer_saved(shape["rows"], shape["ctx"], shape["hidden"], shape["heads"],
+                                                  shape["kv_heads"], shape["head_dim"], shape["intermediate"]) / 1e6}
+    for mode in ("fp32_weights", "bf16_weights"):
+        torch._dynamo.reset()
+        fn, args = layer_and_inputs(label, shape, dev)
+        layer = getattr(fn, "_orig_mod", None) or getattr(fn, "__self__", None)
+        params = list(layer.parameters()) if isinstance(layer, torch.nn.Module) else []
+        if mode == "bf16_weights":
+            with torch.no_grad():
+                for p in params:
+                    p.data = p.data.to(torch.bfloat16)
+            args = tuple(a.detach().to(torch.bfloat16).requires_grad_() if isinstance(a, torch.Tensor)
+                         and a.requires_grad else a for a in args)
+        exclude = {t.untyped_storage().data_ptr() for t in params + [a for a in args if isinstance(a, torch.Tensor)]}
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            out = fn(*args)
+        by = saved_by_dtype(out, exclude)
+        row[f"saved_mb_{mode}"] = sum(by.values()) / 1e6
+        row[f"saved_mb_{mode}_by_dtype"] = {k: v / 1e6 for k, v in by.items()}
+        row[f"{mode}_over_plan"] = row[f"saved_mb_{mode}"] / row["plan_eager_count_mb"]
+    return row
+
+
 def run_once(fn, args, dev) -> None:
     with torch.autocast(dev.type, dtype=torch.bfloat16):
         out = fn(*args)
@@ -129,6 +182,8 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="a CPU smoke run (hidden 128, 128 rows)")
     p.add_argument("--repeats", type=int, default=20, help="timed passes on CUDA")
     p.add_argument("--device", default="auto")
+    p.add_argument("--saved", action="store_true", help="instead of the bytes moved: the bytes each compiled "
+                   "layer keeps for its backward, with fp32 weights under autocast (DDP) and bf16 weights (FSDP2)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     dev = C.pick_device(args.device)
@@ -138,14 +193,20 @@ def main(argv=None) -> int:
     result = {"bench": "layer_bytes", "env": C.env_info(dev), "shape": shape, "rows": []}
     for label in [d.strip() for d in args.drafters.split(",") if d.strip()]:
         try:
-            row = measure(label, shape, dev, args.repeats)
+            row = ({"drafter": label, **saved_per_layer(label, shape, dev)} if args.saved
+                   else measure(label, shape, dev, args.repeats))
         except Exception as e:  # an entry that fails is a row with its error, the others still run
             row = {"drafter": label, "error": C.short_error(e)}
         result["rows"].append(row)
         C.log(f"{label}: {row}")
         C.write_json(args.out, result)
-    print(C.table(result["rows"], [("drafter", "drafter"), ("inductor_mb", "MB read + written (inductor)"),
-                                   ("kernels", "kernels"), ("ms_fwd_bwd", "ms fwd+bwd"), ("error", "error")],
+    cols = ([("drafter", "drafter"), ("plan_eager_count_mb", "plan's eager count MB"),
+             ("saved_mb_fp32_weights", "saved MB, fp32 weights + autocast"), ("fp32_weights_over_plan", "/ plan"),
+             ("saved_mb_bf16_weights", "saved MB, bf16 weights"), ("bf16_weights_over_plan", "/ plan"),
+             ("error", "error")] if args.saved else
+            [("drafter", "drafter"), ("inductor_mb", "MB read + written (inductor)"), ("kernels", "kernels"),
+             ("ms_fwd_bwd", "ms fwd+bwd"), ("error", "error")])
+    print(C.table(result["rows"], cols,
                   title=f"one drafter layer, forward + backward ({dev.type}; rows {shape['rows']}, ctx {shape['ctx']}, "
                         f"hidden {shape['hidden']})"))
     return 0 if all("error" not in r for r in result["rows"]) else 1
