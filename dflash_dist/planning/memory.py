@@ -38,6 +38,12 @@ WARN_FRACTION = 0.9
 # resident peak is its live tensors plus 20-60% of its activations (tests/unit/planning/test_memory.py measures
 # both). A GPU's caching allocator reuses blocks; its slack is in PROCESS_BASE.
 CPU_HEAP_SLACK = 0.6
+# Compiled drafter layers on bf16 weights (FSDP2 gathers them in bf16 on a GPU) keep this share of the eager count
+# ``layer_saved``: 0.77 in the allocator's trace of a Qwen3-8B-shaped FSDP2 step on an H100, 0.72 for one layer
+# alone (bench/memory_plan.py --trace, bench/layer_bytes.py --saved; docs/benchmarks.md#memory-plan-h100).
+# DDP's plan keeps the eager count: with fp32 master weights under autocast its layers also keep a bf16 copy of
+# every weight, and the count's surplus covers it (measured 0.99-1.10 of its peaks).
+COMPILED_BF16_LAYERS = 0.77
 
 
 @dataclass
@@ -210,10 +216,8 @@ def _training_state(plan: MemoryPlan, spec: Any, device: str, num_drafters: int,
                     cfg: JobConfig) -> None:
     """The drafter's own training state in ``plan.parts``. DDP: fp32 parameters, gradients (and DDP's bucket copy
     with more than one drafter), AdamW's two moments on every rank. FSDP: the same divided by the drafters (each
-    rank's shard), plus the gathered weights alive at once (the root's, held from its forward to the end of the
-    backward, and two layers': the one computing and the next, prefetched) in the compute dtype, and the gathered
-    gradients of the root and one layer in the compute dtype and the reduction's; ``_fsdp_gradients`` then sets
-    how much of the gradient shards the step's peak holds."""
+    rank's shard), plus what the backward's start holds beyond them (gathered weights, a layer's gradients being
+    reduced); ``_fsdp_peak`` then picks the step's peak moment."""
     u = drafter_units(spec, num_drafters if parallel == "fsdp" else 1)
     n = u["total"]
     if parallel == "fsdp":
@@ -223,8 +227,12 @@ def _training_state(plan: MemoryPlan, spec: Any, device: str, num_drafters: int,
         plan.parts["parameters (shard)"] = 4 * u["shard"]
         plan.parts["gradients (shard)"] = 4 * u["shard"]
         plan.parts["AdamW state (shard)"] = 8 * u["shard"]
-        plan.parts["gathered weights"] = cb * (u["root"] + 2 * layer)
-        plan.parts["gathered gradients"] = (cb + rb) * (u["root"] + layer)
+        D = max(1, int(num_drafters))
+        # at the start of the backward (the trace of one H100, one rank): the root's and a layer's weights in the
+        # compute dtype (with more ranks also the next layer's, prefetched), the layer's gradients in the
+        # reduction's dtype and the reduce-scatter's output
+        plan.parts["gathered weights"] = cb * (u["root"] + (2 if D > 1 else 1) * layer)
+        plan.parts["gathered gradients"] = int(rb * layer * (1 + 1 / D))
         for k in ("parameters (shard)", "gradients (shard)", "AdamW state (shard)"):
             plan.knobs[k] = "more drafter ranks, drafter.num_layers"
         plan.knobs["gathered weights"] = plan.knobs["gathered gradients"] = "drafter.num_layers"
@@ -258,7 +266,7 @@ def drafter_plan(cfg: JobConfig, tc: Any, spec: Any, device: str, steps: Optiona
     if best:
         plan.parts.update(best[1])
         if parallel == "fsdp":
-            _fsdp_gradients(plan, sum(best[1].values()), int(cfg.drafter.tuning.micro_batches), spec, device, cfg)
+            _fsdp_peak(plan, set(best[1]), spec, device, cfg)
         dense = "drafter.num_anchors, drafter.tuning.micro_batches" + (", a GPU (flex)" if device == "cpu" else "")
         if device == "cpu":
             plan.parts["heap slack (CPU)"] = int(CPU_HEAP_SLACK * sum(best[1].values()))
@@ -268,6 +276,32 @@ def drafter_plan(cfg: JobConfig, tc: Any, spec: Any, device: str, steps: Optiona
                            "features + context": "target.max_batch_tokens",
                            "loss": "drafter.tuning.loss_chunk_rows"})
     return plan
+
+
+def _fsdp_peak(plan: MemoryPlan, step_parts: set, spec: Any, device: str, cfg: JobConfig) -> None:
+    """FSDP2's peak, the larger of two moments. At the end of the forward (the loss's chunk alive): every layer's
+    saved activations and the root's gathered weights (the layers' are freed after their forward). At the start of
+    the backward (the loss freed): the same activations, two layers' gathered weights and one layer's gathered
+    gradients. On a GPU the compiled layers compute on bf16 weights (``COMPILED_BF16_LAYERS``) and the compiled
+    loss keeps its chunk of logits and their gradient in bf16. The gradient shards: ``_fsdp_gradients``."""
+    m, parts = spec.model, plan.parts
+    if device == "cuda" and spec.backend != "sdpa":
+        parts["layer activations"] = int(COMPILED_BF16_LAYERS * parts["layer activations"])
+        b, q = plan.shape[0], plan.shape[2]
+        chunk = min(b * q, spec.loss.chunk_rows)
+        parts["loss"] = 2 * chunk * m.vocab_size * 2 + b * q * m.hidden_size * 2 * 2
+    u = drafter_units(spec)
+    cb = 2 if device == "cuda" else 4
+    root_weights = cb * u["root"]
+    forward_end = parts.get("loss", 0) + root_weights
+    backward_start = parts["gathered weights"] + parts["gathered gradients"]
+    if forward_end >= backward_start:
+        parts["gathered weights"] = root_weights
+        parts.pop("gathered gradients")
+    else:
+        parts.pop("loss", None)
+    acts = sum(v for k, v in parts.items() if k in step_parts)
+    _fsdp_gradients(plan, acts, int(cfg.drafter.tuning.micro_batches), spec, device, cfg)
 
 
 def _fsdp_gradients(plan: MemoryPlan, acts: int, groups: int, spec: Any, device: str, cfg: JobConfig) -> None:
