@@ -373,8 +373,27 @@ def plan_rank(cfg: JobConfig, tc: Any, hf_config: Any, drafter_spec: Any, role: 
         plans.append(target_plan(cfg, tc, hf_config, num_feature_layers, device, dp, attn_implementation))
     if len(plans) == 1:
         return plans[0]
-    plans[0].parts.pop("embedding + lm_head")  # a colocated drafter uses its target half's tensors
-    return _sum("colocated", plans[::-1])
+    drafter, target = plans
+    drafter.parts.pop("embedding + lm_head")  # a colocated drafter uses its target half's tensors
+    if device == "cuda":
+        _one_moment(drafter, target)
+    return _sum("colocated", [target, drafter])
+
+
+TARGET_PASSES = ("layer forward", "lm_head logits", "evaluation")
+STEP_PARTS = ("features + context", "layer activations", "dense masks", "flex block masks", "loss", "variant head")
+
+
+def _one_moment(drafter: MemoryPlan, target: MemoryPlan) -> None:
+    """A colocated rank's one thread runs the capture, the drafter's step and the evaluation in turn, and a GPU's
+    caching allocator hands what one frees to the next: the target's passes and the drafter's step are never alive
+    at once. The peak is the larger of the two beside what both keep (weights, capture buffer, training state). On
+    CPU both stay counted: glibc's heap keeps what the capture frees for allocations of its sizes."""
+    passes = sum(target.parts.get(k, 0) for k in TARGET_PASSES)
+    step = sum(drafter.parts.get(k, 0) for k in STEP_PARTS)
+    gone, plan = (TARGET_PASSES, target) if step >= passes else (STEP_PARTS, drafter)
+    for k in gone:
+        plan.parts.pop(k, None)
 
 
 # ------------------------------------------------------------------------------------------------ the check

@@ -245,3 +245,23 @@ def test_fsdp_on_a_gpu_peaks_at_the_loss_of_an_8b_drafter():
     assert f.parts["gathered weights"] == 2 * M.drafter_units(spec)["root"]
     assert "gathered gradients" not in f.parts
     assert f.total < ddp.total
+
+
+def test_a_colocated_gpu_rank_peaks_at_the_larger_of_capture_and_step():
+    """On a GPU the capture's passes and the drafter's step run in turn and the allocator hands one's memory to the
+    other: the colocated plan of the 32K, 1,024-anchor job measured on one H100 (docs/benchmarks.md#colocated-job)
+    leaves out the target's layer forward (3.6 GiB), which the drafter's step outweighs; on CPU both stay."""
+    cfg = compose_job_config(["target=qwen3_8b_random", "drafter=dflash", "drafter.num_anchors=1024",
+                              "data.max_length=32768", "target.max_batch_tokens=32768", "target.max_batch_samples=1",
+                              "train.eval_prompts=0", "train.memory_check=off"])
+    c = check_job_config(cfg, None, "cuda")
+    args = (cfg, c["text_config"], c["hf_config"], c["drafter"])
+    t = M.plan_rank(*args, "target", "cuda", 5, steps=[(1, 20736)])
+    d = M.plan_rank(*args, "drafter", "cuda", 5, steps=[(1, 20736)])
+    both = M.plan_rank(*args, "colocated", "cuda", 5, steps=[(1, 20736)])
+    passes = t.parts["layer forward"]
+    step = sum(d.parts[k] for k in M.STEP_PARTS if k in d.parts)
+    assert 3 * M.GiB < passes < step
+    assert both.total == t.total + d.total - M.PROCESS_BASE["cuda"] - d.parts["embedding + lm_head"] - passes
+    assert "target: layer forward" not in both.parts and "target: capture buffer" in both.parts
+    assert "drafter: layer activations" in both.parts
