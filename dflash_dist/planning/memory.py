@@ -44,6 +44,9 @@ CPU_HEAP_SLACK = 0.6
 # DDP's plan keeps the eager count: with fp32 master weights under autocast its layers also keep a bf16 copy of
 # every weight, and the count's surplus covers it (measured 0.99-1.10 of its peaks).
 COMPILED_BF16_LAYERS = 0.77
+# What a drafter step allocates and frees (``step_activations``), and a target's passes beside the capture buffer
+STEP_PARTS = ("features + context", "layer activations", "dense masks", "flex block masks", "loss", "variant head")
+TARGET_PASSES = ("layer forward", "lm_head logits", "evaluation")
 
 
 @dataclass
@@ -266,7 +269,7 @@ def drafter_plan(cfg: JobConfig, tc: Any, spec: Any, device: str, steps: Optiona
     if best:
         plan.parts.update(best[1])
         if parallel == "fsdp":
-            _fsdp_peak(plan, set(best[1]), spec, device, cfg)
+            _fsdp_peak(plan, spec, device, cfg)
         dense = "drafter.num_anchors, drafter.tuning.micro_batches" + (", a GPU (flex)" if device == "cpu" else "")
         if device == "cpu":
             plan.parts["heap slack (CPU)"] = int(CPU_HEAP_SLACK * sum(best[1].values()))
@@ -278,11 +281,11 @@ def drafter_plan(cfg: JobConfig, tc: Any, spec: Any, device: str, steps: Optiona
     return plan
 
 
-def _fsdp_peak(plan: MemoryPlan, step_parts: set, spec: Any, device: str, cfg: JobConfig) -> None:
+def _fsdp_peak(plan: MemoryPlan, spec: Any, device: str, cfg: JobConfig) -> None:
     """FSDP2's peak, the larger of two moments. At the end of the forward (the loss's chunk alive): every layer's
     saved activations and the root's gathered weights (the layers' are freed after their forward). At the start of
-    the backward (the loss freed): the same activations, two layers' gathered weights and one layer's gathered
-    gradients. On a GPU the compiled layers compute on bf16 weights (``COMPILED_BF16_LAYERS``) and the compiled
+    the backward (the loss freed): the same activations and what ``_training_state`` counts for it (the gathered
+    weights, a layer's gradients and their reduce-scatter's output). On a GPU the compiled layers compute on bf16 weights (``COMPILED_BF16_LAYERS``) and the compiled
     loss keeps its chunk of logits and their gradient in bf16. The gradient shards: ``_fsdp_gradients``."""
     m, parts = spec.model, plan.parts
     if device == "cuda" and spec.backend != "sdpa":
@@ -300,7 +303,7 @@ def _fsdp_peak(plan: MemoryPlan, step_parts: set, spec: Any, device: str, cfg: J
         parts.pop("gathered gradients")
     else:
         parts.pop("loss", None)
-    acts = sum(v for k, v in parts.items() if k in step_parts)
+    acts = sum(v for k, v in parts.items() if k in STEP_PARTS)
     _fsdp_gradients(plan, acts, int(cfg.drafter.tuning.micro_batches), spec, device, cfg)
 
 
@@ -378,10 +381,6 @@ def plan_rank(cfg: JobConfig, tc: Any, hf_config: Any, drafter_spec: Any, role: 
     if device == "cuda":
         _one_moment(drafter, target)
     return _sum("colocated", [target, drafter])
-
-
-TARGET_PASSES = ("layer forward", "lm_head logits", "evaluation")
-STEP_PARTS = ("features + context", "layer activations", "dense masks", "flex block masks", "loss", "variant head")
 
 
 def _one_moment(drafter: MemoryPlan, target: MemoryPlan) -> None:

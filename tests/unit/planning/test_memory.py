@@ -245,6 +245,8 @@ def test_fsdp_on_a_gpu_peaks_at_the_loss_of_an_8b_drafter():
     assert f.parts["gathered weights"] == 2 * M.drafter_units(spec)["root"]
     assert "gathered gradients" not in f.parts
     assert f.total < ddp.total
+    # every part a step allocates is one the FSDP2 and colocated moments know
+    assert set(M.step_activations(cfg, spec, "cuda", 4, 1024, 2, 2)) <= set(M.STEP_PARTS)
 
 
 def test_a_colocated_gpu_rank_peaks_at_the_larger_of_capture_and_step():
