@@ -24,6 +24,9 @@ Stages (``--stages``, comma separated, in this order):
   target, as it trained).
   Every evaluation, in training too, decodes ``--eval-batch`` prompts together.
 * ``report``: ``dflash-report`` of each run (acceptance per position, train/serve gap) and the table.
+
+SIGTERM (a scheduler's time limit, ``timeout``) stops the running jobs as their time box does (a training job
+checkpoints), starts no job or stage after it, records what ran, writes the table and exits 143; a rerun goes on.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -64,14 +68,29 @@ def run(cmd: list, log: str, timeout: float) -> tuple[int, float]:
     return parallel([(cmd, log, timeout)], 1)[0]
 
 
+class Stop:
+    """SIGTERM to the bench (a scheduler's time limit, ``timeout``): its running jobs stop as a time box stops them
+    (a training job checkpoints), no job or stage starts after it, and what ran is recorded."""
+    requested = False
+
+    @classmethod
+    def on_signal(cls, signum, frame) -> None:
+        cls.requested = True
+
+
 def parallel(jobs: list, n: int, grace: float = 90.0) -> list:
     """``jobs``: [(cmd, log, timeout)], ``n`` processes at a time (they share the device); [(rc, seconds)] in
-    order, 124 for one past its timeout (stopped with SIGTERM, killed ``grace`` seconds later)."""
+    order, 124 for one past its timeout or stopped by :class:`Stop` (SIGTERM, killed ``grace`` seconds later),
+    None for one never started."""
     out: list = [None] * len(jobs)
     running: dict = {}
     stopped: set = set()
     todo = list(enumerate(jobs))
     while todo or running:
+        if Stop.requested:
+            for i, _ in todo:
+                out[i] = (None, 0.0)
+            todo = []
         while todo and len(running) < max(1, n):
             i, (cmd, log, timeout) = todo.pop(0)
             f = open(log, "w")
@@ -82,7 +101,7 @@ def parallel(jobs: list, n: int, grace: float = 90.0) -> list:
         for i, (proc, f, t0, timeout) in list(running.items()):
             rc = proc.poll()
             over = time.monotonic() - t0 - timeout
-            if rc is None and over > 0 and i not in stopped:
+            if rc is None and (over > 0 or Stop.requested) and i not in stopped:
                 proc.terminate()  # dflash-train checkpoints on SIGTERM and exits 143
                 stopped.add(i)
             elif rc is None and over > grace:
@@ -108,7 +127,7 @@ def data_file(args, size: str) -> str:
 def stage_fetch(args, res: dict) -> None:
     rc, s = run(PY + ["dflash_dist.cli.fetch_real", args.real], os.path.join(args.out, "fetch.log"), 1800)
     res["fetch"] = {"rc": rc, "seconds": round(s, 1)}
-    if rc:
+    if rc and not Stop.requested:
         raise SystemExit(f"dflash-fetch-real failed: {args.out}/fetch.log")
 
 
@@ -148,6 +167,8 @@ def stage_regen(args, res: dict) -> None:
     rc, s = run(regen_cmd(args, out, args.rows, args.new_tokens, args.regen_batch, args.regen_procs), log, 3600)
     res["regen"] = {"rc": rc, "seconds": round(s, 1), "rows": args.rows, "procs": args.regen_procs,
                     "max_new_tokens": args.new_tokens, "batch": args.regen_batch}
+    if Stop.requested:
+        return  # its part files keep the rows written: a rerun resumes from them
     if rc:
         raise SystemExit(f"dflash-regenerate failed ({rc}): {log}")
     with open(out, encoding="utf-8") as f:
@@ -183,7 +204,7 @@ def stage_train(args, res: dict) -> None:
     for i, (label, (rc, s)) in enumerate(zip(args.runs, out)):
         res["runs"][label] = {"train_rc": rc, "train_s": round(s, 1), "retried_alone": i in retry,
                               "command": "dflash-train " + " ".join(train_overrides(args, label))}
-        say(f"trained {label}: rc {rc} in {s:.0f} s")
+        say(f"trained {label}: rc {rc} in {s:.0f} s" if rc is not None else f"{label}: not started (stopped)")
 
 
 def parallel_then_alone(jobs: list, n: int) -> tuple[list, list]:
@@ -191,7 +212,8 @@ def parallel_then_alone(jobs: list, n: int) -> tuple[list, list]:
     ``train.resume=auto`` it continues from its checkpoint. Returns ([(rc, seconds)], indices run again); the
     first attempt's log is kept as ``<log>.oom``."""
     out = parallel(jobs, n)
-    retry = [i for i, (rc, _) in enumerate(out) if rc not in (0, 124) and out_of_memory(jobs[i][1])]
+    retry = [i for i, (rc, _) in enumerate(out)
+             if rc not in (None, 0, 124) and not Stop.requested and out_of_memory(jobs[i][1])]
     for i in retry:
         cmd, log, timeout = jobs[i]
         say(f"{os.path.basename(log)}: out of device memory beside other jobs; running it again alone")
@@ -352,7 +374,8 @@ def table(res: dict) -> str:
         it = r.get("in_training_eval") or {}
         size = RUNS.get(label, ("?",))[0]
         n = rows.get("small_rows") if size == "small" else rows.get("rows_written")
-        lines.append(f"| {label} | {n} | {r.get('steps')} | {cell('humaneval')} | {cell('mtbench')} | "
+        steps = "not trained" if r.get("steps") is None else r["steps"]
+        lines.append(f"| {label} | {n} | {steps} | {cell('humaneval')} | {cell('mtbench')} | "
                      f"{cell('holdout')} | {' '.join(fmt(x) for x in pos[:4])} | {fmt(r.get('train_acc'), 3)} | "
                      f"{fmt(it.get('acceptance_length'), 4)} | {fmt((ev.get('own_holdout') or {}).get('acceptance_length'), 4)} |")
     fp8 = (res.get("runs", {}).get("dflash") or {}).get("evals", {})
@@ -415,7 +438,12 @@ def main() -> int:
     path = os.path.join(args.out, "real_model.json")
     res = json.load(open(path)) if os.path.exists(path) else {}
     res["environment"] = environment()
-    for stage in [s for s in args.stages.split(",") if s]:
+    signal.signal(signal.SIGTERM, Stop.on_signal)
+    stages = [s for s in args.stages.split(",") if s]
+    for k, stage in enumerate(stages):
+        if Stop.requested:
+            say(f"stopped by SIGTERM: stages not run: {', '.join(stages[k:])}")
+            break
         t0 = time.monotonic()
         say(f"stage {stage}")
         {"fetch": stage_fetch, "speed": stage_speed, "regen": stage_regen, "train": stage_train,
@@ -426,7 +454,7 @@ def main() -> int:
     with open(os.path.join(args.out, "real_model.md"), "w") as f:
         f.write(table(res) + "\n")
     print(table(res))
-    return 0
+    return 143 if Stop.requested else 0
 
 
 if __name__ == "__main__":

@@ -57,3 +57,30 @@ def test_a_job_out_of_device_memory_runs_again_alone_and_another_failure_does_no
     assert (tmp_path / "a.log").read_text().splitlines()[-1] == "trained"
     assert "OutOfMemoryError" in (tmp_path / "a.log.oom").read_text()
     assert not (tmp_path / "b.log.oom").exists()
+
+
+def test_sigterm_stops_the_running_jobs_and_starts_no_more(tmp_path):
+    import signal
+    rm = load()
+    # the first job sends the bench (this process) the SIGTERM a scheduler's time limit would
+    term_parent = "import os, signal, time; os.kill(os.getppid(), signal.SIGTERM); time.sleep(60)"
+    jobs = [([sys.executable, "-c", term_parent], str(tmp_path / "a.log"), 300),
+            ([sys.executable, "-c", "print('ran')"], str(tmp_path / "b.log"), 300)]
+    old = signal.signal(signal.SIGTERM, rm.Stop.on_signal)
+    try:
+        t0 = time.monotonic()
+        out, retried = rm.parallel_then_alone(jobs, 1)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert rm.Stop.requested and time.monotonic() - t0 < 30
+    assert out[0][0] == 124 and out[1] == (None, 0.0) and retried == []
+    assert not (tmp_path / "b.log").exists()
+
+
+def test_table_says_which_runs_never_trained():
+    rm = load()
+    res = {"regen": {"rows_written": 800, "small_rows": 200},
+           "runs": {"dflash": {"train_rc": 124, "steps": None}, "domino": {"steps": 300, "train_acc": 0.1}}}
+    lines = rm.table(res).splitlines()
+    assert lines[2].startswith("| dflash | 800 | not trained | - / - |")
+    assert lines[3].startswith("| domino | 800 | 300 |")
