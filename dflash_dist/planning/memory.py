@@ -285,8 +285,9 @@ def _fsdp_peak(plan: MemoryPlan, spec: Any, device: str, cfg: JobConfig) -> None
     """FSDP2's peak, the larger of two moments. At the end of the forward (the loss's chunk alive): every layer's
     saved activations and the root's gathered weights (the layers' are freed after their forward). At the start of
     the backward (the loss freed): the same activations and what ``_training_state`` counts for it (the gathered
-    weights, a layer's gradients and their reduce-scatter's output). On a GPU the compiled layers compute on bf16 weights (``COMPILED_BF16_LAYERS``) and the compiled
-    loss keeps its chunk of logits and their gradient in bf16. The gradient shards: ``_fsdp_gradients``."""
+    weights, a layer's gradients and their reduce-scatter's output). On a GPU the compiled layers compute on bf16
+    weights (``COMPILED_BF16_LAYERS``) and the compiled loss keeps its chunk of logits and their gradient in bf16.
+    The gradient shards: ``_fsdp_gradients``."""
     m, parts = spec.model, plan.parts
     if device == "cuda" and spec.backend != "sdpa":
         parts["layer activations"] = int(COMPILED_BF16_LAYERS * parts["layer activations"])
