@@ -35,8 +35,9 @@ log = logging.getLogger("dflash_dist")
 PROCESS_BASE = {"cpu": 600 << 20, "cuda": 1 * GiB}
 WARN_FRACTION = 0.9
 # On CPU, glibc's heap keeps what a step frees and the next allocations of other sizes miss it: a CPU step's
-# resident peak is its live tensors plus 20-60% of its activations (tests/unit/planning/test_memory.py measures
-# both). A GPU's caching allocator reuses blocks; its slack is in PROCESS_BASE.
+# resident peak is its live tensors plus 20-90% of its activations, varying from one process to the next (90%:
+# Domino's GRU step of many small tensors; tests/unit/planning/test_memory.py measures both). A GPU's caching
+# allocator reuses blocks; its slack is in PROCESS_BASE.
 CPU_HEAP_SLACK = 0.6
 # Compiled drafter layers on bf16 weights (FSDP2 gathers them in bf16 on a GPU) keep this share of the eager count
 # ``layer_saved``: 0.77 in the allocator's trace of a Qwen3-8B-shaped FSDP2 step on an H100, 0.72 for one layer

