@@ -25,6 +25,7 @@ measurement's noise, the fewest targets win (the drafters are the ranks that tra
 
 Split arithmetic (torch-free): ``planning/split.py``; the measurements: ``planning/measure.py``; the startup
 rendezvous: ``planning/startup.py``; the ``kind: plan`` record: ``planning/record.py``; the scaling model on paper
-(docs/scaling.md): ``planning/scaling.py``; each rank's memory plan: ``planning/memory.py``, against the limits
-``planning/limits.py`` reads (a GPU's memory, the CPU machine's available memory, ``ulimit -v``).
+(docs/scaling.md): ``planning/scaling.py``; each rank's memory plan: ``planning/memory.py`` (the drafter's DDP or
+FSDP2 training state: ``planning/training_state.py``), against the limits ``planning/limits.py`` reads (a GPU's
+memory, the CPU machine's available memory, ``ulimit -v``).
 """

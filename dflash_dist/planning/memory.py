@@ -24,6 +24,7 @@ from typing import Any, Optional, Sequence
 from dflash_dist.config import ConfigError, JobConfig
 from dflash_dist.planning import limits
 from dflash_dist.planning.limits import GiB, format_bytes
+from dflash_dist.planning.training_state import drafter_units, fsdp_peak, training_state
 
 __all__ = ["MemoryPlan", "target_plan", "drafter_plan", "plan_rank", "check_memory",
            "choose_parallel", "drafter_units", "largest_steps", "format_bytes"]
@@ -39,12 +40,6 @@ WARN_FRACTION = 0.9
 # Domino's GRU step of many small tensors; tests/unit/planning/test_memory.py measures both). A GPU's caching
 # allocator reuses blocks; its slack is in PROCESS_BASE.
 CPU_HEAP_SLACK = 0.6
-# Compiled drafter layers on bf16 weights (FSDP2 gathers them in bf16 on a GPU) keep this share of the eager count
-# ``layer_saved``: 0.77 in the allocator's trace of a Qwen3-8B-shaped FSDP2 step on an H100, 0.72 for one layer
-# alone (bench/memory_plan.py --trace, bench/layer_bytes.py --saved; docs/benchmarks.md#memory-plan-h100).
-# DDP's plan keeps the eager count: with fp32 master weights under autocast its layers also keep a bf16 copy of
-# every weight, and the count's surplus covers it (measured 0.99-1.10 of its peaks).
-COMPILED_BF16_LAYERS = 0.77
 # What a drafter step allocates and frees (``step_activations``), and a target's passes beside the capture buffer
 STEP_PARTS = ("features + context", "layer activations", "dense masks", "flex block masks", "loss", "variant head")
 TARGET_PASSES = ("layer forward", "lm_head logits", "evaluation")
@@ -200,65 +195,17 @@ def layer_saved(R: int, C: int, H: int, heads: int, kv: int, d: int, inter: int)
     return q_side + kv_side
 
 
-def drafter_units(spec: Any, num_drafters: int = 1) -> dict:
-    """The drafter's parameter counts as FSDP2 sees them (built on the meta device): ``total``, ``layers`` (each
-    decoder layer, a unit of its own), ``root`` (the rest: fc, the norms, a variant's modules after the layers) and
-    ``shard``, what one of ``num_drafters`` ranks holds (each tensor split on its first dimension, padded to a
-    multiple of the ranks as fully_shard pads it)."""
-    import torch
-    with torch.device("meta"):
-        m = spec.build_model()
-    shapes = [tuple(p.shape) for p in m.parameters()]
-    D = max(1, int(num_drafters))
-    shard = sum(math.ceil(s[0] / D) * math.prod(s[1:]) if s else 1 for s in shapes)
-    layers = [int(sum(p.numel() for p in layer.parameters())) for layer in m.layers]
-    total = int(sum(math.prod(s) for s in shapes))
-    return {"total": total, "layers": layers, "root": total - sum(layers), "shard": int(shard)}
-
-
-def _training_state(plan: MemoryPlan, spec: Any, device: str, num_drafters: int, parallel: str,
-                    cfg: JobConfig) -> None:
-    """The drafter's own training state in ``plan.parts``. DDP: fp32 parameters, gradients (and DDP's bucket copy
-    with more than one drafter), AdamW's two moments on every rank. FSDP: the same divided by the drafters (each
-    rank's shard), plus what the backward's start holds beyond them (gathered weights, a layer's gradients being
-    reduced); ``_fsdp_peak`` then picks the step's peak moment."""
-    u = drafter_units(spec, num_drafters if parallel == "fsdp" else 1)
-    n = u["total"]
-    if parallel == "fsdp":
-        cb = 2 if device == "cuda" else 4  # weights gathered in bf16 where the drafter computes in bf16
-        rb = 2 if cfg.drafter.tuning.grad_reduce_dtype == "bfloat16" else 4
-        layer = max(u["layers"] or [0])
-        plan.parts["parameters (shard)"] = 4 * u["shard"]
-        plan.parts["gradients (shard)"] = 4 * u["shard"]
-        plan.parts["AdamW state (shard)"] = 8 * u["shard"]
-        D = max(1, int(num_drafters))
-        # at the start of the backward (the trace of one H100, one rank): the root's and a layer's weights in the
-        # compute dtype (with more ranks also the next layer's, prefetched), the layer's gradients in the
-        # reduction's dtype and the reduce-scatter's output
-        plan.parts["gathered weights"] = cb * (u["root"] + (2 if D > 1 else 1) * layer)
-        plan.parts["gathered gradients"] = int(rb * layer * (1 + 1 / D))
-        for k in ("parameters (shard)", "gradients (shard)", "AdamW state (shard)"):
-            plan.knobs[k] = "more drafter ranks, drafter.num_layers"
-        plan.knobs["gathered weights"] = plan.knobs["gathered gradients"] = "drafter.num_layers"
-        return
-    plan.parts["parameters"] = 4 * n
-    plan.parts["gradients"] = 4 * n * (2 if num_drafters > 1 else 1)
-    plan.parts["AdamW state"] = 8 * n
-    for k in ("parameters", "gradients", "AdamW state"):
-        plan.knobs[k] = "drafter.num_layers" + (", drafter.parallel=fsdp" if num_drafters > 1 else "")
-
-
 def drafter_plan(cfg: JobConfig, tc: Any, spec: Any, device: str, steps: Optional[Sequence] = None,
                  num_drafters: int = 1, parallel: str = "ddp") -> MemoryPlan:
     """The drafter rank at its largest step (``steps``: the planned (b, S_pad) pairs; None: every one the config
     allows, ``largest_steps``): its training state for ``parallel`` (``ddp``, or ``fsdp`` over ``num_drafters``:
-    ``_training_state``), the frozen embedding and lm_head, and the step's activations for the resolved backend."""
+    ``training_state``), the frozen embedding and lm_head, and the step's activations for the resolved backend."""
     m = spec.model
     ab = 2 if device == "cuda" else 4  # activations: bf16 autocast on CUDA, fp32 on CPU
     H, V = m.hidden_size, m.vocab_size
     head_b = _dtype_bytes(cfg.target.dtype, device)
     base = MemoryPlan("drafter", device)
-    _training_state(base, spec, device, num_drafters, parallel, cfg)
+    training_state(base, spec, device, num_drafters, parallel, cfg)
     base.parts["embedding + lm_head"] = 2 * V * H * head_b
     base.parts["process"] = PROCESS_BASE.get(device, 0)
     best = None
@@ -270,7 +217,7 @@ def drafter_plan(cfg: JobConfig, tc: Any, spec: Any, device: str, steps: Optiona
     if best:
         plan.parts.update(best[1])
         if parallel == "fsdp":
-            _fsdp_peak(plan, spec, device, cfg)
+            fsdp_peak(plan, spec, device, cfg, STEP_PARTS)
         dense = "drafter.num_anchors, drafter.tuning.micro_batches" + (", a GPU (flex)" if device == "cpu" else "")
         if device == "cpu":
             plan.parts["heap slack (CPU)"] = int(CPU_HEAP_SLACK * sum(best[1].values()))
@@ -280,49 +227,6 @@ def drafter_plan(cfg: JobConfig, tc: Any, spec: Any, device: str, steps: Optiona
                            "features + context": "target.max_batch_tokens",
                            "loss": "drafter.tuning.loss_chunk_rows"})
     return plan
-
-
-def _fsdp_peak(plan: MemoryPlan, spec: Any, device: str, cfg: JobConfig) -> None:
-    """FSDP2's peak, the larger of two moments. At the end of the forward (the loss's chunk alive): every layer's
-    saved activations and the root's gathered weights (the layers' are freed after their forward). At the start of
-    the backward (the loss freed): the same activations and what ``_training_state`` counts for it (the gathered
-    weights, a layer's gradients and their reduce-scatter's output). On a GPU the compiled layers compute on bf16
-    weights (``COMPILED_BF16_LAYERS``) and the compiled loss keeps its chunk of logits and their gradient in bf16.
-    The gradient shards: ``_fsdp_gradients``."""
-    m, parts = spec.model, plan.parts
-    if device == "cuda" and spec.backend != "sdpa":
-        parts["layer activations"] = int(COMPILED_BF16_LAYERS * parts["layer activations"])
-        b, q = plan.shape[0], plan.shape[2]
-        chunk = min(b * q, spec.loss.chunk_rows)
-        parts["loss"] = 2 * chunk * m.vocab_size * 2 + b * q * m.hidden_size * 2 * 2
-    u = drafter_units(spec)
-    cb = 2 if device == "cuda" else 4
-    root_weights = cb * u["root"]
-    forward_end = parts.get("loss", 0) + root_weights
-    backward_start = parts["gathered weights"] + parts["gathered gradients"]
-    if forward_end >= backward_start:
-        parts["gathered weights"] = root_weights
-        parts.pop("gathered gradients")
-    else:
-        parts.pop("loss", None)
-    acts = sum(v for k, v in parts.items() if k in STEP_PARTS)
-    _fsdp_gradients(plan, acts, int(cfg.drafter.tuning.micro_batches), spec, device, cfg)
-
-
-def _fsdp_gradients(plan: MemoryPlan, acts: int, groups: int, spec: Any, device: str, cfg: JobConfig) -> None:
-    """FSDP2's gradients at the step's peak. The trainer drops them after every step (``set_to_none``) and FSDP2
-    writes each unit's shard during its backward, as that unit's activations are freed: with one anchor group only
-    what the shards exceed the activations by adds to the peak. With more groups, the backwards before the last do
-    not reduce (``set_requires_gradient_sync(False)``) and keep every unit's whole gradient until the last one, next
-    to the later groups' activations: counted in full, with the shards."""
-    shards = plan.parts["gradients (shard)"]
-    if groups <= 1:
-        plan.parts["gradients (shard)"] = max(0, shards - acts)
-        return
-    rb = 2 if cfg.drafter.tuning.grad_reduce_dtype == "bfloat16" else 4
-    whole = drafter_units(spec)["total"]
-    plan.parts["unreduced gradients (earlier anchor groups)"] = max(rb, 2 if device == "cuda" else 4) * whole
-    plan.knobs["unreduced gradients (earlier anchor groups)"] = "drafter.tuning.micro_batches=1"
 
 
 def step_activations(cfg: JobConfig, spec: Any, device: str, b: int, s_pad: int, ab: int, head_b: int) -> dict:
