@@ -37,6 +37,16 @@ def run_eval(args, batch: int) -> dict:
             "device": res.get("device"), "target_dtype": res.get("target_dtype")}
 
 
+def against_smallest(rows: list) -> dict:
+    """Each row's ``speedup`` and ``prompts_same_lengths`` against the row of the smallest batch size (batch 1 where
+    it was run), whatever order the batch sizes were given in; returns that row."""
+    base = min(rows, key=lambda r: r["batch_size"])
+    for r in rows:
+        r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+        r["prompts_same_lengths"] = sum(a == b for a, b in zip(r["lengths"], base["lengths"]))
+    return base
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--export", required=True)
@@ -51,10 +61,7 @@ def main() -> int:
     args.extra = args.extra.split()
     os.makedirs(args.out, exist_ok=True)
     rows = [run_eval(args, int(b)) for b in args.batch_sizes.split(",")]
-    base = rows[0]
-    for r in rows:
-        r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
-        r["prompts_same_lengths"] = sum(a == b for a, b in zip(r["lengths"], base["lengths"]))
+    base = against_smallest(rows)
     import torch
     import transformers
     env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
@@ -63,7 +70,8 @@ def main() -> int:
     with open(os.path.join(args.out, "eval_batched.json"), "w") as f:
         json.dump({"environment": env, "args": {k: v for k, v in vars(args).items()}, "rows": rows}, f, indent=1)
     print(f"{args.num_prompts} prompts x {args.max_new_tokens} new tokens, {base['device']}, {base['target_dtype']}")
-    print("| batch | tokens/s | x batch 1 | decode s | acceptance length | prompts with batch 1's lengths |")
+    b = base["batch_size"]
+    print(f"| batch | tokens/s | x batch {b} | decode s | acceptance length | prompts with batch {b}'s lengths |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(f"| {r['batch_size']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | {r['decode_s']:.1f} | "
