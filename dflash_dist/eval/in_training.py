@@ -8,7 +8,7 @@ on held-out prompts (spec_decode.evaluate_steps), a verify step at a time while 
 (``train.tuning.eval_in_slices``) or whole, and posts the result as JSON under ``dflash/eval_res/<n>``; the leader logs it
 when it appears, next to the training accuracy and the tau that accuracy predicts, so the train/serve gap is on
 the dashboard. No extra engine, no extra GPU. On a target replica (``target.tensor_parallel`` > 1) the first
-target's followers run every verify forward with it (``FollowerEval``, eval/replica.py), at message boundaries.
+target's followers run every verify forward with it (``FollowerEval``, eval/follower.py), at message boundaries.
 An evaluation run whole is abandoned at the next prompt once a graceful stop is requested (SIGTERM: the checkpoint
 does not need it); its result says so and leaves no record in metrics.jsonl.
 """
@@ -448,55 +448,6 @@ class TargetEval:
 
 def _nan(x) -> float:
     return float("nan") if x is None else x
-
-
-class FollowerEval:
-    """A follower rank of replica 0 (``target.tensor_parallel`` > 1): the verify forwards of every evaluation its
-    feeder runs, on the feeder's proposals; nothing reported (the feeder posts the result)."""
-
-    def __init__(self, job, model):
-        self.job, self.model = job, model
-        self.link = ReplicaLink(job)
-        self.prompts, self.eos = load_eval_prompts(job)  # the feeder's prompts: the same file, the same subset
-        self.steps = None  # the evaluation under way (a generator of verify steps, as the feeder's)
-        self.runs = 0
-
-    def at_boundary(self) -> None:
-        """Where the feeder polls its evaluator between messages: start the evaluation it starts there, then run
-        as many verify steps as it does (TargetEval._replica_slice)."""
-        if self.link.boundary():
-            self.steps = self._steps()
-        while self.steps is not None and self.link.boundary():
-            self._advance()
-
-    def after_stream(self) -> None:
-        """Join the evaluations the feeder runs to their end after the stream until it says there are no more
-        (one it dropped, the job stopping early, is dropped here too). Each wait is bounded above the feeder's own
-        (a first request: warmup_timeout_s; a later one: its patience; the weights: timeout_s)."""
-        t = self.job.cfg.topology
-        while self.link.next_after_stream(t.warmup_timeout_s + EVAL_REQUEST_PATIENCE_S + t.timeout_s) == RUN:
-            self.steps = self.steps or self._steps()
-            while self.steps is not None:
-                self._advance()
-        self.steps = None  # an evaluation the feeder dropped
-        log.info("replica rank %d: ran the verify forwards of %d evaluation(s) with its feeder", self.job.dist.rank,
-                 self.runs)
-
-    def _steps(self):
-        from dflash_dist.eval.spec_decode import evaluate_steps
-        job = self.job
-        b = job.drafter.block_size
-        return evaluate_steps(self.model, self.link.receiving(b), None, None, self.prompts, job.layer_ids,
-                              job.mask_token_id, b, job.cfg.train.eval_max_new_tokens, self.eos, check_lossless=False,
-                              exclude_one_step=job.cfg.train.eval_exclude_one_step)
-
-    def _advance(self) -> None:
-        """One step of the evaluation under way, as the feeder's next(): its end is the feeder's end too."""
-        try:
-            next(self.steps)
-        except StopIteration:
-            self.steps = None
-            self.runs += 1
 
 
 def eval_record(result: dict, train_window: dict | None) -> dict:

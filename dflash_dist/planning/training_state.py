@@ -38,8 +38,7 @@ def drafter_units(spec: Any, num_drafters: int = 1) -> dict:
     return {"total": total, "layers": layers, "root": total - sum(layers), "shard": int(shard)}
 
 
-def training_state(plan: Any, spec: Any, device: str, num_drafters: int, parallel: str,
-                    cfg: JobConfig) -> None:
+def training_state(plan: Any, spec: Any, device: str, num_drafters: int, parallel: str, cfg: JobConfig) -> None:
     """The drafter's own training state in ``plan.parts``. DDP: fp32 parameters, gradients (and DDP's bucket copy
     with more than one drafter), AdamW's two moments on every rank. FSDP: the same divided by the drafters (each
     rank's shard), plus what the backward's start holds beyond them (gathered weights, a layer's gradients being

@@ -189,7 +189,7 @@ def test_roles_read_only_their_view_of_the_job():
     from dflash_dist.role_jobs import DrafterJob, RoleJob, TargetJob
     outside = []
     for pattern, cls in (("roles/target_rank/*.py", TargetJob), ("roles/drafter_rank/*.py", DrafterJob),
-                         ("eval/in_training.py", RoleJob)):
+                         ("eval/in_training.py", RoleJob), ("eval/follower.py", RoleJob)):
         names = {f.name for f in fields(cls)}
         for path in glob.glob(os.path.join(PKG, pattern)):
             used = set(re.findall(r"\bjob\.([a-z_]+)", open(path).read()))

@@ -24,7 +24,8 @@ from dflash_dist.comm.faults import apply_target_fault, fault_for, stall_if_due
 from dflash_dist.comm.head_offload import HeadLossServer, head_channels, head_servers
 from dflash_dist.comm.transport import Message, Sender, job_channel
 from dflash_dist.data.tokenize import TokenizedDataset
-from dflash_dist.eval.in_training import EVAL_REQUEST_PATIENCE_S, FollowerEval, TargetEval, eval_enabled, expected_evals
+from dflash_dist.eval.follower import FollowerEval
+from dflash_dist.eval.in_training import EVAL_REQUEST_PATIENCE_S, TargetEval, eval_enabled, expected_evals
 from dflash_dist.eval.replica import whole_head
 from dflash_dist.targets.fast_path import check_target_fast_path
 from dflash_dist.model.head_shards import vocab_slice
