@@ -1,17 +1,11 @@
 """bench/eval_batched.py's comparison: every batch size against the smallest one, in whatever order they ran (its
 dflash-eval runs are the project's command, tested elsewhere)."""
 
-import importlib.util
-import os
-
-from helpers.launch_util import REPO
+from helpers.bench_scripts import load_bench
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("eval_batched", os.path.join(REPO, "bench", "eval_batched.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("eval_batched")
 
 
 def test_batch_sizes_given_largest_first_compare_against_batch_one():

@@ -1,22 +1,19 @@
 """bench/label_agreement.py: the target's argmax against the data's labels on the supervised tokens; the tiny
 target's own regenerated replies agree everywhere, the corpus as written does not."""
 
-import importlib.util
 import os
 
 import pytest
 import torch
 
+from helpers.bench_scripts import load_bench
 from helpers.launch_util import REPO
 
 TINY = os.path.join(REPO, "dflash_dist", "assets", "tiny")
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("label_agreement", os.path.join(REPO, "bench", "label_agreement.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("label_agreement")
 
 
 def test_a_position_counts_where_the_token_it_predicts_carries_a_loss():

@@ -2,19 +2,14 @@
 the table reads what the stages recorded (the stages themselves are the project's commands, tested elsewhere;
 tests/integration/test_real_model.py trains and evaluates on the real model)."""
 
-import importlib.util
-import os
 import sys
 import time
 
-from helpers.launch_util import REPO
+from helpers.bench_scripts import load_bench
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("real_model", os.path.join(REPO, "bench", "real_model.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("real_model")
 
 
 def test_parallel_keeps_order_exit_codes_and_timeouts(tmp_path):
