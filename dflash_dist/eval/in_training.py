@@ -453,7 +453,8 @@ def _nan(x) -> float:
 def eval_record(result: dict, train_window: dict | None) -> dict:
     """The metrics.jsonl record of an evaluation: ``acceptance_length`` (pooled, the headline) first, z-lab's
     ``tau`` beside it; ``train_serve_gap``: the acceptance length the training accuracy predicts (a per-step
-    figure) minus the pooled one measured."""
+    figure) minus the pooled one measured. The training accuracy is that of the proposals the variant serves
+    (``served_acc``, ``tau_from_served_acc``) where its metrics give them, else the head's argmax's."""
     rec = {k: result.get(k) for k in SUMMARY_KEYS}
     rec.update({"eval_seconds": result.get("seconds"), "eval_span_s": result.get("span_s"),
                 "eval_slices": result.get("slices"), "eval_weights_s": result.get("weights_s"),
@@ -461,8 +462,8 @@ def eval_record(result: dict, train_window: dict | None) -> dict:
     for k, v in enumerate(result.get("per_position_acceptance") or [], start=1):
         rec[f"accept_pos_{k}"] = v
     if train_window:
-        rec["train_acc"] = train_window.get("acc")
-        rec["tau_from_train_acc"] = train_window.get("tau_from_acc")
+        rec["train_acc"] = train_window.get("served_acc", train_window.get("acc"))
+        rec["tau_from_train_acc"] = train_window.get("tau_from_served_acc", train_window.get("tau_from_acc"))
         if rec["acceptance_length"] is not None and rec["tau_from_train_acc"]:
             rec["train_serve_gap"] = rec["tau_from_train_acc"] - rec["acceptance_length"]
     return rec

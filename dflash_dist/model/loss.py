@@ -325,3 +325,13 @@ def slot_stats(loss_sum: Tensor, pred: Tensor, rows_y: Tensor, rows_w: Tensor, b
         weight_sum = rows_w.sum()
     return LossParts(loss_sum=loss_sum, weight_sum=weight_sum, slot_correct=slot_correct, slot_count=slot_count,
                      row_weights=rows_w.detach())
+
+
+def tau_from_slot_acc(acc: list) -> float:
+    """The acceptance length per-slot accuracies predict (slots 1..B-1 in order) if each slot were right
+    independently of the others given a right prefix: 1 + a1 + a1 a2 + ..."""
+    tau, run = 1.0, 1.0
+    for a in acc:
+        run *= a
+        tau += run
+    return tau

@@ -45,6 +45,9 @@ ACCEPTANCE_EVAL_KEYS = ("acceptance_length", "tau", "tau_pooled", "tau_stderr", 
                         "prompts_in_tau")
 _TARGET = re.compile(r"target(\d+)_(.+)")
 _SLOT = re.compile(r"acc_slot_(\d+)")
+# a variant whose proposals are not the head's argmax (DFlash2's selector, Domino's correction) logs their
+# teacher-forced accuracy per slot as served_acc_slot_k: the training side of its train/serve comparison
+_SERVED_SLOT = re.compile(r"served_acc_slot_(\d+)")
 _POS = re.compile(r"accept_pos_(\d+)")
 # define_metric summaries: (key, aggregations)
 SUMMARIES = (("throughput/samples_per_s", "max,mean,last"), ("throughput/tokens_per_s", "max,mean"),
@@ -69,7 +72,7 @@ def dashboard_key(kind: str, key: str) -> Optional[str]:
             return f"target/rank{m.group(1)}_{m.group(2)}"
         if key.startswith("drafter_"):
             return f"drafter/{key[len('drafter_'):]}"
-        if _SLOT.fullmatch(key):
+        if _SLOT.fullmatch(key) or _SERVED_SLOT.fullmatch(key):
             return None
         if key == "tau_from_acc":
             return "acceptance/tau_from_train_acc"
@@ -82,8 +85,11 @@ def dashboard_key(kind: str, key: str) -> Optional[str]:
 
 
 def position_values(kind: str, values: dict) -> list:
-    """[(block position k, value)] of a record: training accuracy per slot, or measured acceptance per position."""
+    """[(block position k, value)] of a record: training accuracy per slot (of the proposals the variant serves
+    where it logs them, ``served_acc_slot_k``; else the head's argmax), or measured acceptance per position."""
     pat = _SLOT if kind == "train" else _POS if kind == "eval" else None
+    if kind == "train" and any(_SERVED_SLOT.fullmatch(k) for k in values):
+        pat = _SERVED_SLOT
     if pat is None:
         return []
     out = [(int(m.group(1)), v) for k, v in values.items() for m in [pat.fullmatch(k)] if m and v is not None]

@@ -92,6 +92,10 @@ def test_tiny_domino_trains_evaluates_and_exports(tmp_path):
     assert train[-1]["loss"] < 0.9 * train[0]["loss"], [round(x["loss"], 3) for x in train]
     evals = [x for x in rows if x.get("kind") == "eval"]
     assert evals and evals[-1]["step"] == STEPS and evals[-1]["acceptance_length"] >= 1.0, evals
+    # the train side of the train/serve gap is the corrected proposals' accuracy, logged per slot
+    assert all(0.0 <= x["served_acc"] <= 1.0 and "served_acc_slot_15" in x for x in train)
+    assert evals[-1]["train_acc"] == train[-1]["served_acc"]
+    assert evals[-1]["tau_from_train_acc"] == train[-1]["tau_from_served_acc"]
     meta = json.load(open(ck / "meta.json"))
     assert meta["drafter"]["variant"] == "domino" and meta["drafter_config"]["variant_settings"]["emb_dim"] == 32
 

@@ -119,11 +119,7 @@ class Objective:
                "acc": sum(correct[1:]) / max(sum(count[1:]), 1)}
         for k in range(1, B):
             out[f"acc_slot_{k}"] = correct[k] / max(count[k], 1)
-        tau, run = 1.0, 1.0
-        for k in range(1, B):
-            run *= correct[k] / max(count[k], 1)
-            tau += run
-        out["tau_from_acc"] = tau
+        out["tau_from_acc"] = L.tau_from_slot_acc([out[f"acc_slot_{k}"] for k in range(1, B)])
         return out
 
     def describe(self) -> str:

@@ -77,3 +77,14 @@ def test_the_leader_records_no_result_for_an_abandoned_evaluation():
     leader.sent, leader.steps, leader._inflight, leader._deferred = [0, 1], {0: 2, 1: 4}, None, None
     leader.pump = lambda: None
     assert leader.ready() == [(4, {"step": 4, "n_prompts": 3})] and leader.sent == []
+
+
+def test_the_train_side_of_the_gap_is_what_the_variant_serves():
+    """eval_record: training accuracy and the acceptance length it predicts from the variant's served proposals
+    (DFlash2's selector, Domino's correction) where the window has them, else from the head's argmax."""
+    result = {"acceptance_length": 1.5}
+    head = {"acc": 0.2, "tau_from_acc": 1.25}
+    rec = IT.eval_record(result, head)
+    assert (rec["train_acc"], rec["tau_from_train_acc"], rec["train_serve_gap"]) == (0.2, 1.25, -0.25)
+    rec = IT.eval_record(result, {**head, "served_acc": 0.4, "tau_from_served_acc": 1.75})
+    assert (rec["train_acc"], rec["tau_from_train_acc"], rec["train_serve_gap"]) == (0.4, 1.75, 0.25)

@@ -215,6 +215,9 @@ def test_window_metrics_from_summed_statistics():
     assert m["gold_in_topk"] == pytest.approx(sum(sums["selector_gold_in_topk"]) / 8)
     assert {f"acc_unary_slot_{k}" for k in (1, 2, 3)} <= set(m) and {"acc_selected_slot_3", "tau_selector"} <= set(m)
     assert 1.0 <= m["tau_selector"] <= 4.0
+    # what it serves is the selector's choice: the training side of the train/serve gap
+    assert (m["served_acc"], m["tau_from_served_acc"]) == (m["acc_selected"], m["tau_selector"])
+    assert [m[f"served_acc_slot_{k}"] for k in (1, 2, 3)] == [m[f"acc_selected_slot_{k}"] for k in (1, 2, 3)]
 
 
 def test_extra_flops_count_convs_and_selector():

@@ -94,6 +94,38 @@ def test_objective_plus_term_is_specforges_mixed_loss(step):
     assert bool(g_gru.abs().sum() > 0) == (lam < 1.0)              # the correction trains once lambda < 1
 
 
+def test_served_accuracy_is_the_corrected_argmax_per_slot():
+    """loss_terms counts, per slot 1..B-1, the rows whose corrected logits' argmax (teacher forced) is the label;
+    window_metrics turns the sums into served_acc[_slot_k] and the acceptance length they predict."""
+    torch.manual_seed(0)
+    spec = _spec()
+    model, objective = spec.build_model(), spec.make_objective()
+    with torch.no_grad():
+        for i in (0, 2):                                        # a correction large enough to change argmaxes
+            model.domino.embed_proj[i].weight.normal_(0.0, 2.0)
+    embed, head = torch.randn(V, H), torch.randn(V, H) * 0.3
+    batch, _, _ = _batch()
+    hidden = _hidden(model, batch, embed)
+    base = hidden @ head.t()
+    final = model.domino.corrected_logits(base, hidden, F.embedding(batch.block_tokens, embed), B)
+    slot = torch.arange(hidden.shape[1]) % B
+    labelled = (batch.labels >= 0) & (slot > 0)[None]
+    # labels: the corrected argmax on every other labelled row, the head's on the rest
+    pick = torch.where(torch.arange(hidden.shape[1])[None] % 2 == 0, final.argmax(-1), base.argmax(-1))
+    labels = torch.where(labelled, pick, batch.labels)
+    model.set_context(group=batch, embed=embed, objective=objective, step=5, total_steps=10)
+    terms = model.loss_terms(hidden, labels, head)
+    hit = (final.argmax(-1) == labels) & labelled
+    per_slot = lambda x: torch.stack([x[:, slot == k].sum() for k in range(1, B)]).double()  # noqa: E731
+    assert torch.equal(terms["domino_rows"], per_slot(labelled))
+    assert torch.equal(terms["domino_correct"], per_slot(hit))
+    assert not torch.equal(per_slot(hit), per_slot((base.argmax(-1) == labels) & labelled))   # not the head's
+    assert set(model.stat_slots()) == {"domino_rows", "domino_correct"}
+    m = model.window_metrics({"domino_rows": [4, 2, 0], "domino_correct": [2, 1, 0]})
+    assert m["served_acc"] == 0.5 and [m[f"served_acc_slot_{k}"] for k in (1, 2, 3)] == [0.5, 0.5, 0.0]
+    assert m["tau_from_served_acc"] == 1 + 0.5 + 0.25
+
+
 def test_propose_is_the_heads_sequential_decode_and_evaluation_uses_it():
     torch.manual_seed(1)
     model = _spec().build_model()

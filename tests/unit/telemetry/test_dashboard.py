@@ -33,6 +33,13 @@ def test_dashboard_keys_fall_into_sections():
     assert dashboard_key("train", "compile/recompiles") == "compile/recompiles"
     assert dashboard_key("accounting", "samples_trained") == "accounting/samples_trained"
     assert position_values("eval", {"accept_pos_2": 0.5, "accept_pos_1": 0.9, "tau": 3}) == [(1, 0.9), (2, 0.5)]
+    # training accuracy per slot: of the proposals a variant serves where it logs them, else the head's argmax
+    train = {"acc_slot_1": 0.3, "acc_slot_2": 0.1}
+    assert position_values("train", train) == [(1, 0.3), (2, 0.1)]
+    served = {**train, "served_acc_slot_1": 0.4, "served_acc_slot_2": 0.2}
+    assert position_values("train", served) == [(1, 0.4), (2, 0.2)]
+    assert dashboard_key("train", "served_acc_slot_2") is None
+    assert dashboard_key("train", "served_acc") == "train/served_acc"
     cap = capacity_metrics({"samples_per_s": 10.0, "drafter_busy_frac": 0.5, "target2_samples_per_s": 10.0,
                             "target2_busy_frac": 0.25, "target3_samples_per_s": 0.0, "target3_busy_frac": 0.0})
     assert cap == {"target_capacity_samples_per_s": 40.0, "drafter_capacity_samples_per_s": 20.0}

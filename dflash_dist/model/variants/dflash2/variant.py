@@ -110,7 +110,9 @@ class DFlash2Drafter(DFlashDrafter):
     def window_metrics(self, sums: dict) -> dict:
         """selector_ce (its weighted mean CE), acc_unary / acc_selected (per slot k and over all slots: the
         unary argmax and the selector's choice given the gold predecessor), gold_in_topk, and tau_selector (the
-        greedy walk's accepted length under teacher forcing, exact up to the first miss)."""
+        greedy walk's accepted length under teacher forcing, exact up to the first miss). What it serves is the
+        selector's choice: ``served_acc[_slot_k]`` = acc_selected[_slot_k], ``tau_from_served_acc`` =
+        tau_selector (the training side of the train/serve gap)."""
         rows = sums["selector_rows"]
         out = {"selector_ce": sums["selector_ce_sum"][0] / max(sums["selector_weight_sum"][0], 1e-9),
                "tau_selector": sums["selector_tau_sum"][0] / max(sums["selector_blocks"][0], 1),
@@ -120,7 +122,8 @@ class DFlash2Drafter(DFlashDrafter):
         for k in range(1, len(rows) + 1):
             n = max(rows[k - 1], 1)
             out[f"acc_unary_slot_{k}"] = sums["selector_unary_correct"][k - 1] / n
-            out[f"acc_selected_slot_{k}"] = sums["selector_correct"][k - 1] / n
+            out[f"acc_selected_slot_{k}"] = out[f"served_acc_slot_{k}"] = sums["selector_correct"][k - 1] / n
+        out["served_acc"], out["tau_from_served_acc"] = out["acc_selected"], out["tau_selector"]
         return out
 
 

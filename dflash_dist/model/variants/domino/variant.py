@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from dflash_dist.config import ConfigError
+from dflash_dist.model import loss as L
 from dflash_dist.model.drafter import DFlashDrafter, DrafterModelConfig
 from dflash_dist.model.variants.dflash.variant import DFlash
 from dflash_dist.model.variants.domino import head as D
@@ -37,20 +38,23 @@ def settings_of(model_config: DrafterModelConfig) -> D.DominoSettings:
 
 
 def mixed_term(rows_h: Tensor, rows_e: Tensor, corrected: Tensor, head_weight: Tensor, proj_weight: Tensor,
-               labels: Tensor, weights: Tensor, lam: float, chunk_rows: int) -> tuple[Tensor, Tensor]:
+               labels: Tensor, weights: Tensor, lam: float, chunk_rows: int) -> tuple[Tensor, Tensor, Tensor]:
     """(1 - lam) * sum w (CE(corrected) - CE(base)) over the loss rows, chunk by chunk (each chunk's [rows, V]
-    logits recomputed in backward, as ``domino.domino_loss``), and the detached sum w CE(corrected)."""
+    logits recomputed in backward, as ``domino.domino_loss``), the detached sum w CE(corrected) and the
+    corrected logits' argmax of every row [R]."""
     w = weights.float() * (labels >= 0)
     step = max(1, int(chunk_rows))
     term = (rows_h.sum() + rows_e.sum()).float() * 0.0          # no rows: the graph stays connected
     final = term.detach()
+    preds = [labels[:0]]
     for lo in range(0, labels.numel(), step):
         sl = slice(lo, lo + step)
-        f, b, _, _ = checkpoint(D._chunk, rows_h[sl], rows_e[sl], corrected[sl], head_weight, proj_weight,
-                                labels[sl], w[sl], use_reentrant=False)
+        f, b, pred, _ = checkpoint(D._chunk, rows_h[sl], rows_e[sl], corrected[sl], head_weight, proj_weight,
+                                   labels[sl], w[sl], use_reentrant=False)
         term = term + (1.0 - lam) * (f - b)
         final = final + f.detach()
-    return term, final
+        preds.append(pred)
+    return term, final, torch.cat(preds)
 
 
 class DominoDrafter(DFlashDrafter):
@@ -87,10 +91,28 @@ class DominoDrafter(DFlashDrafter):
         rows_h, rows_e, corrected, rows_y, _ = D.domino_rows(hidden, feats, labels, labels, B,
                                                               self.settings.suffix_start)
         _, _, weights = objective.rows(hidden, labels)               # the objective's own row weights
-        term, _ = mixed_term(rows_h, rows_e, corrected, lm_head.to(hidden.dtype),
-                             self.domino.embed_proj[2].weight.to(hidden.dtype), rows_y, weights, lam,
-                             objective.chunk_rows)
-        return {"domino": term}
+        term, _, pred = mixed_term(rows_h, rows_e, corrected, lm_head.to(hidden.dtype),
+                                   self.domino.embed_proj[2].weight.to(hidden.dtype), rows_y, weights, lam,
+                                   objective.chunk_rows)
+        with torch.no_grad():                      # per slot 1..B-1: the corrected argmax, teacher forced
+            labelled = rows_y >= 0
+            stats = {"domino_rows": labelled.reshape(-1, B - 1).sum(0).double(),
+                     "domino_correct": ((pred == rows_y) & labelled).reshape(-1, B - 1).sum(0).double()}
+        return {"domino": term, **stats}
+
+    def stat_slots(self) -> dict:
+        n = self.config.block_size - 1
+        return {"domino_rows": n, "domino_correct": n}
+
+    def window_metrics(self, sums: dict) -> dict:
+        """The proposals Domino serves (the corrected logits' argmax; slot 1 the backbone's alone), teacher
+        forced: ``served_acc`` over slots 1..B-1, ``served_acc_slot_k`` and ``tau_from_served_acc``, the
+        training side of the train/serve gap (the objective's ``acc`` is the uncorrected head's)."""
+        rows, correct = sums["domino_rows"], sums["domino_correct"]
+        acc = [c / max(r, 1) for c, r in zip(correct, rows)]
+        out = {"served_acc": sum(correct) / max(sum(rows), 1), "tau_from_served_acc": L.tau_from_slot_acc(acc)}
+        out.update({f"served_acc_slot_{k}": a for k, a in enumerate(acc, start=1)})
+        return out
 
     def propose(self, hidden: Tensor, lm_head: Tensor, anchor_ids: Optional[Tensor] = None) -> Tensor:
         """The head's sequential greedy decode (``domino.propose``) of the block whose ids were set."""
