@@ -332,6 +332,17 @@ def stage_eval(args, res: dict) -> None:
         say(f"eval {label} {key}: rc {rc} {r[key].get('acceptance_length')}")
 
 
+def train_summary(train: list) -> dict:
+    """From a run's training records: its last step, the last window's training accuracy (of the proposals the
+    variant serves where it logs them: DFlash2's selector, Domino's corrected logits) and the median samples/s of
+    the second half of its windows (past compilation)."""
+    if not train:
+        return {"steps": None, "train_acc": None, "samples_per_s": None}
+    late = sorted(x["samples_per_s"] for x in train[len(train) // 2:])
+    return {"steps": train[-1]["step"], "train_acc": train[-1].get("served_acc", train[-1].get("acc")),
+            "samples_per_s": late[len(late) // 2]}
+
+
 def stage_report(args, res: dict) -> None:
     for label in args.runs:
         run_dir = os.path.join(args.work, "runs", label)
@@ -341,10 +352,7 @@ def stage_report(args, res: dict) -> None:
         recs = read_metrics(run_dir)
         train = [x for x in recs if x.get("kind") == "train"]
         evals = [x for x in recs if x.get("kind") == "eval"]
-        r.update(report_rc=rc, steps=train[-1]["step"] if train else None,
-                 train_acc=train[-1].get("acc") if train else None,
-                 samples_per_s=sorted(x["samples_per_s"] for x in train[len(train) // 2:])[len(train[len(train) // 2:]) // 2]
-                 if train else None)
+        r.update(report_rc=rc, **train_summary(train))
         step = r.get("own_holdout_step")
         evals = [x for x in evals if x.get("step") == step] or evals
         if evals:

@@ -79,3 +79,13 @@ def test_table_says_which_runs_never_trained():
     lines = rm.table(res).splitlines()
     assert lines[2].startswith("| dflash | 800 | not trained | - / - |")
     assert lines[3].startswith("| domino | 800 | 300 |")
+
+
+def test_train_summary_takes_the_served_accuracy_where_the_variant_logs_it():
+    rm = load()
+    recs = [{"step": 10, "acc": 0.1, "samples_per_s": 5.0}, {"step": 20, "acc": 0.2, "samples_per_s": 9.0},
+            {"step": 30, "acc": 0.3, "samples_per_s": 7.0}]
+    assert rm.train_summary(recs) == {"steps": 30, "train_acc": 0.3, "samples_per_s": 9.0}
+    recs[-1]["served_acc"] = 0.4
+    assert rm.train_summary(recs)["train_acc"] == 0.4
+    assert rm.train_summary([]) == {"steps": None, "train_acc": None, "samples_per_s": None}
