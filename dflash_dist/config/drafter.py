@@ -173,7 +173,8 @@ class DrafterDomino:
     lambda_base_start: float = 1.0
     """Weight lambda of the base cross-entropy at step 0: loss = (1 - lambda) CE(corrected) + lambda CE(base)."""
     lambda_base_decay_ratio: float = 0.5
-    """Fraction of ``train.max_steps`` over which lambda decays linearly to 0."""
+    """Fraction of the run's optimizer steps (``train.max_steps``, or what ``train.epochs`` comes to) over which
+    lambda decays linearly to 0."""
 
 
 @dataclass

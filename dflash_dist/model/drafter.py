@@ -332,7 +332,7 @@ class DFlashDrafter(nn.Module):
     def set_context(self, **context: Any) -> None:
         """What a variant's ``loss_terms`` / ``propose`` may read beyond their arguments, set by their caller just
         before: the trainer passes ``group`` (the DrafterBatch), ``embed`` (the target's [V, H]), ``objective``,
-        ``step`` (optimizer steps taken), ``total_steps`` and ``head_topk_ids`` (``LossParts.topk_ids``);
+        ``step`` (optimizer steps taken), ``total_steps`` (the run's optimizer steps in all) and ``head_topk_ids`` (``LossParts.topk_ids``);
         evaluation passes ``block_ids`` and ``embed``."""
         self.context = context
 

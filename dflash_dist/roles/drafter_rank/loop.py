@@ -118,7 +118,7 @@ class DrafterRun:
         self.describe()
         self.run_messages = job.total_messages - job.start_cursor
         self.steps = self.topo.num_steps(self.run_messages)
-        self.total_steps = job.start_step + self.steps
+        self.total_steps = self.trainer.total_steps()
         self.writer = MetricsWriter(job.run_dir, self.cfg.to_dict(), self.cfg.logging.wandb, self.total_steps,
                                     self.topo.is_leader, self.cfg.logging.progress_bar)
         if job.plan_record is not None:  # topology.target_ranks=auto: the measured rates and the split, once

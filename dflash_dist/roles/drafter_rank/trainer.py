@@ -233,13 +233,19 @@ class DrafterTrainer:
                             soft = () if group.soft is None else (group.soft,)  # drafter.loss.kind=kl
                             out.append(self.objective.loss(hidden, self.lm_head, group.labels, *soft))
                     self.model.set_context(group=group, embed=self.embed, objective=self.objective, step=self.step,
-                                           total_steps=self.cfg.train.max_steps,
+                                           total_steps=self.total_steps(),
                                            head_topk_ids=getattr(out[-1], "topk_ids", None))
                     terms = self.model.loss_terms(hidden, group.labels, self.lm_head, block_ids=group.block_ids,
                                                   row_weights=self._row_weights(hidden, group.labels))
                     if terms:  # a variant's own losses, named; a served group's are added once its reply is in
                         out[-1] = (out[-1], terms)
         return out
+
+    def total_steps(self) -> int:
+        """The run's optimizer steps in all, as the loop counts them: train.max_steps, or what the plan of
+        train.epochs comes to (train.max_steps is -1 then)."""
+        job = self.job
+        return job.start_step + self.topo.num_steps(job.total_messages - job.start_cursor)
 
     def _row_weights(self, hidden, labels):
         """The objective's detached weights of the loss rows, for a variant's own terms (None: it has none)."""

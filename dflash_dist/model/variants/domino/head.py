@@ -58,7 +58,8 @@ class DominoSettings:
     """Weight lambda of the base (uncorrected) cross-entropy at step 0; the loss is (1 - lambda) * corrected CE
     + lambda * base CE."""
     lambda_base_decay_ratio: float = 0.5
-    """Fraction of ``train.max_steps`` over which lambda decays linearly to 0 (then stays 0)."""
+    """Fraction of the run's optimizer steps (``train.max_steps``, or what ``train.epochs`` comes to) over which
+    lambda decays linearly to 0 (then stays 0)."""
 
     def __post_init__(self) -> None:
         for key in ("emb_dim", "gru_hidden_dim"):
@@ -257,11 +258,11 @@ def propose(head: DominoHead, hidden: Tensor, anchor_ids: Tensor, head_weight: T
 
 def lambda_base(step: int, total_steps: int, settings: DominoSettings) -> float:
     """The base CE's weight for the step after ``step`` optimizer steps (0 for the first) of ``total_steps``
-    (``train.max_steps``; a resumed run goes on from its step): lambda_base_start * (1 - progress),
+    (the run's optimizer steps in all; a resumed run goes on from its step): lambda_base_start * (1 - progress),
     progress = step / max(1, int(total_steps * decay_ratio)) capped at 1, clamped to [0, 1] (SpecForge's
     ``linear_lambda_base``)."""
     if int(total_steps) <= 0:
-        raise ConfigError(f"train.max_steps={total_steps}: the Domino curriculum needs a step budget > 0")
+        raise ConfigError(f"total_steps={total_steps}: the Domino curriculum needs the run's step count (> 0)")
     decay_steps = max(1, int(total_steps * float(settings.lambda_base_decay_ratio)))
     progress = min(step / decay_steps, 1.0)
     return max(0.0, min(1.0, float(settings.lambda_base_start) * (1.0 - progress)))

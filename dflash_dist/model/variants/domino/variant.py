@@ -6,7 +6,7 @@ objective's base cross-entropy so that the step's loss is SpecForge's mix::
 
     objective:  sum w CE(base)
     term:       (1 - lambda) * sum w (CE(corrected) - CE(base))
-    total:      sum w ((1 - lambda) CE(corrected) + lambda CE(base)),  lambda = lambda_base(step, max_steps)
+    total:      sum w ((1 - lambda) CE(corrected) + lambda CE(base)),  lambda = lambda_base(step, the run's steps)
 
 with ``w`` the objective's own row weights. The GRU reads the sequence's tokens (teacher forcing) and the
 target's embedding, which the trainer hands over through ``set_context``; evaluation hands over the block's ids.
