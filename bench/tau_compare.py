@@ -32,8 +32,9 @@ import time
 
 import _common as C
 
-# statistics of the last full logging window shown when the runs log them (DFlash2's selector, D-PACE's weights)
-WINDOW_KEYS = ("loss", "acc", "acc_unary", "acc_selected", "gold_in_topk", "tau_selector", "selector_ce",
+# statistics of the last full logging window shown when the runs log them (DFlash2's selector, D-PACE's weights,
+# the accuracy of what a variant serves)
+WINDOW_KEYS = ("loss", "acc", "served_acc", "acc_unary", "acc_selected", "gold_in_topk", "tau_selector", "selector_ce",
                "mean_row_weight")
 
 
