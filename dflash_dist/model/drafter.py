@@ -332,8 +332,8 @@ class DFlashDrafter(nn.Module):
     def set_context(self, **context: Any) -> None:
         """What a variant's ``loss_terms`` / ``propose`` may read beyond their arguments, set by their caller just
         before: the trainer passes ``group`` (the DrafterBatch), ``embed`` (the target's [V, H]), ``objective``,
-        ``step`` (optimizer steps taken), ``total_steps`` (the run's optimizer steps in all) and ``head_topk_ids`` (``LossParts.topk_ids``);
-        evaluation passes ``block_ids`` and ``embed``."""
+        ``step`` (optimizer steps taken), ``total_steps`` (the run's optimizer steps in all) and
+        ``head_topk_ids`` (``LossParts.topk_ids``); evaluation passes ``block_ids`` and ``embed``."""
         self.context = context
 
     def loss_terms(self, hidden: Tensor, labels: Tensor, lm_head: Tensor, block_ids: Optional[Tensor] = None,
