@@ -197,7 +197,7 @@ def test_chunked_loss_equals_the_dense_loss_and_its_gradients(chunk):
 def test_lambda_decays_linearly_then_stays_zero():
     s = DominoSettings(lambda_base_start=0.8, lambda_base_decay_ratio=0.5)
     assert [lambda_base(t, 100, s) for t in (0, 25, 50, 90)] == [0.8, pytest.approx(0.4), 0.0, 0.0]
-    with pytest.raises(ConfigError, match="train.max_steps"):
+    with pytest.raises(ConfigError, match="the run.s step count"):
         lambda_base(0, 0, s)
 
 
