@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
-from dflash_dist.config import DrafterConfig, drafter_backend
+from dflash_dist.config import ConfigError, DrafterConfig, drafter_backend
 from dflash_dist.model.drafter import DrafterModelConfig
 
 __all__ = ["LossSpec", "DrafterSpec", "resolve_drafter"]
@@ -115,6 +115,13 @@ def resolve_drafter(dc: DrafterConfig, hf_config: Any, num_feature_layers: int, 
                       compiled=flex if t.compile_loss is None else bool(t.compile_loss),
                       labels=str(dc.loss.labels), kind=str(dc.loss.kind), kl_top_k=int(dc.loss.kl_top_k),
                       weighting=str(dc.loss.weighting), dpace_alpha=float(dc.loss.dpace_alpha)))
-    spec.variant_impl()   # an unknown variant or objective is refused here, before any model loads
-    spec.make_objective()
+    variant = spec.variant_impl()   # an unknown variant or objective is refused here, before any model loads
+    objective = spec.make_objective()
+    terms = variant.model_class.loss_term_names
+    if terms and objective.weights_served and t.loss_on_target:
+        # a served group's weights arrive with its reply, after the variant's terms were weighted
+        raise ConfigError(f"drafter.variant={dc.variant} weights its own loss ({', '.join(terms)}) like the "
+                          f"objective's rows, but {objective.describe()} computes those weights on the target with "
+                          "drafter.tuning.loss_on_target: remove drafter.tuning.loss_on_target=true or use "
+                          "drafter.loss.weighting=decay")
     return spec

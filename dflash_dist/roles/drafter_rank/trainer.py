@@ -236,7 +236,7 @@ class DrafterTrainer:
                                            total_steps=self.total_steps(),
                                            head_topk_ids=getattr(out[-1], "topk_ids", None))
                     terms = self.model.loss_terms(hidden, group.labels, self.lm_head, block_ids=group.block_ids,
-                                                  row_weights=self._row_weights(hidden, group.labels))
+                                                  row_weights=self._row_weights(hidden, group.labels, out[-1]))
                     if terms:  # a variant's own losses, named; a served group's are added once its reply is in
                         out[-1] = (out[-1], terms)
         return out
@@ -247,10 +247,13 @@ class DrafterTrainer:
         job = self.job
         return job.start_step + self.topo.num_steps(job.total_messages - job.start_cursor)
 
-    def _row_weights(self, hidden, labels):
-        """The objective's detached weights of the loss rows, for a variant's own terms (None: it has none)."""
+    def _row_weights(self, hidden, labels, parts):
+        """The objective's detached weights of the loss rows, for a variant's own terms (None: it has none): those
+        its loss used (D-PACE's depend on it), or ``rows``' for a group served on a target (known in advance)."""
         if not self._loss_term_names():
             return None
+        if isinstance(parts, LossParts) and parts.row_weights is not None:
+            return parts.row_weights
         return self.objective.rows(hidden.detach(), labels)[2].detach()
 
     def _loss_term_names(self) -> list:

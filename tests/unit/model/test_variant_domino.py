@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from test_spec import TARGET
 
-from dflash_dist.config import DrafterConfig, DrafterDomino, JobConfig
+from dflash_dist.config import ConfigError, DrafterConfig, DrafterDomino, JobConfig
 from dflash_dist.eval.spec_decode import make_dflash_draft_fn
 from dflash_dist.model.variants.domino import head as D
 from dflash_dist.model.blocks import make_batch
@@ -92,6 +92,31 @@ def test_objective_plus_term_is_specforges_mixed_loss(step):
             torch.testing.assert_close(a, b)
     g_gru = g_got[names.index("domino.prefix_gru.weight_hh_l0")]
     assert bool(g_gru.abs().sum() > 0) == (lam < 1.0)              # the correction trains once lambda < 1
+
+
+def test_the_term_takes_the_objectives_d_pace_weights():
+    """With drafter.loss.weighting=dpace the mix is SpecForge's with D-PACE's row weights (those of the group's own
+    loss, handed over as row_weights), not the slot weights; D-PACE served on a target is refused."""
+    torch.manual_seed(0)
+    dc = DrafterConfig(num_layers=2, block_size=B, variant="domino", domino=DrafterDomino(emb_dim=8, gru_hidden_dim=6))
+    dc.loss.weighting = "dpace"
+    spec = resolve_drafter(dc, TARGET, 3, "cpu")
+    model, objective = spec.build_model(), spec.make_objective()
+    embed, head = torch.randn(V, H), torch.randn(V, H) * 0.3
+    batch, _, _ = _batch()
+    hidden = _hidden(model, batch, embed)
+    model.set_context(group=batch, embed=embed, objective=objective, step=3, total_steps=10)
+    parts = objective.loss(hidden, head, batch.labels)
+    term = model.loss_terms(hidden, batch.labels, head, row_weights=parts.row_weights)["domino"]
+    feats = model.domino.features(hidden, F.embedding(batch.block_tokens, embed), B)
+    rh, re, corr, y, _ = D.domino_rows(hidden, feats, batch.labels, batch.labels, B, 2)
+    want = D.domino_loss(rh, re, corr, head, model.domino.embed_proj[2].weight, y, parts.row_weights, 0.4, 7)
+    torch.testing.assert_close(parts.loss_sum + term, want.loss_sum)
+    decay = objective.rows(hidden, batch.labels)[2]
+    assert not torch.allclose(parts.row_weights, decay)        # the two weightings differ on this batch
+    dc.tuning.loss_on_target = True
+    with pytest.raises(ConfigError, match="loss_on_target.*weighting=decay"):
+        resolve_drafter(dc, TARGET, 3, "cpu")
 
 
 def test_served_accuracy_is_the_corrected_argmax_per_slot():

@@ -90,7 +90,8 @@ class DominoDrafter(DFlashDrafter):
         feats = self.domino.features(hidden, tokens, B)
         rows_h, rows_e, corrected, rows_y, _ = D.domino_rows(hidden, feats, labels, labels, B,
                                                               self.settings.suffix_start)
-        _, _, weights = objective.rows(hidden, labels)               # the objective's own row weights
+        # the weights the objective's loss used (D-PACE's depend on it); without them its slot weights
+        weights = objective.rows(hidden, labels)[2] if row_weights is None else row_weights
         term, _, pred = mixed_term(rows_h, rows_e, corrected, lm_head.to(hidden.dtype),
                                    self.domino.embed_proj[2].weight.to(hidden.dtype), rows_y, weights, lam,
                                    objective.chunk_rows)
