@@ -118,13 +118,15 @@ def test_tiny_domino_trains_evaluates_and_exports(tmp_path):
 
 def test_tiny_domino_trains_by_epochs(tmp_path):
     """With train.max_steps=-1 (the default: train.epochs) the curriculum decays lambda over the steps the plan of
-    the epochs comes to: the run trains to its end (it stopped at the first step when it read train.max_steps)."""
+    the epochs comes to: the run trains to its end (it stopped at the first step when it read train.max_steps).
+    With D-PACE weights, which the Domino term takes from the group's loss (tests/unit/model/test_variant_domino)."""
     run = tmp_path / "run"
     r = torchrun(2, ["-m", "dflash_dist.train", f"train.output_dir={run}", "drafter=tiny_domino", "train.epochs=1",
-                     "data.source=synthetic:40:64", "train.eval_prompts=0", "logging.log_every=1",
+                     "drafter.loss.weighting=dpace", "data.source=synthetic:40:64", "train.eval_prompts=0", "logging.log_every=1",
                      "logging.progress_bar=false", "logging.wandb.mode=disabled"], timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     rows = [json.loads(x) for x in open(run / "metrics.jsonl")]
     train = [x for x in rows if "loss_domino" in x]
     done = [x for x in rows if x.get("kind") == "accounting"][-1]
     assert done["samples_trained"] == 64 and train[-1]["step"] == done["step"] > 1, (train[-1:], done)
+    assert all(0.0 < x["dpace_q"] <= 1.0 and "dpace_weight_slot_15" in x for x in train), train[-1]
