@@ -44,7 +44,7 @@ def _term_chunk(h: Tensor, e: Tensor, corrected: Tensor, head_weight: Tensor, pr
     the two [rows, V] fp32 logits (the one-hots of the two CEs cancel in d term / d base)."""
     m = corrected.to(torch.float32)[:, None]
     base = (h @ head_weight.t()).float()
-    final = base + (e @ proj_weight.t()).float() * m
+    final = (e @ proj_weight.t()).float().mul_(m).add_(base)
     y_col = y.clamp_min(0)[:, None]
     lse_f, lse_b = torch.logsumexp(final, -1, keepdim=True), torch.logsumexp(base, -1, keepdim=True)
     ce_f = ((lse_f - final.gather(1, y_col))[:, 0] * w).sum()
