@@ -203,9 +203,20 @@ def stage_train(args, res: dict) -> None:
     res["train_wall_s"] = round(time.monotonic() - t0, 1)
     res.setdefault("runs", {})
     for i, (label, (rc, s)) in enumerate(zip(args.runs, out)):
+        # what the run's own records say, so the table is right before the report stage runs
+        train = [x for x in read_metrics(os.path.join(args.work, "runs", label)) if x.get("kind") == "train"]
         res["runs"][label] = {"train_rc": rc, "train_s": round(s, 1), "retried_alone": i in retry,
-                              "command": "dflash-train " + " ".join(train_overrides(args, label))}
+                              "data_rows": count_rows(data_file(args, RUNS[label][0])),
+                              "command": "dflash-train " + " ".join(train_overrides(args, label)),
+                              **train_summary(train)}
         say(f"trained {label}: rc {rc} in {s:.0f} s" if rc is not None else f"{label}: not started (stopped)")
+
+
+def count_rows(path: str) -> int | None:
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return sum(1 for line in f if line.strip())
 
 
 def parallel_then_alone(jobs: list, n: int) -> tuple[list, list]:
@@ -382,9 +393,9 @@ def table(res: dict) -> str:
         pos = (ev.get("mtbench") or {}).get("per_position_acceptance") or []
         it = r.get("in_training_eval") or {}
         size = RUNS.get(label, ("?",))[0]
-        n = rows.get("small_rows") if size == "small" else rows.get("rows_written")
+        n = r.get("data_rows") or (rows.get("small_rows") if size == "small" else rows.get("rows_written"))
         steps = "not trained" if r.get("steps") is None else r["steps"]
-        lines.append(f"| {label} | {n} | {steps} | {cell('humaneval')} | {cell('mtbench')} | "
+        lines.append(f"| {label} | {'-' if n is None else n} | {steps} | {cell('humaneval')} | {cell('mtbench')} | "
                      f"{cell('holdout')} | {' '.join(fmt(x) for x in pos[:4])} | {fmt(r.get('train_acc'), 3)} | "
                      f"{fmt(it.get('acceptance_length'), 4)} | {fmt((ev.get('own_holdout') or {}).get('acceptance_length'), 4)} |")
     fp8 = (res.get("runs", {}).get("dflash") or {}).get("evals", {})

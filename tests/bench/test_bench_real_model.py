@@ -89,3 +89,28 @@ def test_train_summary_takes_the_served_accuracy_where_the_variant_logs_it():
     recs[-1]["served_acc"] = 0.4
     assert rm.train_summary(recs)["train_acc"] == 0.4
     assert rm.train_summary([]) == {"steps": None, "train_acc": None, "samples_per_s": None}
+
+
+def test_a_trained_run_shows_its_steps_and_rows_before_the_report_stage(tmp_path, monkeypatch):
+    """The data may be carried from an earlier regeneration (no ``regen`` record) and the report stage may not have
+    run yet: the table reads the run's own metrics and data file, not "not trained"."""
+    import argparse
+    import json
+
+    rm = load()
+    (tmp_path / "regen_large.jsonl").write_text('{"messages": []}\n' * 5 + "\n")
+    run_dir = tmp_path / "runs" / "dpace"
+    run_dir.mkdir(parents=True)
+    recs = [{"kind": "train", "step": 50, "acc": 0.2, "samples_per_s": 30.0},
+            {"kind": "train", "step": 100, "acc": 0.25, "samples_per_s": 40.0}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    monkeypatch.setattr(rm, "parallel_then_alone", lambda jobs, n: ([(0, 12.0), (124, 3.0)], []))
+    args = argparse.Namespace(runs=["dpace", "domino"], work=str(tmp_path), out=str(tmp_path), real=str(tmp_path),
+                              train_timeout=10, parallel=2, extra=[], eval_prompts=16, batch_tokens=4096, steps=100,
+                              eval_batch=16, log_every=50)
+    res = {}
+    rm.stage_train(args, res)
+    assert res["runs"]["dpace"]["steps"] == 100 and res["runs"]["dpace"]["data_rows"] == 5
+    lines = rm.table(res).splitlines()
+    assert lines[2].startswith("| dpace | 5 | 100 | - / - |") and "| 0.250 |" in lines[2]
+    assert lines[3].startswith("| domino | 5 | not trained |")
