@@ -204,7 +204,7 @@ def stage_train(args, res: dict) -> None:
     res.setdefault("runs", {})
     for i, (label, (rc, s)) in enumerate(zip(args.runs, out)):
         # what the run's own records say, so the table is right before the report stage runs
-        train = [x for x in read_metrics(os.path.join(args.work, "runs", label)) if x.get("kind") == "train"]
+        train = train_records(read_metrics(os.path.join(args.work, "runs", label)))
         res["runs"][label] = {"train_rc": rc, "train_s": round(s, 1), "retried_alone": i in retry,
                               "data_rows": count_rows(data_file(args, RUNS[label][0])),
                               "command": "dflash-train " + " ".join(train_overrides(args, label)),
@@ -344,6 +344,10 @@ def stage_eval(args, res: dict) -> None:
         say(f"eval {label} {key}: rc {rc} {r[key].get('acceptance_length')}")
 
 
+def train_records(recs: list) -> list:
+    return [x for x in recs if x.get("kind") == "train"]
+
+
 def train_summary(train: list) -> dict:
     """From a run's training records: its last step, the last window's training accuracy (of the proposals the
     variant serves where it logs them: DFlash2's selector, Domino's corrected logits) and the median samples/s of
@@ -362,7 +366,7 @@ def stage_report(args, res: dict) -> None:
         rc, _ = run(PY + ["dflash_dist.cli.report", run_dir, "--out", os.path.join(args.out, "report", label)],
                     os.path.join(args.out, f"report-{label}.log"), 300)
         recs = read_metrics(run_dir)
-        train = [x for x in recs if x.get("kind") == "train"]
+        train = train_records(recs)
         evals = [x for x in recs if x.get("kind") == "eval"]
         r.update(report_rc=rc, **train_summary(train))
         step = r.get("own_holdout_step")
@@ -395,9 +399,11 @@ def table(res: dict) -> str:
         size = RUNS.get(label, ("?",))[0]
         n = r.get("data_rows") or (rows.get("small_rows") if size == "small" else rows.get("rows_written"))
         steps = "not trained" if r.get("steps") is None else r["steps"]
-        lines.append(f"| {label} | {'-' if n is None else n} | {steps} | {cell('humaneval')} | {cell('mtbench')} | "
+        n = "-" if n is None else n
+        lines.append(f"| {label} | {n} | {steps} | {cell('humaneval')} | {cell('mtbench')} | "
                      f"{cell('holdout')} | {' '.join(fmt(x) for x in pos[:4])} | {fmt(r.get('train_acc'), 3)} | "
-                     f"{fmt(it.get('acceptance_length'), 4)} | {fmt((ev.get('own_holdout') or {}).get('acceptance_length'), 4)} |")
+                     f"{fmt(it.get('acceptance_length'), 4)} | "
+                     f"{fmt((ev.get('own_holdout') or {}).get('acceptance_length'), 4)} |")
     fp8 = (res.get("runs", {}).get("dflash") or {}).get("evals", {})
     if any(k.endswith("_on_fp8") for k in fp8):
         lines.append("")
