@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the helpers package
 import helpers.standalone_drafter as S  # noqa: E402
+from helpers.worker_exit import finish  # noqa: E402
 
 from dflash_dist.comm.topology import Topology  # noqa: E402
 
@@ -71,8 +72,7 @@ def main():
     dist.all_gather_object(fps, out["fsdp"]["fingerprint"])
     if rank == 0:
         torch.save(fps, os.path.join(args.out, f"world{world}_fingerprints.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish()  # helpers/worker_exit.py: no interpreter finalization racing gloo's threads
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the helpers package
 import helpers.standalone_drafter as S  # noqa: E402
+from helpers.worker_exit import finish  # noqa: E402
 
 from dflash_dist.comm.topology import Topology  # noqa: E402
 
@@ -41,8 +42,7 @@ def main():
         json.dump({"rank": rank, "dry_steps": len(trainer.precompile_plan), "seconds": took,
                    "checksum": checksum, "grads_left": any(p.grad is not None for p in trainer.model.parameters())},
                   f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish()  # helpers/worker_exit.py: no interpreter finalization racing gloo's threads
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the helpers package
 import helpers.standalone_drafter as S  # noqa: E402
+from helpers.worker_exit import finish  # noqa: E402
 
 from dflash_dist.comm.topology import Topology  # noqa: E402
 from dflash_dist.roles.drafter_rank import trainer as trainer_mod  # noqa: E402
@@ -83,8 +84,7 @@ def main():
     for name in PER_RANK:
         out[f"{name}-per-rank"] = train(args, rank, world, name, True)
     torch.save(out, os.path.join(args.out, f"world{world}_rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish()  # helpers/worker_exit.py: no interpreter finalization racing gloo's threads
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from dflash_dist.config import TargetConfig
 from dflash_dist.targets.hf import build_target_model, build_target_replica, local_parameter_bytes, resolve_source
 from dflash_dist.targets.quant import FP8Linear
 from dflash_dist.roles.target_rank.capture import FeatureCapture
+from helpers.worker_exit import finish  # noqa: E402
 
 TINY = {"model_type": "qwen3", "vocab_size": 2048, "hidden_size": 128, "intermediate_size": 384,
         "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
@@ -98,8 +99,7 @@ def main():
     rep["ranks_agree"] = other[0] == other[1]
     with open(f"{args.out}.rank{rank}.json", "w") as f:
         json.dump(rep, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish()  # helpers/worker_exit.py: no interpreter finalization racing gloo's threads
 
 
 if __name__ == "__main__":

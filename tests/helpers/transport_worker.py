@@ -9,10 +9,14 @@ Each rank writes a JSON report with what it saw.
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the helpers package
+from helpers.worker_exit import finish  # noqa: E402
 
 from dflash_dist.comm.topology import Topology
 from dflash_dist.comm.transport import Channel, EndOfStream, Message, Receiver, Sender, posted_key
@@ -102,8 +106,7 @@ def main():
     report["seconds"] = time.time() - t0
     with open(os.path.join(args.out, f"rank{topo.rank}.json"), "w") as f:
         json.dump(report, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish()  # helpers/worker_exit.py: no interpreter finalization racing gloo's threads
 
 
 if __name__ == "__main__":
