@@ -123,8 +123,7 @@ def test_tiny_domino_trains_by_epochs(tmp_path):
     run = tmp_path / "run"
     r = torchrun(2, ["-m", "dflash_dist.train", f"train.output_dir={run}", "drafter=tiny_domino", "train.epochs=1",
                      "drafter.loss.weighting=dpace", "data.source=synthetic:40:64", "train.eval_prompts=0",
-                     "logging.log_every=1",
-                     "logging.progress_bar=false", "logging.wandb.mode=disabled"], timeout=300)
+                     "logging.log_every=1", "logging.progress_bar=false", "logging.wandb.mode=disabled"], timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     rows = [json.loads(x) for x in open(run / "metrics.jsonl")]
     train = [x for x in rows if "loss_domino" in x]
