@@ -53,6 +53,7 @@ RUNS = {
     "dflash2": ("large", ["drafter=dflash2"]),
     "domino": ("large", ["drafter=domino"]),
     "dpace": ("large", ["drafter=dflash", "drafter.loss.weighting=dpace"]),
+    "dpace_small": ("small", ["drafter=dflash", "drafter.loss.weighting=dpace"]),
     "domino_dpace": ("large", ["drafter=domino", "drafter.loss.weighting=dpace"]),
     "labels_target": ("large", ["drafter=dflash", "drafter.loss.labels=target"]),
     "kl": ("large", ["drafter=dflash", "drafter.loss.labels=target", "drafter.loss.kind=kl"]),
