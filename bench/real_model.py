@@ -445,7 +445,7 @@ def main() -> int:
     ap.add_argument("--lossless", default="dflash", help="runs whose evaluations check losslessness")
     ap.add_argument("--on-fp8", default="dflash", help="runs whose drafter is also evaluated against the FP8 target")
     ap.add_argument("--extra", default="", help="overrides added to every run (space separated)")
-    # colocated jobs on this target held 10-35 GiB each of an 80 GB H100 (8 at once, and 5 at once, ran out of it)
+    # colocated jobs on this target held 10-35 GiB each of an 80 GB H100 (8, 5, and 3 with Domino, at once ran out)
     ap.add_argument("--parallel", type=int, default=2, help="training jobs at a time (sharing the device)")
     ap.add_argument("--eval-parallel", type=int, default=6)
     ap.add_argument("--eval-batch", type=int, default=1, help="prompts decoded together by every evaluation: "
