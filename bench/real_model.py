@@ -423,6 +423,17 @@ def environment() -> dict:
     return env
 
 
+DEVICE_STAGES = ("speed", "regen", "train", "eval")
+
+
+def record_environment(res: dict, stage: str, env: dict) -> None:
+    """Each stage's machine, and as ``environment`` the one its figures were measured on: a stage rerun elsewhere
+    (the report's plots on a laptop) must not relabel a GPU run's results."""
+    res.setdefault("stage_environment", {})[stage] = env
+    if stage in DEVICE_STAGES or "environment" not in res:
+        res["environment"] = env
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/real_model"), help="logs, table, reports")
@@ -464,7 +475,7 @@ def main() -> int:
     os.makedirs(args.work, exist_ok=True)
     path = os.path.join(args.out, "real_model.json")
     res = json.load(open(path)) if os.path.exists(path) else {}
-    res["environment"] = environment()
+    env = environment()
     signal.signal(signal.SIGTERM, Stop.on_signal)
     stages = [s for s in args.stages.split(",") if s]
     for k, stage in enumerate(stages):
@@ -475,6 +486,7 @@ def main() -> int:
         say(f"stage {stage}")
         {"fetch": stage_fetch, "speed": stage_speed, "regen": stage_regen, "train": stage_train,
          "eval": stage_eval, "report": stage_report}[stage](args, res)
+        record_environment(res, stage, env)
         res.setdefault("stage_seconds", {})[stage] = round(time.monotonic() - t0, 1)
         with open(path, "w") as f:
             json.dump(res, f, indent=1, default=str)

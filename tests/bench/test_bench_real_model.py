@@ -114,3 +114,17 @@ def test_a_trained_run_shows_its_steps_and_rows_before_the_report_stage(tmp_path
     lines = rm.table(res).splitlines()
     assert lines[2].startswith("| dpace | 5 | 100 | - / - |") and "| 0.250 |" in lines[2]
     assert lines[3].startswith("| domino | 5 | not trained |")
+
+
+def test_a_stage_rerun_on_another_machine_keeps_the_environment_of_the_measured_stages():
+    rm = load()
+    gpu = {"torch": "2.11.0+cu130", "gpu": "NVIDIA H100 80GB HBM3"}
+    cpu = {"torch": "2.13.0+cpu"}
+    res = {}
+    rm.record_environment(res, "fetch", cpu)
+    assert res["environment"] == cpu
+    for stage in ("regen", "train", "eval"):
+        rm.record_environment(res, stage, gpu)
+    rm.record_environment(res, "report", cpu)
+    assert res["environment"] == gpu
+    assert res["stage_environment"] == {"fetch": cpu, "regen": gpu, "train": gpu, "eval": gpu, "report": cpu}
