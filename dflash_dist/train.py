@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from dflash_dist.checkpoint.claim import release_claims
 from dflash_dist.checkpoint.store import CheckpointError
-from dflash_dist.comm.lifecycle import STOPPED_AT_ONCE, Lifecycle
+from dflash_dist.comm.lifecycle import DIVERGED, STOPPED_AT_ONCE, Lifecycle, exit_code_for
 from dflash_dist.config import ConfigError, JobConfig
 from dflash_dist.data.conversations import DataError
 from dflash_dist.job import setup
@@ -30,7 +30,6 @@ from dflash_dist.role_jobs import role_view
 log = logging.getLogger("dflash_dist")
 
 
-DIVERGED = "TrainingDiverged"  # roles/drafter_rank/trainer.TrainingDiverged, by name: a target rank never imports the drafter
 KEY_USAGE_ERROR = "dflash/usage_error"
 KEY_USAGE_ERROR_RANKS = "dflash/usage_error_ranks"
 _ROLES_RUNNING = False  # set once setup is done: a later ConfigError is one rank's, the others do not wait for it
@@ -78,13 +77,12 @@ def run(cfg: JobConfig) -> int:
             stop_at_once(job.life)  # a peer's second signal, posted after this rank's wait broke
         if root is not None and not root.startswith(f"rank {topo.rank} "):
             # a secondary error (a broken wait on a dead or failed peer): report the root cause once
-            if f"failed: {DIVERGED}: " in root:  # said once by the drafters' leader
+            if exit_code_for(root) == 3:  # said once by the drafters' leader
                 diverged_exit(job.life, None)
             log.error("stopping without a checkpoint because %s (here: %s: %s)", root, type(e).__name__,
                       (str(e).splitlines() or [""])[0][:200])
             release_claims()
-            # a save that failed (disk, quota) is the user's to fix, like a setting: the whole job exits 2
-            os._exit(2 if any(f"failed: {n}: " in root for n in ("CheckpointSaveError", "StorageError")) else 1)
+            os._exit(exit_code_for(root))
         job.life.report_failure(f"rank {topo.rank} ({topo.role}) failed: {type(e).__name__}: {e}")
         raise
     dist.barrier(group=job.dist.ctrl)

@@ -29,6 +29,18 @@ KEY_STOP_AT = "dflash/stop_at"
 KEY_FAILED = "dflash/failed"
 KEY_WHO = "dflash/who/"  # + rank: "host pid role"
 STOPPED_AT_ONCE = "stopped at once on a second signal"  # a second Ctrl-C: posted under KEY_FAILED, not a crash
+DIVERGED = "TrainingDiverged"  # roles/drafter_rank/trainer.TrainingDiverged, by name: a target never imports it
+
+
+def exit_code_for(root: str) -> int:
+    """The exit code of a rank that stops because another failed with ``root``: the job's code for that cause, so
+    that the launcher reads one code from every rank however they raced: 3 when training diverged, 2 when a save
+    failed (disk, quota: the user's to fix, like a setting), else 1."""
+    if f"failed: {DIVERGED}: " in root:
+        return 3
+    if any(f"failed: {n}: " in root for n in ("CheckpointSaveError", "StorageError")):
+        return 2
+    return 1
 
 
 class PeerFailure(RuntimeError):
@@ -91,10 +103,13 @@ class Lifecycle:
         dead = self.dead_peers()
         failure = self.failure()
         if dead or failure:
-            log.error("stopping without a checkpoint because %s", failure or (", ".join(dead) + " died"))
+            root = failure or (", ".join(dead) + " died")
+            code = exit_code_for(root)
+            if code != 3:  # a divergence is said once, by the drafters' leader
+                log.error("stopping without a checkpoint because %s", root)
             from dflash_dist.checkpoint.claim import release_claims
             release_claims()
-            os._exit(1)
+            os._exit(code)
         self.signal_name = signal.Signals(signum).name
         log.warning("received %s: finishing the current step, then checkpoint and exit", self.signal_name)
 
